@@ -1,0 +1,1 @@
+"""Experiments: one sub-package per experiment; each registers its flavors on import."""

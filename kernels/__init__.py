@@ -1,0 +1,1 @@
+"""Triton kernels for MoE expert compute, each with a plain-torch reference."""
