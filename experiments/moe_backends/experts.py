@@ -1,0 +1,185 @@
+"""Routed experts with a switchable compute backend.
+
+Every backend computes the SwiGLU expert block over rows already grouped by
+expert (contiguous segments in expert order, the contract of torchtitan's
+``GroupedExperts.forward``)::
+
+    out_RD[r] = (silu(x_RD[r] @ w1_EFD[e].T) * (x_RD[r] @ w3_EFD[e].T)) @ w2_EDF[e].T
+
+where ``e`` is the expert owning row ``r``. Computation happens in the dtype of
+``x_RD``: parameters of another dtype (fp32 parameters with bf16 activations, as
+under FSDP mixed precision) are cast to it, and their gradients flow back in
+their own dtype. The output has the dtype of ``x_RD``.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from torchtitan.models.common.moe import GroupedExperts
+
+ComputeBackend = Literal["grouped_mm", "for_loop", "batched_mm_padded"]
+COMPUTE_BACKENDS: tuple[str, ...] = get_args(ComputeBackend)
+
+ExpertCompute = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    torch.Tensor,
+]
+
+
+def _contiguous_grad(y: torch.Tensor) -> torch.Tensor:
+    """Make the incoming gradient of ``y`` contiguous (grouped_mm's backward needs strides)."""
+    if y.requires_grad:
+        y.register_hook(lambda grad: grad.contiguous())
+    return y
+
+
+def _pad_to_multiple(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    """Zero-pad ``t`` along ``dim`` up to a multiple of ``multiple`` (differentiable)."""
+    excess = t.shape[dim] % multiple
+    if excess == 0:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, multiple - excess]
+    return F.pad(t, pad)
+
+
+def grouped_mm_experts(
+    x_RD: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    num_tokens_per_expert_E: torch.Tensor,
+) -> torch.Tensor:
+    """Three ``torch._grouped_mm`` calls over expert offsets; no host sync.
+
+    ``_grouped_mm`` needs 16-byte aligned row strides, so D and F are zero-padded
+    when they are not aligned (zeros change no result) and the output is cut back.
+    """
+    dtype = x_RD.dtype
+    dim = x_RD.shape[1]
+    align = max(1, 16 // x_RD.element_size())
+    offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+
+    def grouped(a_RK: torch.Tensor, w_ENK: torch.Tensor) -> torch.Tensor:
+        w_ENK = _pad_to_multiple(_pad_to_multiple(w_ENK.to(dtype), 1, align), 2, align)
+        return _contiguous_grad(
+            torch._grouped_mm(a_RK, w_ENK.transpose(-2, -1), offs=offsets_E)
+        )
+
+    x_RD = _pad_to_multiple(x_RD, 1, align)
+    h_RF = F.silu(grouped(x_RD, w1_EFD)) * grouped(x_RD, w3_EFD)
+    return grouped(h_RF, w2_EDF)[:, :dim]
+
+
+def for_loop_experts(
+    x_RD: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    num_tokens_per_expert_E: torch.Tensor,
+) -> torch.Tensor:
+    """One matmul chain per expert: the reference, and the fallback on any device.
+
+    Reads the token counts on the host (one sync).
+    """
+    dtype = x_RD.dtype
+    counts = num_tokens_per_expert_E.tolist()
+    outputs = []
+    for expert, x_expert in enumerate(torch.split(x_RD, counts, dim=0)):
+        h = F.silu(x_expert @ w1_EFD[expert].to(dtype).T) * (
+            x_expert @ w3_EFD[expert].to(dtype).T
+        )
+        outputs.append(h @ w2_EDF[expert].to(dtype).T)
+    if not outputs:
+        return x_RD.new_zeros(x_RD.shape)
+    return torch.cat(outputs, dim=0)
+
+
+def batched_mm_padded_experts(
+    x_RD: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    num_tokens_per_expert_E: torch.Tensor,
+) -> torch.Tensor:
+    """Pad every expert's rows to the largest expert, three ``bmm``s, gather back.
+
+    One host sync (the largest count sizes the padded buffer). Padding rows are
+    zeros, contribute nothing to the weight gradients and are never gathered back.
+    """
+    dtype = x_RD.dtype
+    num_experts = num_tokens_per_expert_E.shape[0]
+    num_rows = x_RD.shape[0]
+    max_rows_per_expert = int(num_tokens_per_expert_E.max()) if num_experts else 0
+    counts_E = num_tokens_per_expert_E.to(torch.int64)
+    starts_E = torch.cumsum(counts_E, dim=0) - counts_E
+    expert_R = torch.repeat_interleave(
+        torch.arange(num_experts, device=x_RD.device), counts_E, output_size=num_rows
+    )
+    slot_R = torch.arange(num_rows, device=x_RD.device) - starts_E[expert_R]
+
+    padded_EMD = x_RD.new_zeros(num_experts, max_rows_per_expert, x_RD.shape[1])
+    padded_EMD = padded_EMD.index_put((expert_R, slot_R), x_RD)
+    h_EMF = F.silu(torch.bmm(padded_EMD, w1_EFD.to(dtype).transpose(1, 2))) * torch.bmm(
+        padded_EMD, w3_EFD.to(dtype).transpose(1, 2)
+    )
+    out_EMD = torch.bmm(h_EMF, w2_EDF.to(dtype).transpose(1, 2))
+    return out_EMD[expert_R, slot_R]
+
+
+EXPERT_BACKENDS: dict[str, ExpertCompute] = {
+    "grouped_mm": grouped_mm_experts,
+    "for_loop": for_loop_experts,
+    "batched_mm_padded": batched_mm_padded_experts,
+}
+assert tuple(EXPERT_BACKENDS) == COMPUTE_BACKENDS
+
+
+def validate_compute_backend(name: str) -> str:
+    """Return ``name`` if it is a known backend, else raise listing the valid ones."""
+    if name not in EXPERT_BACKENDS:
+        raise ValueError(
+            f"unknown compute_backend {name!r}; valid backends: "
+            + ", ".join(COMPUTE_BACKENDS)
+        )
+    return name
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+class BackendGroupedExperts(GroupedExperts):
+    """torchtitan's ``GroupedExperts`` with the expert computation chosen by name."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        compute_backend: ComputeBackend = "grouped_mm"
+        """How the expert block is computed; see ``COMPUTE_BACKENDS``."""
+
+        def __post_init__(self):
+            validate_compute_backend(self.compute_backend)
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.compute_backend = config.compute_backend
+        self._compute = EXPERT_BACKENDS[config.compute_backend]
+
+    def forward(
+        self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor
+    ) -> torch.Tensor:
+        """``x_RD`` grouped by expert, ``num_tokens_per_expert_E`` its segment sizes -> ``(R, D)``."""
+        return self._compute(
+            x_RD,
+            _local(self.w1_EFD),
+            _local(self.w2_EDF),
+            _local(self.w3_EFD),
+            num_tokens_per_expert_E,
+        )
+
+    def extra_repr(self) -> str:
+        return f"compute_backend={self.compute_backend}"

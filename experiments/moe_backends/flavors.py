@@ -1,0 +1,142 @@
+"""Flavors of the MoE backends experiment.
+
+Tiny flavors (one per compute backend) train in well under a second per step on
+two CPU cores; full-size flavors carry the dimensions of public MoE models for GPU
+users. Every flavor trains on the shipped offline corpus and tokenizer by default.
+"""
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import SelectiveAC
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3_registry
+from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.trainer import Trainer
+
+from torchtitan_ext.data import TINY_STORIES, TOKENIZER_DIR
+from torchtitan_ext.registry import register_flavor
+
+from .experts import COMPUTE_BACKENDS, ComputeBackend
+from .model import MoEShape, qwen3_style_moe, use_backend_experts
+
+TINY_SHAPE = MoEShape(
+    vocab_size=640,
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    moe_hidden_dim=96,
+    num_experts=8,
+    top_k=2,
+    max_seq_len=512,
+)
+
+# Public model dimensions (every layer MoE; attention as Qwen3 GQA blocks).
+QWEN3_30B_A3B = MoEShape(
+    vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+    moe_hidden_dim=768, num_experts=128, top_k=8, max_seq_len=40960,
+)
+MIXTRAL_8X7B = MoEShape(
+    vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+    moe_hidden_dim=14336, num_experts=8, top_k=2, max_seq_len=32768, norm_eps=1e-5,
+)
+OLMOE_1B_7B = MoEShape(
+    vocab_size=50304, dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, head_dim=128,
+    moe_hidden_dim=1024, num_experts=64, top_k=8, route_norm=False, rope_theta=10000.0,
+    max_seq_len=4096, norm_eps=1e-5,
+)
+
+
+def moe_trainer_config(
+    model_spec: ModelSpec,
+    *,
+    local_batch_size: int,
+    seq_len: int,
+    steps: int,
+    lr: float,
+    warmup_steps: int,
+    log_freq: int,
+    expert_parallel_degree: int = 1,
+) -> Trainer.Config:
+    """A complete ``Trainer.Config`` around ``model_spec`` on the shipped corpus."""
+    return Trainer.Config(
+        model_spec=model_spec,
+        hf_assets_path=str(TOKENIZER_DIR),
+        loss=ChunkedLossWrapper.Config(
+            loss_fn=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size)
+        ),
+        metrics=MetricsProcessor.Config(log_freq=log_freq),
+        dataloader=HuggingFaceTextDataLoader.Config(dataset=TINY_STORIES),
+        optimizer=default_adamw(lr=lr),
+        lr_scheduler=LRSchedulersContainer.Config(
+            warmup_steps=warmup_steps, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.1
+        ),
+        training=TrainingConfig(local_batch_size=local_batch_size, seq_len=seq_len, steps=steps),
+        parallelism=ParallelismConfig(expert_parallel_degree=expert_parallel_degree),
+        checkpoint=CheckpointManager.Config(interval=500, last_save_model_only=False),
+        activation_checkpoint=SelectiveAC.Config(),
+    )
+
+
+def tiny_moe(compute_backend: ComputeBackend) -> Trainer.Config:
+    return moe_trainer_config(
+        qwen3_style_moe(f"tiny-moe-{compute_backend}", TINY_SHAPE, compute_backend=compute_backend),
+        local_batch_size=8,
+        seq_len=128,
+        steps=50,
+        lr=3e-3,
+        warmup_steps=5,
+        log_freq=1,
+    )
+
+
+def full_size(name: str, shape: MoEShape) -> Trainer.Config:
+    return moe_trainer_config(
+        qwen3_style_moe(name, shape, compute_backend="grouped_mm"),
+        local_batch_size=4,
+        seq_len=4096,
+        steps=1000,
+        lr=3e-4,
+        warmup_steps=100,
+        log_freq=10,
+    )
+
+
+for _backend in COMPUTE_BACKENDS:
+    register_flavor(
+        f"tiny-moe-{_backend.replace('_', '-')}",
+        f"2-layer, 8-expert top-2 MoE (dim 64) for CPU smoke runs; {_backend} experts",
+    )(lambda backend=_backend: tiny_moe(backend))
+
+
+@register_flavor("qwen3-30b-a3b", "Qwen3-30B-A3B dims: 48 layers, dim 2048, 128 experts top-8, F 768")
+def qwen3_30b_a3b() -> Trainer.Config:
+    return full_size("qwen3-30b-a3b", QWEN3_30B_A3B)
+
+
+@register_flavor("mixtral-8x7b", "Mixtral-8x7B dims: 32 layers, dim 4096, 8 experts top-2, F 14336")
+def mixtral_8x7b() -> Trainer.Config:
+    return full_size("mixtral-8x7b", MIXTRAL_8X7B)
+
+
+@register_flavor("olmoe-1b-7b", "OLMoE-1B-7B dims: 16 layers, dim 2048, 64 experts top-8, F 1024")
+def olmoe_1b_7b() -> Trainer.Config:
+    return full_size("olmoe-1b-7b", OLMOE_1B_7B)
+
+
+@register_flavor(
+    "deepseek-v3-16b",
+    "DeepSeek-V3 16B (torchtitan's MLA model): 27 layers, dim 2048, 64 experts top-6 + 2 shared",
+)
+def deepseek_v3_16b() -> Trainer.Config:
+    model_spec = deepseek_v3_registry("16B")
+    use_backend_experts(model_spec.model, "grouped_mm")
+    config = moe_trainer_config(
+        model_spec, local_batch_size=4, seq_len=4096, steps=1000, lr=2.2e-4,
+        warmup_steps=100, log_freq=10,
+    )
+    return config

@@ -1,0 +1,157 @@
+"""Model configs for the MoE backends experiment, built from torchtitan's modules.
+
+``MoEShape`` names the dimensions of a decoder-only MoE model; ``qwen3_style_moe``
+turns it into a torchtitan ``ModelSpec`` made of Qwen3 blocks (GQA attention with
+QK-norm, token-choice top-k MoE). ``use_backend_experts`` swaps every
+``GroupedExperts.Config`` in any torchtitan model config for
+``BackendGroupedExperts.Config`` so the compute backend becomes a config field.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch.nn as nn
+
+from torchtitan.components.optimizer import register_moe_load_balancing_hook
+from torchtitan.distributed.pipeline_parallel import pipeline_llm
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.common.config_utils import (
+    get_attention_config,
+    make_gqa_config,
+    make_moe_config,
+    make_routed_experts_config,
+    make_router_config,
+)
+from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.models.qwen3 import parallelize_qwen3
+from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan.protocols.model_spec import ModelSpec
+
+from .experts import BackendGroupedExperts, ComputeBackend
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEShape:
+    """Dimensions of a decoder-only MoE model (every layer MoE)."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    moe_hidden_dim: int
+    num_experts: int
+    top_k: int
+    score_func: str = "softmax"
+    route_norm: bool = True
+    rope_theta: float = 1_000_000.0
+    max_seq_len: int = 4096
+    norm_eps: float = 1e-6
+
+
+def use_backend_experts(model_config, compute_backend: ComputeBackend):
+    """Replace every ``GroupedExperts.Config`` in ``model_config`` (in place) by ours."""
+    for _, experts, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
+        replacement = BackendGroupedExperts.Config(
+            dim=experts.dim,
+            hidden_dim=experts.hidden_dim,
+            num_experts=experts.num_experts,
+            param_init=experts.param_init,
+            sharding_config=experts.sharding_config,
+            compute_backend=compute_backend,
+        )
+        if isinstance(parent, list):
+            parent[attr] = replacement
+        else:
+            setattr(parent, attr, replacement)
+    return model_config
+
+
+def qwen3_style_moe(
+    name: str,
+    shape: MoEShape,
+    *,
+    compute_backend: ComputeBackend,
+    attn_backend: str = "flex",
+) -> ModelSpec:
+    """A torchtitan ``ModelSpec`` of Qwen3 blocks with the given MoE ``shape``."""
+    linear_init = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
+    residual_std = 0.02 / (2 * shape.n_layers) ** 0.5
+    residual_init = {"weight": partial(nn.init.normal_, std=residual_std), "bias": nn.init.zeros_}
+    experts_init = {
+        "w1_EFD": linear_init["weight"],
+        "w2_EDF": residual_init["weight"],
+        "w3_EFD": linear_init["weight"],
+    }
+
+    def norm(size: int) -> RMSNorm.Config:
+        return RMSNorm.Config(
+            normalized_shape=size, eps=shape.norm_eps, param_init={"weight": nn.init.ones_}
+        )
+
+    layers = [
+        Qwen3TransformerBlock.Config(
+            attention_norm=norm(shape.dim),
+            ffn_norm=norm(shape.dim),
+            attention=make_gqa_config(
+                dim=shape.dim,
+                n_heads=shape.n_heads,
+                n_kv_heads=shape.n_kv_heads,
+                head_dim=shape.head_dim,
+                wqkv_param_init=linear_init,
+                wo_param_init=residual_init,
+                inner_attention=get_attention_config(attn_backend),
+                fuse_qkv=True,
+                rope=CosSinRoPE.Config(
+                    dim=shape.head_dim, max_seq_len=shape.max_seq_len, theta=shape.rope_theta
+                ),
+                qk_norm=norm(shape.head_dim),
+            ),
+            moe=make_moe_config(
+                num_experts=shape.num_experts,
+                router=make_router_config(
+                    dim=shape.dim,
+                    num_experts=shape.num_experts,
+                    gate_param_init=linear_init,
+                    top_k=shape.top_k,
+                    score_func=shape.score_func,
+                    route_norm=shape.route_norm,
+                ),
+                routed_experts=make_routed_experts_config(
+                    dim=shape.dim,
+                    hidden_dim=shape.moe_hidden_dim,
+                    num_experts=shape.num_experts,
+                    top_k=shape.top_k,
+                    param_init=experts_init,
+                    comm_backend="standard",
+                ),
+            ),
+        )
+        for _ in range(shape.n_layers)
+    ]
+    model = Qwen3Model.Config(
+        vocab_size=shape.vocab_size,
+        dim=shape.dim,
+        norm=norm(shape.dim),
+        tok_embeddings=Embedding.Config(
+            num_embeddings=shape.vocab_size,
+            embedding_dim=shape.dim,
+            param_init={"weight": partial(nn.init.normal_, std=0.02)},
+        ),
+        lm_head=Linear.Config(
+            in_features=shape.dim, out_features=shape.vocab_size, param_init=linear_init
+        ),
+        layers=layers,
+    )
+    return ModelSpec(
+        name="qwen3",
+        flavor=name,
+        model=use_backend_experts(model, compute_backend),
+        parallelize_fn=parallelize_qwen3,
+        pipelining_fn=pipeline_llm,
+        post_optimizer_build_fn=register_moe_load_balancing_hook,
+        state_dict_adapter=Qwen3StateDictAdapter,
+    )

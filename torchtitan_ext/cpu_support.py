@@ -1,0 +1,191 @@
+"""Everything that lets torchtitan 0.3.0's Trainer run on CPU with gloo.
+
+torchtitan assumes CUDA. Each fix below is applied from outside torchtitan, names
+the torchtitan code it addresses, and is covered by ``tests/test_cpu_support.py``,
+which fails loudly if a torchtitan upgrade moves or changes what a fix relies on.
+On a machine with CUDA nothing here is applied: the NCCL path stays torchtitan's own.
+
+Two kinds of fixes:
+- ``adapt_config_for_cpu(config)``: settings of the ``Trainer.Config``.
+- ``patch_torchtitan_for_cpu()``: replacements of torchtitan functions/globals.
+"""
+
+import os
+import platform
+import resource
+import sys
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+
+import torchtitan.distributed.fsdp as titan_fsdp
+import torchtitan.distributed.utils as titan_dist_utils
+import torchtitan.tools.utils as titan_utils
+from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.tools.logging import logger
+
+_patched = False
+
+
+def cpu_training() -> bool:
+    """True when training must run on CPU (no CUDA device visible)."""
+    return not torch.cuda.is_available()
+
+
+class CPUDeviceModule:
+    """``torch.cpu`` plus the memory queries torchtitan's metrics ask a device module for.
+
+    Peak memory is the process's peak resident set size (it cannot be reset).
+    """
+
+    def __getattr__(self, name):
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def get_device_name(device=None) -> str:
+        return platform.processor() or platform.machine() or "cpu"
+
+    @staticmethod
+    def get_device_properties(device=None) -> SimpleNamespace:
+        return SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+    @staticmethod
+    def memory_stats(device=None) -> dict[str, int]:
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"active_bytes.all.peak": peak_rss, "reserved_bytes.all.peak": peak_rss,
+                "num_alloc_retries": 0, "num_ooms": 0}
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None) -> None:
+        pass
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+
+CPU_DEVICE_MODULE = CPUDeviceModule()
+
+
+class DocumentCausalSDPA(ScaledDotProductAttention):
+    """SDPA with a dense causal, same-document mask: the CPU stand-in for FlexAttention.
+
+    FlexAttention has no CPU backward. ``attention_masks`` is a boolean
+    ``(B, 1, L, L)`` tensor (True = attend) built by ``document_causal_mask``.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ScaledDotProductAttention.Config):
+        pass
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None,
+                enable_gqa=False, **kwargs):
+        out_BNLH = F.scaled_dot_product_attention(
+            q_BLNH.transpose(1, 2),
+            k_BLNH.transpose(1, 2),
+            v_BLNH.transpose(1, 2),
+            attn_mask=attention_masks,
+            is_causal=attention_masks is None,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+        return out_BNLH.transpose(1, 2)
+
+
+def document_causal_mask(positions_BL: torch.Tensor) -> torch.Tensor:
+    """``(B, 1, L, L)`` mask: query i sees key j iff j <= i and both are in one document.
+
+    A document starts wherever ``positions`` is 0 (torchtitan's packing convention).
+    """
+    doc_BL = torch.cumsum((positions_BL == 0).int(), dim=1)
+    seq_len = positions_BL.shape[1]
+    causal_LL = torch.ones(seq_len, seq_len, dtype=torch.bool, device=positions_BL.device).tril()
+    same_doc_BLL = doc_BL.unsqueeze(2) == doc_BL.unsqueeze(1)
+    return (same_doc_BLL & causal_LL).unsqueeze(1)
+
+
+def adapt_config_for_cpu(config) -> None:
+    """Adjust a ``Trainer.Config`` (in place) for CPU training.
+
+    - ``models/common/attention.py`` FlexAttention: no CPU backward, so every
+      ``FlexAttention.Config`` becomes ``DocumentCausalSDPA.Config`` (same masking).
+    - ``trainer.py`` ``Trainer.Config._validate_cuda_graphs``: CUDA graphs are
+      rejected with EP and meaningless on CPU, so ``training.disable_cuda_graphs``.
+    - ``config/configs.py`` ``ParallelismConfig.spmd_backend``: the default backend
+      needs FSDP features this torch build lacks on CPU; ``partial_dtensor`` works.
+    """
+    if config.model_spec is not None:
+        for _, _, parent, attr in list(config.model_spec.model.traverse(FlexAttention.Config)):
+            replacement = DocumentCausalSDPA.Config()
+            if isinstance(parent, list):
+                parent[attr] = replacement
+            else:
+                setattr(parent, attr, replacement)
+    config.training.disable_cuda_graphs = True
+    config.parallelism.spmd_backend = "partial_dtensor"
+
+
+def _cpu_attention_masks(self, positions):
+    """``Decoder.get_attention_masks`` for ``DocumentCausalSDPA``; torchtitan's otherwise."""
+    attn_config = self.config.first_attention
+    if attn_config is not None and isinstance(attn_config.inner_attention, DocumentCausalSDPA.Config):
+        return document_causal_mask(positions)
+    return _original_get_attention_masks(self, positions)
+
+
+_original_get_attention_masks = Decoder.get_attention_masks
+_original_disable_division = titan_fsdp.disable_fsdp_gradient_division
+
+
+def _disable_division_with_sum_reductions(model: torch.nn.Module) -> None:
+    """torchtitan's gradient-division switch, plus SUM-only reductions gloo accepts."""
+    _original_disable_division(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def _set_pg_timeouts_gloo(timeout, parallel_dims) -> None:
+    """``set_pg_timeouts`` without CUDA device ids and without ``dist.set_timeout``."""
+    torch.distributed.barrier()
+    groups = [mesh.get_group() for mesh in parallel_dims.get_all_one_dimensional_meshes().values()]
+    for group in groups + [None]:
+        torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def patch_torchtitan_for_cpu() -> None:
+    """Patch torchtitan (once) so its Trainer runs on CPU with gloo.
+
+    - ``tools/utils.py`` ``device_type``/``device_module``: computed at import as
+      ``_get_available_device_type() or "cuda"``, so CPU-only machines get "cuda".
+      Set to "cpu" and ``CPU_DEVICE_MODULE`` (``torch.cpu`` plus the memory queries
+      of ``components/metrics.py`` ``DeviceMemoryMonitor``) there and in every
+      torchtitan module that copied them.
+    - ``distributed/fsdp.py`` ``disable_fsdp_gradient_division``: leaves FSDP using
+      ``ReduceOp.PREMUL_SUM``/``AVG``, which gloo rejects; also force SUM reductions
+      (the divide factor is 1, so results are unchanged).
+    - ``distributed/utils.py`` ``set_pg_timeouts``: calls ``barrier(device_ids=...)``
+      and ``torch.distributed.set_timeout``, which this torch lacks; use the c10d
+      per-group setter instead.
+    - ``models/common/decoder.py`` ``Decoder.get_attention_masks``: only knows Flex
+      and varlen masks; build the dense mask ``DocumentCausalSDPA`` expects.
+    """
+    global _patched
+    if _patched:
+        return
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__name__", "") or ""
+        if name.startswith("torchtitan") and getattr(module, "device_type", None) == "cuda":
+            module.device_type = "cpu"
+            if hasattr(module, "device_module"):
+                module.device_module = CPU_DEVICE_MODULE
+    titan_utils.device_type, titan_utils.device_module = "cpu", CPU_DEVICE_MODULE
+    titan_fsdp.disable_fsdp_gradient_division = _disable_division_with_sum_reductions
+    titan_dist_utils.set_pg_timeouts = _set_pg_timeouts_gloo
+    Decoder.get_attention_masks = _cpu_attention_masks
+    _patched = True
+    logger.info("No CUDA device: torchtitan patched for CPU training with gloo")

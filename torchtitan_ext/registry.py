@@ -1,0 +1,77 @@
+"""The flavor registry: named, complete torchtitan training configs.
+
+An experiment is a sub-package of ``torchtitan_ext.experiments`` (the repository's
+``experiments/`` folder). Importing it registers its flavors with
+``@register_flavor``. ``load_experiments`` imports every experiment, so adding an
+experiment folder is all it takes for its flavors to appear.
+"""
+
+import difflib
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torchtitan.trainer import Trainer
+
+import torchtitan_ext.experiments as experiments_package
+
+
+class UnknownFlavorError(KeyError):
+    """Raised for a flavor name that is not registered; the message suggests close names."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class Flavor:
+    """A registered flavor: ``build()`` returns a fresh ``Trainer.Config`` each call."""
+
+    name: str
+    description: str
+    experiment: str
+    build: Callable[[], Trainer.Config]
+
+
+_FLAVORS: dict[str, Flavor] = {}
+
+
+def register_flavor(name: str, description: str):
+    """Decorator registering a zero-argument function returning a ``Trainer.Config``."""
+
+    def decorator(build: Callable[[], Trainer.Config]) -> Callable[[], Trainer.Config]:
+        if name in _FLAVORS:
+            raise ValueError(
+                f"flavor {name!r} is registered twice "
+                f"({_FLAVORS[name].experiment} and {build.__module__})"
+            )
+        experiment = build.__module__.removeprefix(experiments_package.__name__ + ".")
+        _FLAVORS[name] = Flavor(name, description, experiment.split(".")[0], build)
+        return build
+
+    return decorator
+
+
+def load_experiments() -> None:
+    """Import every experiment package so that its flavors are registered."""
+    for module in pkgutil.iter_modules(experiments_package.__path__):
+        if module.ispkg:
+            importlib.import_module(f"{experiments_package.__name__}.{module.name}")
+
+
+def all_flavors() -> list[Flavor]:
+    load_experiments()
+    return sorted(_FLAVORS.values(), key=lambda f: (f.experiment, f.name))
+
+
+def get_flavor(name: str) -> Flavor:
+    load_experiments()
+    if name in _FLAVORS:
+        return _FLAVORS[name]
+    close = difflib.get_close_matches(name, list(_FLAVORS), n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise UnknownFlavorError(
+        f"unknown flavor {name!r}{hint} "
+        "(run `python -m torchtitan_ext.flavors` to list all flavors)"
+    )
