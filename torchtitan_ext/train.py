@@ -1,0 +1,127 @@
+"""Train a registered flavor with torchtitan's own Trainer.
+
+    torchrun --nproc_per_node=2 -m torchtitan_ext.train --flavor tiny-moe-grouped-mm
+    python -m torchtitan_ext.train --flavor tiny-moe-for-loop --toml my.toml --training.steps 20
+
+Precedence: torchtitan CLI flags > TOML files (later wins) > flavor defaults.
+Without CUDA, training runs on CPU with gloo (see ``cpu_support``); with CUDA it is
+torchtitan's normal NCCL path. Configuration errors exit with code 2 before any
+process group or model is built.
+"""
+
+import os
+import socket
+import sys
+
+import torchtitan.train as titan_train
+from torchtitan.config import ConfigManager
+
+from torchtitan_ext.cpu_support import adapt_config_for_cpu, cpu_training, patch_torchtitan_for_cpu
+from torchtitan_ext.overrides import ConfigError, apply_toml_files
+from torchtitan_ext.registry import UnknownFlavorError, get_flavor
+
+USAGE = """\
+usage: [torchrun --nproc_per_node=N] python -m torchtitan_ext.train --flavor NAME
+           [--toml FILE ...] [TORCHTITAN OPTIONS ...]
+
+Train a registered flavor with torchtitan's Trainer (CPU/gloo without CUDA, NCCL with it).
+
+options:
+  --flavor NAME        flavor to train (list them: python -m torchtitan_ext.flavors)
+  --toml FILE          TOML overrides, repeatable, later files win (keys: docs/configuration.md)
+  --help-torchtitan    with --flavor: list every torchtitan option for that flavor
+  -h, --help           show this help
+
+Any torchtitan option is accepted after these and wins over the TOML files,
+e.g. --training.steps 20 --parallelism.expert_parallel_degree 2.
+"""
+
+
+def split_project_args(args: list[str]) -> tuple[str | None, list[str], list[str]]:
+    """Take ``--flavor`` and ``--toml`` out of ``args``: (flavor, toml files, the rest)."""
+    flavor, tomls, rest = None, [], []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, has_inline, inline = arg.partition("=")
+        if name in ("--flavor", "--toml"):
+            if has_inline:
+                value = inline
+            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value = args[i + 1]
+                i += 1
+            else:
+                raise ConfigError(f"{name} needs a value")
+            if name == "--flavor":
+                flavor = value
+            else:
+                tomls.append(value)
+        else:
+            rest.append(arg)
+        i += 1
+    return flavor, tomls, rest
+
+
+def resolve_config(flavor_name: str, toml_paths: list[str]):
+    """The flavor's ``Trainer.Config`` with the TOML files applied."""
+    try:
+        flavor = get_flavor(flavor_name)
+    except UnknownFlavorError as e:
+        raise ConfigError(str(e)) from None
+    return apply_toml_files(flavor.build(), toml_paths)
+
+
+class FlavorConfigManager(ConfigManager):
+    """torchtitan's ConfigManager, loading ``--flavor``/``--toml`` instead of ``--module``/``--config``."""
+
+    def _load_config(self, args: list[str]):
+        flavor, tomls, rest = split_project_args(args)
+        if flavor is None:
+            raise ConfigError("--flavor is required (list flavors: python -m torchtitan_ext.flavors)")
+        if "--help-torchtitan" in rest:
+            rest = [a for a in rest if a != "--help-torchtitan"] + ["--help"]
+        return resolve_config(flavor, tomls), rest
+
+    def parse_args(self, args: list[str] | None = None):
+        config = super().parse_args(args)
+        if cpu_training():
+            adapt_config_for_cpu(config)
+            patch_torchtitan_for_cpu()
+        return config
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_single_process_env() -> None:
+    """Outside torchrun, provide the rendezvous variables torchtitan expects (world of 1)."""
+    if "RANK" in os.environ:
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if "-h" in args or "--help" in args:
+        print(USAGE)
+        return 0
+    set_single_process_env()
+    # torchtitan's main builds its config through the name ``ConfigManager``.
+    titan_train.ConfigManager = FlavorConfigManager
+    sys.argv = [sys.argv[0], *args]
+    try:
+        titan_train.main()
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
