@@ -10,6 +10,7 @@ from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.config.configs import DebugConfig
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3_registry
@@ -79,6 +80,7 @@ def moe_trainer_config(
         parallelism=ParallelismConfig(expert_parallel_degree=expert_parallel_degree),
         checkpoint=CheckpointManager.Config(interval=500, last_save_model_only=False),
         activation_checkpoint=SelectiveAC.Config(),
+        debug=DebugConfig(seed=0),
     )
 
 
