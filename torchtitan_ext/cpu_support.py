@@ -139,6 +139,7 @@ def _cpu_attention_masks(self, positions):
 
 _original_get_attention_masks = Decoder.get_attention_masks
 _original_disable_division = titan_fsdp.disable_fsdp_gradient_division
+_original_set_pg_timeouts = titan_dist_utils.set_pg_timeouts
 
 
 def _disable_division_with_sum_reductions(model: torch.nn.Module) -> None:

@@ -1,0 +1,171 @@
+"""Each CPU fix in ``torchtitan_ext.cpu_support``: the torchtitan behaviour it answers
+is still there (so the fix is still needed and still aimed right), and the fix works.
+
+A failure here after a torchtitan upgrade means a fix must be revisited.
+"""
+
+import inspect
+import os
+import socket
+import typing
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torchtitan.components.metrics as titan_metrics
+import torchtitan.distributed.fsdp as titan_fsdp
+import torchtitan.distributed.utils as titan_dist_utils
+import torchtitan.tools.utils as titan_utils
+from torchtitan.config.configs import ParallelismConfig
+from torchtitan.models.common.attention import (
+    FlexAttention,
+    get_causal_mask_mod,
+    get_document_mask_mod,
+)
+from torchtitan.models.common.decoder import Decoder
+
+from torchtitan_ext import cpu_support
+from torchtitan_ext.cpu_support import (
+    DocumentCausalSDPA,
+    adapt_config_for_cpu,
+    document_causal_mask,
+    patch_torchtitan_for_cpu,
+)
+from torchtitan_ext.registry import get_flavor
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only fixes")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def patched():
+    patch_torchtitan_for_cpu()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Device type
+
+
+def test_torchtitan_still_defaults_device_type_to_cuda():
+    assert "or \"cuda\"" in inspect.getsource(titan_utils.get_device_info)
+    assert titan_utils.get_device_info()[0] == "cuda"
+
+
+def test_device_type_is_cpu_everywhere_after_patch():
+    for module in (titan_utils, titan_metrics, titan_dist_utils):
+        assert module.device_type == "cpu", module.__name__
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.models.common.token_dispatcher as token_dispatcher
+
+    assert parallel_dims.device_type == "cpu" and token_dispatcher.device_type == "cpu"
+    assert titan_metrics.device_module is cpu_support.CPU_DEVICE_MODULE
+
+
+def test_torchtitan_memory_monitor_works_on_cpu():
+    monitor = titan_metrics.build_device_memory_monitor()
+    stats = monitor.get_peak_stats()
+    assert stats.max_active_gib > 0 and stats.num_ooms == 0
+    monitor.reset_peak_stats()
+
+
+# Attention
+
+
+def test_document_causal_mask_matches_torchtitan_mask_mods():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 0, 1, 2]])
+    batch, seq_len = positions.shape
+    causal, document = get_causal_mask_mod(), get_document_mask_mod(positions)
+    q_idx = torch.arange(seq_len).view(-1, 1)
+    kv_idx = torch.arange(seq_len).view(1, -1)
+    expected = torch.stack(
+        [causal(b, 0, q_idx, kv_idx) & document(torch.tensor(b), 0, q_idx, kv_idx) for b in range(batch)]
+    ).unsqueeze(1)
+    assert torch.equal(document_causal_mask(positions), expected)
+
+
+def test_document_causal_sdpa_forward_and_backward_on_cpu():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 9, 4, 8, requires_grad=True) for _ in range(3))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]] * 2)
+    mask = document_causal_mask(positions)
+    out = DocumentCausalSDPA.Config().build()(q, k, v, attention_masks=mask)
+    scores = torch.einsum("blnh,bmnh->bnlm", q, k) / 8**0.5
+    expected = torch.einsum("bnlm,bmnh->blnh", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_decoder_masks_for_cpu_attention():
+    config = get_flavor("tiny-moe-grouped-mm").build()
+    assert any(True for _ in config.model_spec.model.traverse(FlexAttention.Config))
+    adapt_config_for_cpu(config)
+    assert not any(True for _ in config.model_spec.model.traverse(FlexAttention.Config))
+    model = config.model_spec.model.build()
+    positions = torch.tensor([[0, 1, 0, 1, 2]])
+    assert torch.equal(model.get_attention_masks(positions), document_causal_mask(positions))
+    assert Decoder.get_attention_masks is cpu_support._cpu_attention_masks
+
+
+# Trainer.Config settings
+
+
+def test_adapted_config_uses_settings_torchtitan_accepts():
+    config = get_flavor("tiny-moe-for-loop").build()
+    adapt_config_for_cpu(config)
+    assert config.training.disable_cuda_graphs is True
+    backends = typing.get_args(typing.get_type_hints(ParallelismConfig)["spmd_backend"])
+    assert config.parallelism.spmd_backend == "partial_dtensor" and "partial_dtensor" in backends
+
+
+# FSDP reductions and process-group timeouts under gloo
+
+
+def _fsdp_worker(rank: int, world: int, port: int, results) -> None:
+    from datetime import timedelta
+
+    from torch.distributed.fsdp import fully_shard
+
+    patch_torchtitan_for_cpu()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+        reference = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+        reference.load_state_dict(model.state_dict())
+        fully_shard(model)
+        titan_fsdp.disable_fsdp_gradient_division(model)
+        inputs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+        model(inputs[rank]).square().sum().backward()
+        for x in inputs:
+            reference(x).square().sum().backward()
+        grad = model[0].weight.grad.full_tensor()
+        results[rank] = torch.allclose(grad, reference[0].weight.grad, atol=1e-5)
+
+        class OneGroupDims:
+            def get_all_one_dimensional_meshes(self):
+                return {}
+
+        titan_dist_utils.set_pg_timeouts(timedelta(seconds=30), OneGroupDims())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torchtitan_fsdp_and_timeout_code_still_needs_the_fixes():
+    assert "set_gradient_divide_factor(1.0)" in inspect.getsource(cpu_support._original_disable_division)
+    original_timeouts = inspect.getsource(cpu_support._original_set_pg_timeouts)
+    assert "torch.distributed.set_timeout" in original_timeouts and "device_ids" in original_timeouts
+    assert not hasattr(torch.distributed, "set_timeout")
+
+
+def test_fsdp_sum_reductions_and_timeouts_work_with_gloo():
+    results = mp.Manager().dict()
+    mp.spawn(_fsdp_worker, args=(2, free_port(), results), nprocs=2, join=True)
+    assert dict(results) == {0: True, 1: True}
