@@ -80,7 +80,12 @@ class FlavorConfigManager(ConfigManager):
             raise ConfigError("--flavor is required (list flavors: python -m torchtitan_ext.flavors)")
         if "--help-torchtitan" in rest:
             rest = [a for a in rest if a != "--help-torchtitan"] + ["--help"]
-        return resolve_config(flavor, tomls), rest
+        config = resolve_config(flavor, tomls)
+        if cpu_training():
+            # Before tyro builds the config: Trainer.Config.__post_init__ validates
+            # CUDA-graph settings against the parallelism from the command line.
+            adapt_config_for_cpu(config)
+        return config, rest
 
     def parse_args(self, args: list[str] | None = None):
         config = super().parse_args(args)
