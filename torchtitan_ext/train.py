@@ -17,6 +17,7 @@ import torchtitan.train as titan_train
 from torchtitan.config import ConfigManager
 
 from torchtitan_ext.cpu_support import adapt_config_for_cpu, cpu_training, patch_torchtitan_for_cpu
+from torchtitan_ext.moe_metrics import record_run_metadata
 from torchtitan_ext.overrides import ConfigError, apply_toml_files
 from torchtitan_ext.registry import UnknownFlavorError, get_flavor
 
@@ -80,6 +81,7 @@ class FlavorConfigManager(ConfigManager):
             raise ConfigError("--flavor is required (list flavors: python -m torchtitan_ext.flavors)")
         if "--help-torchtitan" in rest:
             rest = [a for a in rest if a != "--help-torchtitan"] + ["--help"]
+        self.run_arguments = (flavor, tomls, rest)
         config = resolve_config(flavor, tomls)
         if cpu_training():
             # Before tyro builds the config: Trainer.Config.__post_init__ validates
@@ -89,6 +91,9 @@ class FlavorConfigManager(ConfigManager):
 
     def parse_args(self, args: list[str] | None = None):
         config = super().parse_args(args)
+        flavor, tomls, cli_args = self.run_arguments
+        # Run metadata for the metrics loggers (wandb config).
+        record_run_metadata(flavor=flavor, toml_files=tomls, cli_args=cli_args, config=config)
         if cpu_training():
             adapt_config_for_cpu(config)
             patch_torchtitan_for_cpu()

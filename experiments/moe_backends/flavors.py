@@ -7,7 +7,6 @@ users. Every flavor trains on the shipped offline corpus and tokenizer by defaul
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import DebugConfig
@@ -18,6 +17,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
 from torchtitan_ext.data import TINY_STORIES, TOKENIZER_DIR
+from torchtitan_ext.moe_metrics import MoEMetricsProcessor
 from torchtitan_ext.registry import register_flavor
 
 from .experts import COMPUTE_BACKENDS, ComputeBackend
@@ -70,7 +70,7 @@ def moe_trainer_config(
         loss=ChunkedLossWrapper.Config(
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size)
         ),
-        metrics=MetricsProcessor.Config(log_freq=log_freq),
+        metrics=MoEMetricsProcessor.Config(log_freq=log_freq),
         dataloader=HuggingFaceTextDataLoader.Config(dataset=TINY_STORIES),
         optimizer=default_adamw(lr=lr),
         lr_scheduler=LRSchedulersContainer.Config(

@@ -1,0 +1,234 @@
+"""MoE metrics: a CPU training run logged to an offline wandb run, read back from its
+``.wandb`` file, and unit checks of the routing statistics on forced routings."""
+
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from torchtitan_ext.moe_metrics import (
+    MoERoutingObserver,
+    configure_wandb_environment,
+    layer_scalars,
+    routing_heatmap_png,
+    routing_scalars,
+    summarize,
+)
+from torchtitan_ext.overrides import ConfigError, apply_overrides
+from torchtitan_ext.train import resolve_config
+
+NUM_EXPERTS, TOP_K, BATCH, SEQ_LEN = 8, 2, 8, 128  # the tiny flavors
+ROUTED_PER_STEP = BATCH * SEQ_LEN * TOP_K
+LAYERS = ("layer_0", "layer_1")
+
+
+def read_wandb_records(path):
+    """Records of a ``.wandb`` file: a 7-byte header, then LevelDB-log chunks in 32 KiB blocks."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B"
+    position, block_size, pending = 7, 32768, b""
+    while position + 7 <= len(data):
+        if block_size - position % block_size < 7:  # block trailer too short for a header
+            position += block_size - position % block_size
+            continue
+        length = int.from_bytes(data[position + 4:position + 6], "little")
+        chunk_type = data[position + 6]
+        pending += data[position + 7:position + 7 + length]
+        position += 7 + length
+        if chunk_type in (1, 4):  # FULL or LAST chunk: a record is complete
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+            pending = b""
+
+
+def wandb_history_and_config(path) -> tuple[dict[int, dict], dict]:
+    """({step: {key: value}}, run config) with nested keys joined by '/'."""
+    history, config = {}, {}
+    for record in read_wandb_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
+            history.setdefault(row["_step"], {}).update(row)
+        elif kind == "run":
+            config = {i.key: json.loads(i.value_json) for i in record.run.config.update}
+    return history, config
+
+
+@pytest.fixture(scope="module")
+def offline_run(tmp_path_factory):
+    """Four steps of the padded tiny flavor, log_freq 2 (logs at 1, 2, 4), wandb without credentials."""
+    root = tmp_path_factory.mktemp("moe_metrics")
+    toml = root / "metrics.toml"
+    toml.write_text(
+        '[wandb]\nenable = true\nproject = "moe-metrics-test"\nrun_name = "tiny-padded"\n'
+        "[moe_metrics]\nheatmap_every = 3\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(root / "home"), NETRC=str(root / "no-netrc"),
+               WANDB_CONFIG_DIR=str(root / "wandb-config"), WANDB_CACHE_DIR=str(root / "wandb-cache"))
+    result = subprocess.run(
+        [sys.executable, "-m", "torchtitan_ext.train", "--flavor", "tiny-moe-batched-mm-padded",
+         "--toml", str(toml), "--training.steps", "4", "--metrics.log_freq", "2",
+         "--metrics.enable_tensorboard", "--metrics.disable_color_printing",
+         "--dump_folder", str(root / "dump")],
+        capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    run_files = glob.glob(str(root / "dump" / "tb" / "*" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(run_files) == 1, "wandb did not write one offline run under the dump folder"
+    return (*wandb_history_and_config(run_files[0]), root)
+
+
+def test_offline_run_logs_moe_metrics_per_layer(offline_run):
+    history, _, _ = offline_run
+    assert sorted(history) == [1, 2, 4]
+    for step, window_steps in ((1, 1), (2, 1), (4, 2)):
+        row = history[step]
+        for scope in LAYERS:
+            prefix = f"moe/{scope}/"
+            assert sum(row[prefix + "tokens_per_expert/values"]) == ROUTED_PER_STEP * window_steps
+            assert row[prefix + "tokens_per_expert/bins"] == list(range(NUM_EXPERTS + 1))
+            assert row[prefix + "routed_tokens"] == ROUTED_PER_STEP * window_steps
+            assert 1.0 <= row[prefix + "load_imbalance"] <= NUM_EXPERTS / TOP_K
+            assert row[prefix + "load_cv"] >= 0
+            assert 0 <= row[prefix + "dead_expert_fraction"] <= 1
+            assert 0 <= row[prefix + "router_entropy"] <= math.log(NUM_EXPERTS) + 1e-9
+            assert row[prefix + "expert_bias_norm"] > 0  # torchtitan's aux-loss-free balancing is on
+            counts = np.array(row[prefix + "tokens_per_expert/values"])
+            expected_padding = (NUM_EXPERTS * counts.max() - counts.sum()) / window_steps
+            assert row[prefix + "padding_rows_per_step"] >= 0
+            if window_steps == 1:  # one forward per step: the padding follows from the counts
+                assert row[prefix + "padding_rows_per_step"] == pytest.approx(expected_padding)
+        model = "moe/model/"
+        assert sum(row[model + "tokens_per_expert/values"]) == len(LAYERS) * ROUTED_PER_STEP * window_steps
+        assert row[model + "load_imbalance_max"] == max(row[f"moe/{s}/load_imbalance"] for s in LAYERS)
+        assert row[model + "padding_rows_per_step"] == pytest.approx(
+            sum(row[f"moe/{s}/padding_rows_per_step"] for s in LAYERS))
+        assert "loss_metrics/global_avg_loss" in row  # torchtitan's own metrics in the same rows
+    assert history[1]["moe/model/tokens_per_expert_heatmap/_type"] == "image-file"
+    assert "moe/model/tokens_per_expert_heatmap/_type" not in history[2]  # next one due at step >= 4
+    assert history[4]["moe/model/tokens_per_expert_heatmap/_type"] == "image-file"
+
+
+def test_offline_run_config_has_run_metadata(offline_run):
+    _, config, root = offline_run
+    metadata = config["run_metadata"]
+    assert metadata["flavor"] == "tiny-moe-batched-mm-padded"
+    assert metadata["compute_backend"] == "batched_mm_padded"
+    assert metadata["expert_parallel_degree"] == 1
+    assert metadata["toml_files"] == [str(root / "metrics.toml")]
+    assert metadata["toml_overrides"][str(root / "metrics.toml")]["wandb.project"] == "moe-metrics-test"
+    assert config["metrics"]["heatmap_every"] == 3  # the fully resolved config is there too
+    assert config["training"]["steps"] == 4 and "layers" in config["model_spec"]["model"]
+
+
+def test_offline_run_writes_tensorboard_events(offline_run):
+    _, _, root = offline_run
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events_dir,) = {os.path.dirname(p) for p in glob.glob(str(root / "dump" / "tb" / "*" / "events.*"))}
+    events = EventAccumulator(events_dir, size_guidance={"histograms": 0, "images": 0}).Reload()
+    assert "moe/layer_0/load_imbalance" in events.Tags()["scalars"]
+    assert "moe/layer_1/tokens_per_expert" in events.Tags()["histograms"]
+    assert "moe/model/tokens_per_expert_heatmap" in events.Tags()["images"]
+
+
+def test_routing_scalars_on_crafted_loads():
+    balanced = routing_scalars(np.full(8, 100))
+    assert balanced == {"load_imbalance": 1.0, "load_cv": 0.0, "dead_expert_fraction": 0.0}
+    one_expert = routing_scalars(np.array([800, 0, 0, 0, 0, 0, 0, 0]))
+    assert one_expert["load_imbalance"] == 8.0
+    assert one_expert["dead_expert_fraction"] == 7 / 8
+    assert one_expert["load_cv"] == pytest.approx(math.sqrt(7))
+    half = routing_scalars(np.array([200, 200, 200, 200, 0, 0, 0, 0]))
+    assert half["load_imbalance"] == 2.0 and half["dead_expert_fraction"] == 0.5
+
+
+def tiny_moe_layer() -> torch.nn.Module:
+    """One MoE layer of the tiny flavor, initialised, in training mode."""
+    config = resolve_config("tiny-moe-grouped-mm", [])
+    moe = config.model_spec.model.layers[0].moe.build()
+    torch.manual_seed(0)
+    moe.init_states(buffer_device=torch.device("cpu"))
+    return moe.train()
+
+
+def observe(moe: torch.nn.Module, steps: int = 1) -> dict[str, float]:
+    observer = MoERoutingObserver([torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"0": moe})})], None)
+    torch.manual_seed(1)
+    for _ in range(steps):
+        moe(torch.randn(BATCH, SEQ_LEN, 64)).sum().backward()
+    (summary,) = summarize(observer, num_steps=steps, reduce_groups=[])
+    observer.remove()
+    assert summary.name == "layer_0"
+    return layer_scalars(summary)
+
+
+def test_router_biased_to_two_experts_shows_imbalance_and_dead_experts():
+    moe = tiny_moe_layer()
+    natural = observe(moe)
+    assert natural["routed_tokens"] == ROUTED_PER_STEP
+    assert natural["dead_expert_fraction"] == 0.0
+    assert natural["load_imbalance"] < 2.0
+
+    with torch.no_grad():  # the routing bias makes experts 0 and 1 every token's top 2
+        moe.expert_bias_E.copy_(torch.tensor([10.0, 10.0, 0, 0, 0, 0, 0, 0]))
+    forced = observe(moe, steps=2)
+    assert forced["routed_tokens"] == 2 * ROUTED_PER_STEP
+    assert forced["load_imbalance"] == NUM_EXPERTS / TOP_K
+    assert forced["dead_expert_fraction"] == 6 / 8
+    assert forced["load_cv"] > natural["load_cv"]
+    assert forced["expert_bias_norm"] == pytest.approx(math.sqrt(200))
+    assert 0 <= forced["router_entropy"] <= math.log(NUM_EXPERTS)  # the gate itself is unchanged
+
+
+def test_eval_forwards_are_not_counted():
+    moe = tiny_moe_layer()
+    observer = MoERoutingObserver([torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"0": moe})})], None)
+    with torch.no_grad():
+        moe.eval()(torch.randn(2, 16, 64))
+    (summary,) = summarize(observer, num_steps=1, reduce_groups=[])
+    assert summary.tokens_per_expert_E.sum() == 0 and summary.num_tokens == 0
+
+
+def test_heatmap_is_a_png():
+    png = routing_heatmap_png(np.arange(16).reshape(2, 8), ["layer_0", "layer_1"], step=5)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_wandb_goes_offline_without_credentials(monkeypatch, tmp_path):
+    for variable in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_PROJECT"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "missing"))
+    configure_wandb_environment(project="p", entity=None, run_name=None)
+    assert os.environ["WANDB_MODE"] == "offline" and os.environ["WANDB_PROJECT"] == "p"
+
+    monkeypatch.delenv("WANDB_MODE")
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password secret\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    configure_wandb_environment(project=None, entity=None, run_name=None)
+    assert "WANDB_MODE" not in os.environ
+
+
+def test_toml_short_keys_set_metrics_fields():
+    config = resolve_config("tiny-moe-for-loop", [])
+    config = apply_overrides(config, {
+        "moe_metrics.enable": False, "moe_metrics.heatmap_every": 7,
+        "wandb.project": "p", "wandb.entity": "e", "wandb.run_name": "r",
+    })
+    metrics = config.metrics
+    assert (metrics.moe_metrics, metrics.heatmap_every) == (False, 7)
+    assert (metrics.wandb_project, metrics.wandb_entity, metrics.wandb_run_name) == ("p", "e", "r")
+    with pytest.raises(ConfigError, match="heatmap_every"):
+        apply_overrides(config, {"moe_metrics.heatmap_every": -1})
+    with pytest.raises(ConfigError, match="moe_metrics.enable"):
+        apply_overrides(config, {"moe_metrics.enable": "yes"})

@@ -1,0 +1,39 @@
+"""Short TOML keys of the MoE metrics (``[moe_metrics]`` and ``[wandb]`` tables).
+
+They set fields of ``MoEMetricsProcessor.Config`` and fail with a ``ConfigError``
+for a flavor whose ``metrics`` is another processor's config.
+"""
+
+from torchtitan_ext.overrides import ConfigError, register_short_key
+
+
+def _set_metrics_field(key: str, field_name: str):
+    def apply(config, value) -> None:
+        if not hasattr(config.metrics, field_name):
+            raise ConfigError(
+                f"{key}: this flavor's metrics ({type(config.metrics).__qualname__}) "
+                "is not MoEMetricsProcessor.Config"
+            )
+        setattr(config.metrics, field_name, value)
+
+    return apply
+
+
+def _heatmap_every(config, value: int) -> None:
+    if value < 0:
+        raise ConfigError(f"moe_metrics.heatmap_every must be >= 0 (0: never), got {value}")
+    _set_metrics_field("moe_metrics.heatmap_every", "heatmap_every")(config, value)
+
+
+for _key, _field, _annotation, _help in (
+    ("moe_metrics.enable", "moe_metrics", bool, "log MoE routing metrics (= metrics.moe_metrics)"),
+    ("wandb.project", "wandb_project", str, "wandb project (= metrics.wandb_project)"),
+    ("wandb.entity", "wandb_entity", str, "wandb entity/team (= metrics.wandb_entity)"),
+    ("wandb.run_name", "wandb_run_name", str, "wandb run name (= metrics.wandb_run_name)"),
+):
+    register_short_key(_key, _annotation, _help)(_set_metrics_field(_key, _field))
+
+register_short_key(
+    "moe_metrics.heatmap_every", int,
+    "steps between layers x experts heatmaps, 0: never (= metrics.heatmap_every)",
+)(_heatmap_every)
