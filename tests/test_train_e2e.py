@@ -1,0 +1,91 @@
+"""End-to-end training through the real entry point: torchrun, gloo, EP=2, checkpoints."""
+
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo end-to-end runs"),
+]
+
+STEP_LOSS = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(args: list[str], dump_folder, nproc: int = 1) -> dict[int, float]:
+    """Run the train entry (under torchrun when ``nproc`` > 1); return {step: loss} of rank 0."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                f"--master_port={free_port()}", "--local-ranks-filter=0", "-m"]
+    command = launcher if nproc > 1 else [sys.executable, "-m"]
+    result = subprocess.run(
+        [*command, "torchtitan_ext.train", *args, "--dump_folder", str(dump_folder),
+         "--metrics.disable_color_printing"],
+        capture_output=True, text=True, timeout=600,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    losses = {int(step): float(loss) for step, loss in STEP_LOSS.findall(output)}
+    assert losses, output[-4000:]
+    return losses
+
+
+def backend_flavor(backend: str) -> str:
+    return "tiny-moe-" + backend.replace("_", "-")
+
+
+@pytest.fixture(scope="module")
+def ep2_runs(tmp_path_factory):
+    """Six steps of each backend's tiny flavor, 2 processes, expert parallel degree 2."""
+    return {
+        backend: train(
+            ["--flavor", backend_flavor(backend), "--training.steps", "6",
+             "--parallelism.expert_parallel_degree", "2"],
+            tmp_path_factory.mktemp(backend),
+            nproc=2,
+        )
+        for backend in COMPUTE_BACKENDS
+    }
+
+
+def test_loss_decreases_under_torchrun_with_ep2(ep2_runs):
+    for backend, losses in ep2_runs.items():
+        assert sorted(losses) == list(range(1, 7)), backend
+        assert losses[6] < losses[1] - 0.3, (backend, losses)
+
+
+def test_backends_give_the_same_first_step_loss(ep2_runs):
+    reference = ep2_runs["for_loop"][1]
+    for backend, losses in ep2_runs.items():
+        assert losses[1] == pytest.approx(reference, rel=1e-4), backend
+
+
+def test_checkpoint_continues_with_another_backend(tmp_path):
+    """A grouped_mm checkpoint resumes under for_loop exactly as under grouped_mm."""
+    checkpointing = ["--checkpoint.enable", "--checkpoint.interval", "3"]
+    saved = tmp_path / "saved"
+    first_part = train(["--flavor", "tiny-moe-grouped-mm", "--training.steps", "3", *checkpointing], saved)
+    assert sorted(first_part) == [1, 2, 3]
+
+    resumed = {}
+    for backend in ("grouped_mm", "for_loop"):
+        folder = tmp_path / backend
+        shutil.copytree(saved, folder)
+        resumed[backend] = train(
+            ["--flavor", backend_flavor(backend), "--training.steps", "5", *checkpointing], folder
+        )
+        assert sorted(resumed[backend]) == [4, 5], backend
+    for step in (4, 5):
+        assert resumed["for_loop"][step] == pytest.approx(resumed["grouped_mm"][step], rel=1e-4)
