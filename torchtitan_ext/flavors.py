@@ -1,7 +1,8 @@
-"""List registered flavors, or show one flavor's resolved config.
+"""List registered flavors, show one flavor's resolved config, or list TOML keys.
 
     python -m torchtitan_ext.flavors
     python -m torchtitan_ext.flavors --show tiny-moe-grouped-mm --toml my.toml
+    python -m torchtitan_ext.flavors --keys
 """
 
 import argparse
@@ -13,7 +14,7 @@ import torch
 from torchtitan.models.common.moe import MoE
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.overrides import ConfigError
+from torchtitan_ext.overrides import ConfigError, short_keys
 from torchtitan_ext.registry import all_flavors
 from torchtitan_ext.train import resolve_config
 
@@ -80,6 +81,13 @@ def show_flavor(name: str, tomls: list[str]) -> None:
     print(json.dumps(resolved, indent=2, default=repr))
 
 
+def list_short_keys() -> None:
+    all_flavors()  # experiments register their keys on import
+    width = max(len(k.key) for k in short_keys())
+    for key in short_keys():
+        print(f"{key.key.ljust(width)}  {key.help}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m torchtitan_ext.flavors",
@@ -87,11 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         "or print one flavor's resolved config after TOML overrides.",
     )
     parser.add_argument("--show", metavar="NAME", help="print the resolved config of flavor NAME")
+    parser.add_argument("--keys", action="store_true",
+                        help="list the short TOML keys (any config field path also works)")
     parser.add_argument("--toml", action="append", default=[], metavar="FILE",
                         help="TOML overrides applied before --show (repeatable, later wins)")
     args = parser.parse_args(argv)
     try:
-        if args.show:
+        if args.keys:
+            list_short_keys()
+        elif args.show:
             show_flavor(args.show, args.toml)
         elif args.toml:
             parser.error("--toml only applies together with --show NAME")
