@@ -137,3 +137,12 @@ def test_unknown_backend_is_an_error_listing_valid_ones():
         validate_compute_backend("cuda_magic")
     with pytest.raises(ValueError, match="unknown compute_backend 'cuda_magic'"):
         BackendGroupedExperts.Config(dim=4, hidden_dim=4, num_experts=2, compute_backend="cuda_magic")
+
+
+def test_batched_mm_padded_equals_for_loop_up_to_summation_order():
+    for dtype, bound in ((torch.float32, 1e-6), (torch.bfloat16, 0.0)):
+        tensors, counts_E, grad_out = make_inputs([9, 0, 4, 17, 1], 32, 48, dtype, dtype, 5)
+        expected = run_backend(for_loop_experts, tensors, counts_E, grad_out)
+        actual = run_backend(EXPERT_BACKENDS["batched_mm_padded"], tensors, counts_E, grad_out)
+        for a, e in zip([actual[0], *actual[1]], [expected[0], *expected[1]]):
+            assert relative_error(a, e) <= bound, dtype

@@ -1,0 +1,51 @@
+"""The docs describe what exists: every short TOML key is documented, README commands parse."""
+
+import re
+import shlex
+from pathlib import Path
+
+from torchtitan_ext.overrides import short_keys
+from torchtitan_ext.registry import all_flavors
+from torchtitan_ext.train import FlavorConfigManager
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS_TEXT = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])
+
+
+def documented_commands(module: str) -> list[tuple[int, list[str]]]:
+    """(processes, arguments) of every ``-m <module>`` invocation in README.md and docs/."""
+    commands = []
+    for line in DOCS_TEXT.splitlines():
+        match = re.search(rf"-m {re.escape(module)}(\s[^`]*)?", line)
+        if match:
+            nproc = re.search(r"--nproc_per_node[= ](\d+)", line)
+            args = shlex.split((match.group(1) or "").split("#")[0])
+            commands.append((int(nproc.group(1)) if nproc else 1, args))
+    return commands
+
+
+def test_every_short_key_is_documented():
+    all_flavors()
+    missing = [k.key for k in short_keys() if f"`{k.key}`" not in DOCS_TEXT]
+    assert not missing, f"short keys missing from docs/: {missing}"
+
+
+def test_documented_train_commands_parse(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("my.toml", "base.toml", "sweep.toml"):
+        (tmp_path / name).write_text("[training]\nsteps = 3\n")
+    commands = documented_commands("torchtitan_ext.train")
+    assert commands
+    for nproc, args in commands:
+        if not args or "--help" in args:
+            continue
+        monkeypatch.setenv("WORLD_SIZE", str(nproc))
+        FlavorConfigManager().parse_args(args)
+
+
+def test_documented_flavor_names_exist():
+    known = {f.name for f in all_flavors()}
+    for _, args in documented_commands("torchtitan_ext.train") + documented_commands("torchtitan_ext.flavors"):
+        for flag in ("--flavor", "--show"):
+            if flag in args:
+                assert args[args.index(flag) + 1] in known
