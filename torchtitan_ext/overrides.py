@@ -58,6 +58,25 @@ def register_short_key(key: str, annotation: Any, help: str):
     return decorator
 
 
+_CONFIG_CHECKS: list[Callable[[Any], None]] = []
+
+
+def register_config_check(check: Callable[[Any], None]) -> Callable[[Any], None]:
+    """Decorator registering ``check(config)``, run on the final config before training starts.
+
+    A check raises ``ConfigError`` for settings that are valid one by one but not together
+    (e.g. expert count vs expert-parallel degree).
+    """
+    _CONFIG_CHECKS.append(check)
+    return check
+
+
+def run_config_checks(config) -> None:
+    """Run every registered check on the final ``Trainer.Config``."""
+    for check in _CONFIG_CHECKS:
+        check(config)
+
+
 def short_keys() -> list[ShortKey]:
     return sorted(_SHORT_KEYS.values(), key=lambda k: k.key)
 

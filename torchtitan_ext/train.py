@@ -18,7 +18,7 @@ from torchtitan.config import ConfigManager
 
 from torchtitan_ext.cpu_support import adapt_config_for_cpu, cpu_training, patch_torchtitan_for_cpu
 from torchtitan_ext.moe_metrics import record_run_metadata
-from torchtitan_ext.overrides import ConfigError, apply_toml_files
+from torchtitan_ext.overrides import ConfigError, apply_toml_files, run_config_checks
 from torchtitan_ext.registry import UnknownFlavorError, get_flavor
 
 USAGE = """\
@@ -94,6 +94,7 @@ class FlavorConfigManager(ConfigManager):
         flavor, tomls, cli_args = self.run_arguments
         # Run metadata for the metrics loggers (wandb config).
         record_run_metadata(flavor=flavor, toml_files=tomls, cli_args=cli_args, config=config)
+        run_config_checks(config)  # cross-field checks, before any process group exists
         if cpu_training():
             adapt_config_for_cpu(config)
             patch_torchtitan_for_cpu()

@@ -21,7 +21,8 @@ from torchtitan_ext.moe_metrics import MoEMetricsProcessor
 from torchtitan_ext.registry import register_flavor
 
 from .experts import COMPUTE_BACKENDS, ComputeBackend
-from .model import MoEShape, qwen3_style_moe, use_backend_experts
+from .model import MoEShape, qwen3_style_moe, use_backend_experts, use_routing
+from .moe import with_router_loss_configuration
 
 TINY_SHAPE = MoEShape(
     vocab_size=640,
@@ -136,7 +137,8 @@ def olmoe_1b_7b() -> Trainer.Config:
 )
 def deepseek_v3_16b() -> Trainer.Config:
     model_spec = deepseek_v3_registry("16B")
-    use_backend_experts(model_spec.model, "grouped_mm")
+    use_routing(use_backend_experts(model_spec.model, "grouped_mm"))
+    model_spec.parallelize_fn = with_router_loss_configuration(model_spec.parallelize_fn)
     config = moe_trainer_config(
         model_spec, local_batch_size=4, seq_len=4096, steps=1000, lr=2.2e-4,
         warmup_steps=100, log_freq=10,

@@ -1,8 +1,22 @@
-"""Short TOML keys of the MoE backends experiment (``[moe]`` table)."""
+"""Short TOML keys of the MoE backends experiment (``[moe]`` table) and its start-up checks.
 
-from torchtitan_ext.overrides import ConfigError, register_short_key
+Every ``moe.*`` key sets one option on every MoE layer of the flavor's model; see
+docs/routing_and_ep.md. ``check_moe_config`` runs on the final config (after TOML and CLI)
+and rejects combinations that cannot train, before any process group is built.
+"""
 
+import os
+from typing import Literal
+
+import torch
+
+from torchtitan_ext.kernels.moe_token_permute import triton_unavailable_reason
+from torchtitan_ext.overrides import ConfigError, register_config_check, register_short_key
+
+from .dispatcher import PermuteBackend, RoutingDispatcher, validate_dispatch_options
 from .experts import BackendGroupedExperts, ComputeBackend
+from .moe import AuxLossType, RoutedMoE, validate_loss_options
+from .router import validate_router_options
 
 
 @register_short_key("moe.compute_backend", ComputeBackend, "expert compute backend of every MoE layer")
@@ -12,3 +26,174 @@ def set_compute_backend(config, backend: str) -> None:
         raise ConfigError("moe.compute_backend: this flavor's model has no backend-switchable experts")
     for _, experts_config, _, _ in experts:
         experts_config.compute_backend = backend
+
+
+def moe_configs(config, key: str) -> list[RoutedMoE.Config]:
+    """Every ``RoutedMoE.Config`` of the model; ConfigError naming ``key`` when there is none."""
+    moes = [moe for _, moe, _, _ in config.model_spec.model.traverse(RoutedMoE.Config)]
+    if not moes:
+        raise ConfigError(f"{key}: this flavor's model has no configurable MoE layers")
+    return moes
+
+
+def dispatcher_configs(config, key: str) -> list[RoutingDispatcher.Config]:
+    dispatchers = [moe.routed_experts.token_dispatcher for moe in moe_configs(config, key)]
+    if not all(isinstance(d, RoutingDispatcher.Config) for d in dispatchers):
+        raise ConfigError(f"{key}: this flavor's token dispatcher ({type(dispatchers[0]).__qualname__}) has no such option")
+    return dispatchers
+
+
+def _non_negative(key: str, value: float) -> float:
+    if value < 0:
+        raise ConfigError(f"{key} must be >= 0 (0 = off), got {value}")
+    return value
+
+
+def _router_key(name: str, annotation, help: str, convert=lambda key, value: value):
+    """Register ``moe.<name>``: sets ``router.<name>`` of every MoE layer."""
+
+    @register_short_key(f"moe.{name}", annotation, help)
+    def apply(config, value) -> None:
+        value = convert(f"moe.{name}", value)
+        for moe in moe_configs(config, f"moe.{name}"):
+            setattr(moe.router, name, value)
+
+
+def _positive_or_off(key: str, value):
+    """0 means off (None); otherwise the value must be positive."""
+    if value == 0:
+        return None
+    if value < 0:
+        raise ConfigError(f"{key} must be > 0, or 0 to turn it off; got {value}")
+    return value
+
+
+_router_key("score_func", Literal["softmax", "sigmoid"], "router score function")
+_router_key("route_norm", bool, "renormalize the top-k scores to sum 1")
+def _positive(key: str, value: float) -> float:
+    if value <= 0:
+        raise ConfigError(f"{key} must be > 0, got {value}")
+    return value
+
+
+_router_key("route_scale", float, "multiply the gating weights by this", _positive)
+_router_key("num_expert_groups", int, "group-limited routing: expert groups (0 = off)", _positive_or_off)
+_router_key("num_limited_groups", int, "group-limited routing: groups each token may use (0 = off)", _positive_or_off)
+_router_key("capacity_factor", float, "per-expert token capacity as a multiple of the balanced load (0 = no limit)",
+            _positive_or_off)
+
+
+@register_short_key("moe.top_k", int, "experts per token (router and dispatcher)")
+def set_top_k(config, top_k: int) -> None:
+    for moe in moe_configs(config, "moe.top_k"):
+        if not 1 <= top_k <= moe.num_experts:
+            raise ConfigError(f"moe.top_k must be in [1, {moe.num_experts}] (the number of experts), got {top_k}")
+        moe.router.top_k = top_k
+        moe.routed_experts.token_dispatcher.top_k = top_k
+
+
+@register_short_key("moe.load_balance_coeff", float, "aux-loss-free expert bias update rate (0 = off)")
+def set_load_balance_coeff(config, coeff: float) -> None:
+    value = _positive_or_off("moe.load_balance_coeff", coeff)
+    for moe in moe_configs(config, "moe.load_balance_coeff"):
+        moe.load_balance_coeff = value
+
+
+@register_short_key("moe.aux_loss_coeff", float, "load-balancing loss weight (0 = off)")
+def set_aux_loss_coeff(config, coeff: float) -> None:
+    for moe in moe_configs(config, "moe.aux_loss_coeff"):
+        moe.aux_loss_coeff = _non_negative("moe.aux_loss_coeff", coeff)
+
+
+@register_short_key("moe.aux_loss_type", AuxLossType, "load-balancing loss variant: seq, batch or global")
+def set_aux_loss_type(config, loss_type: str) -> None:
+    for moe in moe_configs(config, "moe.aux_loss_type"):
+        moe.aux_loss_type = loss_type
+
+
+@register_short_key("moe.z_loss_coeff", float, "router z-loss weight (0 = off)")
+def set_z_loss_coeff(config, coeff: float) -> None:
+    for moe in moe_configs(config, "moe.z_loss_coeff"):
+        moe.z_loss_coeff = _non_negative("moe.z_loss_coeff", coeff)
+
+
+@register_short_key("moe.permute_backend", PermuteBackend, "token permute/unpermute: torch or triton")
+def set_permute_backend(config, backend: str) -> None:
+    for dispatcher in dispatcher_configs(config, "moe.permute_backend"):
+        dispatcher.permute_backend = backend
+
+
+@register_short_key("moe.align_size", int, "pad each expert's rows to a multiple of this (1 = off)")
+def set_align_size(config, align_size: int) -> None:
+    if align_size < 1:
+        raise ConfigError(f"moe.align_size must be >= 1 (1 = no padding), got {align_size}")
+    for dispatcher in dispatcher_configs(config, "moe.align_size"):
+        dispatcher.align_size = align_size
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@register_config_check
+def check_moe_config(config) -> None:
+    """Router/dispatcher/loss options and EP degree vs experts, world and the other degrees."""
+    if config.model_spec is None:
+        return
+    moes = [moe for _, moe, _, _ in config.model_spec.model.traverse(RoutedMoE.Config)]
+    errors = []
+    for moe in moes:
+        router, dispatcher = moe.router, moe.routed_experts.token_dispatcher
+        try:
+            validate_router_options(
+                num_experts=router.num_experts, top_k=router.top_k,
+                num_expert_groups=router.num_expert_groups,
+                num_limited_groups=router.num_limited_groups,
+                capacity_factor=router.capacity_factor,
+            )
+            validate_loss_options(moe.aux_loss_coeff, moe.aux_loss_type, moe.z_loss_coeff)
+            if isinstance(dispatcher, RoutingDispatcher.Config):
+                validate_dispatch_options(dispatcher.permute_backend, dispatcher.align_size)
+                reason = triton_unavailable_reason(
+                    torch.device("cuda" if torch.cuda.is_available() else "cpu")
+                )
+                if dispatcher.permute_backend == "triton" and reason is not None:
+                    errors.append(f"moe.permute_backend = 'triton': {reason}")
+        except ValueError as e:
+            errors.append(f"moe: {e}")
+        if router.top_k != dispatcher.top_k:
+            errors.append(f"moe: router top_k ({router.top_k}) differs from the dispatcher's ({dispatcher.top_k}); set moe.top_k")
+    errors.extend(parallelism_errors(config, moes))
+    if errors:
+        raise ConfigError("\n".join(dict.fromkeys(errors)))
+
+
+def parallelism_errors(config, moes: list[RoutedMoE.Config], world_size: int | None = None) -> list[str]:
+    """Why this parallel layout cannot run the MoE layers (empty list: it can)."""
+    p = config.parallelism
+    world = _world_size() if world_size is None else world_size
+    ep, tp, cp, pp = p.expert_parallel_degree, p.tensor_parallel_degree, p.context_parallel_degree, p.pipeline_parallel_degree
+    dp_replicate, dp_shard = p.data_parallel_replicate_degree, p.data_parallel_shard_degree
+    errors = []
+    if min(ep, tp, cp, pp, dp_replicate) < 1 or (dp_shard < 1 and dp_shard != -1):
+        return [f"parallelism: degrees must be >= 1 (data_parallel_shard_degree may be -1); got ep={ep}, tp={tp}, cp={cp}, pp={pp}, dp_replicate={dp_replicate}, dp_shard={dp_shard}"]
+    if dp_shard == -1:
+        if world % (dp_replicate * cp * tp * pp):
+            return [f"parallelism: world size {world} is not divisible by dp_replicate*cp*tp*pp = {dp_replicate * cp * tp * pp}"]
+        dp_shard = world // (dp_replicate * cp * tp * pp)
+    if dp_replicate * dp_shard * cp * tp * pp != world:
+        errors.append(f"parallelism: dp_replicate({dp_replicate}) * dp_shard({dp_shard}) * cp({cp}) * tp({tp}) * pp({pp}) != world size {world}")
+    if ep > 1:
+        if world % ep:
+            errors.append(f"parallelism.expert_parallel_degree ({ep}) does not divide the world size ({world})")
+        if (dp_shard * cp * tp) % ep:
+            errors.append(
+                f"parallelism.expert_parallel_degree ({ep}) must divide dp_shard*cp*tp = {dp_shard * cp * tp} "
+                "(EP borrows ranks from data-shard, context and tensor parallelism)"
+            )
+        for num_experts in sorted({moe.num_experts for moe in moes}):
+            if num_experts % ep:
+                errors.append(f"parallelism.expert_parallel_degree ({ep}) does not divide the number of experts ({num_experts})")
+    if tp > 1 and any(moe.aux_loss_coeff > 0 or moe.z_loss_coeff > 0 for moe in moes):
+        errors.append("moe.aux_loss_coeff / moe.z_loss_coeff are not supported with tensor parallelism (tp > 1)")
+    return errors

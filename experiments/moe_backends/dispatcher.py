@@ -1,0 +1,288 @@
+"""Token dispatcher: local (EP=1) and expert-parallel all-to-all, with a permute backend choice.
+
+``RoutingDispatcher`` subclasses torchtitan's ``AllToAllTokenDispatcher``; without an EP mesh it
+dispatches locally, with one it uses torchtitan's count exchange, token all-to-all (autograd)
+and rank-major -> expert-major regroup, and the exact reverse on combine.
+
+Slots are the routed (token, k) pairs in token-major order (``s = t * top_k + k``). Expert id
+``num_experts`` marks a slot dropped by the router's capacity limit: it is not sent anywhere
+and contributes nothing to the output.
+
+Options (``Config``):
+- ``permute_backend``: ``"torch"`` (index_copy / gather) or ``"triton"``
+  (``torchtitan_ext.kernels.moe_token_permute``); used for the token -> expert-grouped
+  permute and for the weighted unpermute + sum over top_k in combine.
+- ``align_size``: pad each local expert's rows with zero rows to a multiple of it (block-aligned
+  kernels). The padded buffer has a static size, the sum of the real rows plus
+  ``E * (align_size - 1)`` rounded up to ``align_size``; the slack beyond the padded groups is
+  counted in the last expert's group. Padding rows are zeros, are never read back into the
+  output, and get no gradient.
+
+After each dispatch, ``last_num_padding_rows`` (a 0-d int64 tensor on the tokens' device) holds
+the zero rows the experts computed on top of the real routed rows.
+
+No host sync on the local path; the EP path has torchtitan's one (the split sizes).
+"""
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import spmd_types as spmd
+import torch
+import torch.nn.functional as F
+
+from torchtitan.distributed.spmd_types import current_spmd_mesh, maybe_set_sparse_mesh
+from torchtitan.distributed.utils import get_spmd_backend
+from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+from torchtitan_ext.kernels import moe_token_permute
+
+PermuteBackend = Literal["torch", "triton"]
+PERMUTE_BACKENDS: tuple[str, ...] = get_args(PermuteBackend)
+
+_PERMUTE = {
+    "torch": moe_token_permute.permute_tokens_reference,
+    "triton": moe_token_permute.permute_tokens,
+}
+_UNPERMUTE = {
+    "torch": moe_token_permute.unpermute_tokens_reference,
+    "triton": moe_token_permute.unpermute_tokens,
+}
+
+
+def padded_num_rows(num_real_rows: int, num_groups: int, align_size: int) -> int:
+    """Static row count of the padded buffer for ``num_real_rows`` rows in ``num_groups`` groups."""
+    if align_size == 1:
+        return num_real_rows
+    bound = num_real_rows + num_groups * (align_size - 1)
+    return -(-bound // align_size) * align_size
+
+
+def padded_groups(
+    counts_G: torch.Tensor, num_rows: int, align_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Start row and row count of each group in a padded buffer of ``num_rows`` rows.
+
+    Every group is rounded up to ``align_size`` rows; the rows left over at the end are added
+    to the last group so that the counts sum to ``num_rows``. Returns ``(starts_G, counts_G)``.
+    """
+    padded_G = (counts_G + align_size - 1) // align_size * align_size
+    starts_G = torch.cumsum(padded_G, 0) - padded_G
+    slack = num_rows - padded_G.sum()
+    padded_G = padded_G.index_add(0, padded_G.new_tensor([padded_G.shape[0] - 1]), slack.view(1))
+    return starts_G, padded_G
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlotPlan:
+    """Where every slot's row lives in the expert-grouped buffer."""
+
+    dest_row_S: torch.Tensor
+    """``(T*K,)`` int64 destination row of each slot, -1 when dropped"""
+    num_rows: int
+    """rows of the grouped buffer (static)"""
+    rows_per_expert_E: torch.Tensor
+    """``(E,)`` rows of each expert's group in the buffer, padding included"""
+    num_padding_rows: torch.Tensor
+    """0-d int64: rows of the buffer that hold no slot"""
+
+
+def plan_slots(topk_expert_ids_TK: torch.Tensor, num_experts: int, align_size: int) -> SlotPlan:
+    """Group slots by expert (stable: token order within an expert), dropped slots excluded."""
+    expert_of_slot_S = topk_expert_ids_TK.reshape(-1).long()
+    num_slots = expert_of_slot_S.shape[0]
+    device = expert_of_slot_S.device
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, expert_of_slot_S, torch.ones_like(expert_of_slot_S))
+    kept_counts_E = counts[:num_experts]
+    num_rows = padded_num_rows(num_slots, num_experts, align_size)
+    group_starts_E, rows_per_expert_E = padded_groups(kept_counts_E, num_rows, align_size)
+
+    order_S = torch.argsort(expert_of_slot_S, stable=True)
+    sorted_experts_S = expert_of_slot_S[order_S]
+    sorted_starts = torch.cumsum(counts, 0) - counts
+    rank_in_expert_S = torch.arange(num_slots, device=device) - sorted_starts[sorted_experts_S]
+    dest_starts = torch.cat([group_starts_E, group_starts_E.new_full((1,), -1)])
+    dest_sorted_S = torch.where(
+        sorted_experts_S < num_experts, dest_starts[sorted_experts_S] + rank_in_expert_S, -1
+    )
+    dest_row_S = torch.empty_like(dest_sorted_S).scatter_(0, order_S, dest_sorted_S)
+    return SlotPlan(
+        dest_row_S=dest_row_S,
+        num_rows=num_rows,
+        rows_per_expert_E=rows_per_expert_E,
+        num_padding_rows=num_rows - kept_counts_E.sum(),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutingDispatchMetadata:
+    """What ``combine`` needs to undo ``dispatch``."""
+
+    plan: SlotPlan
+    scores_S: torch.Tensor
+    """``(T*K,)`` gating weight of each slot"""
+    ep_input_shape: torch.Size | None = None
+    ep_permuted_indices: torch.Tensor | None = None
+    input_splits: list[int] | None = None
+    output_splits: list[int] | None = None
+    received_dest_row_R: torch.Tensor | None = None
+    """EP with align_size > 1: padded row of each received (expert-major) row"""
+
+
+class RoutingDispatcher(AllToAllTokenDispatcher):
+    """Local and all-to-all token dispatch with permute backend choice and aligned groups."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(AllToAllTokenDispatcher.Config):
+        permute_backend: PermuteBackend = "torch"
+        """``"torch"`` or ``"triton"``: how rows are permuted and combined."""
+        align_size: int = 1
+        """Pad each expert's rows to a multiple of this (1: no padding)."""
+
+        def __post_init__(self):
+            validate_dispatch_options(self.permute_backend, self.align_size)
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.permute_backend = config.permute_backend
+        self.align_size = config.align_size
+        self._permute_rows = _PERMUTE[config.permute_backend]
+        self._unpermute_rows = _UNPERMUTE[config.permute_backend]
+        self.last_num_padding_rows: torch.Tensor | None = None
+
+    def dispatch(
+        self,
+        x_TD: torch.Tensor,
+        topk_scores_TK: torch.Tensor,
+        topk_expert_ids_TK: torch.Tensor,
+        num_local_tokens_per_expert_E: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, RoutingDispatchMetadata]:
+        """Return ``(rows_RD, rows_per_local_expert_e, metadata)``, rows grouped by local expert.
+
+        ``num_local_tokens_per_expert_E`` counts the kept (not dropped) slots per expert.
+        """
+        if self.ep_mesh is None:
+            plan = plan_slots(topk_expert_ids_TK, self.num_experts, self.align_size)
+            rows_PD = self._permute_rows(x_TD, plan.dest_row_S, self.top_k, plan.num_rows)
+            self.last_num_padding_rows = plan.num_padding_rows
+            metadata = RoutingDispatchMetadata(plan=plan, scores_S=topk_scores_TK.reshape(-1))
+            return rows_PD, plan.rows_per_expert_E, metadata
+        return self._dispatch_expert_parallel(
+            x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
+        )
+
+    def combine(
+        self,
+        routed_output_RD: torch.Tensor,
+        metadata: RoutingDispatchMetadata,
+        x_TD: torch.Tensor,
+    ) -> torch.Tensor:
+        """Weight each slot's expert output by its score and sum over top_k -> ``(T, D)``."""
+        rows_ND = routed_output_RD
+        if self.ep_mesh is not None:
+            rows_ND = self._combine_expert_parallel(routed_output_RD, metadata)
+        return self._unpermute_rows(
+            rows_ND, metadata.plan.dest_row_S, metadata.scores_S, self.top_k
+        ).to(x_TD.dtype)
+
+    # ------------------------------------------------------------------ expert parallel
+
+    def _ep_group(self):
+        """The EP process group, found as torchtitan's dispatcher finds it."""
+        mesh = current_spmd_mesh() if get_spmd_backend() == "spmd_types" else None
+        if mesh is not None:
+            return mesh.get_group("ep")
+        assert self.ep_mesh is not None
+        return self.ep_mesh.get_group()
+
+    def _dispatch_expert_parallel(
+        self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
+    ):
+        if get_spmd_backend() == "spmd_types" and spmd.is_type_checking():
+            raise NotImplementedError("RoutingDispatcher does not support SPMD type checking")
+        assert self.ep_mesh is not None
+        ep_size = self.ep_mesh.size()
+        # Rows grouped by global expert = grouped by destination rank; dropped slots are
+        # zero rows at the end and are cut off before the all-to-all.
+        plan = plan_slots(topk_expert_ids_TK, self.num_experts, 1)
+        rows_ND = self._permute_rows(x_TD, plan.dest_row_S, self.top_k, plan.num_rows)
+        with maybe_set_sparse_mesh():
+            group = self._ep_group()
+            with torch.no_grad():
+                counts_exchanged = self._token_count_exchange(
+                    num_local_tokens_per_expert_E, group, ep_size
+                )
+                received_counts_E, input_splits, output_splits = (
+                    self._sync_token_count_exchange(
+                        num_local_tokens_per_expert_E, counts_exchanged, ep_size
+                    )
+                )
+            received_RD = self._dispatch_token_exchange(
+                rows_ND[: sum(input_splits)], group, output_splits, input_splits
+            )
+            input_shape, grouped_RD, permuted_indices, rows_per_local_expert_e = self._permute(
+                received_RD, received_counts_E
+            )
+        received_dest_row_R = None
+        num_padding_rows = 0
+        if self.align_size > 1:
+            num_received = grouped_RD.shape[0]
+            num_rows = padded_num_rows(num_received, rows_per_local_expert_e.shape[0], self.align_size)
+            starts_e, padded_counts_e = padded_groups(rows_per_local_expert_e, num_rows, self.align_size)
+            local_expert_R = torch.repeat_interleave(
+                torch.arange(starts_e.shape[0], device=starts_e.device),
+                rows_per_local_expert_e,
+                output_size=num_received,
+            )
+            real_starts_e = torch.cumsum(rows_per_local_expert_e, 0) - rows_per_local_expert_e
+            received_dest_row_R = (
+                starts_e[local_expert_R]
+                + torch.arange(num_received, device=starts_e.device)
+                - real_starts_e[local_expert_R]
+            )
+            grouped_RD = grouped_RD.new_zeros(num_rows, grouped_RD.shape[1]).index_copy(
+                0, received_dest_row_R, grouped_RD
+            )
+            rows_per_local_expert_e = padded_counts_e
+            num_padding_rows = num_rows - num_received
+        self.last_num_padding_rows = torch.tensor(num_padding_rows, device=x_TD.device)
+        metadata = RoutingDispatchMetadata(
+            plan=plan,
+            scores_S=topk_scores_TK.reshape(-1),
+            ep_input_shape=input_shape,
+            ep_permuted_indices=permuted_indices,
+            input_splits=input_splits,
+            output_splits=output_splits,
+            received_dest_row_R=received_dest_row_R,
+        )
+        return grouped_RD, rows_per_local_expert_e, metadata
+
+    def _combine_expert_parallel(
+        self, routed_output_RD: torch.Tensor, metadata: RoutingDispatchMetadata
+    ) -> torch.Tensor:
+        """Strip padding, expert-major -> rank-major, all-to-all back, re-add dropped rows."""
+        assert metadata.input_splits is not None and metadata.output_splits is not None
+        if metadata.received_dest_row_R is not None:
+            routed_output_RD = routed_output_RD[metadata.received_dest_row_R]
+        with maybe_set_sparse_mesh():
+            group = self._ep_group()
+            rank_major_RD = self._unpermute(
+                routed_output_RD, metadata.ep_input_shape, metadata.ep_permuted_indices
+            )
+            returned_KD = self._combine_token_exchange(
+                rank_major_RD, group, metadata.input_splits, metadata.output_splits
+            )
+        num_dropped = metadata.plan.num_rows - sum(metadata.input_splits)
+        if num_dropped:
+            return F.pad(returned_KD, (0, 0, 0, num_dropped))
+        return torch.ops._c10d_functional.wait_tensor(returned_KD)
+
+
+def validate_dispatch_options(permute_backend: str, align_size: int) -> None:
+    """Raise ``ValueError`` naming the bad dispatcher option and what would be valid."""
+    if permute_backend not in PERMUTE_BACKENDS:
+        raise ValueError(
+            f"unknown permute_backend {permute_backend!r}; valid: {', '.join(PERMUTE_BACKENDS)}"
+        )
+    if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size < 1:
+        raise ValueError(f"align_size must be an integer >= 1, got {align_size!r}")

@@ -1,0 +1,215 @@
+"""Token permute / weighted unpermute for MoE dispatch, Triton kernels and plain-torch reference.
+
+Slots are the routed (token, k) pairs in token-major order, ``s = t * top_k + k``. A dispatch
+plan gives every slot its destination row in the expert-grouped buffer, ``dest_row_S``
+(``-1`` for a dropped slot). Rows of the buffer that no slot maps to are padding and are zero.
+
+- ``permute_tokens(x_TD, dest_row_S, top_k, num_rows)`` -> ``rows_PD``:
+  ``rows_PD[dest_row_S[s]] = x_TD[s // top_k]``, every other row zero.
+- ``unpermute_tokens(rows_PD, dest_row_S, scores_S, top_k)`` -> ``y_TD``:
+  ``y_TD[t] = sum_k scores_S[t*K+k] * rows_PD[dest_row_S[t*K+k]]`` (fp32 accumulation,
+  dropped slots contribute nothing), in the dtype of ``rows_PD``.
+
+Both are differentiable in every floating input; gradients never touch padding rows
+(the gradient of a padding row of ``rows_PD`` is zero). The Triton versions need CUDA, or
+CPU tensors under ``TRITON_INTERPRET=1``; they do no host sync.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def triton_unavailable_reason(*devices: torch.device) -> str | None:
+    """None when the kernels can run on tensors of ``devices`` here, else a sentence saying why not."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    for device in devices:
+        if device.type == ("cpu" if interpreted else "cuda"):
+            continue
+        return (
+            f"the Triton permute kernels need CUDA tensors (got {device}), "
+            "or CPU tensors with TRITON_INTERPRET=1 set before the kernels are imported"
+        )
+    return None
+
+
+def _check_runnable(*tensors: torch.Tensor) -> None:
+    reason = triton_unavailable_reason(*(t.device for t in tensors))
+    if reason is not None:
+        raise RuntimeError(reason)
+
+
+def _block_d(dim: int) -> int:
+    return min(1024, triton.next_power_of_2(dim))
+
+
+# ---------------------------------------------------------------- plain torch reference
+
+
+def permute_tokens_reference(
+    x_TD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_rows: int
+) -> torch.Tensor:
+    """Scatter each slot's token row to its destination row; dropped slots go to a scratch row."""
+    dest_S = torch.where(dest_row_S < 0, num_rows, dest_row_S).long()
+    token_S = torch.arange(dest_S.shape[0], device=x_TD.device) // top_k
+    rows_PD = x_TD.new_zeros(num_rows + 1, x_TD.shape[1])
+    rows_PD = rows_PD.index_copy(0, dest_S, x_TD[token_S])
+    return rows_PD[:num_rows]
+
+
+def unpermute_tokens_reference(
+    rows_PD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """Gather each slot's row, weight by its score in fp32 and sum the ``top_k`` slots of a token."""
+    num_rows, dim = rows_PD.shape
+    dest_S = torch.where(dest_row_S < 0, num_rows, dest_row_S).long()
+    padded_PD = torch.cat([rows_PD, rows_PD.new_zeros(1, dim)])
+    weighted_SD = padded_PD[dest_S].float() * scores_S.float().unsqueeze(1)
+    return weighted_SD.view(-1, top_k, dim).sum(dim=1).to(rows_PD.dtype)
+
+
+# ---------------------------------------------------------------- Triton kernels
+
+
+@triton.jit
+def _permute_kernel(x_ptr, rows_ptr, dest_ptr, dim, top_k, BLOCK_D: tl.constexpr):
+    slot = tl.program_id(0)
+    dest = tl.load(dest_ptr + slot).to(tl.int64)
+    token = (slot // top_k).to(tl.int64)
+    for start in range(0, dim, BLOCK_D):
+        offs = start + tl.arange(0, BLOCK_D)
+        mask = offs < tl.where(dest >= 0, dim, 0)  # dropped slot: nothing
+        row = tl.load(x_ptr + token * dim + offs, mask=mask)
+        tl.store(rows_ptr + dest * dim + offs, row, mask=mask)
+
+
+@triton.jit
+def _sum_slots_kernel(grad_rows_ptr, dest_ptr, grad_x_ptr, dim, top_k, BLOCK_D: tl.constexpr):
+    """grad_x[t] = sum_k grad_rows[dest[t*K+k]] (the backward of the permute)."""
+    token = tl.program_id(0).to(tl.int64)
+    for start in range(0, dim, BLOCK_D):
+        offs = start + tl.arange(0, BLOCK_D)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for k in range(0, top_k):
+            dest = tl.load(dest_ptr + token * top_k + k).to(tl.int64)
+            mask = offs < tl.where(dest >= 0, dim, 0)  # dropped slot: nothing
+            acc += tl.load(grad_rows_ptr + dest * dim + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(grad_x_ptr + token * dim + offs, acc.to(grad_x_ptr.dtype.element_ty), mask=offs < dim)
+
+
+@triton.jit
+def _unpermute_kernel(rows_ptr, dest_ptr, scores_ptr, y_ptr, dim, top_k, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    for start in range(0, dim, BLOCK_D):
+        offs = start + tl.arange(0, BLOCK_D)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for k in range(0, top_k):
+            dest = tl.load(dest_ptr + token * top_k + k).to(tl.int64)
+            score = tl.load(scores_ptr + token * top_k + k).to(tl.float32)
+            mask = offs < tl.where(dest >= 0, dim, 0)  # dropped slot: nothing
+            row = tl.load(rows_ptr + dest * dim + offs, mask=mask, other=0.0).to(tl.float32)
+            acc += row * score
+        tl.store(y_ptr + token * dim + offs, acc.to(y_ptr.dtype.element_ty), mask=offs < dim)
+
+
+@triton.jit
+def _unpermute_backward_kernel(
+    rows_ptr, dest_ptr, scores_ptr, grad_y_ptr, grad_rows_ptr, grad_scores_ptr, dim, top_k,
+    BLOCK_D: tl.constexpr,
+):
+    """Per slot: grad_rows[dest] = score * grad_y[t]; grad_score = <rows[dest], grad_y[t]>."""
+    slot = tl.program_id(0).to(tl.int64)
+    token = slot // top_k
+    dest = tl.load(dest_ptr + slot).to(tl.int64)
+    score = tl.load(scores_ptr + slot).to(tl.float32)
+    dot = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, dim, BLOCK_D):
+        offs = start + tl.arange(0, BLOCK_D)
+        mask = offs < tl.where(dest >= 0, dim, 0)  # dropped slot: nothing
+        grad_y = tl.load(grad_y_ptr + token * dim + offs, mask=mask, other=0.0).to(tl.float32)
+        row = tl.load(rows_ptr + dest * dim + offs, mask=mask, other=0.0).to(tl.float32)
+        dot += row * grad_y
+        tl.store(
+            grad_rows_ptr + dest * dim + offs,
+            (grad_y * score).to(grad_rows_ptr.dtype.element_ty),
+            mask=mask,
+        )
+    tl.store(grad_scores_ptr + slot, tl.sum(dot, axis=0).to(grad_scores_ptr.dtype.element_ty))
+
+
+class _PermuteTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, dest_row_S, top_k, num_rows):
+        x_TD = x_TD.contiguous()
+        dim = x_TD.shape[1]
+        rows_PD = x_TD.new_zeros(num_rows, dim)
+        if dest_row_S.numel():
+            _permute_kernel[(dest_row_S.shape[0],)](
+                x_TD, rows_PD, dest_row_S, dim, top_k, BLOCK_D=_block_d(dim)
+            )
+        ctx.save_for_backward(dest_row_S)
+        ctx.top_k, ctx.num_tokens = top_k, x_TD.shape[0]
+        return rows_PD
+
+    @staticmethod
+    def backward(ctx, grad_rows_PD):
+        (dest_row_S,) = ctx.saved_tensors
+        grad_rows_PD = grad_rows_PD.contiguous()
+        dim = grad_rows_PD.shape[1]
+        grad_x_TD = grad_rows_PD.new_empty(ctx.num_tokens, dim)
+        if ctx.num_tokens:
+            _sum_slots_kernel[(ctx.num_tokens,)](
+                grad_rows_PD, dest_row_S, grad_x_TD, dim, ctx.top_k, BLOCK_D=_block_d(dim)
+            )
+        return grad_x_TD, None, None, None
+
+
+class _UnpermuteTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows_PD, dest_row_S, scores_S, top_k):
+        rows_PD = rows_PD.contiguous()
+        scores_S = scores_S.contiguous()
+        dim = rows_PD.shape[1]
+        num_tokens = dest_row_S.shape[0] // top_k
+        y_TD = rows_PD.new_empty(num_tokens, dim)
+        if num_tokens:
+            _unpermute_kernel[(num_tokens,)](
+                rows_PD, dest_row_S, scores_S, y_TD, dim, top_k, BLOCK_D=_block_d(dim)
+            )
+        ctx.save_for_backward(rows_PD, dest_row_S, scores_S)
+        ctx.top_k = top_k
+        return y_TD
+
+    @staticmethod
+    def backward(ctx, grad_y_TD):
+        rows_PD, dest_row_S, scores_S = ctx.saved_tensors
+        grad_y_TD = grad_y_TD.contiguous()
+        dim = rows_PD.shape[1]
+        grad_rows_PD = torch.zeros_like(rows_PD)
+        grad_scores_S = torch.empty_like(scores_S)
+        if dest_row_S.numel():
+            _unpermute_backward_kernel[(dest_row_S.shape[0],)](
+                rows_PD, dest_row_S, scores_S, grad_y_TD, grad_rows_PD, grad_scores_S, dim,
+                ctx.top_k, BLOCK_D=_block_d(dim),
+            )
+        return grad_rows_PD, None, grad_scores_S, None
+
+
+def permute_tokens(
+    x_TD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_rows: int
+) -> torch.Tensor:
+    """Triton version of :func:`permute_tokens_reference`."""
+    _check_runnable(x_TD, dest_row_S)
+    return _PermuteTokens.apply(x_TD, dest_row_S, top_k, num_rows)
+
+
+def unpermute_tokens(
+    rows_PD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """Triton version of :func:`unpermute_tokens_reference`."""
+    _check_runnable(rows_PD, dest_row_S, scores_S)
+    return _UnpermuteTokens.apply(rows_PD, dest_row_S, scores_S, top_k)
