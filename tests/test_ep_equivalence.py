@@ -1,0 +1,192 @@
+"""Expert parallelism trains the same layer as EP=1, on CPU with gloo.
+
+Layer level: EP = 1, 2 and 4 processes (spawned here) each run their share of one batch
+through the MoE layer; outputs and every gradient (input, router gate, each expert's
+weights) equal a single-process run on the whole batch, for every compute backend, with
+uneven splits and a rank whose experts receive no token, and with the aux / z losses on.
+
+Training level: a tiny flavor trained for a few steps with torchrun on 2 processes gives the
+same loss curve with EP=2 as with EP=1 (data parallel only), so both see the same data.
+"""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+
+from torchtitan.distributed.utils import set_spmd_backend
+from torchtitan.models.common.config_utils import (
+    make_moe_config,
+    make_routed_experts_config,
+    make_router_config,
+)
+from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS
+from torchtitan_ext.experiments.moe_backends.model import use_backend_experts, use_routing
+
+NUM_EXPERTS, TOP_K, DIM, HIDDEN = 8, 2, 16, 24
+BATCH_PER_RANK, SEQ_LEN = 2, 6
+MAX_WORLD = 4
+
+LOSS_CASES = [
+    dict(aux_loss_coeff=0.0, z_loss_coeff=0.0, aux_loss_type="batch"),
+    dict(aux_loss_coeff=0.1, z_loss_coeff=0.01, aux_loss_type="global"),
+    dict(aux_loss_coeff=0.1, z_loss_coeff=0.0, aux_loss_type="seq"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_layer(compute_backend: str, *, aux_loss_coeff, z_loss_coeff, aux_loss_type):
+    """A RoutedMoE layer with deterministic weights (identical in every process)."""
+    init = {"weight": torch.nn.init.zeros_}
+    config = make_moe_config(
+        num_experts=NUM_EXPERTS,
+        router=make_router_config(
+            dim=DIM, num_experts=NUM_EXPERTS, gate_param_init=init, top_k=TOP_K,
+            score_func="softmax", route_norm=True,
+        ),
+        routed_experts=make_routed_experts_config(
+            dim=DIM, hidden_dim=HIDDEN, num_experts=NUM_EXPERTS, top_k=TOP_K,
+            param_init={}, comm_backend="standard",
+        ),
+        load_balance_coeff=None,
+    )
+    config = use_routing(use_backend_experts(config, compute_backend))
+    config.aux_loss_coeff, config.z_loss_coeff, config.aux_loss_type = (
+        aux_loss_coeff, z_loss_coeff, aux_loss_type,
+    )
+    layer = config.build()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in sorted(layer.named_parameters()):
+            param.copy_(torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5)
+        # Feature 0 of every token is large (see ``batch``): experts 6 and 7 (the last
+        # rank's at EP=4) get no token, and experts 0 and 1 get more than the others.
+        layer.router.gate.weight[6:, 0] = -10.0
+        layer.router.gate.weight[:2, 0] = 1.0
+    return layer
+
+
+def batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    x_BLD = torch.randn(world * BATCH_PER_RANK, SEQ_LEN, DIM, generator=generator)
+    x_BLD[..., 0] = 2.0
+    grad_BLD = torch.randn(x_BLD.shape, generator=generator)
+    return x_BLD, grad_BLD
+
+
+def run_layer(layer, x_BLD, grad_BLD):
+    x_BLD = x_BLD.clone().requires_grad_()
+    out_BLD = layer(x_BLD)
+    out_BLD.backward(grad_BLD)
+    grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    return out_BLD.detach(), x_BLD.grad, grads
+
+
+def shard_experts(layer, rank: int, world: int) -> None:
+    experts = layer.routed_experts.inner_experts
+    per_rank = NUM_EXPERTS // world
+    for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
+        full = getattr(experts, name)
+        setattr(experts, name, torch.nn.Parameter(full.detach()[rank * per_rank:(rank + 1) * per_rank].clone()))
+
+
+def check_layer_shard(rank: int, world: int, ep_mesh) -> None:
+    """This rank's outputs and gradients equal the single-process run on the whole batch."""
+    x_all, grad_all = batch(world)
+    mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    per_rank = NUM_EXPERTS // world
+    experts = slice(rank * per_rank, (rank + 1) * per_rank)
+    for losses in LOSS_CASES:
+        reference = build_layer("for_loop", **losses)
+        ref_out, ref_x_grad, ref_grads = run_layer(reference, x_all, grad_all)
+        for backend in COMPUTE_BACKENDS:
+            layer = build_layer(backend, **losses)
+            if ep_mesh is not None:
+                shard_experts(layer, rank, world)
+                layer.routed_experts.token_dispatcher.wire_meshes(ep_mesh=ep_mesh)
+                layer.loss_scale, layer.loss_group = 1.0 / world, dist.group.WORLD
+            out, x_grad, grads = run_layer(layer, x_all[mine], grad_all[mine])
+            what = f"rank {rank}/{world} {backend} {losses}"
+            torch.testing.assert_close(out, ref_out[mine], msg=lambda m: f"{what} output: {m}")
+            torch.testing.assert_close(x_grad, ref_x_grad[mine], msg=lambda m: f"{what} x grad: {m}")
+            gate_grad = grads["router.gate.weight"]
+            if ep_mesh is not None:
+                dist.all_reduce(gate_grad)
+            torch.testing.assert_close(
+                gate_grad, ref_grads["router.gate.weight"], msg=lambda m: f"{what} gate grad: {m}"
+            )
+            for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
+                key = f"routed_experts.inner_experts.{name}"
+                torch.testing.assert_close(
+                    grads[key], ref_grads[key][experts], msg=lambda m: f"{what} {name} grad: {m}"
+                )
+
+
+def ep_worker(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    set_spmd_backend("partial_dtensor")  # the backend CPU training uses
+    torch.set_num_threads(1)
+    try:
+        check_layer_shard(rank, world, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_moe_layer_ep1_local_dispatch_equals_reference():
+    check_layer_shard(0, 1, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_layer_under_ep_equals_single_process(world):
+    mp.spawn(ep_worker, args=(world, free_port()), nprocs=world, join=True)
+
+
+def test_skewed_router_leaves_last_experts_empty():
+    layer = build_layer("for_loop", **LOSS_CASES[0])
+    x_all, _ = batch(MAX_WORLD)
+    layer(x_all)
+    counts_E = layer.last_tokens_per_expert_E
+    assert counts_E[6:].sum() == 0 and counts_E[:6].min() >= 0
+    assert len(set(counts_E[:6].tolist())) > 1, "splits should be uneven"
+
+
+def train_losses(tmp_path: Path, expert_parallel_degree: int) -> list[float]:
+    """Losses of the first steps of a 2-process torchrun training run (rank 0's log)."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        f"--master_port={free_port()}", "--local-ranks-filter=0", "-m", "torchtitan_ext.train",
+        "--flavor", "tiny-moe-for-loop",
+        "--training.steps", "4", "--training.local_batch_size", "2", "--training.seq_len", "64",
+        "--parallelism.expert_parallel_degree", str(expert_parallel_degree),
+        "--dump_folder", str(tmp_path / f"ep{expert_parallel_degree}"),
+        "--metrics.disable_color_printing",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+    losses = [float(v) for v in re.findall(r"step:\s+\d+\s+loss:\s+([0-9.]+)", log)]
+    assert len(losses) == 4, log[-4000:]
+    return losses
+
+
+@pytest.mark.slow
+def test_training_loss_curve_ep2_equals_ep1(tmp_path):
+    ep1 = train_losses(tmp_path, 1)
+    ep2 = train_losses(tmp_path, 2)
+    assert ep1 == pytest.approx(ep2, rel=1e-4), (ep1, ep2)
