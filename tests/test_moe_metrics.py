@@ -2,7 +2,6 @@
 ``.wandb`` file, and unit checks of the routing statistics on forced routings."""
 
 import glob
-import importlib.util
 import json
 import math
 import os
@@ -27,7 +26,6 @@ from torchtitan_ext.train import resolve_config
 NUM_EXPERTS, TOP_K, BATCH, SEQ_LEN = 8, 2, 8, 128  # the tiny flavors
 ROUTED_PER_STEP = BATCH * SEQ_LEN * TOP_K
 LAYERS = ("layer_0", "layer_1")
-HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None  # heatmaps need it
 
 
 def read_wandb_records(path):
@@ -116,10 +114,9 @@ def test_offline_run_logs_moe_metrics_per_layer(offline_run):
         assert row[model + "padding_rows_per_step"] == pytest.approx(
             sum(row[f"moe/{s}/padding_rows_per_step"] for s in LAYERS))
         assert "loss_metrics/global_avg_loss" in row  # torchtitan's own metrics in the same rows
-    if HAS_MATPLOTLIB:
-        assert history[1]["moe/model/tokens_per_expert_heatmap/_type"] == "image-file"
-        assert "moe/model/tokens_per_expert_heatmap/_type" not in history[2]  # next due at step >= 4
-        assert history[4]["moe/model/tokens_per_expert_heatmap/_type"] == "image-file"
+    assert history[1]["moe/model/tokens_per_expert_heatmap/_type"] == "image-file"
+    assert "moe/model/tokens_per_expert_heatmap/_type" not in history[2]  # next due at step >= 4
+    assert history[4]["moe/model/tokens_per_expert_heatmap/_type"] == "image-file"
 
 
 def test_offline_run_config_has_run_metadata(offline_run):
@@ -142,8 +139,7 @@ def test_offline_run_writes_tensorboard_events(offline_run):
     events = EventAccumulator(events_dir, size_guidance={"histograms": 0, "images": 0}).Reload()
     assert "moe/layer_0/load_imbalance" in events.Tags()["scalars"]
     assert "moe/layer_1/tokens_per_expert" in events.Tags()["histograms"]
-    if HAS_MATPLOTLIB:
-        assert "moe/model/tokens_per_expert_heatmap" in events.Tags()["images"]
+    assert "moe/model/tokens_per_expert_heatmap" in events.Tags()["images"]
 
 
 def test_routing_scalars_on_crafted_loads():
@@ -205,7 +201,6 @@ def test_eval_forwards_are_not_counted():
 
 
 def test_heatmap_is_a_png():
-    pytest.importorskip("matplotlib")
     png = routing_heatmap_png(np.arange(16).reshape(2, 8), ["layer_0", "layer_1"], step=5)
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 

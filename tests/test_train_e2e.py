@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS
+from torchtitan_ext.experiments.moe_backends.flavors import tiny_flavor_name
 
 pytestmark = [
     pytest.mark.slow,
@@ -42,16 +43,12 @@ def train(args: list[str], dump_folder, nproc: int = 1) -> dict[int, float]:
     return losses
 
 
-def backend_flavor(backend: str) -> str:
-    return "tiny-moe-" + backend.replace("_", "-")
-
-
 @pytest.fixture(scope="module")
 def ep2_runs(tmp_path_factory):
     """Six steps of each backend's tiny flavor, 2 processes, expert parallel degree 2."""
     return {
         backend: train(
-            ["--flavor", backend_flavor(backend), "--training.steps", "6",
+            ["--flavor", tiny_flavor_name(backend), "--training.steps", "6",
              "--parallelism.expert_parallel_degree", "2"],
             tmp_path_factory.mktemp(backend),
             nproc=2,
@@ -84,7 +81,7 @@ def test_checkpoint_continues_with_another_backend(tmp_path):
         folder = tmp_path / backend
         shutil.copytree(saved, folder)
         resumed[backend] = train(
-            ["--flavor", backend_flavor(backend), "--training.steps", "5", *checkpointing], folder
+            ["--flavor", tiny_flavor_name(backend), "--training.steps", "5", *checkpointing], folder
         )
         assert sorted(resumed[backend]) == [4, 5], backend
     for step in (4, 5):

@@ -616,12 +616,7 @@ class MoEMetricsProcessor(MetricsProcessor):
 
     def _log_rich(self, rich: dict[str, Any], step: int) -> None:
         """Histograms and the heatmap, in each logger's own format."""
-        heatmap_png = None
-        if "heatmap" in rich:
-            try:
-                heatmap_png = routing_heatmap_png(*rich["heatmap"], step=step)
-            except ImportError:
-                logger.warning("moe metrics: matplotlib is not installed; no heatmap")
+        heatmap_png = routing_heatmap_png(*rich["heatmap"], step=step) if "heatmap" in rich else None
         for rich_logger in self._rich_loggers:
             if isinstance(rich_logger, WandBLogger):
                 _log_rich_wandb(rich_logger, rich["histograms"], heatmap_png, step)

@@ -85,9 +85,13 @@ def moe_trainer_config(
     )
 
 
+def tiny_flavor_name(compute_backend: ComputeBackend) -> str:
+    return "tiny-moe-" + compute_backend.replace("_", "-")
+
+
 def tiny_moe(compute_backend: ComputeBackend) -> Trainer.Config:
     return moe_trainer_config(
-        qwen3_style_moe(f"tiny-moe-{compute_backend}", TINY_SHAPE, compute_backend=compute_backend),
+        qwen3_style_moe(tiny_flavor_name(compute_backend), TINY_SHAPE, compute_backend=compute_backend),
         local_batch_size=8,
         seq_len=128,
         steps=50,
@@ -111,7 +115,7 @@ def full_size(name: str, shape: MoEShape) -> Trainer.Config:
 
 for _backend in COMPUTE_BACKENDS:
     register_flavor(
-        f"tiny-moe-{_backend.replace('_', '-')}",
+        tiny_flavor_name(_backend),
         f"2-layer, 8-expert top-2 MoE (dim 64) for CPU smoke runs; {_backend} experts",
     )(lambda backend=_backend: tiny_moe(backend))
 
