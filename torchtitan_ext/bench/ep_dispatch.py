@@ -1,0 +1,255 @@
+"""Expert-parallel dispatch + combine on GPUs: equivalence check and bandwidth benchmark.
+
+    torchrun --nproc_per_node=4 -m torchtitan_ext.bench.ep_dispatch --out results.json
+
+Per (tokens per rank T, model dim D, top_k 8, balanced or skewed routing), on every rank:
+
+- ``dispatch_combine``: ``RoutingDispatcher.dispatch`` + ``combine`` (no expert compute), forward.
+- ``raw_a2a``: two NCCL ``all_to_all_single`` calls with the same split sizes and bytes
+  (dispatch and combine), in the same run: the ceiling.
+- overheads, timed alone: ``count_exchange`` (all-to-all of the per-expert counts),
+  ``host_sync`` (split sizes to the host), ``local_permute`` (tokens -> expert-grouped rows and the
+  weighted unpermute + sum over top_k), ``regroup`` (rank-major <-> expert-major on the receiver).
+
+Bandwidth is the bytes a rank sends to other ranks (both directions) over the time, max over
+ranks. ``--check`` first runs the EP layer equivalence (EP = world vs one GPU, every compute
+backend, both permute backends) and records the largest errors.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.compiler
+
+if not hasattr(torch.compiler, "_is_non_strict_tracing"):  # older torch: torchtitan only reads it
+    torch.compiler._is_non_strict_tracing = lambda: False
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from torchtitan.distributed.utils import set_spmd_backend
+from torchtitan.models.common.config_utils import (
+    make_moe_config,
+    make_routed_experts_config,
+    make_router_config,
+)
+from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher, plan_slots
+from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS
+from torchtitan_ext.experiments.moe_backends.model import use_backend_experts, use_routing
+
+NUM_EXPERTS, TOP_K = 64, 8
+
+
+def cuda_time_ms(fn, iters: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    elapsed = torch.tensor([start.elapsed_time(end) / iters], device="cuda")
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def routing(num_tokens: int, skewed: bool, world: int, generator: torch.Generator):
+    """top-k expert ids ``(T, K)``: uniform, or rank r's experts weighted linspace(2, 0.5)[r]."""
+    weights_E = torch.ones(NUM_EXPERTS)
+    if skewed:
+        weights_E = torch.linspace(2.0, 0.5, world).repeat_interleave(NUM_EXPERTS // world)
+    ids_TK = torch.multinomial(weights_E.expand(num_tokens, -1), TOP_K, generator=generator)
+    return ids_TK.cuda()
+
+
+def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(rank)
+    ids_TK = routing(num_tokens, skewed, world, generator)
+    x_TD = torch.randn(num_tokens, dim, device="cuda", dtype=torch.bfloat16)
+    scores_TK = torch.rand(num_tokens, TOP_K, device="cuda")
+    counts_E = torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS)
+    dispatcher = RoutingDispatcher(RoutingDispatcher.Config(
+        num_experts=NUM_EXPERTS, top_k=TOP_K, permute_backend=permute_backend
+    ))
+    dispatcher.wire_meshes(ep_mesh=mesh)
+
+    def dispatch_combine():
+        rows, _, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+        return dispatcher.combine(rows, metadata, x_TD)
+
+    _, _, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    input_splits, output_splits = metadata.input_splits, metadata.output_splits
+    send = torch.empty(sum(input_splits), dim, device="cuda", dtype=torch.bfloat16)
+    receive = torch.empty(sum(output_splits), dim, device="cuda", dtype=torch.bfloat16)
+
+    def raw_a2a():
+        dist.all_to_all_single(receive, send, output_splits, input_splits)
+        dist.all_to_all_single(send, receive, input_splits, output_splits)
+
+    group = mesh.get_group()
+
+    def count_exchange():
+        exchanged = dispatcher._token_count_exchange(counts_E, group, world)
+        torch.ops._c10d_functional.wait_tensor(exchanged)
+
+    exchanged = dispatcher._token_count_exchange(counts_E, group, world)
+
+    def host_sync():
+        dispatcher._sync_token_count_exchange(counts_E, exchanged, world)
+
+    plan = plan_slots(ids_TK, NUM_EXPERTS, 1)
+    rows_ND = dispatcher._permute_rows(x_TD, plan.dest_row_S, TOP_K, plan.num_rows)
+
+    def local_permute():
+        plan = plan_slots(ids_TK, NUM_EXPERTS, 1)
+        rows = dispatcher._permute_rows(x_TD, plan.dest_row_S, TOP_K, plan.num_rows)
+        dispatcher._unpermute_rows(rows, plan.dest_row_S, scores_TK.reshape(-1), TOP_K)
+
+    received_counts_E, _, _ = dispatcher._sync_token_count_exchange(counts_E, exchanged, world)
+
+    def regroup():
+        shape, grouped, indices, _ = dispatcher._permute(receive, received_counts_E)
+        dispatcher._unpermute(grouped, shape, indices)
+
+    times = {name: cuda_time_ms(fn) for name, fn in (
+        ("dispatch_combine", dispatch_combine), ("raw_a2a", raw_a2a), ("count_exchange", count_exchange),
+        ("host_sync", host_sync), ("local_permute", local_permute), ("regroup", regroup),
+    )}
+    del rows_ND
+    remote_rows = sum(input_splits) - input_splits[rank] + sum(output_splits) - output_splits[rank]
+    remote = torch.tensor([remote_rows * dim * 2], device="cuda", dtype=torch.float64)
+    dist.all_reduce(remote, op=dist.ReduceOp.MAX)
+    remote_bytes = remote.item()
+    return {
+        "world": world, "tokens_per_rank": num_tokens, "dim": dim, "top_k": TOP_K,
+        "num_experts": NUM_EXPERTS, "routing": "skewed" if skewed else "balanced",
+        "permute_backend": permute_backend,
+        "ms": {k: round(v, 4) for k, v in times.items()},
+        "remote_MB_per_rank_max": round(remote_bytes / 1e6, 1),
+        "dispatch_combine_GBps": round(remote_bytes / times["dispatch_combine"] / 1e6, 1),
+        "raw_a2a_GBps": round(remote_bytes / times["raw_a2a"] / 1e6, 1),
+        "fraction_of_raw": round(times["raw_a2a"] / times["dispatch_combine"], 3),
+    }
+
+
+def build_layer(compute_backend: str, permute_backend: str, dim: int = 256, hidden: int = 384):
+    init = {"weight": torch.nn.init.zeros_}
+    config = make_moe_config(
+        num_experts=NUM_EXPERTS,
+        router=make_router_config(dim=dim, num_experts=NUM_EXPERTS, gate_param_init=init, top_k=TOP_K,
+                                  score_func="sigmoid", route_norm=True),
+        routed_experts=make_routed_experts_config(dim=dim, hidden_dim=hidden, num_experts=NUM_EXPERTS,
+                                                  top_k=TOP_K, param_init={}, comm_backend="standard"),
+        load_balance_coeff=None,
+    )
+    config = use_routing(use_backend_experts(config, compute_backend))
+    config.aux_loss_coeff, config.aux_loss_type, config.z_loss_coeff = 0.01, "global", 1e-3
+    config.routed_experts.token_dispatcher.permute_backend = permute_backend
+    with torch.device("cuda"):
+        layer = config.build()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, param in sorted(layer.named_parameters()):
+            param.copy_(torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5)
+        layer.router.gate.weight[-NUM_EXPERTS // 8:] -= 0.2  # uneven splits
+    return layer
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30))
+
+
+def check_equivalence(mesh) -> list[dict]:
+    """EP=world vs a single GPU on the whole batch: output and every gradient."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = NUM_EXPERTS // world
+    generator = torch.Generator().manual_seed(1)
+    x_all = torch.randn(world * 2, 512, 256, generator=generator).cuda()
+    grad_all = torch.randn(x_all.shape, generator=generator).cuda()
+    mine, experts = slice(2 * rank, 2 * rank + 2), slice(rank * per_rank, (rank + 1) * per_rank)
+    results = []
+    for compute_backend in COMPUTE_BACKENDS:
+        for permute_backend in ("torch", "triton"):
+            dtype = torch.bfloat16 if compute_backend == "grouped_mm" else torch.float32
+            outs = []
+            for ep in (False, True):
+                layer = build_layer(compute_backend, permute_backend)
+                if ep:
+                    inner = layer.routed_experts.inner_experts
+                    for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
+                        setattr(inner, name, torch.nn.Parameter(getattr(inner, name).detach()[experts].clone()))
+                    layer.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+                    layer.loss_scale, layer.loss_group = 1.0 / world, mesh.get_group()
+                x = (x_all[mine] if ep else x_all).to(dtype).requires_grad_()
+                out = layer(x)
+                out.backward((grad_all[mine] if ep else grad_all).to(dtype))
+                grads = {n: p.grad for n, p in layer.named_parameters()}
+                if ep:
+                    dist.all_reduce(grads["router.gate.weight"])
+                outs.append((out.detach(), x.grad, grads))
+            (ref_out, ref_xg, ref_g), (out, xg, g) = outs
+            errors = {
+                "output": rel_err(out, ref_out[mine]),
+                "x_grad": rel_err(xg, ref_xg[mine]),
+                "gate_grad": rel_err(g["router.gate.weight"], ref_g["router.gate.weight"]),
+            }
+            for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
+                key = f"routed_experts.inner_experts.{name}"
+                errors[f"{name}_grad"] = rel_err(g[key], ref_g[key][experts])
+            worst = torch.tensor(list(errors.values()), device="cuda")
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            results.append({
+                "world": world, "compute_backend": compute_backend, "permute_backend": permute_backend,
+                "dtype": str(dtype).removeprefix("torch."),
+                "max_rel_err_over_ranks": dict(zip(errors, [float(f"{v:.3g}") for v in worst.tolist()])),
+            })
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="JSON file written by rank 0")
+    parser.add_argument("--check", action="store_true", help="run the EP equivalence check first")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--dims", type=int, nargs="+", default=[2048, 7168])
+    args = parser.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    set_spmd_backend("partial_dtensor")
+    mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("ep",))
+    report = {
+        "device": torch.cuda.get_device_name(), "world": world,
+        "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if args.check:
+        try:
+            report["equivalence"] = check_equivalence(mesh)
+        except Exception as e:  # recorded, so the benchmark still runs
+            report["equivalence_error"] = f"{type(e).__name__}: {e}"
+    report["bench"] = []
+    for num_tokens in args.tokens:
+        for dim in args.dims:
+            for skewed in (False, True):
+                for permute_backend in ("torch", "triton"):
+                    row = bench_case(mesh, num_tokens, dim, skewed, permute_backend)
+                    report["bench"].append(row)
+                    if rank == 0:
+                        print(json.dumps(row), flush=True)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
