@@ -4,7 +4,9 @@ import re
 import shlex
 from pathlib import Path
 
-from torchtitan_ext.overrides import short_keys
+import pytest
+
+from torchtitan_ext.overrides import ConfigError, short_keys
 from torchtitan_ext.registry import all_flavors
 from torchtitan_ext.train import FlavorConfigManager
 
@@ -12,15 +14,20 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS_TEXT = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])
 
 
-def documented_commands(module: str) -> list[tuple[int, list[str]]]:
-    """(processes, arguments) of every ``-m <module>`` invocation in README.md and docs/."""
+def documented_commands(module: str) -> list[tuple[int, list[str], bool]]:
+    """(processes, arguments, shown failing) of every ``-m <module>`` invocation in the docs.
+
+    A command whose next line starts with ``error:`` is an example of a rejected input.
+    """
     commands = []
-    for line in DOCS_TEXT.splitlines():
+    lines = DOCS_TEXT.splitlines()
+    for number, line in enumerate(lines):
         match = re.search(rf"-m {re.escape(module)}(\s[^`]*)?", line)
         if match:
             nproc = re.search(r"--nproc_per_node[= ](\d+)", line)
             args = shlex.split((match.group(1) or "").split("#")[0])
-            commands.append((int(nproc.group(1)) if nproc else 1, args))
+            shown_failing = number + 1 < len(lines) and lines[number + 1].startswith("error:")
+            commands.append((int(nproc.group(1)) if nproc else 1, args, shown_failing))
     return commands
 
 
@@ -36,16 +43,20 @@ def test_documented_train_commands_parse(tmp_path, monkeypatch):
         (tmp_path / name).write_text("[training]\nsteps = 3\n")
     commands = documented_commands("torchtitan_ext.train")
     assert commands
-    for nproc, args in commands:
+    for nproc, args, shown_failing in commands:
         if not args or "--help" in args:
             continue
         monkeypatch.setenv("WORLD_SIZE", str(nproc))
-        FlavorConfigManager().parse_args(args)
+        if shown_failing:
+            with pytest.raises(ConfigError):
+                FlavorConfigManager().parse_args(args)
+        else:
+            FlavorConfigManager().parse_args(args)
 
 
 def test_documented_flavor_names_exist():
     known = {f.name for f in all_flavors()}
-    for _, args in documented_commands("torchtitan_ext.train") + documented_commands("torchtitan_ext.flavors"):
+    for _, args, _ in documented_commands("torchtitan_ext.train") + documented_commands("torchtitan_ext.flavors"):
         for flag in ("--flavor", "--show"):
             if flag in args:
                 assert args[args.index(flag) + 1] in known
