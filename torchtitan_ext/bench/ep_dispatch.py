@@ -180,14 +180,14 @@ def check_equivalence(mesh) -> list[dict]:
             dtype = torch.bfloat16 if compute_backend == "grouped_mm" else torch.float32
             outs = []
             for ep in (False, True):
-                layer = build_layer(compute_backend, permute_backend)
+                layer = build_layer(compute_backend, permute_backend).to(dtype)
                 if ep:
                     inner = layer.routed_experts.inner_experts
                     for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
                         setattr(inner, name, torch.nn.Parameter(getattr(inner, name).detach()[experts].clone()))
                     layer.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
                     layer.loss_scale, layer.loss_group = 1.0 / world, mesh.get_group()
-                x = (x_all[mine] if ep else x_all).to(dtype).requires_grad_()
+                x = (x_all[mine] if ep else x_all).to(dtype).clone().requires_grad_()
                 out = layer(x)
                 out.backward((grad_all[mine] if ep else grad_all).to(dtype))
                 grads = {n: p.grad for n, p in layer.named_parameters()}
