@@ -108,6 +108,24 @@ def memory_of(fn_forward, grad_out, device):
     return round(held / 2**20, 1), round(peak / 2**20, 1)
 
 
+def kernel_breakdown(forward_backward, device, repeats=3):
+    """Device time per kernel name (ms per forward+backward), from the profiler."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            forward_backward()
+        torch.cuda.synchronize()
+    totals = {}
+    for event in prof.key_averages():
+        total_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if total_us:
+            totals[event.key[:60]] = round(total_us / repeats / 1e3, 3)
+    return dict(sorted(totals.items(), key=lambda item: -item[1])[:12])
+
+
 def bench_shape(name, tokens, dim, hidden, num_experts, top_k, skew, timer, device, dtype, impl_names):
     from torchtitan_ext.kernels.fused_moe import fused_moe_grouped, fused_moe_routed, reference_grouped
 
@@ -157,7 +175,10 @@ def bench_shape(name, tokens, dim, hidden, num_experts, top_k, skew, timer, devi
             torch.autograd.backward(fn(), grad_out)
 
         fwdbwd_ms = timer(forward_backward, grad_to_none=inputs)
+        for tensor in inputs:
+            tensor.grad = None
         held_mb, peak_mb = memory_of(fn, grad_out, device)
+        kernel_ms = kernel_breakdown(forward_backward, device) if impl_name.startswith("fused") else None
         for tensor in inputs:
             tensor.grad = None
         row[impl_name] = {
@@ -165,6 +186,8 @@ def bench_shape(name, tokens, dim, hidden, num_experts, top_k, skew, timer, devi
             "fwdbwd_ms": round(fwdbwd_ms, 3), "fwdbwd_tflops": round(3 * flops_fwd / fwdbwd_ms / 1e9, 1),
             "fwd_held_mb": held_mb, "fwdbwd_peak_mb": peak_mb, "rel_err_vs_grouped_mm": rel_err,
         }
+        if kernel_ms:
+            row[impl_name]["fwdbwd_kernel_ms"] = kernel_ms
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return row

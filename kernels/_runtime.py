@@ -1,0 +1,144 @@
+"""Where the Triton kernels can run, the autotune configs they try, and tile scheduling.
+
+Kernels run on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` (Triton's
+interpreter: slow, for tests on tiny shapes).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_available_reason() -> str | None:
+    """None when the Triton MoE kernels can run here, else a sentence saying why not."""
+    if interpreter_enabled():
+        return None
+    if not torch.cuda.is_available():
+        return (
+            "the Triton MoE kernels need a CUDA GPU, and CUDA is not available "
+            "(set TRITON_INTERPRET=1 to run them on CPU through Triton's interpreter)"
+        )
+    return None
+
+
+def check_runnable(*tensors: torch.Tensor) -> None:
+    """Raise RuntimeError when the kernels cannot run on these tensors."""
+    reason = triton_available_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise RuntimeError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    if device.type == "cpu" and not interpreter_enabled():
+        raise RuntimeError(
+            "the Triton MoE kernels got CPU tensors; move them to a CUDA device "
+            "or set TRITON_INTERPRET=1 to use Triton's interpreter"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"the Triton MoE kernels run on CUDA tensors, got device {device}")
+
+
+def gemm_configs(configs: list[tuple[int, int, int, int, int]]) -> list[triton.Config]:
+    """Autotune configs from (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tuples.
+
+    Under the interpreter a single small config keeps CPU tests fast.
+    """
+    if interpreter_enabled():
+        configs = [(16, 16, 16, 1, 1)]
+    return [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages
+        )
+        for bm, bn, bk, warps, stages in configs
+    ]
+
+
+# Hopper (H100/H200), bf16/fp16: wgmma-sized tiles, 4-5 deep cp.async pipelines.
+SINGLE_ACCUMULATOR_CONFIGS = [
+    (128, 128, 64, 8, 4),
+    (128, 256, 64, 8, 3),
+    (128, 256, 64, 8, 4),
+    (128, 128, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+]
+DUAL_ACCUMULATOR_CONFIGS = [
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 8, 3),
+    (128, 64, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+]
+
+
+def num_row_tiles_upper_bound(num_rows: int, num_experts: int, block_m: int) -> int:
+    """Row tiles that cover every expert segment plus a trailing segment of unassigned rows.
+
+    Each segment wastes at most one partial tile, so this bound holds for any counts and
+    sizes the grid without reading the counts on the host; programs past the real tiles exit.
+    """
+    return triton.cdiv(num_rows, block_m) + min(num_experts, num_rows) + 1
+
+
+@triton.jit
+def locate_row_tile(
+    m_tile,
+    group_end_ptr,
+    num_experts,
+    num_rows,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Map a row-tile index to (expert, first row, end row) over expert-contiguous segments.
+
+    ``group_end_ptr[e]`` is the exclusive end row of expert e (an inclusive cumsum of the
+    counts). Tiles after the last expert's tiles cover the trailing unassigned rows
+    [group_end[E-1], num_rows) and report expert == num_experts; tiles past those get an
+    empty row range.
+    """
+    expert_idx = tl.arange(0, BLOCK_E)
+    in_range = expert_idx < num_experts
+    ends = tl.load(group_end_ptr + expert_idx, mask=in_range, other=0)
+    starts = tl.load(group_end_ptr + expert_idx - 1, mask=in_range & (expert_idx > 0), other=0)
+    tiles = tl.where(in_range, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    tile_ends = tl.cumsum(tiles, 0)
+    expert = tl.sum((tile_ends <= m_tile).to(tl.int32), 0)
+    is_expert = expert_idx == expert
+    first_tile = tl.sum(tl.where(is_expert, tile_ends - tiles, 0), 0)
+    seg_start = tl.sum(tl.where(is_expert, starts, 0), 0)
+    seg_end = tl.sum(tl.where(is_expert, ends, 0), 0)
+    past_experts = expert >= num_experts
+    last_end = tl.sum(tl.where(expert_idx == num_experts - 1, ends, 0), 0)
+    first_tile = tl.where(past_experts, tl.sum(tiles, 0), first_tile)
+    seg_start = tl.where(past_experts, last_end, seg_start)
+    seg_end = tl.where(past_experts, num_rows, seg_end)
+    row_start = seg_start + (m_tile - first_tile) * BLOCK_M
+    return expert, row_start, seg_end
+
+
+@triton.jit
+def swizzle_tile(pid, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
+    """Group GROUP_M row tiles per column sweep so neighbouring programs share operands in L2."""
+    tiles_per_group = GROUP_M * num_n_tiles
+    group = pid // tiles_per_group
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    m_tile = first_m + (pid % tiles_per_group) % group_size
+    n_tile = (pid % tiles_per_group) // group_size
+    return m_tile, n_tile
+
+
+def block_experts(num_experts: int) -> int:
+    return max(2, triton.next_power_of_2(num_experts))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get full fp32 products; 16-bit inputs use the tensor cores' native path."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -1,0 +1,105 @@
+"""Fused Triton MoE expert compute: public entry points and plain-torch references.
+
+Weight layouts are torchtitan's: w1_EFD [E, F, D], w2_EDF [E, D, F], w3_EFD [E, F, D];
+each expert computes ``(silu(x @ w1[e].T) * (x @ w3[e].T)) @ w2[e].T``.
+
+Dtypes: compute runs in x's dtype with fp32 accumulation; weights of another dtype are
+cast to x's dtype for the compute, and their gradients come back in their own dtype.
+The output has x's dtype. All entry points are differentiable w.r.t. x, the weights and
+(routed) the router scores, and give the same result from run to run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from torchtitan_ext.kernels._runtime import triton_available_reason
+from torchtitan_ext.kernels.moe_permute import grouped_metadata, routing_metadata
+from torchtitan_ext.kernels.swiglu_experts import swiglu_experts
+
+__all__ = [
+    "fused_moe_grouped",
+    "fused_moe_routed",
+    "reference_grouped",
+    "reference_routed",
+    "triton_available_reason",
+]
+
+
+def fused_moe_grouped(
+    x_RD: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    num_tokens_per_expert_E: torch.Tensor,
+) -> torch.Tensor:
+    """SwiGLU experts on rows already grouped by expert (torchtitan's GroupedExperts contract).
+
+    Args:
+        x_RD: [R, D]; expert e owns the next num_tokens_per_expert_E[e] rows, in expert order.
+        num_tokens_per_expert_E: [E] integer counts with sum <= R. Rows past the sum belong to
+            no expert: their output rows are zero and their gradient rows are zero.
+
+    Returns:
+        out_RD: [R, D] in x's dtype.
+    """
+    return swiglu_experts(x_RD, w1_EFD, w2_EDF, w3_EFD, grouped_metadata(num_tokens_per_expert_E))
+
+
+def fused_moe_routed(
+    x_TD: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    topk_expert_ids_TK: torch.Tensor,
+    topk_scores_TK: torch.Tensor,
+) -> torch.Tensor:
+    """out[t] = sum_k topk_scores[t, k] * SwiGLU_{topk_expert_ids[t, k]}(x[t]).
+
+    Tokens are read in place through a row index (no permuted copy of x) and the weighted
+    expert outputs are written back per (token, k) slot, then summed over k.
+
+    Args:
+        x_TD: [T, D] tokens.
+        topk_expert_ids_TK: [T, K] integer ids in [0, E).
+        topk_scores_TK: [T, K] router weights (any float dtype; its gradient keeps that dtype).
+
+    Returns:
+        out_TD: [T, D] in x's dtype.
+    """
+    top_k = topk_expert_ids_TK.shape[1]
+    row_slot_N, group_end_E = routing_metadata(topk_expert_ids_TK, w1_EFD.shape[0])
+    out_TD = swiglu_experts(
+        x_TD, w1_EFD, w2_EDF, w3_EFD, group_end_E, row_slot_N, topk_scores_TK.reshape(-1), top_k
+    )
+    return out_TD
+
+
+def _swiglu_expert(x_ND, w1_FD, w2_DF, w3_FD):
+    return (F.silu(x_ND @ w1_FD.T) * (x_ND @ w3_FD.T)) @ w2_DF.T
+
+
+def reference_grouped(x_RD, w1_EFD, w2_EDF, w3_EFD, num_tokens_per_expert_E) -> torch.Tensor:
+    """Per-expert loop version of :func:`fused_moe_grouped` (same dtype contract)."""
+    w1, w2, w3 = (w.to(x_RD.dtype) for w in (w1_EFD, w2_EDF, w3_EFD))
+    outputs, start = [], 0
+    for expert, count in enumerate(num_tokens_per_expert_E.tolist()):
+        outputs.append(_swiglu_expert(x_RD[start : start + count], w1[expert], w2[expert], w3[expert]))
+        start += count
+    outputs.append(torch.zeros_like(x_RD[start:]))
+    return torch.cat(outputs)
+
+
+def reference_routed(x_TD, w1_EFD, w2_EDF, w3_EFD, topk_expert_ids_TK, topk_scores_TK) -> torch.Tensor:
+    """Per-expert loop version of :func:`fused_moe_routed` (same dtype contract)."""
+    w1, w2, w3 = (w.to(x_TD.dtype) for w in (w1_EFD, w2_EDF, w3_EFD))
+    out_TD = torch.zeros_like(x_TD)
+    for expert in range(w1.shape[0]):
+        token_idx, k_idx = torch.nonzero(topk_expert_ids_TK == expert, as_tuple=True)
+        if token_idx.numel() == 0:
+            continue
+        y_ND = _swiglu_expert(x_TD[token_idx], w1[expert], w2[expert], w3[expert])
+        weights_N = topk_scores_TK[token_idx, k_idx].to(x_TD.dtype)
+        out_TD = out_TD.index_add(0, token_idx, y_ND * weights_N[:, None])
+    return out_TD

@@ -1,0 +1,563 @@
+"""SwiGLU expert block over expert-grouped rows: Triton kernels, autograd.Function, entry point.
+
+For the rows of expert e (weights in torchtitan's layouts w1 [E,F,D], w2 [E,D,F], w3 [E,F,D]):
+
+    gate = x @ w1[e].T,  up = x @ w3[e].T,  h = silu(gate) * up,  y = h @ w2[e].T
+
+Two modes share the kernels:
+
+- grouped: the rows of x_RD are already grouped by expert; expert e owns rows
+  [group_end[e-1], group_end[e]); rows after group_end[E-1] belong to no expert and
+  get zero output (and zero gradient).
+- routed: x_TD holds tokens; grouped row r reads token ``row_slot[r] // top_k`` inside the
+  first GEMM's loads, and the second GEMM's epilogue multiplies by the router score of slot
+  ``row_slot[r]`` and writes the row to that slot of a [T*K, D] buffer, summed over K after.
+
+Forward saves the gate and up pre-activations [N, F]; backward recomputes h from them and
+overwrites them in place with their gradients. Every reduction has a fixed order: results
+are the same from run to run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from torchtitan_ext.kernels._runtime import (
+    DUAL_ACCUMULATOR_CONFIGS,
+    SINGLE_ACCUMULATOR_CONFIGS,
+    block_experts,
+    check_runnable,
+    dot_precision,
+    gemm_configs,
+    locate_row_tile,
+    num_row_tiles_upper_bound,
+    swizzle_tile,
+)
+
+GROUP_M = 8
+
+
+@triton.jit
+def _source_rows(rows, row_slot_ptr, top_k, HAS_GATHER: tl.constexpr):
+    """Row of the token matrix that each grouped row reads (int64); rows must be in bounds."""
+    if HAS_GATHER:
+        return (tl.load(row_slot_ptr + rows) // top_k).to(tl.int64)
+    return rows.to(tl.int64)
+
+
+@triton.jit
+def _destination_rows(rows, row_mask, row_slot_ptr, HAS_GATHER: tl.constexpr):
+    """Row of the output buffer that each grouped row writes (int64)."""
+    if HAS_GATHER:
+        return tl.load(row_slot_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    return rows.to(tl.int64)
+
+
+def _divides(**flag_to_dim_and_block):
+    """Heuristics: flag = (dim arg % block meta-parameter == 0); even tiles need no load masks."""
+    return {
+        flag: (lambda args, dim=dim, block=block: args[dim] % args[block] == 0)
+        for flag, (dim, block) in flag_to_dim_and_block.items()
+    }
+
+
+@triton.autotune(
+    configs=gemm_configs(DUAL_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER", "SAVE_PREACT"]
+)
+@triton.heuristics(_divides(EVEN_K=("dim", "BLOCK_K")))
+@triton.jit
+def _gate_up_forward_kernel(
+    x_ptr, w1_ptr, w3_ptr, gate_ptr, up_ptr, h_ptr, row_slot_ptr, group_end_ptr,
+    num_rows, num_experts, dim, hidden, top_k,
+    HAS_GATHER: tl.constexpr, SAVE_PREACT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """gate/up [N, F] = x[src rows] @ w1[e].T / w3[e].T; h = silu(gate) * up."""
+    num_m_tiles = tl.cdiv(num_rows, BLOCK_M) + tl.minimum(num_experts, num_rows) + 1
+    m_tile, n_tile = swizzle_tile(tl.program_id(0), num_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    expert, row_start, row_end = locate_row_tile(
+        m_tile, group_end_ptr, num_experts, num_rows, BLOCK_M, BLOCK_E
+    )
+    if expert >= num_experts:
+        return
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    src = _source_rows(tl.minimum(rows, row_end - 1), row_slot_ptr, top_k, HAS_GATHER)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + src[:, None] * dim + ks[None, :]
+    load_cols = tl.minimum(cols, hidden - 1).to(tl.int64)
+    w_offsets = expert.to(tl.int64) * hidden * dim + load_cols[None, :] * dim + ks[:, None]
+    w1_ptrs = w1_ptr + w_offsets
+    w3_ptrs = w3_ptr + w_offsets
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_tile in range(0, tl.cdiv(dim, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b1 = tl.load(w1_ptrs)
+            b3 = tl.load(w3_ptrs)
+        else:
+            k_mask = ks < dim - k_tile * BLOCK_K
+            a = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            b1 = tl.load(w1_ptrs, mask=k_mask[:, None], other=0.0)
+            b3 = tl.load(w3_ptrs, mask=k_mask[:, None], other=0.0)
+        gate = tl.dot(a, b1, gate, input_precision=DOT_PRECISION)
+        up = tl.dot(a, b3, up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w1_ptrs += BLOCK_K
+        w3_ptrs += BLOCK_K
+    out_offsets = rows.to(tl.int64)[:, None] * hidden + cols[None, :]
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if SAVE_PREACT:
+        tl.store(gate_ptr + out_offsets, gate.to(gate_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(up_ptr + out_offsets, up.to(up_ptr.dtype.element_ty), mask=out_mask)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(h_ptr + out_offsets, h.to(h_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.autotune(configs=gemm_configs(SINGLE_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"])
+@triton.heuristics(_divides(EVEN_K=("hidden", "BLOCK_K")))
+@triton.jit
+def _down_forward_kernel(
+    h_ptr, w2_ptr, out_ptr, row_slot_ptr, scores_ptr, group_end_ptr,
+    num_rows, num_experts, dim, hidden,
+    HAS_GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[dest rows] = (score *) h @ w2[e].T; unassigned trailing rows get zeros."""
+    num_m_tiles = tl.cdiv(num_rows, BLOCK_M) + tl.minimum(num_experts, num_rows) + 1
+    m_tile, n_tile = swizzle_tile(tl.program_id(0), num_m_tiles, tl.cdiv(dim, BLOCK_N), GROUP_M)
+    expert, row_start, row_end = locate_row_tile(
+        m_tile, group_end_ptr, num_experts, num_rows, BLOCK_M, BLOCK_E
+    )
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < dim
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if expert < num_experts:
+        ks = tl.arange(0, BLOCK_K)
+        load_rows = tl.minimum(rows, row_end - 1).to(tl.int64)
+        load_cols = tl.minimum(cols, dim - 1).to(tl.int64)
+        h_ptrs = h_ptr + load_rows[:, None] * hidden + ks[None, :]
+        w2_ptrs = w2_ptr + expert.to(tl.int64) * dim * hidden + load_cols[None, :] * hidden + ks[:, None]
+        for k_tile in range(0, tl.cdiv(hidden, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(h_ptrs)
+                b = tl.load(w2_ptrs)
+            else:
+                k_mask = ks < hidden - k_tile * BLOCK_K
+                a = tl.load(h_ptrs, mask=k_mask[None, :], other=0.0)
+                b = tl.load(w2_ptrs, mask=k_mask[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            h_ptrs += BLOCK_K
+            w2_ptrs += BLOCK_K
+    dest = _destination_rows(rows, row_mask, row_slot_ptr, HAS_GATHER)
+    if HAS_GATHER:
+        acc = acc * tl.load(scores_ptr + dest, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(
+        out_ptr + dest[:, None] * dim + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
+
+
+@triton.autotune(
+    configs=gemm_configs(SINGLE_ACCUMULATOR_CONFIGS),
+    key=["dim", "hidden", "HAS_GATHER"],
+    restore_value=["gate_ptr", "up_ptr"],
+)
+@triton.heuristics(_divides(EVEN_K=("dim", "BLOCK_K"), EVEN_N=("hidden", "BLOCK_N")))
+@triton.jit
+def _down_backward_kernel(
+    dy_ptr, w2_ptr, gate_ptr, up_ptr, h_ptr, row_slot_ptr, scores_ptr, dscore_partial_ptr,
+    group_end_ptr, num_rows, num_experts, dim, hidden, top_k,
+    HAS_GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """dh = dy[src rows] @ w2[e]; then, in place, gate <- d gate and up <- d up; h <- (score *) h.
+
+    Routed mode also writes the partial router-score gradient sum_f dh * h of this column
+    tile to dscore_partial[n_tile, slot].
+    """
+    num_m_tiles = tl.cdiv(num_rows, BLOCK_M) + tl.minimum(num_experts, num_rows) + 1
+    m_tile, n_tile = swizzle_tile(tl.program_id(0), num_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    expert, row_start, row_end = locate_row_tile(
+        m_tile, group_end_ptr, num_experts, num_rows, BLOCK_M, BLOCK_E
+    )
+    if expert >= num_experts:
+        return
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    src = _source_rows(tl.minimum(rows, row_end - 1), row_slot_ptr, top_k, HAS_GATHER)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    dy_ptrs = dy_ptr + src[:, None] * dim + ks[None, :]
+    w2_ptrs = w2_ptr + expert.to(tl.int64) * dim * hidden + ks[:, None].to(tl.int64) * hidden + cols[None, :]
+    dh = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_tile in range(0, tl.cdiv(dim, BLOCK_K)):
+        k_mask = ks < dim - k_tile * BLOCK_K
+        if EVEN_K:
+            a = tl.load(dy_ptrs)
+        else:
+            a = tl.load(dy_ptrs, mask=k_mask[None, :], other=0.0)
+        if EVEN_K and EVEN_N:
+            b = tl.load(w2_ptrs)
+        else:
+            b = tl.load(w2_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        dh = tl.dot(a, b, dh, input_precision=DOT_PRECISION)
+        dy_ptrs += BLOCK_K
+        w2_ptrs += BLOCK_K * hidden
+    offsets = rows.to(tl.int64)[:, None] * hidden + cols[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    h = silu * up
+    if HAS_GATHER:
+        slots = tl.load(row_slot_ptr + rows, mask=row_mask, other=0)
+        score = tl.load(scores_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(
+            dscore_partial_ptr + n_tile.to(tl.int64) * num_rows + slots,
+            tl.sum(dh * h, axis=1),
+            mask=row_mask,
+        )
+        dh = dh * score[:, None]
+        h = h * score[:, None]
+    dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))
+    dup = dh * silu
+    tl.store(gate_ptr + offsets, dgate.to(gate_ptr.dtype.element_ty), mask=mask)
+    tl.store(up_ptr + offsets, dup.to(up_ptr.dtype.element_ty), mask=mask)
+    tl.store(h_ptr + offsets, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.autotune(configs=gemm_configs(SINGLE_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"])
+@triton.heuristics(_divides(EVEN_K=("hidden", "BLOCK_K"), EVEN_N=("dim", "BLOCK_N")))
+@triton.jit
+def _gate_up_backward_input_kernel(
+    dgate_ptr, dup_ptr, w1_ptr, w3_ptr, dx_ptr, row_slot_ptr, group_end_ptr,
+    num_rows, num_experts, dim, hidden,
+    HAS_GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """dx[dest rows] = dgate @ w1[e] + dup @ w3[e]; unassigned trailing rows get zeros."""
+    num_m_tiles = tl.cdiv(num_rows, BLOCK_M) + tl.minimum(num_experts, num_rows) + 1
+    m_tile, n_tile = swizzle_tile(tl.program_id(0), num_m_tiles, tl.cdiv(dim, BLOCK_N), GROUP_M)
+    expert, row_start, row_end = locate_row_tile(
+        m_tile, group_end_ptr, num_experts, num_rows, BLOCK_M, BLOCK_E
+    )
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < dim
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if expert < num_experts:
+        ks = tl.arange(0, BLOCK_K)
+        load_rows = tl.minimum(rows, row_end - 1).to(tl.int64)
+        a_offsets = load_rows[:, None] * hidden + ks[None, :]
+        w_offsets = expert.to(tl.int64) * hidden * dim + ks[:, None].to(tl.int64) * dim + cols[None, :]
+        dgate_ptrs = dgate_ptr + a_offsets
+        w1_ptrs = w1_ptr + w_offsets
+        for k_tile in range(0, tl.cdiv(hidden, BLOCK_K)):
+            k_mask = ks < hidden - k_tile * BLOCK_K
+            if EVEN_K:
+                a = tl.load(dgate_ptrs)
+            else:
+                a = tl.load(dgate_ptrs, mask=k_mask[None, :], other=0.0)
+            if EVEN_K and EVEN_N:
+                b = tl.load(w1_ptrs)
+            else:
+                b = tl.load(w1_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            dgate_ptrs += BLOCK_K
+            w1_ptrs += BLOCK_K * dim
+        dup_ptrs = dup_ptr + a_offsets
+        w3_ptrs = w3_ptr + w_offsets
+        for k_tile in range(0, tl.cdiv(hidden, BLOCK_K)):
+            k_mask = ks < hidden - k_tile * BLOCK_K
+            if EVEN_K:
+                a = tl.load(dup_ptrs)
+            else:
+                a = tl.load(dup_ptrs, mask=k_mask[None, :], other=0.0)
+            if EVEN_K and EVEN_N:
+                b = tl.load(w3_ptrs)
+            else:
+                b = tl.load(w3_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            dup_ptrs += BLOCK_K
+            w3_ptrs += BLOCK_K * dim
+    dest = _destination_rows(rows, row_mask, row_slot_ptr, HAS_GATHER)
+    tl.store(
+        dx_ptr + dest[:, None] * dim + cols[None, :],
+        acc.to(dx_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
+
+
+@triton.jit
+def _expert_rows(group_end_ptr, expert):
+    row_end = tl.load(group_end_ptr + expert)
+    row_start = tl.load(group_end_ptr + expert - 1, mask=expert > 0, other=0)
+    return row_start, row_end
+
+
+@triton.autotune(configs=gemm_configs(SINGLE_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"])
+@triton.heuristics(_divides(EVEN_M=("dim", "BLOCK_M"), EVEN_N=("hidden", "BLOCK_N")))
+@triton.jit
+def _down_backward_weight_kernel(
+    dy_ptr, hs_ptr, dw2_ptr, row_slot_ptr, group_end_ptr,
+    dim, hidden, top_k,
+    HAS_GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """dw2[e] [D, F] = dy[src rows of e].T @ hs[rows of e] (hs = score-weighted h)."""
+    num_m_tiles = tl.cdiv(dim, BLOCK_M)
+    num_n_tiles = tl.cdiv(hidden, BLOCK_N)
+    pid = tl.program_id(0)
+    expert = pid // (num_m_tiles * num_n_tiles)
+    m_tile, n_tile = swizzle_tile(pid % (num_m_tiles * num_n_tiles), num_m_tiles, num_n_tiles, GROUP_M)
+    row_start, row_end = _expert_rows(group_end_ptr, expert)
+    d_cols = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    f_cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    d_mask = d_cols < dim
+    f_mask = f_cols < hidden
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
+    ks = tl.arange(0, BLOCK_K)
+    for row0 in range(row_start, full_end, BLOCK_K):
+        rows = row0 + ks
+        src = _source_rows(rows, row_slot_ptr, top_k, HAS_GATHER)
+        a_ptrs = dy_ptr + src[None, :] * dim + d_cols[:, None]
+        b_ptrs = hs_ptr + rows.to(tl.int64)[:, None] * hidden + f_cols[None, :]
+        if EVEN_M:
+            a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=d_mask[:, None], other=0.0)
+        if EVEN_N:
+            b = tl.load(b_ptrs)
+        else:
+            b = tl.load(b_ptrs, mask=f_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if full_end < row_end:
+        rows = full_end + ks
+        rows_mask = rows < row_end
+        src = _source_rows(tl.minimum(rows, row_end - 1), row_slot_ptr, top_k, HAS_GATHER)
+        a = tl.load(dy_ptr + src[None, :] * dim + d_cols[:, None], mask=rows_mask[None, :] & d_mask[:, None], other=0.0)
+        b = tl.load(
+            hs_ptr + rows.to(tl.int64)[:, None] * hidden + f_cols[None, :],
+            mask=rows_mask[:, None] & f_mask[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    out_offsets = expert.to(tl.int64) * dim * hidden + d_cols.to(tl.int64)[:, None] * hidden + f_cols[None, :]
+    out_mask = d_mask[:, None] & f_mask[None, :]
+    tl.store(dw2_ptr + out_offsets, acc.to(dw2_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.autotune(configs=gemm_configs(DUAL_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"])
+@triton.heuristics(_divides(EVEN_M=("hidden", "BLOCK_M"), EVEN_N=("dim", "BLOCK_N")))
+@triton.jit
+def _gate_up_backward_weight_kernel(
+    dgate_ptr, dup_ptr, x_ptr, dw1_ptr, dw3_ptr, row_slot_ptr, group_end_ptr,
+    dim, hidden, top_k,
+    HAS_GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """dw1[e] / dw3[e] [F, D] = dgate / dup [rows of e].T @ x[src rows of e]."""
+    num_m_tiles = tl.cdiv(hidden, BLOCK_M)
+    num_n_tiles = tl.cdiv(dim, BLOCK_N)
+    pid = tl.program_id(0)
+    expert = pid // (num_m_tiles * num_n_tiles)
+    m_tile, n_tile = swizzle_tile(pid % (num_m_tiles * num_n_tiles), num_m_tiles, num_n_tiles, GROUP_M)
+    row_start, row_end = _expert_rows(group_end_ptr, expert)
+    f_cols = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d_cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    f_mask = f_cols < hidden
+    d_mask = d_cols < dim
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
+    ks = tl.arange(0, BLOCK_K)
+    for row0 in range(row_start, full_end, BLOCK_K):
+        rows = row0 + ks
+        src = _source_rows(rows, row_slot_ptr, top_k, HAS_GATHER)
+        a_offsets = rows.to(tl.int64)[None, :] * hidden + f_cols[:, None]
+        b_ptrs = x_ptr + src[:, None] * dim + d_cols[None, :]
+        if EVEN_M:
+            a1 = tl.load(dgate_ptr + a_offsets)
+            a3 = tl.load(dup_ptr + a_offsets)
+        else:
+            a1 = tl.load(dgate_ptr + a_offsets, mask=f_mask[:, None], other=0.0)
+            a3 = tl.load(dup_ptr + a_offsets, mask=f_mask[:, None], other=0.0)
+        if EVEN_N:
+            b = tl.load(b_ptrs)
+        else:
+            b = tl.load(b_ptrs, mask=d_mask[None, :], other=0.0)
+        acc1 = tl.dot(a1, b, acc1, input_precision=DOT_PRECISION)
+        acc3 = tl.dot(a3, b, acc3, input_precision=DOT_PRECISION)
+    if full_end < row_end:
+        rows = full_end + ks
+        rows_mask = rows < row_end
+        src = _source_rows(tl.minimum(rows, row_end - 1), row_slot_ptr, top_k, HAS_GATHER)
+        a_offsets = rows.to(tl.int64)[None, :] * hidden + f_cols[:, None]
+        a_mask = rows_mask[None, :] & f_mask[:, None]
+        a1 = tl.load(dgate_ptr + a_offsets, mask=a_mask, other=0.0)
+        a3 = tl.load(dup_ptr + a_offsets, mask=a_mask, other=0.0)
+        b = tl.load(x_ptr + src[:, None] * dim + d_cols[None, :], mask=rows_mask[:, None] & d_mask[None, :], other=0.0)
+        acc1 = tl.dot(a1, b, acc1, input_precision=DOT_PRECISION)
+        acc3 = tl.dot(a3, b, acc3, input_precision=DOT_PRECISION)
+    out_offsets = expert.to(tl.int64) * hidden * dim + f_cols.to(tl.int64)[:, None] * dim + d_cols[None, :]
+    out_mask = f_mask[:, None] & d_mask[None, :]
+    tl.store(dw1_ptr + out_offsets, acc1.to(dw1_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(dw3_ptr + out_offsets, acc3.to(dw3_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _row_tile_grid(num_rows: int, num_experts: int, num_cols: int):
+    def grid(meta):
+        m_tiles = num_row_tiles_upper_bound(num_rows, num_experts, meta["BLOCK_M"])
+        return (m_tiles * triton.cdiv(num_cols, meta["BLOCK_N"]),)
+
+    return grid
+
+
+def _weight_grid(num_experts: int, rows_of_out: int, cols_of_out: int):
+    def grid(meta):
+        return (num_experts * triton.cdiv(rows_of_out, meta["BLOCK_M"]) * triton.cdiv(cols_of_out, meta["BLOCK_N"]),)
+
+    return grid
+
+
+def _min_block_n(configs) -> int:
+    return min(config.kwargs["BLOCK_N"] for config in configs)
+
+
+class SwiGLUExpertsFunction(torch.autograd.Function):
+    """Differentiable SwiGLU experts over expert-grouped rows (see module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x_XD, w1_EFD, w2_EDF, w3_EFD, scores_N, group_end_E, row_slot_N, top_k):
+        routed = row_slot_N is not None
+        num_experts, hidden, dim = w1_EFD.shape
+        num_rows = row_slot_N.shape[0] if routed else x_XD.shape[0]
+        x_XD = x_XD.contiguous()
+        w1, w2, w3 = (w.to(x_XD.dtype).contiguous() for w in (w1_EFD, w2_EDF, w3_EFD))
+        save_preact = any(ctx.needs_input_grad[:5])
+        gate_NF = x_XD.new_empty(num_rows, hidden) if save_preact else None
+        up_NF = x_XD.new_empty(num_rows, hidden) if save_preact else None
+        h_NF = x_XD.new_empty(num_rows, hidden)
+        scores = scores_N.contiguous() if routed else None
+        common = dict(
+            DOT_PRECISION=dot_precision(x_XD.dtype), BLOCK_E=block_experts(num_experts), GROUP_M=GROUP_M
+        )
+        _gate_up_forward_kernel[_row_tile_grid(num_rows, num_experts, hidden)](
+            x_XD, w1, w3, gate_NF, up_NF, h_NF, row_slot_N, group_end_E,
+            num_rows, num_experts, dim, hidden, top_k,
+            HAS_GATHER=routed, SAVE_PREACT=save_preact, **common,
+        )
+        rows_out = x_XD.new_empty(num_rows, dim)
+        _down_forward_kernel[_row_tile_grid(num_rows, num_experts, dim)](
+            h_NF, w2, rows_out, row_slot_N, scores, group_end_E,
+            num_rows, num_experts, dim, hidden,
+            HAS_GATHER=routed, **common,
+        )
+        out = rows_out.view(-1, top_k, dim).sum(dim=1) if routed and top_k > 1 else rows_out
+        ctx.save_for_backward(x_XD, w1_EFD, w2_EDF, w3_EFD, scores, group_end_E, row_slot_N, gate_NF, up_NF)
+        ctx.top_k = top_k
+        ctx.routed = routed
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x_XD, w1_EFD, w2_EDF, w3_EFD, scores, group_end_E, row_slot_N, gate_NF, up_NF = ctx.saved_tensors
+        routed, top_k = ctx.routed, ctx.top_k
+        num_experts, hidden, dim = w1_EFD.shape
+        num_rows = gate_NF.shape[0]
+        dout = dout.to(x_XD.dtype).contiguous()
+        w1, w2, w3 = (w.to(x_XD.dtype).contiguous() for w in (w1_EFD, w2_EDF, w3_EFD))
+        common = dict(DOT_PRECISION=dot_precision(x_XD.dtype), GROUP_M=GROUP_M)
+        row_common = dict(BLOCK_E=block_experts(num_experts), **common)
+
+        hs_NF = x_XD.new_empty(num_rows, hidden)
+        dscore_partial = None
+        if routed:
+            max_col_tiles = triton.cdiv(hidden, _min_block_n(_down_backward_kernel.configs))
+            dscore_partial = torch.zeros(max_col_tiles, num_rows, device=x_XD.device, dtype=torch.float32)
+        _down_backward_kernel[_row_tile_grid(num_rows, num_experts, hidden)](
+            dout, w2, gate_NF, up_NF, hs_NF, row_slot_N, scores, dscore_partial,
+            group_end_E, num_rows, num_experts, dim, hidden, top_k,
+            HAS_GATHER=routed, **row_common,
+        )
+        dgate_NF, dup_NF = gate_NF, up_NF
+
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx_rows = x_XD.new_empty(num_rows, dim)
+            _gate_up_backward_input_kernel[_row_tile_grid(num_rows, num_experts, dim)](
+                dgate_NF, dup_NF, w1, w3, dx_rows, row_slot_N, group_end_E,
+                num_rows, num_experts, dim, hidden,
+                HAS_GATHER=routed, **row_common,
+            )
+            dx = dx_rows.view(-1, top_k, dim).sum(dim=1) if routed and top_k > 1 else dx_rows
+
+        dw2 = None
+        if ctx.needs_input_grad[2]:
+            dw2 = torch.empty_like(w2_EDF)
+            _down_backward_weight_kernel[_weight_grid(num_experts, dim, hidden)](
+                dout, hs_NF, dw2, row_slot_N, group_end_E, dim, hidden, top_k,
+                HAS_GATHER=routed, **common,
+            )
+        dw1 = dw3 = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[3]:
+            dw1 = torch.empty_like(w1_EFD)
+            dw3 = torch.empty_like(w3_EFD)
+            _gate_up_backward_weight_kernel[_weight_grid(num_experts, hidden, dim)](
+                dgate_NF, dup_NF, x_XD, dw1, dw3, row_slot_N, group_end_E, dim, hidden, top_k,
+                HAS_GATHER=routed, **common,
+            )
+        dscores = None
+        if routed and ctx.needs_input_grad[4]:
+            dscores = dscore_partial.sum(dim=0).to(scores.dtype)
+        return dx, dw1, dw2, dw3, dscores, None, None, None
+
+
+def swiglu_experts(
+    x_XD: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    group_end_E: torch.Tensor,
+    row_slot_N: torch.Tensor | None = None,
+    scores_N: torch.Tensor | None = None,
+    top_k: int = 1,
+) -> torch.Tensor:
+    """SwiGLU experts; grouped mode when row_slot_N is None, routed mode otherwise.
+
+    Args:
+        x_XD: grouped mode: [R, D] rows grouped by expert; routed mode: [T, D] tokens.
+        group_end_E: [E] int32 exclusive end row of each expert's segment.
+        row_slot_N: routed mode: [N = T*K] int32 token-major slot of each grouped row.
+        scores_N: routed mode: [N] router weight of each slot (token-major).
+        top_k: routed mode: K.
+
+    Returns:
+        grouped: [R, D]; routed: [T, D] = sum_k scores * expert output. Dtype of x.
+    """
+    tensors = [x_XD, w1_EFD, w2_EDF, w3_EFD, group_end_E]
+    if row_slot_N is not None:
+        if scores_N is None:
+            raise ValueError("routed mode needs scores_N alongside row_slot_N")
+        tensors += [row_slot_N, scores_N]
+    check_runnable(*tensors)
+    return SwiGLUExpertsFunction.apply(x_XD, w1_EFD, w2_EDF, w3_EFD, scores_N, group_end_E, row_slot_N, top_k)

@@ -1,0 +1,147 @@
+"""CPU checks of the fused MoE kernels through Triton's interpreter (TRITON_INTERPRET=1).
+
+Forward and every gradient are compared with the per-expert-loop references on random
+inputs: fp32 tightly, fp16 within half-precision rounding. Shapes are tiny because the
+interpreter is slow; D and F are deliberately not multiples of the 16-wide test tiles.
+"""
+
+import os
+
+import pytest
+import torch
+
+from torchtitan_ext.kernels.fused_moe import (
+    fused_moe_grouped,
+    fused_moe_routed,
+    reference_grouped,
+    reference_routed,
+    triton_available_reason,
+)
+from torchtitan_ext.kernels.moe_permute import reference_routing_metadata, routing_metadata
+
+pytestmark = pytest.mark.skipif(
+    triton_available_reason() is not None, reason="needs CUDA or TRITON_INTERPRET=1"
+)
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3}
+
+
+def rel_err(actual, expected):
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def make_experts(num_experts, dim, hidden, dtype, generator):
+    def param(*shape, fan_in):
+        return (torch.randn(*shape, generator=generator) * fan_in**-0.5).to(dtype).requires_grad_()
+
+    return [
+        param(num_experts, hidden, dim, fan_in=dim),
+        param(num_experts, dim, hidden, fan_in=hidden),
+        param(num_experts, hidden, dim, fan_in=dim),
+    ]
+
+
+def fp64_copies(tensors):
+    return [t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
+
+
+def assert_matches(fused, reference, inputs, dtype, generator):
+    """Forward and the gradient of every differentiable input, against an fp64 reference."""
+    out = fused(*inputs)
+    grad_out = torch.randn(out.shape, generator=generator).to(out.dtype)
+    differentiable = [t for t in inputs if t.is_floating_point() and t.requires_grad]
+    grads = torch.autograd.grad(out, differentiable, grad_out)
+    ref_inputs = [t if not t.is_floating_point() else c for t, c in zip(inputs, fp64_copies(inputs))]
+    expected = reference(*ref_inputs)
+    ref_differentiable = [t for t in ref_inputs if t.is_floating_point() and t.requires_grad]
+    expected_grads = torch.autograd.grad(expected, ref_differentiable, grad_out.double())
+    assert out.dtype == inputs[0].dtype
+    assert rel_err(out, expected) < TOLERANCE[dtype]
+    for grad, expected_grad, tensor in zip(grads, expected_grads, differentiable):
+        assert grad.dtype == tensor.dtype
+        assert grad.shape == tensor.shape
+        if expected_grad.abs().max() == 0:
+            assert grad.abs().max() == 0
+        else:
+            assert rel_err(grad, expected_grad) < TOLERANCE[dtype]
+
+
+def routed_inputs(tokens, dim, hidden, num_experts, top_k, dtype, seed, skew=0.0):
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, num_experts, generator=generator) + torch.linspace(skew, 0, num_experts)
+    scores, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    x = torch.randn(tokens, dim, generator=generator).to(dtype).requires_grad_()
+    return [x, *make_experts(num_experts, dim, hidden, dtype, generator), ids, scores.to(dtype).requires_grad_()], generator
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("top_k,num_experts", [(1, 4), (2, 5), (6, 6), (8, 8)])
+def test_routed_matches_reference(dtype, top_k, num_experts):
+    inputs, generator = routed_inputs(11, 40, 24, num_experts, top_k, dtype, seed=top_k)
+    assert_matches(fused_moe_routed, reference_routed, inputs, dtype, generator)
+
+
+def test_routed_skewed_even_dims():
+    inputs, generator = routed_inputs(21, 32, 48, 6, 2, torch.float32, seed=7, skew=4.0)
+    assert_matches(fused_moe_routed, reference_routed, inputs, torch.float32, generator)
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [5, 0, 9, 3, 0, 2],  # empty experts between busy ones, R not a multiple of the tile
+        [0, 0, 19, 0],  # one expert takes every row
+        [0, 0, 0],  # every expert empty: every row is unassigned
+        [4, 6, 0, 3],  # sum < R: trailing rows get zero output and zero gradient
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_grouped_matches_reference(counts, dtype):
+    generator = torch.Generator().manual_seed(len(counts))
+    num_rows = max(sum(counts), 19)
+    x = torch.randn(num_rows, 40, generator=generator).to(dtype).requires_grad_()
+    inputs = [x, *make_experts(len(counts), 40, 24, dtype, generator), torch.tensor(counts)]
+    assert_matches(fused_moe_grouped, reference_grouped, inputs, dtype, generator)
+
+
+def test_fp32_weights_with_fp16_activations():
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 32, generator=generator).half().requires_grad_()
+    weights = [w.detach().float().requires_grad_() for w in make_experts(3, 32, 16, torch.float16, generator)]
+    scores, ids = torch.randn(9, 3, generator=generator).softmax(-1).topk(2, dim=-1)
+    scores.requires_grad_()
+    out = fused_moe_routed(x, *weights, ids, scores)
+    grads = torch.autograd.grad(out, [x, *weights, scores], torch.ones_like(out))
+    assert out.dtype == torch.float16
+    assert [g.dtype for g in grads] == [torch.float16] + [torch.float32] * 4
+    expected = reference_routed(x.double(), *[w.half().double() for w in weights], ids, scores.double())
+    assert rel_err(out, expected) < TOLERANCE[torch.float16]
+
+
+def test_results_repeat_bit_for_bit():
+    inputs, generator = routed_inputs(10, 40, 24, 4, 2, torch.float32, seed=11)
+    runs = []
+    for _ in range(2):
+        out = fused_moe_routed(*inputs)
+        runs.append([out, *torch.autograd.grad(out, [inputs[i] for i in (0, 1, 2, 3, 5)], torch.ones_like(out))])
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+def test_routing_metadata_matches_reference():
+    ids = torch.randint(0, 7, (13, 3), generator=torch.Generator().manual_seed(0))
+    ids[:, 0] = 2  # make one expert popular and leave others empty
+    for actual, expected in zip(routing_metadata(ids, 9), reference_routing_metadata(ids, 9)):
+        assert torch.equal(actual, expected)
+
+
+def test_clear_error_without_cuda_or_interpreter(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "CUDA" in triton_available_reason()
+    inputs, _ = routed_inputs(4, 16, 16, 2, 1, torch.float32, seed=0)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        fused_moe_routed(*inputs)
+    assert os.environ["TRITON_INTERPRET"] == "0"

@@ -1,0 +1,126 @@
+"""GPU checks of the fused MoE kernels at realistic shapes, bf16 and fp16 (skipped without CUDA).
+
+Every output and gradient buffer the kernels allocate is poisoned with NaN first, so rows a
+kernel forgets to write show up as NaN.
+"""
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+# relative-norm error against an fp32 reference on the same (rounded) inputs
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def poison_allocator():
+    """Fill the caching allocator's free memory with NaN so fresh torch.empty buffers hold NaN."""
+    free, _ = torch.cuda.mem_get_info()
+    block = torch.empty(int(min(free * 0.5, 8 * 2**30)) // 4, device="cuda", dtype=torch.float32)
+    block.fill_(float("nan"))
+    del block
+
+
+def rel_err(actual, expected):
+    return float((actual.float() - expected.float()).norm() / expected.float().norm())
+
+
+def make_weights(num_experts, dim, hidden, dtype):
+    scale = dim**-0.5
+    return [
+        (torch.randn(num_experts, hidden, dim, device="cuda") * scale).to(dtype).requires_grad_(),
+        (torch.randn(num_experts, dim, hidden, device="cuda") * hidden**-0.5).to(dtype).requires_grad_(),
+        (torch.randn(num_experts, hidden, dim, device="cuda") * scale).to(dtype).requires_grad_(),
+    ]
+
+
+def fp32_copies(tensors):
+    return [t.detach().float().requires_grad_() for t in tensors]
+
+
+def check_all(fused, fused_inputs, reference, reference_inputs, dtype):
+    grad_out = None
+    poison_allocator()
+    out = fused(*fused_inputs)
+    grad_out = torch.randn_like(out)
+    differentiable = [t for t in fused_inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = torch.autograd.grad(out, differentiable, grad_out)
+    expected = reference(*reference_inputs)
+    reference_differentiable = [t for t in reference_inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    expected_grads = torch.autograd.grad(expected, reference_differentiable, grad_out.float())
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all()
+    assert rel_err(out, expected) < TOLERANCE[dtype]
+    for grad, expected_grad, tensor in zip(grads, expected_grads, differentiable):
+        assert grad.dtype == tensor.dtype
+        assert torch.isfinite(grad).all()
+        assert rel_err(grad, expected_grad) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("skew", [0.0, 3.0])
+@pytest.mark.parametrize("tokens,dim,hidden,num_experts,top_k", [(2048, 1024, 704, 16, 4), (1000, 520, 360, 8, 2)])
+def test_routed_matches_reference(dtype, skew, tokens, dim, hidden, num_experts, top_k):
+    from torchtitan_ext.kernels.fused_moe import fused_moe_routed, reference_routed
+
+    torch.manual_seed(0)
+    logits = torch.randn(tokens, num_experts, device="cuda") + torch.linspace(skew, 0, num_experts, device="cuda")
+    scores, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    x = torch.randn(tokens, dim, device="cuda").to(dtype).requires_grad_()
+    scores = scores.to(dtype).requires_grad_()
+    weights = make_weights(num_experts, dim, hidden, dtype)
+    fused_inputs = [x, *weights, ids, scores]
+    reference_inputs = [*fp32_copies([x, *weights]), ids, *fp32_copies([scores])]
+    check_all(fused_moe_routed, fused_inputs, reference_routed, reference_inputs, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("counts", [[700, 0, 1, 300, 129, 0, 512, 5], [0] * 7 + [1300], [100] * 8 + [0, 0]])
+def test_grouped_matches_reference(dtype, counts):
+    from torchtitan_ext.kernels.fused_moe import fused_moe_grouped, reference_grouped
+
+    torch.manual_seed(1)
+    num_rows, dim, hidden = 1700, 1024, 704
+    counts_E = torch.tensor(counts, device="cuda")
+    x = torch.randn(num_rows, dim, device="cuda").to(dtype).requires_grad_()
+    weights = make_weights(len(counts), dim, hidden, dtype)
+    fused_inputs = [x, *weights, counts_E]
+    reference_inputs = [*fp32_copies([x, *weights]), counts_E]
+    check_all(fused_moe_grouped, fused_inputs, reference_grouped, reference_inputs, dtype)
+
+
+def test_fp32_weights_bf16_activations():
+    from torchtitan_ext.kernels.fused_moe import fused_moe_routed, reference_routed
+
+    torch.manual_seed(2)
+    tokens, dim, hidden, num_experts, top_k = 512, 512, 384, 8, 2
+    scores, ids = torch.randn(tokens, num_experts, device="cuda").softmax(-1).topk(top_k, dim=-1)
+    x = torch.randn(tokens, dim, device="cuda").bfloat16().requires_grad_()
+    weights = [w.detach().float().requires_grad_() for w in make_weights(num_experts, dim, hidden, torch.bfloat16)]
+    scores = scores.requires_grad_()
+    out = fused_moe_routed(x, *weights, ids, scores)
+    grads = torch.autograd.grad(out, [x, *weights, scores], torch.ones_like(out))
+    assert out.dtype == torch.bfloat16
+    assert [g.dtype for g in grads] == [torch.bfloat16] + [torch.float32] * 4
+    expected = reference_routed(x.float(), *[w.bfloat16().float() for w in weights], ids, scores)
+    assert rel_err(out, expected) < TOLERANCE[torch.bfloat16]
+
+
+def test_deterministic():
+    from torchtitan_ext.kernels.fused_moe import fused_moe_routed
+
+    torch.manual_seed(3)
+    tokens, dim, hidden, num_experts, top_k = 1024, 512, 384, 8, 8
+    scores, ids = torch.randn(tokens, num_experts, device="cuda").softmax(-1).topk(top_k, dim=-1)
+    x = torch.randn(tokens, dim, device="cuda").bfloat16().requires_grad_()
+    weights = make_weights(num_experts, dim, hidden, torch.bfloat16)
+    scores = scores.bfloat16().requires_grad_()
+    results = []
+    for _ in range(2):
+        out = fused_moe_routed(x, *weights, ids, scores)
+        results.append([out, *torch.autograd.grad(out, [x, *weights, scores], torch.ones_like(out))])
+    for first, second in zip(*results):
+        assert torch.equal(first, second)
