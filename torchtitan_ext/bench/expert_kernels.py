@@ -108,7 +108,7 @@ def memory_of(fn_forward, grad_out, device):
     return round(held / 2**20, 1), round(peak / 2**20, 1)
 
 
-def kernel_breakdown(forward_backward, device, repeats=3):
+def kernel_breakdown(forward_backward, inputs, device, repeats=3):
     """Device time per kernel name (ms per forward+backward), from the profiler."""
     if device.type != "cuda":
         return None
@@ -116,6 +116,8 @@ def kernel_breakdown(forward_backward, device, repeats=3):
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
+            for tensor in inputs:
+                tensor.grad = None
             forward_backward()
         torch.cuda.synchronize()
     totals = {}
@@ -178,7 +180,7 @@ def bench_shape(name, tokens, dim, hidden, num_experts, top_k, skew, timer, devi
         for tensor in inputs:
             tensor.grad = None
         held_mb, peak_mb = memory_of(fn, grad_out, device)
-        kernel_ms = kernel_breakdown(forward_backward, device) if impl_name.startswith("fused") else None
+        kernel_ms = kernel_breakdown(forward_backward, inputs, device) if impl_name.startswith("fused") else None
         for tensor in inputs:
             tensor.grad = None
         row[impl_name] = {
