@@ -37,8 +37,9 @@ from torchtitan.models.common.config_utils import (
     make_router_config,
 )
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher, plan_slots
-from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS
-from torchtitan_ext.experiments.moe_backends.model import use_backend_experts, use_routing
+from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS, BackendGroupedExperts
+from torchtitan_ext.experiments.moe_backends.moe import RoutedMoE
+from torchtitan_ext.experiments.moe_backends.router import BalancedTopKRouter
 
 NUM_EXPERTS, TOP_K = 64, 8
 
@@ -140,18 +141,30 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
 
 
 def build_layer(compute_backend: str, permute_backend: str, dim: int = 256, hidden: int = 384):
-    init = {"weight": torch.nn.init.zeros_}
-    config = make_moe_config(
+    """Built from the classes directly (``model.py`` pulls torchtitan's Qwen3 parallelize in)."""
+    titan = make_moe_config(
         num_experts=NUM_EXPERTS,
-        router=make_router_config(dim=dim, num_experts=NUM_EXPERTS, gate_param_init=init, top_k=TOP_K,
+        router=make_router_config(dim=dim, num_experts=NUM_EXPERTS, gate_param_init={}, top_k=TOP_K,
                                   score_func="sigmoid", route_norm=True),
         routed_experts=make_routed_experts_config(dim=dim, hidden_dim=hidden, num_experts=NUM_EXPERTS,
                                                   top_k=TOP_K, param_init={}, comm_backend="standard"),
         load_balance_coeff=None,
     )
-    config = use_routing(use_backend_experts(config, compute_backend))
-    config.aux_loss_coeff, config.aux_loss_type, config.z_loss_coeff = 0.01, "global", 1e-3
-    config.routed_experts.token_dispatcher.permute_backend = permute_backend
+    routed_experts = titan.routed_experts
+    routed_experts.inner_experts = BackendGroupedExperts.Config(
+        dim=dim, hidden_dim=hidden, num_experts=NUM_EXPERTS, compute_backend=compute_backend
+    )
+    routed_experts.token_dispatcher = RoutingDispatcher.Config(
+        num_experts=NUM_EXPERTS, top_k=TOP_K, permute_backend=permute_backend
+    )
+    router = titan.router
+    config = RoutedMoE.Config(
+        num_experts=NUM_EXPERTS, load_balance_coeff=None, routed_experts=routed_experts,
+        router=BalancedTopKRouter.Config(
+            num_experts=NUM_EXPERTS, gate=router.gate, top_k=TOP_K, score_func="sigmoid", route_norm=True
+        ),
+        aux_loss_coeff=0.01, aux_loss_type="global", z_loss_coeff=1e-3,
+    )
     with torch.device("cuda"):
         layer = config.build()
     generator = torch.Generator().manual_seed(0)
