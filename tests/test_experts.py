@@ -56,7 +56,13 @@ def run_backend(fn, tensors, counts, grad_out):
     return out.detach(), grads
 
 
+def skip_interpreted_bf16(backend: str, dtype: torch.dtype) -> None:
+    if backend == "triton" and dtype == torch.bfloat16 and not torch.cuda.is_available():
+        pytest.skip("bf16 is unreliable in Triton's CPU interpreter; covered by the GPU kernel tests")
+
+
 def assert_backend_matches_reference(backend, counts, dim, hidden, x_dtype, w_dtype, seed=0):
+    skip_interpreted_bf16(backend, x_dtype)
     tensors, counts_E, grad_out = make_inputs(counts, dim, hidden, x_dtype, w_dtype, seed)
     expected_out, expected_grads = run_backend(for_loop_experts, tensors, counts_E, grad_out)
     actual_out, actual_grads = run_backend(EXPERT_BACKENDS[backend], tensors, counts_E, grad_out)
@@ -133,7 +139,7 @@ def test_module_uses_configured_backend_and_matches_reference():
 
 
 def test_unknown_backend_is_an_error_listing_valid_ones():
-    with pytest.raises(ValueError, match="grouped_mm, for_loop, batched_mm_padded"):
+    with pytest.raises(ValueError, match="grouped_mm, for_loop, batched_mm_padded, triton"):
         validate_compute_backend("cuda_magic")
     with pytest.raises(ValueError, match="unknown compute_backend 'cuda_magic'"):
         BackendGroupedExperts.Config(dim=4, hidden_dim=4, num_experts=2, compute_backend="cuda_magic")

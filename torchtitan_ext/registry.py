@@ -1,9 +1,10 @@
 """The flavor registry: named, complete torchtitan training configs.
 
 An experiment is a sub-package of ``torchtitan_ext.experiments`` (the repository's
-``experiments/`` folder). Importing it registers its flavors with
-``@register_flavor``. ``load_experiments`` imports every experiment, so adding an
-experiment folder is all it takes for its flavors to appear.
+``experiments/`` folder) with a ``flavors`` module that registers its flavors with
+``@register_flavor``. ``load_experiments`` imports every experiment's ``flavors``, so
+adding an experiment folder is all it takes for its flavors to appear. The package's
+own ``__init__`` stays light, so its layers import without torchtitan's Trainer.
 """
 
 import difflib
@@ -54,10 +55,10 @@ def register_flavor(name: str, description: str):
 
 
 def load_experiments() -> None:
-    """Import every experiment package so that its flavors are registered."""
+    """Import every experiment's ``flavors`` module so that its flavors are registered."""
     for module in pkgutil.iter_modules(experiments_package.__path__):
         if module.ispkg:
-            importlib.import_module(f"{experiments_package.__name__}.{module.name}")
+            importlib.import_module(f"{experiments_package.__name__}.{module.name}.flavors")
 
 
 def all_flavors() -> list[Flavor]:

@@ -1,6 +1,5 @@
 """MoE backends experiment: routed experts whose compute backend is a config field.
 
-Importing this package registers its flavors and its ``[moe]`` TOML keys.
+``flavors`` registers the flavors and ``toml_keys`` the ``[moe]`` TOML keys; the layer
+modules (experts, router, dispatcher, moe) import without torchtitan's Trainer.
 """
-
-from . import flavors, toml_keys  # noqa: F401  (registration on import)

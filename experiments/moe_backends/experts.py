@@ -22,7 +22,10 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.models.common.moe import GroupedExperts
 
-ComputeBackend = Literal["grouped_mm", "for_loop", "batched_mm_padded"]
+from torchtitan_ext.kernels.fused_moe import fused_moe_grouped, triton_available_reason
+from torchtitan_ext.overrides import ConfigError, register_config_check
+
+ComputeBackend = Literal["grouped_mm", "for_loop", "batched_mm_padded", "triton"]
 COMPUTE_BACKENDS: tuple[str, ...] = get_args(ComputeBackend)
 
 ExpertCompute = Callable[
@@ -135,6 +138,9 @@ EXPERT_BACKENDS: dict[str, ExpertCompute] = {
     "grouped_mm": grouped_mm_experts,
     "for_loop": for_loop_experts,
     "batched_mm_padded": batched_mm_padded_experts,
+    # Fused Triton kernels (kernels/fused_moe.py); on a single device the MoE layer
+    # skips the permutation and calls their routed mode instead (see FusedRoutedExperts).
+    "triton": fused_moe_grouped,
 }
 assert tuple(EXPERT_BACKENDS) == COMPUTE_BACKENDS
 
@@ -147,6 +153,20 @@ def validate_compute_backend(name: str) -> str:
             + ", ".join(COMPUTE_BACKENDS)
         )
     return name
+
+
+@register_config_check
+def check_compute_backends_run_here(config) -> None:
+    """Before training: ``triton`` needs a CUDA GPU or ``TRITON_INTERPRET=1``."""
+    if config.model_spec is None:
+        return
+    backends = {
+        experts.compute_backend
+        for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)
+    }
+    reason = triton_available_reason()
+    if "triton" in backends and reason is not None:
+        raise ConfigError(f"moe.compute_backend = 'triton': {reason}")
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

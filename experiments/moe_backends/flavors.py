@@ -20,6 +20,7 @@ from torchtitan_ext.data import TINY_STORIES, TOKENIZER_DIR
 from torchtitan_ext.moe_metrics import MoEMetricsProcessor
 from torchtitan_ext.registry import register_flavor
 
+from . import toml_keys  # noqa: F401  (registers the [moe] TOML keys)
 from .experts import COMPUTE_BACKENDS, ComputeBackend
 from .model import MoEShape, qwen3_style_moe, use_backend_experts, use_routing
 from .moe import with_router_loss_configuration
