@@ -91,7 +91,7 @@ def tiny_flavor_name(compute_backend: ComputeBackend) -> str:
 
 
 def tiny_moe(compute_backend: ComputeBackend) -> Trainer.Config:
-    return moe_trainer_config(
+    config = moe_trainer_config(
         qwen3_style_moe(tiny_flavor_name(compute_backend), TINY_SHAPE, compute_backend=compute_backend),
         local_batch_size=8,
         seq_len=128,
@@ -100,6 +100,10 @@ def tiny_moe(compute_backend: ComputeBackend) -> Trainer.Config:
         warmup_steps=5,
         log_freq=1,
     )
+    # Smoke-run models: full fp32 (no bf16 autocast or FSDP bf16 parameters), so every
+    # backend, and the Triton interpreter on CPU, computes the same function.
+    config.training.mixed_precision_param = "float32"
+    return config
 
 
 def full_size(name: str, shape: MoEShape) -> Trainer.Config:
