@@ -29,7 +29,7 @@ from torchtitan.models.common.config_utils import (
     make_router_config,
 )
 from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS
-from torchtitan_ext.experiments.moe_backends.model import use_backend_experts, use_routing
+from torchtitan_ext.experiments.moe_backends.layer import use_backend_experts, use_routing
 from torchtitan_ext.kernels._runtime import triton_available_reason
 
 NUM_EXPERTS, TOP_K, DIM, HIDDEN = 8, 2, 16, 24

@@ -13,7 +13,7 @@ from torchtitan.models.common.config_utils import (
     make_router_config,
 )
 from torchtitan.models.common.moe import TokenChoiceTopKRouter
-from torchtitan_ext.experiments.moe_backends.model import use_backend_experts, use_routing
+from torchtitan_ext.experiments.moe_backends.layer import use_backend_experts, use_routing
 from torchtitan_ext.experiments.moe_backends.moe import load_balancing_loss, router_z_loss
 from torchtitan_ext.experiments.moe_backends.router import BalancedTopKRouter, capacity_keep_mask
 from torchtitan_ext.overrides import ConfigError, apply_overrides

@@ -20,9 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 
-from torchtitan_ext.kernels.fused_moe import fused_moe_grouped, triton_available_reason
+from torchtitan_ext.kernels.fused_moe import (
+    fused_moe_grouped,
+    fused_moe_routed,
+    triton_available_reason,
+)
 from torchtitan_ext.overrides import ConfigError, register_config_check
 
 ComputeBackend = Literal["grouped_mm", "for_loop", "batched_mm_padded", "triton"]
@@ -139,7 +143,7 @@ EXPERT_BACKENDS: dict[str, ExpertCompute] = {
     "for_loop": for_loop_experts,
     "batched_mm_padded": batched_mm_padded_experts,
     # Fused Triton kernels (kernels/fused_moe.py); on a single device the MoE layer
-    # skips the permutation and calls their routed mode instead (see FusedRoutedExperts).
+    # skips the dispatcher and calls their routed mode instead (see FusedRoutedExperts).
     "triton": fused_moe_grouped,
 }
 assert tuple(EXPERT_BACKENDS) == COMPUTE_BACKENDS
@@ -203,3 +207,44 @@ class BackendGroupedExperts(GroupedExperts):
 
     def extra_repr(self) -> str:
         return f"compute_backend={self.compute_backend}"
+
+
+class FusedRoutedExperts(RoutedExperts):
+    """torchtitan's ``RoutedExperts`` with a single-device shortcut for the ``triton`` backend.
+
+    Without expert parallelism, ``compute_backend = "triton"`` skips the dispatcher: the
+    fused kernels read token rows through the routing indices (no permuted copy) and weight
+    and sum each token's expert outputs in their epilogue (no separate combine). Slots the
+    router dropped (expert id ``num_experts``) contribute nothing and get no gradient, as in
+    the dispatcher. Every other case is torchtitan's dispatch -> experts -> combine.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(RoutedExperts.Config):
+        pass
+
+    def forward(
+        self,
+        x_BLD: torch.Tensor,
+        topk_scores_BLK: torch.Tensor,
+        topk_expert_ids_BLK: torch.Tensor,
+        num_local_tokens_per_expert_E: torch.Tensor,
+    ) -> torch.Tensor:
+        """``(B, L, D)`` tokens, ``(B, L, K)`` scores and expert ids -> ``(B, L, D)``."""
+        single_device = getattr(self.token_dispatcher, "ep_mesh", None) is None
+        if getattr(self.inner_experts, "compute_backend", None) != "triton" or not single_device:
+            return super().forward(
+                x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E
+            )
+        batch, seq_len, dim = x_BLD.shape
+        top_k = topk_expert_ids_BLK.shape[-1]
+        experts = self.inner_experts
+        out_TD = fused_moe_routed(
+            x_BLD.reshape(batch * seq_len, dim),
+            _local(experts.w1_EFD),
+            _local(experts.w2_EDF),
+            _local(experts.w3_EFD),
+            topk_expert_ids_BLK.reshape(batch * seq_len, top_k),
+            topk_scores_BLK.reshape(batch * seq_len, top_k),
+        )
+        return out_TD.view(batch, seq_len, dim)

@@ -22,7 +22,8 @@ from torchtitan_ext.registry import register_flavor
 
 from . import toml_keys  # noqa: F401  (registers the [moe] TOML keys)
 from .experts import COMPUTE_BACKENDS, ComputeBackend
-from .model import MoEShape, qwen3_style_moe, use_backend_experts, use_routing
+from .layer import use_backend_experts, use_routing
+from .model import MoEShape, qwen3_style_moe
 from .moe import with_router_loss_configuration
 
 TINY_SHAPE = MoEShape(

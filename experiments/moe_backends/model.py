@@ -2,14 +2,9 @@
 
 ``MoEShape`` names the dimensions of a decoder-only MoE model; ``qwen3_style_moe``
 turns it into a torchtitan ``ModelSpec`` made of Qwen3 blocks (GQA attention with
-QK-norm, token-choice top-k MoE). ``use_backend_experts`` swaps every
-``GroupedExperts.Config`` in any torchtitan model config for
-``BackendGroupedExperts.Config`` so the compute backend becomes a config field;
-``use_routing`` swaps torchtitan's MoE, router and standard token dispatcher configs for
-``RoutedMoE`` / ``BalancedTopKRouter`` / ``RoutingDispatcher`` (same defaults, extra knobs off).
+QK-norm, token-choice top-k MoE) whose MoE layers are this experiment's (see ``layer``).
 """
 
-import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -25,21 +20,15 @@ from torchtitan.models.common.config_utils import (
     make_routed_experts_config,
     make_router_config,
 )
-from torchtitan.models.common.moe import GroupedExperts, MoE
-from torchtitan.models.common.token_dispatcher import (
-    AllToAllTokenDispatcher,
-    LocalTokenDispatcher,
-)
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.qwen3 import parallelize_qwen3
 from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 
-from .dispatcher import RoutingDispatcher
-from .experts import BackendGroupedExperts, ComputeBackend
-from .moe import RoutedMoE, with_router_loss_configuration
-from .router import BalancedTopKRouter
+from .experts import ComputeBackend
+from .layer import use_backend_experts, use_routing
+from .moe import with_router_loss_configuration
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,58 +49,6 @@ class MoEShape:
     rope_theta: float = 1_000_000.0
     max_seq_len: int = 4096
     norm_eps: float = 1e-6
-
-
-def use_backend_experts(model_config, compute_backend: ComputeBackend):
-    """Replace every ``GroupedExperts.Config`` in ``model_config`` (in place) by ours."""
-    for _, experts, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
-        replacement = BackendGroupedExperts.Config(
-            dim=experts.dim,
-            hidden_dim=experts.hidden_dim,
-            num_experts=experts.num_experts,
-            param_init=experts.param_init,
-            sharding_config=experts.sharding_config,
-            compute_backend=compute_backend,
-        )
-        if isinstance(parent, list):
-            parent[attr] = replacement
-        else:
-            setattr(parent, attr, replacement)
-    return model_config
-
-
-def _fields(config) -> dict:
-    """The constructor arguments that rebuild ``config``."""
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-
-
-def _replace(parent, attr, replacement) -> None:
-    if isinstance(parent, list):
-        parent[attr] = replacement
-    else:
-        setattr(parent, attr, replacement)
-
-
-def use_routing(model_config):
-    """Swap every torchtitan MoE / router / standard dispatcher config (in place) for ours.
-
-    Returns ``model_config`` (or the replacement when it is itself an ``MoE.Config``).
-    Field values carry over, so the routing recipe is unchanged; dispatchers of other
-    comm backends (DeepEP, HybridEP, ...) are left alone.
-    """
-    for _, moe, parent, attr in list(model_config.traverse(MoE.Config)):
-        router = moe.router
-        if not isinstance(router, BalancedTopKRouter.Config):
-            router = BalancedTopKRouter.Config(**_fields(router))
-        dispatcher = moe.routed_experts.token_dispatcher
-        if type(dispatcher) in (LocalTokenDispatcher.Config, AllToAllTokenDispatcher.Config):
-            moe.routed_experts.token_dispatcher = RoutingDispatcher.Config(**_fields(dispatcher))
-        if not isinstance(moe, RoutedMoE.Config):
-            replacement = RoutedMoE.Config(**{**_fields(moe), "router": router})
-            if parent is None:
-                return replacement
-            _replace(parent, attr, replacement)
-    return model_config
 
 
 def qwen3_style_moe(

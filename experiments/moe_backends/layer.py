@@ -1,0 +1,115 @@
+"""Layer-level configs of the MoE backends experiment (no model, no Trainer imports).
+
+``use_backend_experts`` swaps every ``GroupedExperts.Config`` in any torchtitan config for
+``BackendGroupedExperts.Config`` so the compute backend becomes a config field;
+``use_routing`` swaps torchtitan's MoE, routed-experts, router and standard token
+dispatcher configs for ``RoutedMoE`` / ``FusedRoutedExperts`` / ``BalancedTopKRouter`` /
+``RoutingDispatcher`` (same defaults, extra knobs off). ``stock_moe_config`` is
+torchtitan's own MoE layer config and ``moe_layer_config`` the same layer with ours.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+
+import torch.nn as nn
+
+from torchtitan.models.common.config_utils import (
+    make_moe_config,
+    make_routed_experts_config,
+    make_router_config,
+)
+from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts
+from torchtitan.models.common.token_dispatcher import (
+    AllToAllTokenDispatcher,
+    LocalTokenDispatcher,
+)
+
+from .dispatcher import RoutingDispatcher
+from .experts import BackendGroupedExperts, ComputeBackend, FusedRoutedExperts
+from .moe import RoutedMoE
+from .router import BalancedTopKRouter
+
+
+def use_backend_experts(model_config, compute_backend: ComputeBackend):
+    """Replace every ``GroupedExperts.Config`` in ``model_config`` (in place) by ours."""
+    for _, experts, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
+        replacement = BackendGroupedExperts.Config(
+            dim=experts.dim,
+            hidden_dim=experts.hidden_dim,
+            num_experts=experts.num_experts,
+            param_init=experts.param_init,
+            sharding_config=experts.sharding_config,
+            compute_backend=compute_backend,
+        )
+        _replace(parent, attr, replacement)
+    return model_config
+
+
+def _fields(config) -> dict:
+    """The constructor arguments that rebuild ``config``."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+
+
+def _replace(parent, attr, replacement) -> None:
+    if isinstance(parent, list):
+        parent[attr] = replacement
+    else:
+        setattr(parent, attr, replacement)
+
+
+def use_routing(model_config):
+    """Swap every torchtitan MoE / router / standard dispatcher config (in place) for ours.
+
+    Returns ``model_config`` (or the replacement when it is itself an ``MoE.Config``).
+    Field values carry over, so the routing recipe is unchanged; dispatchers of other
+    comm backends (DeepEP, HybridEP, ...) are left alone.
+    """
+    for _, moe, parent, attr in list(model_config.traverse(MoE.Config)):
+        router = moe.router
+        if not isinstance(router, BalancedTopKRouter.Config):
+            router = BalancedTopKRouter.Config(**_fields(router))
+        if type(moe.routed_experts) is RoutedExperts.Config:
+            moe.routed_experts = FusedRoutedExperts.Config(**_fields(moe.routed_experts))
+        dispatcher = moe.routed_experts.token_dispatcher
+        if type(dispatcher) in (LocalTokenDispatcher.Config, AllToAllTokenDispatcher.Config):
+            moe.routed_experts.token_dispatcher = RoutingDispatcher.Config(**_fields(dispatcher))
+        if not isinstance(moe, RoutedMoE.Config):
+            replacement = RoutedMoE.Config(**{**_fields(moe), "router": router})
+            if parent is None:
+                return replacement
+            _replace(parent, attr, replacement)
+    return model_config
+
+
+def stock_moe_config(
+    *,
+    dim: int,
+    hidden_dim: int,
+    num_experts: int,
+    top_k: int,
+    score_func: str = "softmax",
+    route_norm: bool = True,
+    load_balance_coeff: float | None = 1e-3,
+    init_std: float = 0.02,
+) -> MoE.Config:
+    """torchtitan's own MoE layer (router, standard dispatcher, grouped_mm experts)."""
+    normal: Callable = partial(nn.init.normal_, std=init_std)
+    return make_moe_config(
+        num_experts=num_experts,
+        router=make_router_config(
+            dim=dim, num_experts=num_experts, gate_param_init={"weight": normal},
+            top_k=top_k, score_func=score_func, route_norm=route_norm,
+        ),
+        routed_experts=make_routed_experts_config(
+            dim=dim, hidden_dim=hidden_dim, num_experts=num_experts, top_k=top_k,
+            param_init={"w1_EFD": normal, "w2_EDF": normal, "w3_EFD": normal},
+            comm_backend="standard",
+        ),
+        load_balance_coeff=load_balance_coeff,
+    )
+
+
+def moe_layer_config(*, compute_backend: ComputeBackend, **shape) -> RoutedMoE.Config:
+    """``stock_moe_config(**shape)`` with this experiment's router, dispatcher and experts."""
+    return use_routing(use_backend_experts(stock_moe_config(**shape), compute_backend))
