@@ -1,0 +1,155 @@
+"""Benchmark the SwiGLU expert block (3 GEMMs) of every compute backend on one device.
+
+Implementations, timed in one process so that ratios compare like with like:
+
+- every ``compute_backend`` (grouped_mm, for_loop, batched_mm_padded, triton) on rows
+  already grouped by expert: the expert block alone;
+- ``torch_routed``: tokens in, tokens out the stock way: gather rows by expert,
+  grouped_mm experts, weight by router scores, scatter-add back to tokens;
+- ``fused_routed``: the fused Triton kernels' routed mode (gather and weighted combine
+  inside the kernels), the single-device path of compute_backend "triton".
+
+FLOPs: 6*N*D*F forward, 18*N*D*F forward+backward, N = T*K routed rows.
+
+    python -m torchtitan_ext.bench.expert_block --out results.json
+    python -m torchtitan_ext.bench.expert_block --tiny        # CPU smoke run
+"""
+
+import argparse
+import sys
+
+import torch
+
+from torchtitan_ext.bench.common import (
+    SHAPES,
+    SKEWS,
+    TINY_SHAPE,
+    BenchShape,
+    add_shim_for_older_torch,
+    dense_ceiling_tflops,
+    environment,
+    expert_tflops,
+    make_timer,
+    max_over_mean,
+    memory_mb,
+    print_table,
+    progress,
+    relative_error,
+    route,
+    write_json,
+)
+
+add_shim_for_older_torch()
+
+from torchtitan_ext.experiments.moe_backends.experts import EXPERT_BACKENDS  # noqa: E402
+from torchtitan_ext.kernels.fused_moe import fused_moe_routed, triton_available_reason  # noqa: E402
+
+ROUTED_IMPLS = ("torch_routed", "fused_routed")
+IMPLS = (*EXPERT_BACKENDS, *ROUTED_IMPLS)
+
+
+def torch_routed_experts(x_TD, w1_EFD, w2_EDF, w3_EFD, ids_TK, scores_TK):
+    """The stock tokens-in/tokens-out path: permute, grouped_mm experts, weighted combine."""
+    top_k = ids_TK.shape[1]
+    slot_N = torch.argsort(ids_TK.reshape(-1), stable=True)
+    counts_E = torch.bincount(ids_TK.reshape(-1), minlength=w1_EFD.shape[0])
+    token_N = slot_N // top_k
+    y_ND = EXPERT_BACKENDS["grouped_mm"](x_TD[token_N], w1_EFD, w2_EDF, w3_EFD, counts_E)
+    y_ND = (y_ND.float() * scores_TK.reshape(-1)[slot_N, None]).to(x_TD.dtype)
+    return torch.zeros_like(x_TD).index_add_(0, token_N, y_ND)
+
+
+def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype) -> list[dict]:
+    """One row per implementation: ms, TFLOP/s, memory, error vs grouped_mm."""
+    ids_TK, scores_TK = route(shape.tokens, shape.num_experts, shape.top_k, skew, device)
+    counts_E = torch.bincount(ids_TK.reshape(-1), minlength=shape.num_experts)
+    slot_N = torch.argsort(ids_TK.reshape(-1), stable=True)
+    x_TD = torch.randn(shape.tokens, shape.dim, device=device, dtype=dtype).requires_grad_()
+    x_ND = x_TD.detach()[slot_N // shape.top_k].clone().requires_grad_()
+    E, D, F = shape.num_experts, shape.dim, shape.hidden_dim
+    weights = [
+        (torch.randn(E, F, D, device=device, dtype=dtype) * D**-0.5).requires_grad_(),
+        (torch.randn(E, D, F, device=device, dtype=dtype) * F**-0.5).requires_grad_(),
+        (torch.randn(E, F, D, device=device, dtype=dtype) * D**-0.5).requires_grad_(),
+    ]
+    scores_TK = scores_TK.to(dtype).requires_grad_()
+    calls = {name: (lambda fn=fn: fn(x_ND, *weights, counts_E), [x_ND, *weights])
+             for name, fn in EXPERT_BACKENDS.items()}
+    calls["torch_routed"] = (lambda: torch_routed_experts(x_TD, *weights, ids_TK, scores_TK),
+                             [x_TD, *weights, scores_TK])
+    calls["fused_routed"] = (lambda: fused_moe_routed(x_TD, *weights, ids_TK, scores_TK),
+                             [x_TD, *weights, scores_TK])
+    with torch.no_grad():
+        references = {"grouped": calls["grouped_mm"][0](), "routed": calls["torch_routed"][0]()}
+
+    rows = []
+    for name in impls:
+        progress(f"  expert block  {shape.name:18s} skew {skew}  {name}")
+        forward, inputs = calls[name]
+        reference = references["routed" if name in ROUTED_IMPLS else "grouped"]
+        with torch.no_grad():
+            error = relative_error(forward(), reference)
+        grad_out = torch.randn_like(reference)
+
+        def forward_backward():
+            torch.autograd.backward(forward(), grad_out)
+
+        fwd_ms = timer(forward)
+        fwdbwd_ms = timer(forward_backward, grad_to_none=inputs)
+        held_mb, peak_mb = memory_mb(forward, grad_out, device)
+        for tensor in inputs:
+            tensor.grad = None
+        rows.append({
+            "shape": shape.name, "skew": skew, "max_over_mean": max_over_mean(counts_E), "impl": name,
+            "fwd_ms": round(fwd_ms, 3), "fwd_tflops": expert_tflops(shape, fwd_ms, backward=False),
+            "fwdbwd_ms": round(fwdbwd_ms, 3), "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, backward=True),
+            "fwd_held_mb": held_mb, "fwdbwd_peak_mb": peak_mb, "rel_err": f"{error:.1e}",
+        })
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def run(shapes: list[BenchShape], impls, device, dtype, command: str, out: str | None = None) -> dict:
+    """Measure every shape and skew; ``out`` is rewritten after each shape."""
+    timer = make_timer(device)
+    results = {"meta": environment(command, device, dtype), "rows": []}
+    if device.type == "cuda":
+        results["meta"]["dense_bf16_tflops"] = dense_ceiling_tflops(timer, device)
+    for shape in shapes:
+        for skew in SKEWS:
+            results["rows"] += bench_shape(shape, skew, impls, timer, device, dtype)
+        write_json(out, results)
+    return results
+
+
+TABLE = [("shape", "shape"), ("skew", "skew"), ("max_over_mean", "max/mean"), ("impl", "impl"),
+         ("fwd_ms", "fwd ms"), ("fwd_tflops", "fwd TF/s"), ("fwdbwd_ms", "fwd+bwd ms"),
+         ("fwdbwd_tflops", "fwd+bwd TF/s"), ("fwdbwd_peak_mb", "peak MB"), ("rel_err", "rel err")]
+
+
+def default_impls() -> list[str]:
+    """Every implementation that can run here (the Triton ones need CUDA or the interpreter)."""
+    usable = triton_available_reason() is None
+    return [name for name in IMPLS if usable or name not in ("triton", "fused_routed")]
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the results as JSON here")
+    parser.add_argument("--tiny", action="store_true", help="one tiny shape (CPU smoke run)")
+    parser.add_argument("--shapes", nargs="*", choices=sorted(SHAPES), help="subset of shapes")
+    parser.add_argument("--impls", nargs="*", choices=IMPLS, help="subset of implementations")
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = [TINY_SHAPE] if args.tiny else [SHAPES[name] for name in (args.shapes or SHAPES)]
+    command = " ".join(["python -m torchtitan_ext.bench.expert_block", *(sys.argv[1:] if argv is None else argv)])
+    results = run(shapes, args.impls or default_impls(), device, dtype, command, out=args.out)
+    print_table(results["rows"], TABLE)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Benchmark one whole MoE layer (router + dispatch + experts + combine) per compute backend
+against stock torchtitan 0.3.0's MoE layer, on one device, in one process.
+
+Both layers get the same weights and inputs, ``(B, L, D) = (2, 4096, D)`` in bf16 on a GPU.
+Skewed routing adds the same expert bias (a linear ramp, calibrated to max/mean load about
+3.5) to both layers' routers, so they route alike. Reported: forward and forward+backward
+ms, expert-equivalent TFLOP/s (6*N*D*F / 18*N*D*F), speed-up over stock, peak memory of
+forward+backward above the weights (activation memory), and the output's error vs stock.
+
+    python -m torchtitan_ext.bench.moe_layer --out layer.json
+    python -m torchtitan_ext.bench.moe_layer --tiny          # CPU smoke run
+"""
+
+import argparse
+import sys
+
+import torch
+
+from torchtitan_ext.bench.common import (
+    SHAPES,
+    SKEWS,
+    TINY_SHAPE,
+    BenchShape,
+    add_shim_for_older_torch,
+    environment,
+    expert_tflops,
+    make_timer,
+    max_over_mean,
+    memory_mb,
+    print_table,
+    progress,
+    relative_error,
+    write_json,
+)
+
+add_shim_for_older_torch()
+
+from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS  # noqa: E402
+from torchtitan_ext.experiments.moe_backends.layer import (  # noqa: E402
+    moe_layer_config,
+    stock_moe_config,
+)
+from torchtitan_ext.kernels.fused_moe import triton_available_reason  # noqa: E402
+
+STOCK = "torchtitan"
+TARGET_MAX_OVER_MEAN = 3.5
+
+
+def build(kind: str, shape: BenchShape, device, dtype) -> torch.nn.Module:
+    config = (stock_moe_config(**shape.layer_kwargs()) if kind == STOCK
+              else moe_layer_config(compute_backend=kind, **shape.layer_kwargs()))
+    with torch.device(device):
+        layer = config.build()
+    return layer.to(dtype).train()
+
+
+def routed_counts(stock_layer, x_BLD: torch.Tensor) -> torch.Tensor:
+    """(E,) routed rows per expert under the stock layer's router."""
+    with torch.no_grad():
+        _, ids_BLK, _ = stock_layer.router(x_BLD, stock_layer.expert_bias_E)
+    return torch.bincount(ids_BLK.reshape(-1), minlength=stock_layer.expert_bias_E.numel())
+
+
+def calibrate_skew(stock_layer, x_BLD: torch.Tensor, target: float) -> torch.Tensor:
+    """Expert bias ``ramp * linspace(1, 0, E)`` whose routing has max/mean load near ``target``."""
+    layer = stock_layer
+    num_experts = layer.expert_bias_E.numel()
+    ramp_E = torch.linspace(1, 0, num_experts, device=x_BLD.device)
+    low, high = 0.0, 1.0
+    for _ in range(24):
+        middle = (low + high) / 2
+        layer.expert_bias_E.copy_(middle * ramp_E)
+        if max_over_mean(routed_counts(layer, x_BLD)) < target:
+            low = middle
+        else:
+            high = middle
+    return high * ramp_E
+
+
+def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, batch: int) -> list[dict]:
+    seq_len = shape.tokens // batch
+    generator = torch.Generator(device=device).manual_seed(0)
+    x_BLD = torch.randn(batch, seq_len, shape.dim, device=device, dtype=dtype, generator=generator)
+    stock = build(STOCK, shape, device, dtype)
+    with torch.no_grad():
+        for param in stock.parameters():
+            param.normal_(std=0.02, generator=generator)
+    bias_E = calibrate_skew(stock, x_BLD, TARGET_MAX_OVER_MEAN) if skew else torch.zeros_like(stock.expert_bias_E)
+    stock.expert_bias_E.copy_(bias_E)
+    counts_E = routed_counts(stock, x_BLD)
+    x_BLD.requires_grad_()
+    grad_BLD = torch.randn(x_BLD.shape, device=device, dtype=dtype, generator=generator)
+    with torch.no_grad():
+        reference = stock(x_BLD)
+
+    rows = []
+    for kind in kinds:
+        progress(f"  MoE layer     {shape.name:18s} skew {skew}  {kind}")
+        layer = stock if kind == STOCK else build(kind, shape, device, dtype)
+        if layer is not stock:
+            layer.load_state_dict(stock.state_dict())
+            layer.expert_bias_E.copy_(bias_E)
+        params = list(layer.parameters())
+        with torch.no_grad():
+            error = relative_error(layer(x_BLD), reference)
+
+        def forward_backward():
+            torch.autograd.backward(layer(x_BLD), grad_BLD)
+
+        fwd_ms = timer(lambda: layer(x_BLD))
+        fwdbwd_ms = timer(forward_backward, grad_to_none=[x_BLD, *params])
+        _, peak_mb = memory_mb(lambda: layer(x_BLD), grad_BLD, device)
+        for tensor in [x_BLD, *params]:
+            tensor.grad = None
+        rows.append({
+            "shape": shape.name, "skew": skew, "max_over_mean": max_over_mean(counts_E), "layer": kind,
+            "fwd_ms": round(fwd_ms, 3), "fwdbwd_ms": round(fwdbwd_ms, 3),
+            "fwd_tflops": expert_tflops(shape, fwd_ms, backward=False),
+            "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, backward=True),
+            "fwdbwd_peak_mb": peak_mb, "rel_err_vs_stock": f"{error:.1e}",
+        })
+        if layer is not stock:
+            del layer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    stock_row = rows[0]
+    for row in rows:
+        row["fwd_speedup"] = round(stock_row["fwd_ms"] / row["fwd_ms"], 2)
+        row["fwdbwd_speedup"] = round(stock_row["fwdbwd_ms"] / row["fwdbwd_ms"], 2)
+    return rows
+
+
+def default_kinds() -> list[str]:
+    usable = triton_available_reason() is None
+    return [STOCK, *(b for b in COMPUTE_BACKENDS if usable or b != "triton")]
+
+
+TABLE = [("shape", "shape"), ("skew", "skew"), ("max_over_mean", "max/mean"), ("layer", "layer"),
+         ("fwd_ms", "fwd ms"), ("fwdbwd_ms", "fwd+bwd ms"), ("fwdbwd_tflops", "fwd+bwd TF/s"),
+         ("fwd_speedup", "fwd x"), ("fwdbwd_speedup", "fwd+bwd x"), ("fwdbwd_peak_mb", "peak MB"),
+         ("rel_err_vs_stock", "err vs stock")]
+
+
+def run(shapes, kinds, device, dtype, batch: int, command: str, out: str | None = None) -> dict:
+    """Measure every shape and skew; ``out`` is rewritten after each shape."""
+    timer = make_timer(device)
+    results = {"meta": environment(command, device, dtype), "rows": []}
+    for shape in shapes:
+        for skew in SKEWS:
+            results["rows"] += bench_shape(shape, skew, kinds, timer, device, dtype, batch)
+        write_json(out, results)
+    return results
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the results as JSON here")
+    parser.add_argument("--tiny", action="store_true", help="one tiny shape (CPU smoke run)")
+    parser.add_argument("--shapes", nargs="*", choices=sorted(SHAPES), help="subset of shapes")
+    parser.add_argument("--layers", nargs="*", choices=[STOCK, *COMPUTE_BACKENDS],
+                        help=f"subset of layers ({STOCK} is always measured first)")
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = [TINY_SHAPE] if args.tiny else [SHAPES[name] for name in (args.shapes or SHAPES)]
+    kinds = [STOCK, *(k for k in (args.layers or default_kinds()) if k != STOCK)]
+    command = " ".join(["python -m torchtitan_ext.bench.moe_layer", *(sys.argv[1:] if argv is None else argv)])
+    results = run(shapes, kinds, device, dtype, batch=2, command=command, out=args.out)
+    print_table(results["rows"], TABLE)
+    return results
+
+
+if __name__ == "__main__":
+    main()
