@@ -53,22 +53,23 @@ def _block_d(dim: int) -> int:
 def permute_tokens_reference(
     x_TD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_rows: int
 ) -> torch.Tensor:
-    """Scatter each slot's token row to its destination row; dropped slots go to a scratch row."""
-    dest_S = torch.where(dest_row_S < 0, num_rows, dest_row_S).long()
-    token_S = torch.arange(dest_S.shape[0], device=x_TD.device) // top_k
-    rows_PD = x_TD.new_zeros(num_rows + 1, x_TD.shape[1])
-    rows_PD = rows_PD.index_copy(0, dest_S, x_TD[token_S])
-    return rows_PD[:num_rows]
+    """One gather: each buffer row reads its slot's token row; padding rows read a zero row."""
+    num_tokens, num_slots = x_TD.shape[0], dest_row_S.shape[0]
+    source_P = torch.full((num_rows + 1,), num_tokens * top_k, dtype=torch.long, device=x_TD.device)
+    source_P.scatter_(0, torch.where(dest_row_S < 0, num_rows, dest_row_S).long(),
+                      torch.arange(num_slots, device=x_TD.device))
+    x_with_zero_row = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
+    return x_with_zero_row[source_P[:num_rows] // top_k]
 
 
 def unpermute_tokens_reference(
     rows_PD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
 ) -> torch.Tensor:
-    """Gather each slot's row, weight by its score in fp32 and sum the ``top_k`` slots of a token."""
-    num_rows, dim = rows_PD.shape
-    dest_S = torch.where(dest_row_S < 0, num_rows, dest_row_S).long()
-    padded_PD = torch.cat([rows_PD, rows_PD.new_zeros(1, dim)])
-    weighted_SD = padded_PD[dest_S].float() * scores_S.float().unsqueeze(1)
+    """Gather each slot's row, weight by its score in fp32 (0 for dropped slots), sum over top_k."""
+    dim = rows_PD.shape[1]
+    kept_S = dest_row_S >= 0
+    weights_S = torch.where(kept_S, scores_S.float(), 0.0)
+    weighted_SD = rows_PD[dest_row_S.clamp(min=0)].float() * weights_S.unsqueeze(1)
     return weighted_SD.view(-1, top_k, dim).sum(dim=1).to(rows_PD.dtype)
 
 
