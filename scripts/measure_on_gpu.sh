@@ -5,8 +5,9 @@
 set -uo pipefail
 out=${OUT:-gpu_results}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+site=$(mktemp -d)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
+export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
 # The source tree as an importable package (what `pip install -e .` maps).
 ln -sfn ../kernels torchtitan_ext/kernels
 ln -sfn ../experiments torchtitan_ext/experiments
