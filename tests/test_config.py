@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -234,3 +235,9 @@ def test_flavors_cli_show_applies_toml(tmp_path, capsys):
 def test_flavors_cli_bad_input_exits_2(capsys):
     assert flavors_main(["--show", "nope"]) == 2
     assert "unknown flavor 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("example", sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.toml")))
+def test_example_toml_files_apply(example):
+    config = apply_toml_files(get_flavor(TINY).build(), [str(example)])
+    assert backends_of(config) == {load_toml(example)["moe.compute_backend"]}
