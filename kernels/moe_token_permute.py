@@ -17,30 +17,11 @@ CPU tensors under ``TRITON_INTERPRET=1``; they do no host sync.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-
-def triton_unavailable_reason(*devices: torch.device) -> str | None:
-    """None when the kernels can run on tensors of ``devices`` here, else a sentence saying why not."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    for device in devices:
-        if device.type == ("cpu" if interpreted else "cuda"):
-            continue
-        return (
-            f"the Triton permute kernels need CUDA tensors (got {device}), "
-            "or CPU tensors with TRITON_INTERPRET=1 set before the kernels are imported"
-        )
-    return None
-
-
-def _check_runnable(*tensors: torch.Tensor) -> None:
-    reason = triton_unavailable_reason(*(t.device for t in tensors))
-    if reason is not None:
-        raise RuntimeError(reason)
+from torchtitan_ext.kernels._runtime import check_runnable
 
 
 def _block_d(dim: int) -> int:
@@ -204,7 +185,7 @@ def permute_tokens(
     x_TD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_rows: int
 ) -> torch.Tensor:
     """Triton version of :func:`permute_tokens_reference`."""
-    _check_runnable(x_TD, dest_row_S)
+    check_runnable(x_TD, dest_row_S)
     return _PermuteTokens.apply(x_TD, dest_row_S, top_k, num_rows)
 
 
@@ -212,5 +193,5 @@ def unpermute_tokens(
     rows_PD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
 ) -> torch.Tensor:
     """Triton version of :func:`unpermute_tokens_reference`."""
-    _check_runnable(rows_PD, dest_row_S, scores_S)
+    check_runnable(rows_PD, dest_row_S, scores_S)
     return _UnpermuteTokens.apply(rows_PD, dest_row_S, scores_S, top_k)

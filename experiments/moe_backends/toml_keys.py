@@ -8,18 +8,17 @@ and rejects combinations that cannot train, before any process group is built.
 import os
 from typing import Literal
 
-import torch
-
-from torchtitan_ext.kernels.moe_token_permute import triton_unavailable_reason
+from torchtitan_ext.kernels._runtime import triton_available_reason
 from torchtitan_ext.overrides import ConfigError, register_config_check, register_short_key
 
 from .dispatcher import PermuteBackend, RoutingDispatcher, validate_dispatch_options
-from .experts import BackendGroupedExperts, ComputeBackend
+from .experts import BackendGroupedExperts, ComputeBackendChoice
 from .moe import AuxLossType, RoutedMoE, validate_loss_options
 from .router import validate_router_options
 
 
-@register_short_key("moe.compute_backend", ComputeBackend, "expert compute backend of every MoE layer")
+@register_short_key("moe.compute_backend", ComputeBackendChoice,
+                    "expert compute backend of every MoE layer (auto: fastest here, chosen at start-up)")
 def set_compute_backend(config, backend: str) -> None:
     experts = list(config.model_spec.model.traverse(BackendGroupedExperts.Config))
     if not experts:
@@ -43,20 +42,24 @@ def dispatcher_configs(config, key: str) -> list[RoutingDispatcher.Config]:
     return dispatchers
 
 
+def routers(config, key: str) -> list:
+    return [moe.router for moe in moe_configs(config, key)]
+
+
+def _as_is(key: str, value):
+    return value
+
+
 def _non_negative(key: str, value: float) -> float:
     if value < 0:
         raise ConfigError(f"{key} must be >= 0 (0 = off), got {value}")
     return value
 
 
-def _router_key(name: str, annotation, help: str, convert=lambda key, value: value):
-    """Register ``moe.<name>``: sets ``router.<name>`` of every MoE layer."""
-
-    @register_short_key(f"moe.{name}", annotation, help)
-    def apply(config, value) -> None:
-        value = convert(f"moe.{name}", value)
-        for moe in moe_configs(config, f"moe.{name}"):
-            setattr(moe.router, name, value)
+def _positive(key: str, value: float) -> float:
+    if value <= 0:
+        raise ConfigError(f"{key} must be > 0, got {value}")
+    return value
 
 
 def _positive_or_off(key: str, value):
@@ -68,19 +71,42 @@ def _positive_or_off(key: str, value):
     return value
 
 
-_router_key("score_func", Literal["softmax", "sigmoid"], "router score function")
-_router_key("route_norm", bool, "renormalize the top-k scores to sum 1")
-def _positive(key: str, value: float) -> float:
-    if value <= 0:
-        raise ConfigError(f"{key} must be > 0, got {value}")
+def _at_least_one(key: str, value: int) -> int:
+    if value < 1:
+        raise ConfigError(f"{key} must be >= 1 (1 = off), got {value}")
     return value
 
 
-_router_key("route_scale", float, "multiply the gating weights by this", _positive)
-_router_key("num_expert_groups", int, "group-limited routing: expert groups (0 = off)", _positive_or_off)
-_router_key("num_limited_groups", int, "group-limited routing: groups each token may use (0 = off)", _positive_or_off)
-_router_key("capacity_factor", float, "per-expert token capacity as a multiple of the balanced load (0 = no limit)",
+def _option_key(name: str, annotation, help: str, owners, convert=_as_is) -> None:
+    """Register ``moe.<name>``: sets ``<name>`` on every object ``owners(config, key)`` returns."""
+    key = f"moe.{name}"
+
+    @register_short_key(key, annotation, help)
+    def apply(config, value) -> None:
+        value = convert(key, value)
+        for owner in owners(config, key):
+            setattr(owner, name, value)
+
+
+_option_key("score_func", Literal["softmax", "sigmoid"], "router score function", routers)
+_option_key("route_norm", bool, "renormalize the top-k scores to sum 1", routers)
+_option_key("route_scale", float, "multiply the gating weights by this", routers, _positive)
+_option_key("num_expert_groups", int, "group-limited routing: expert groups (0 = off)", routers,
             _positive_or_off)
+_option_key("num_limited_groups", int, "group-limited routing: groups each token may use (0 = off)",
+            routers, _positive_or_off)
+_option_key("capacity_factor", float,
+            "per-expert token capacity as a multiple of the balanced load (0 = no limit)", routers,
+            _positive_or_off)
+_option_key("load_balance_coeff", float, "aux-loss-free expert bias update rate (0 = off)",
+            moe_configs, _positive_or_off)
+_option_key("aux_loss_coeff", float, "load-balancing loss weight (0 = off)", moe_configs, _non_negative)
+_option_key("aux_loss_type", AuxLossType, "load-balancing loss variant: seq, batch or global", moe_configs)
+_option_key("z_loss_coeff", float, "router z-loss weight (0 = off)", moe_configs, _non_negative)
+_option_key("permute_backend", PermuteBackend, "token permute/unpermute: torch or triton",
+            dispatcher_configs)
+_option_key("align_size", int, "pad each expert's rows to a multiple of this (1 = off)",
+            dispatcher_configs, _at_least_one)
 
 
 @register_short_key("moe.top_k", int, "experts per token (router and dispatcher)")
@@ -90,45 +116,6 @@ def set_top_k(config, top_k: int) -> None:
             raise ConfigError(f"moe.top_k must be in [1, {moe.num_experts}] (the number of experts), got {top_k}")
         moe.router.top_k = top_k
         moe.routed_experts.token_dispatcher.top_k = top_k
-
-
-@register_short_key("moe.load_balance_coeff", float, "aux-loss-free expert bias update rate (0 = off)")
-def set_load_balance_coeff(config, coeff: float) -> None:
-    value = _positive_or_off("moe.load_balance_coeff", coeff)
-    for moe in moe_configs(config, "moe.load_balance_coeff"):
-        moe.load_balance_coeff = value
-
-
-@register_short_key("moe.aux_loss_coeff", float, "load-balancing loss weight (0 = off)")
-def set_aux_loss_coeff(config, coeff: float) -> None:
-    for moe in moe_configs(config, "moe.aux_loss_coeff"):
-        moe.aux_loss_coeff = _non_negative("moe.aux_loss_coeff", coeff)
-
-
-@register_short_key("moe.aux_loss_type", AuxLossType, "load-balancing loss variant: seq, batch or global")
-def set_aux_loss_type(config, loss_type: str) -> None:
-    for moe in moe_configs(config, "moe.aux_loss_type"):
-        moe.aux_loss_type = loss_type
-
-
-@register_short_key("moe.z_loss_coeff", float, "router z-loss weight (0 = off)")
-def set_z_loss_coeff(config, coeff: float) -> None:
-    for moe in moe_configs(config, "moe.z_loss_coeff"):
-        moe.z_loss_coeff = _non_negative("moe.z_loss_coeff", coeff)
-
-
-@register_short_key("moe.permute_backend", PermuteBackend, "token permute/unpermute: torch or triton")
-def set_permute_backend(config, backend: str) -> None:
-    for dispatcher in dispatcher_configs(config, "moe.permute_backend"):
-        dispatcher.permute_backend = backend
-
-
-@register_short_key("moe.align_size", int, "pad each expert's rows to a multiple of this (1 = off)")
-def set_align_size(config, align_size: int) -> None:
-    if align_size < 1:
-        raise ConfigError(f"moe.align_size must be >= 1 (1 = no padding), got {align_size}")
-    for dispatcher in dispatcher_configs(config, "moe.align_size"):
-        dispatcher.align_size = align_size
 
 
 def _world_size() -> int:
@@ -154,9 +141,7 @@ def check_moe_config(config) -> None:
             validate_loss_options(moe.aux_loss_coeff, moe.aux_loss_type, moe.z_loss_coeff)
             if isinstance(dispatcher, RoutingDispatcher.Config):
                 validate_dispatch_options(dispatcher.permute_backend, dispatcher.align_size)
-                reason = triton_unavailable_reason(
-                    torch.device("cuda" if torch.cuda.is_available() else "cpu")
-                )
+                reason = triton_available_reason()
                 if dispatcher.permute_backend == "triton" and reason is not None:
                     errors.append(f"moe.permute_backend = 'triton': {reason}")
         except ValueError as e:
