@@ -1,7 +1,8 @@
 """The MoE layer with compute_backend "triton" (fused routed path, no dispatcher) equals the
 layer with the for_loop reference (dispatch -> experts -> combine): output and every gradient.
 
-On CPU the kernels run through Triton's interpreter (tests/conftest.py), in fp32.
+On CPU the kernels run through Triton's interpreter (tests/conftest.py) in fp32; on a GPU the
+layers run in bf16 at a larger shape (both layers, so that they route identically).
 """
 
 import pytest
@@ -13,27 +14,34 @@ from torchtitan_ext.kernels.fused_moe import triton_available_reason
 
 pytestmark = pytest.mark.skipif(triton_available_reason() is not None, reason="Triton cannot run here")
 
-SHAPE = dict(dim=16, hidden_dim=24, num_experts=6, top_k=2)
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+SHAPE = (dict(dim=256, hidden_dim=192, num_experts=16, top_k=4) if ON_GPU
+         else dict(dim=16, hidden_dim=24, num_experts=6, top_k=2))
+TOKENS = (4, 96) if ON_GPU else (2, 7)
+DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+TOLERANCE = 2e-2 if ON_GPU else 1e-5
 
 
-def build_layer(compute_backend: str, capacity_factor: float | None):
+def build_layer(compute_backend: str, capacity_factor: float | None, dtype: torch.dtype):
     config = moe_layer_config(compute_backend=compute_backend, **SHAPE)
     config.router.capacity_factor = capacity_factor
-    layer = config.build()
+    with torch.device(DEVICE):
+        layer = config.build()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for _, param in sorted(layer.named_parameters()):
             param.copy_(torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5)
-    return layer
+    return layer.to(dtype)
 
 
-def run(layer):
+def run(layer, dtype: torch.dtype):
     generator = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 7, SHAPE["dim"], generator=generator, requires_grad=True)
+    x = torch.randn(*TOKENS, SHAPE["dim"], generator=generator).to(DEVICE, dtype).requires_grad_()
     out = layer(x)
-    out.backward(torch.randn(out.shape, generator=generator))
-    grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
-    return out.detach(), x.grad, grads
+    out.backward(torch.randn(out.shape, generator=generator).to(DEVICE, dtype))
+    grads = {name: p.grad.float() for name, p in layer.named_parameters()}
+    return out.detach().float(), x.grad.float(), grads
 
 
 def relative_error(actual, expected):
@@ -42,19 +50,19 @@ def relative_error(actual, expected):
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.6])
 def test_fused_layer_equals_dispatch_path(capacity_factor, monkeypatch):
-    reference = build_layer("for_loop", capacity_factor)
-    fused = build_layer("triton", capacity_factor)
+    reference = build_layer("for_loop", capacity_factor, DTYPE)
+    fused = build_layer("triton", capacity_factor, DTYPE)
     assert isinstance(fused.routed_experts, FusedRoutedExperts)
     monkeypatch.setattr(
         fused.routed_experts.token_dispatcher, "dispatch",
         lambda *args, **kwargs: pytest.fail("the fused single-device path must not dispatch"),
     )
-    expected_out, expected_dx, expected_grads = run(reference)
-    out, dx, grads = run(fused)
-    assert relative_error(out, expected_out) < 1e-5
-    assert relative_error(dx, expected_dx) < 1e-5
+    expected_out, expected_dx, expected_grads = run(reference, DTYPE)
+    out, dx, grads = run(fused, DTYPE)
+    assert relative_error(out, expected_out) < TOLERANCE
+    assert relative_error(dx, expected_dx) < TOLERANCE
     assert expected_grads.keys() == grads.keys()
     for name, grad in grads.items():
-        assert relative_error(grad, expected_grads[name]) < 1e-5, name
+        assert relative_error(grad, expected_grads[name]) < TOLERANCE, name
     if capacity_factor is not None:
         assert int(fused.last_num_dropped_tokens) > 0
