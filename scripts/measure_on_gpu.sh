@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
-# Expert-block and MoE-layer benchmarks on one GPU of the measurement machines, which
-# have torch and triton but not torchtitan: its wheels are carried in .whl/ (see
-# docs/results/README.md). Results go to $OUT (or ./gpu_results).
+# GPU checks and benchmarks on the measurement machines, which have torch and triton but not
+# torchtitan: its wheels are carried in .whl/. Results go to $OUT (or ./gpu_results).
+#   scripts/measure_on_gpu.sh tests   # GPU tests (kernels, fused layer)
+#   scripts/measure_on_gpu.sh bench   # MoE layer and expert block benchmarks
 set -uo pipefail
 out=${OUT:-gpu_results}
 mkdir -p "$out"
 site=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
+# torchtitan 0.3.0's dispatcher reads torch.compiler._is_non_strict_tracing (torch >= 2.13).
+echo 'import torch.compiler as c; c._is_non_strict_tracing = getattr(c, "_is_non_strict_tracing", lambda: False)' \
+    > "$site/sitecustomize.py"
 export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
 # The source tree as an importable package (what `pip install -e .` maps).
 ln -sfn ../kernels torchtitan_ext/kernels
 ln -sfn ../experiments torchtitan_ext/experiments
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
-python3 -m torchtitan_ext.bench.moe_layer --out "$out/moe_layer.json" 2>&1 | tee "$out/moe_layer.log"
-python3 -m torchtitan_ext.bench.expert_block --out "$out/expert_block.json" 2>&1 | tee "$out/expert_block.log"
+nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$out/gpu.txt"
+for task in "$@"; do
+  case $task in
+    tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused_moe_gpu.py tests/test_fused_layer.py 2>&1 | tee "$out/gpu_tests.log" ;;
+    bench)
+      python3 -m torchtitan_ext.bench.moe_layer --out "$out/moe_layer.json" 2>&1 | tee "$out/moe_layer.log"
+      python3 -m torchtitan_ext.bench.expert_block --out "$out/expert_block.json" 2>&1 | tee "$out/expert_block.log" ;;
+    *) echo "unknown task $task (tests, bench)"; exit 2 ;;
+  esac
+done
