@@ -31,6 +31,9 @@ from torchtitan_ext.overrides import ConfigError, register_config_check
 
 ComputeBackend = Literal["grouped_mm", "for_loop", "batched_mm_padded", "triton"]
 COMPUTE_BACKENDS: tuple[str, ...] = get_args(ComputeBackend)
+AUTO_BACKEND = "auto"
+ComputeBackendChoice = Literal[ComputeBackend, "auto"]
+"""What the ``moe.compute_backend`` TOML key accepts: a backend, or "auto" (resolved at start-up)."""
 
 ExpertCompute = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -151,6 +154,11 @@ assert tuple(EXPERT_BACKENDS) == COMPUTE_BACKENDS
 
 def validate_compute_backend(name: str) -> str:
     """Return ``name`` if it is a known backend, else raise listing the valid ones."""
+    if name == AUTO_BACKEND:
+        raise ValueError(
+            "compute_backend 'auto' is resolved to a backend at start-up "
+            "(torchtitan_ext.bench.auto_backend.resolve_auto_compute_backend); resolve it before building"
+        )
     if name not in EXPERT_BACKENDS:
         raise ValueError(
             f"unknown compute_backend {name!r}; valid backends: "
@@ -173,6 +181,16 @@ def check_compute_backends_run_here(config) -> None:
         raise ConfigError(f"moe.compute_backend = 'triton': {reason}")
 
 
+@register_config_check
+def resolve_auto_compute_backend(config) -> None:
+    """Before training: ``moe.compute_backend = "auto"`` becomes the fastest backend here."""
+    if config.model_spec is None:
+        return
+    from torchtitan_ext.bench.auto_backend import resolve_auto_compute_backend as resolve
+
+    resolve(config)
+
+
 def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
@@ -191,7 +209,7 @@ class BackendGroupedExperts(GroupedExperts):
     def __init__(self, config: Config):
         super().__init__(config)
         self.compute_backend = config.compute_backend
-        self._compute = EXPERT_BACKENDS[config.compute_backend]
+        self._compute = EXPERT_BACKENDS[validate_compute_backend(config.compute_backend)]
 
     def forward(
         self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor

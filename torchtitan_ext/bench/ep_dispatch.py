@@ -226,14 +226,11 @@ def check_equivalence(mesh) -> list[dict]:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="JSON file written by rank 0")
-    parser.add_argument("--check", action="store_true", help="run the EP equivalence check first")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
-    parser.add_argument("--dims", type=int, nargs="+", default=[2048, 7168])
-    args = parser.parse_args()
+def run(token_counts: list[int], dims: list[int], check: bool) -> dict:
+    """Under torchrun: NCCL process group, optional equivalence check, every case; the report.
 
+    Every rank returns the same report; the caller destroys the process group.
+    """
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -244,21 +241,33 @@ def main() -> None:
         "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
         "date": time.strftime("%Y-%m-%d"),
     }
-    if args.check:
+    if check:
         try:
             report["equivalence"] = check_equivalence(mesh)
         except Exception as e:  # recorded, so the benchmark still runs
             report["equivalence_error"] = f"{type(e).__name__}: {e}"
     report["bench"] = []
-    for num_tokens in args.tokens:
-        for dim in args.dims:
+    for num_tokens in token_counts:
+        for dim in dims:
             for skewed in (False, True):
                 for permute_backend in ("torch", "triton"):
                     row = bench_case(mesh, num_tokens, dim, skewed, permute_backend)
                     report["bench"].append(row)
                     if rank == 0:
                         print(json.dumps(row), flush=True)
-    if rank == 0:
+    return report
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="JSON file written by rank 0")
+    parser.add_argument("--check", action="store_true", help="run the EP equivalence check first")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--dims", type=int, nargs="+", default=[2048, 7168])
+    args = parser.parse_args(argv)
+
+    report = run(args.tokens, args.dims, args.check)
+    if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     dist.destroy_process_group()

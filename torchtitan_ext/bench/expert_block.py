@@ -17,6 +17,7 @@ FLOPs: 6*N*D*F forward, 18*N*D*F forward+backward, N = T*K routed rows.
 
 import argparse
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -59,8 +60,19 @@ def torch_routed_experts(x_TD, w1_EFD, w2_EDF, w3_EFD, ids_TK, scores_TK):
     return torch.zeros_like(x_TD).index_add_(0, token_N, y_ND)
 
 
-def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype) -> list[dict]:
-    """One row per implementation: ms, TFLOP/s, memory, error vs grouped_mm."""
+class ExpertInputs(NamedTuple):
+    """Leaf tensors of one expert-block measurement (``weights`` = [w1_EFD, w2_EDF, w3_EFD])."""
+
+    ids_TK: torch.Tensor
+    scores_TK: torch.Tensor
+    counts_E: torch.Tensor
+    x_TD: torch.Tensor
+    x_ND: torch.Tensor
+    weights: list[torch.Tensor]
+
+
+def expert_inputs(shape: BenchShape, skew: float, device, dtype) -> ExpertInputs:
+    """Random routing (see ``route``), tokens, the same tokens grouped by expert, and weights."""
     ids_TK, scores_TK = route(shape.tokens, shape.num_experts, shape.top_k, skew, device)
     counts_E = torch.bincount(ids_TK.reshape(-1), minlength=shape.num_experts)
     slot_N = torch.argsort(ids_TK.reshape(-1), stable=True)
@@ -72,7 +84,12 @@ def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype) -> 
         (torch.randn(E, D, F, device=device, dtype=dtype) * F**-0.5).requires_grad_(),
         (torch.randn(E, F, D, device=device, dtype=dtype) * D**-0.5).requires_grad_(),
     ]
-    scores_TK = scores_TK.to(dtype).requires_grad_()
+    return ExpertInputs(ids_TK, scores_TK.to(dtype).requires_grad_(), counts_E, x_TD, x_ND, weights)
+
+
+def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype) -> list[dict]:
+    """One row per implementation: ms, TFLOP/s, memory, error vs grouped_mm."""
+    ids_TK, scores_TK, counts_E, x_TD, x_ND, weights = expert_inputs(shape, skew, device, dtype)
     calls = {name: (lambda fn=fn: fn(x_ND, *weights, counts_E), [x_ND, *weights])
              for name, fn in EXPERT_BACKENDS.items()}
     calls["torch_routed"] = (lambda: torch_routed_experts(x_TD, *weights, ids_TK, scores_TK),
@@ -110,14 +127,15 @@ def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype) -> 
     return rows
 
 
-def run(shapes: list[BenchShape], impls, device, dtype, command: str, out: str | None = None) -> dict:
+def run(shapes: list[BenchShape], impls, device, dtype, command: str, out: str | None = None,
+        skews=SKEWS) -> dict:
     """Measure every shape and skew; ``out`` is rewritten after each shape."""
     timer = make_timer(device)
     results = {"meta": environment(command, device, dtype), "rows": []}
     if device.type == "cuda":
         results["meta"]["dense_bf16_tflops"] = dense_ceiling_tflops(timer, device)
     for shape in shapes:
-        for skew in SKEWS:
+        for skew in skews:
             results["rows"] += bench_shape(shape, skew, impls, timer, device, dtype)
         write_json(out, results)
     return results

@@ -141,12 +141,13 @@ TABLE = [("shape", "shape"), ("skew", "skew"), ("max_over_mean", "max/mean"), ("
          ("rel_err_vs_stock", "err vs stock")]
 
 
-def run(shapes, kinds, device, dtype, batch: int, command: str, out: str | None = None) -> dict:
+def run(shapes, kinds, device, dtype, batch: int, command: str, out: str | None = None,
+        skews=SKEWS) -> dict:
     """Measure every shape and skew; ``out`` is rewritten after each shape."""
     timer = make_timer(device)
     results = {"meta": environment(command, device, dtype), "rows": []}
     for shape in shapes:
-        for skew in SKEWS:
+        for skew in skews:
             results["rows"] += bench_shape(shape, skew, kinds, timer, device, dtype, batch)
         write_json(out, results)
     return results

@@ -1,0 +1,177 @@
+"""The benchmark CLI on CPU with tiny shapes, and the "auto" compute-backend choice."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_ext.bench import auto_backend
+from torchtitan_ext.bench.__main__ import main
+from torchtitan_ext.bench.common import TINY_SHAPE, BenchShape
+from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
+from torchtitan_ext.moe_metrics import run_metadata
+from torchtitan_ext.overrides import ConfigError
+from torchtitan_ext.train import FlavorConfigManager
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+PNG_MAGIC = b"\x89PNG"
+TORCH_BACKENDS = ["grouped_mm", "for_loop", "batched_mm_padded"]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(auto_backend.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+
+def run_main(argv, tmp_path) -> tuple[dict, str]:
+    """Run a subcommand writing JSON and PNG into tmp_path; (parsed JSON, stdout)."""
+    assert main([*argv, "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "out.png")]) == 0
+    assert (tmp_path / "out.png").read_bytes()[:4] == PNG_MAGIC
+    return json.loads((tmp_path / "out.json").read_text())
+
+
+def test_expert_tiny_shape(tmp_path, capsys):
+    results = run_main(["expert", "--tiny", "--skew", "balanced", "--impls", "grouped_mm", "for_loop"], tmp_path)
+    out = capsys.readouterr()
+    assert "fwd+bwd TF/s" in out.out and "for_loop" in out.out
+    assert "expert block" in out.err  # progress
+    assert [row["impl"] for row in results["rows"]] == ["grouped_mm", "for_loop"]
+    assert results["meta"]["device"] == "cpu" and results["meta"]["command"].startswith("python -m torchtitan_ext.bench expert")
+
+
+def test_expert_explicit_dims(tmp_path):
+    results = run_main(["expert", "--dim", "16", "--hidden", "24", "--experts", "4", "--top-k", "2", "--tokens", "16",
+                        "--skew", "skewed", "--impls", "batched_mm_padded"], tmp_path)
+    (row,) = results["rows"]
+    assert row["shape"] == "D16-F24-E4-K2-T16" and row["skew"] == 2.0
+
+
+def test_layer_shapes_from_flavor(tmp_path, capsys):
+    results = run_main(["layer", "--flavor", "tiny-moe-for-loop", "--tokens", "32", "--skew", "balanced",
+                        "--layers", "for_loop"], tmp_path)
+    assert "err vs stock" in capsys.readouterr().out
+    assert [row["layer"] for row in results["rows"]] == ["torchtitan", "for_loop"]
+    assert results["rows"][0]["shape"] == "tiny-moe-for-loop"
+
+
+def test_train_step_tiny_flavor(tmp_path, capsys):
+    results = run_main(["train-step", "--flavor", "tiny-moe-grouped-mm", "--backends", "for_loop",
+                        "--batch-size", "2", "--seq-len", "16"], tmp_path)
+    assert "tokens/s" in capsys.readouterr().out
+    (row,) = results["rows"]
+    assert row["backend"] == "for_loop" and row["tokens"] == 32 and row["mfu"] == "n/a"
+    assert row["tokens_per_s"] > 0 and row["flops_per_token"] > 0
+
+
+@pytest.mark.parametrize("name", ["expert_block_h100.json", "moe_layer_h200.json", "ep_dispatch_h200_2026-11-21.json"])
+def test_plot_measured_results(tmp_path, name):
+    out = tmp_path / "plot.png"
+    assert main(["plot", "--from", str(RESULTS / name), "--out", str(out)]) == 0
+    assert out.read_bytes()[:4] == PNG_MAGIC
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["expert", "--dim", "16"], "need all of --dim --hidden --experts --top-k"),
+    (["expert", "--tiny", "--shapes", "mixtral-8x7b"], "choose one shape source"),
+    (["expert", "--impls", "nope"], "invalid choice: 'nope'"),
+    (["layer", "--tiny", "--batch", "5"], "--batch 5 must be >= 1 and divide"),
+    (["train-step", "--backends", "for_loop"], "the following arguments are required: --flavor"),
+    (["plot", "--from", "missing.json", "--out", "x.png"], "No such file"),
+    (["ep"], "run it under torchrun with >= 2 CUDA GPUs"),
+])
+def test_bad_arguments_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_errors_exit_2(capsys):
+    assert main(["train-step", "--flavor", "tiny-moe-for-lop"]) == 2
+    assert "unknown flavor 'tiny-moe-for-lop'; did you mean" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["train-step", "--flavor", "qwen3-30b-a3b", "--backends", "for_loop"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+# --- compute_backend = "auto" ------------------------------------------------------------
+
+SHAPE_A = BenchShape("a", 64, 16, 24, 4, 2)
+SHAPE_B = BenchShape("b", 64, 32, 24, 4, 2)
+
+
+def fake_measure(ms_by_shape_and_backend: dict, calls: list):
+    def measure(shape, backend):
+        calls.append((shape.name, backend))
+        return ms_by_shape_and_backend[shape.name, backend]
+
+    return measure
+
+
+def test_choice_sums_layers_and_breaks_ties_by_order():
+    ms = {("a", "for_loop"): 1.0, ("a", "grouped_mm"): 2.0, ("b", "for_loop"): 5.0, ("b", "grouped_mm"): 2.0}
+    # for_loop: 3*1 + 1*5 = 8; grouped_mm: 3*2 + 1*2 = 8 -> tie, the earlier candidate wins
+    backend, totals = auto_backend.choose_backend({SHAPE_A: 3, SHAPE_B: 1}, ["grouped_mm", "for_loop"],
+                                                  fake_measure(ms, []))
+    assert (backend, totals) == ("grouped_mm", {"grouped_mm": 8.0, "for_loop": 8.0})
+    backend, _ = auto_backend.choose_backend({SHAPE_A: 1, SHAPE_B: 1}, ["grouped_mm", "for_loop"], fake_measure(ms, []))
+    assert backend == "grouped_mm"  # 4 vs 6
+
+
+def test_triton_is_a_candidate_only_where_it_runs(monkeypatch):
+    monkeypatch.setattr(auto_backend, "triton_available_reason", lambda: "needs CUDA")
+    assert auto_backend.candidate_backends() == TORCH_BACKENDS
+    monkeypatch.setattr(auto_backend, "triton_available_reason", lambda: None)
+    assert auto_backend.candidate_backends() == [*TORCH_BACKENDS, "triton"]
+
+
+def test_choice_is_cached_per_device_shape_and_dtype(monkeypatch):
+    monkeypatch.setattr(auto_backend, "triton_available_reason", lambda: "needs CUDA")
+    ms = {("a", "grouped_mm"): 3.0, ("a", "for_loop"): 2.0, ("a", "batched_mm_padded"): 1.0}
+    calls = []
+    measure = fake_measure(ms, calls)
+    cpu = torch.device("cpu")
+    first = auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, may_measure=True, measure=measure)
+    assert (first.backend, first.cached, len(calls)) == ("batched_mm_padded", False, 3)
+    assert first.ms_per_step == {"grouped_mm": 6.0, "for_loop": 4.0, "batched_mm_padded": 2.0}
+    again = auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, may_measure=False, measure=measure)
+    assert (again.backend, again.cached, len(calls)) == ("batched_mm_padded", True, 3)
+    cache = json.loads(auto_backend.cache_file().read_text())
+    assert list(cache) == [first.cache_key] and "cpu|" in first.cache_key and "float32" in first.cache_key
+    with pytest.raises(ConfigError, match="no cached choice"):  # another dtype: a miss, and no measuring allowed
+        auto_backend.resolve({SHAPE_A: 2}, cpu, torch.bfloat16, may_measure=False, measure=measure)
+    auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, may_measure=True, remeasure=True, measure=measure)
+    assert len(calls) == 6
+
+
+def test_auto_in_toml_resolves_at_startup_and_is_recorded(tmp_path, monkeypatch):
+    monkeypatch.setattr(auto_backend, "triton_available_reason", lambda: "needs CUDA")
+    ms = {"grouped_mm": 3.0, "for_loop": 1.0, "batched_mm_padded": 2.0}
+    monkeypatch.setattr(auto_backend, "expert_block_measure", lambda device, dtype: lambda shape, backend: ms[backend])
+    toml = tmp_path / "auto.toml"
+    toml.write_text('[moe]\ncompute_backend = "auto"\n')
+    config = FlavorConfigManager().parse_args(["--flavor", "tiny-moe-grouped-mm", "--toml", str(toml)])
+    backends = {e.compute_backend for _, e, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)}
+    assert backends == {"for_loop"}
+    assert run_metadata()["compute_backend"] == "for_loop"
+    assert run_metadata()["toml_overrides"][str(toml)] == {"moe.compute_backend": "auto"}
+    monkeypatch.setenv("WORLD_SIZE", "2")  # every rank now reads the same cached choice
+    config = FlavorConfigManager().parse_args(["--flavor", "tiny-moe-grouped-mm", "--toml", str(toml),
+                                               "--parallelism.expert_parallel_degree", "2"])
+    assert run_metadata()["compute_backend"] == "for_loop"
+
+
+def test_unresolved_auto_cannot_build():
+    with pytest.raises(ValueError, match="resolved to a backend at start-up"):
+        BackendGroupedExperts.Config(dim=8, hidden_dim=8, num_experts=2, compute_backend="auto")
+
+
+def test_real_tiny_measurement(monkeypatch, capsys):
+    monkeypatch.setattr(auto_backend, "triton_available_reason", lambda: "needs CUDA")
+    choice = auto_backend.resolve({TINY_SHAPE: 2}, torch.device("cpu"), torch.float32, may_measure=True)
+    assert choice.backend in TORCH_BACKENDS and set(choice.ms_per_step) == set(TORCH_BACKENDS)
+    assert all(ms > 0 for ms in choice.ms_per_step.values())
+    assert main(["auto", "--flavor", "tiny-moe-for-loop", "--batch-size", "2", "--seq-len", "16"]) == 0
+    assert "auto ->" in capsys.readouterr().out

@@ -1,0 +1,264 @@
+"""Benchmarks: which compute_backend to use for a model on this hardware.
+
+    python -m torchtitan_ext.bench expert --flavor qwen3-30b-a3b           # expert block per backend
+    python -m torchtitan_ext.bench layer --shapes mixtral-8x7b              # MoE layer vs stock torchtitan
+    torchrun --nproc_per_node=4 -m torchtitan_ext.bench ep --json ep.json   # EP dispatch/combine (GPUs)
+    python -m torchtitan_ext.bench train-step --flavor tiny-moe-for-loop    # one training step per backend
+    python -m torchtitan_ext.bench auto --flavor tiny-moe-for-loop          # fill the "auto" backend cache
+    python -m torchtitan_ext.bench plot --from result.json --out result.png
+
+Progress goes to stderr, the table to stdout; ``--json`` and ``--plot`` write the results.
+Without CUDA everything runs on CPU in fp32 (small shapes; the Triton backends only with
+TRITON_INTERPRET=1); with CUDA timings are medians over CUDA events after warm-up.
+"""
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import torch
+
+from torchtitan_ext.bench import auto_backend, expert_block, moe_layer, plot, train_step
+from torchtitan_ext.bench.common import SHAPES, TINY_SHAPE, BenchShape, print_table, progress, write_json
+from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS
+from torchtitan_ext.kernels.fused_moe import triton_available_reason
+from torchtitan_ext.overrides import ConfigError
+from torchtitan_ext.train import resolve_config
+
+PROG = "python -m torchtitan_ext.bench"
+SKEW_CHOICES = {"balanced": (0.0,), "skewed": (2.0,), "both": (0.0, 2.0)}
+TRITON_IMPLS = ("triton", "fused_routed")
+EP_TABLE = [("world", "world"), ("tokens_per_rank", "T/rank"), ("dim", "D"), ("routing", "routing"),
+            ("permute_backend", "permute"), ("dispatch_combine_ms", "d+c ms"), ("raw_a2a_ms", "raw a2a ms"),
+            ("dispatch_combine_GBps", "d+c GB/s"), ("raw_a2a_GBps", "raw GB/s"), ("fraction_of_raw", "fraction")]
+AUTO_TABLE = [("backend", "backend"), ("ms_per_step", "expert fwd+bwd ms per step"), ("chosen", "chosen")]
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the results")
+
+
+def add_shape_options(parser: argparse.ArgumentParser) -> None:
+    shapes = parser.add_argument_group("shapes (one source; default: the named shapes on CUDA, --tiny on CPU)")
+    shapes.add_argument("--flavor", help="read D, F, E, K and tokens (batch x seq_len) from this flavor")
+    shapes.add_argument("--toml", action="append", default=[], metavar="FILE", help="TOML overrides of --flavor")
+    shapes.add_argument("--dim", type=int, help="model dim D (with --hidden --experts --top-k)")
+    shapes.add_argument("--hidden", type=int, help="expert hidden dim F")
+    shapes.add_argument("--experts", type=int, help="number of experts E")
+    shapes.add_argument("--top-k", type=int, help="experts per token K")
+    shapes.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="named shapes")
+    shapes.add_argument("--tiny", action="store_true", help=f"the tiny shape {TINY_SHAPE}")
+    shapes.add_argument("--tokens", type=int, help="tokens per step (overrides the shape's)")
+    parser.add_argument("--skew", choices=SKEW_CHOICES, default="both", help="routing: balanced, skewed or both")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                        help="auto: bfloat16 on CUDA, float32 on CPU")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[2:8]))
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    expert = commands.add_parser("expert", help="the expert block (3 GEMMs) per compute backend, fwd and fwd+bwd")
+    add_shape_options(expert)
+    expert.add_argument("--impls", nargs="+", choices=expert_block.IMPLS,
+                        help="implementations (default: every one that runs here)")
+    add_output_options(expert)
+
+    layer = commands.add_parser("layer", help="the whole MoE layer per backend vs stock torchtitan")
+    add_shape_options(layer)
+    layer.add_argument("--layers", nargs="+", choices=[moe_layer.STOCK, *COMPUTE_BACKENDS],
+                       help=f"layers (default: every one that runs here; {moe_layer.STOCK} always runs first)")
+    layer.add_argument("--batch", type=int, default=2, help="batch B of the (B, tokens/B, D) input")
+    add_output_options(layer)
+
+    ep = commands.add_parser("ep", help="EP dispatch+combine vs raw NCCL all-to-all (torchrun, >= 2 GPUs)")
+    ep.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192], help="tokens per rank")
+    ep.add_argument("--dims", type=int, nargs="+", default=[2048, 7168], help="model dims")
+    ep.add_argument("--check", action="store_true", help="run the EP equivalence check first")
+    add_output_options(ep)
+
+    step = commands.add_parser("train-step", help="one training step (fwd+bwd+AdamW) of a flavor per backend")
+    step.add_argument("--flavor", required=True, help="flavor to build (python -m torchtitan_ext.flavors)")
+    step.add_argument("--toml", action="append", default=[], metavar="FILE", help="TOML overrides (repeatable)")
+    step.add_argument("--backends", nargs="+", choices=COMPUTE_BACKENDS,
+                      help="compute backends (default: every one that runs here)")
+    step.add_argument("--batch-size", type=int, help="local batch size (default: the flavor's)")
+    step.add_argument("--seq-len", type=int, help="sequence length (default: the flavor's)")
+    step.add_argument("--num-layers", type=int, help="keep only the first N layers (full-size flavors on one GPU)")
+    add_output_options(step)
+
+    auto = commands.add_parser("auto", help='measure and cache the moe.compute_backend = "auto" choice for a flavor')
+    auto.add_argument("--flavor", required=True, help="flavor whose MoE shapes are measured")
+    auto.add_argument("--toml", action="append", default=[], metavar="FILE", help="TOML overrides (repeatable)")
+    auto.add_argument("--batch-size", type=int, help="local batch size of the run (default: the flavor's)")
+    auto.add_argument("--seq-len", type=int, help="sequence length of the run (default: the flavor's)")
+    auto.add_argument("--remeasure", action="store_true", help="measure again even if the cache has a choice")
+    auto.add_argument("--json", metavar="PATH", help="write the choice as JSON")
+
+    plot_command = commands.add_parser("plot", help="PNG bar chart of a result JSON file")
+    plot_command.add_argument("--from", dest="source", required=True, metavar="FILE.json", help="result JSON")
+    plot_command.add_argument("--out", required=True, metavar="FILE.png", help="PNG to write")
+    plot_command.add_argument("--only", nargs="+", metavar="NAME", help="plot only these series (backends)")
+    for subparser, handler in ((expert, run_expert), (layer, run_layer), (ep, run_ep), (step, run_train_step),
+                               (auto, run_auto), (plot_command, run_plot)):
+        subparser.set_defaults(handler=handler, subparser=subparser)
+    return parser
+
+
+def flavor_shapes(flavor: str, tomls: list[str], tokens: int | None) -> list[BenchShape]:
+    """The distinct MoE shapes of a flavor, at ``tokens`` (default: local batch x seq_len)."""
+    config = resolve_config(flavor, tomls)
+    tokens = tokens or config.training.local_batch_size * config.training.seq_len
+    layer_shapes = auto_backend.moe_layer_shapes(config.model_spec.model, tokens)
+    if not layer_shapes:
+        raise ConfigError(f"flavor {flavor!r} has no MoE layers")
+    return [dataclasses.replace(shape, name=flavor if len(layer_shapes) == 1 else f"{flavor}-{shape.name}")
+            for shape in layer_shapes]
+
+
+def selected_shapes(parser, args, device: torch.device) -> list[BenchShape]:
+    explicit = [args.dim, args.hidden, args.experts, args.top_k]
+    sources = [bool(args.flavor), any(v is not None for v in explicit), bool(args.shapes), args.tiny]
+    if sum(sources) > 1:
+        parser.error("choose one shape source: --flavor, --dim/--hidden/--experts/--top-k, --shapes or --tiny")
+    if args.toml and not args.flavor:
+        parser.error("--toml applies to --flavor only")
+    if args.tokens is not None and args.tokens < 1:
+        parser.error(f"--tokens must be >= 1, got {args.tokens}")
+    if args.flavor:
+        return flavor_shapes(args.flavor, args.toml, args.tokens)
+    if any(v is not None for v in explicit):
+        if any(v is None for v in explicit):
+            parser.error("explicit shapes need all of --dim --hidden --experts --top-k")
+        if min(explicit) < 1 or args.top_k > args.experts:
+            parser.error("--dim --hidden --experts --top-k must be >= 1 and --top-k <= --experts")
+        dim, hidden, experts, top_k = explicit
+        tokens = args.tokens or 8192
+        return [BenchShape(f"D{dim}-F{hidden}-E{experts}-K{top_k}-T{tokens}", tokens, dim, hidden, experts, top_k)]
+    if args.shapes:
+        names = args.shapes
+    elif args.tiny or device.type == "cpu":
+        if not args.tiny:
+            progress("no CUDA: measuring the tiny shape (choose others with --flavor/--dim/--shapes)")
+        names = []
+    else:
+        names = list(SHAPES)
+    shapes = [SHAPES[name] for name in names] or [TINY_SHAPE]
+    if args.tokens:
+        shapes = [dataclasses.replace(shape, tokens=args.tokens) for shape in shapes]
+    return shapes
+
+
+def measurement_dtype(args, device: torch.device) -> torch.dtype:
+    if args.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, args.dtype)
+
+
+def reject_unrunnable(parser, flag: str, names, triton_names) -> None:
+    reason = triton_available_reason()
+    unrunnable = [name for name in names or () if name in triton_names]
+    if unrunnable and reason is not None:
+        parser.error(f"{flag} {' '.join(unrunnable)}: {reason}")
+
+
+def finish(results: dict, rows: list[dict], table, args) -> None:
+    print_table(rows, table)
+    write_json(args.json, results)
+    if args.plot:
+        plot.plot(results, args.plot)
+        progress(f"plot written to {args.plot}")
+
+
+def run_expert(parser, args, device, command) -> None:
+    reject_unrunnable(parser, "--impls", args.impls, TRITON_IMPLS)
+    shapes = selected_shapes(parser, args, device)
+    results = expert_block.run(shapes, args.impls or expert_block.default_impls(), device,
+                               measurement_dtype(args, device), command, out=args.json,
+                               skews=SKEW_CHOICES[args.skew])
+    finish(results, results["rows"], expert_block.TABLE, args)
+
+
+def run_layer(parser, args, device, command) -> None:
+    reject_unrunnable(parser, "--layers", args.layers, ("triton",))
+    shapes = selected_shapes(parser, args, device)
+    bad = [s.name for s in shapes if s.tokens % args.batch]
+    if args.batch < 1 or bad:
+        parser.error(f"--batch {args.batch} must be >= 1 and divide the tokens of every shape ({', '.join(bad)})")
+    kinds = [moe_layer.STOCK, *(k for k in (args.layers or moe_layer.default_kinds()) if k != moe_layer.STOCK)]
+    results = moe_layer.run(shapes, kinds, device, measurement_dtype(args, device), args.batch, command,
+                            out=args.json, skews=SKEW_CHOICES[args.skew])
+    finish(results, results["rows"], moe_layer.TABLE, args)
+
+
+def run_ep(parser, args, device, command) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if device.type != "cuda" or world < 2:
+        parser.error("ep measures NCCL all-to-all between GPUs: run it under torchrun with >= 2 CUDA GPUs, "
+                     f"e.g. torchrun --nproc_per_node=4 -m torchtitan_ext.bench ep --json ep.json "
+                     f"(found {'CUDA' if device.type == 'cuda' else 'no CUDA'}, WORLD_SIZE={world})")
+    import torch.distributed as dist
+
+    from torchtitan_ext.bench import ep_dispatch
+
+    report = ep_dispatch.run(args.tokens, args.dims, args.check)
+    report["command"] = command
+    if dist.get_rank() == 0:
+        rows = [{**row, "dispatch_combine_ms": row["ms"]["dispatch_combine"], "raw_a2a_ms": row["ms"]["raw_a2a"]}
+                for row in report["bench"]]
+        finish(report, rows, EP_TABLE, args)
+    dist.destroy_process_group()
+
+
+def run_train_step(parser, args, device, command) -> None:
+    reject_unrunnable(parser, "--backends", args.backends, ("triton",))
+    for flag in ("batch_size", "seq_len", "num_layers"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    backends = args.backends or auto_backend.candidate_backends()
+    results = train_step.run(args.flavor, args.toml, backends, device, command, batch_size=args.batch_size,
+                             seq_len=args.seq_len, num_layers=args.num_layers, out=args.json)
+    finish(results, results["rows"], train_step.TABLE, args)
+
+
+def run_auto(parser, args, device, command) -> None:
+    config = train_step.step_config(args.flavor, args.toml, auto_backend.AUTO_BACKEND, batch_size=args.batch_size,
+                                    seq_len=args.seq_len, num_layers=None)
+    choice = auto_backend.resolve_for_config(config, remeasure=args.remeasure)
+    rows = [{"backend": name, "ms_per_step": ms, "chosen": "*" if name == choice.backend else ""}
+            for name, ms in choice.ms_per_step.items()]
+    print_table(rows, AUTO_TABLE)
+    print(f"auto -> {choice.backend} ({'cached' if choice.cached else 'measured'}; {auto_backend.cache_file()})")
+    write_json(args.json, {"flavor": args.flavor, "backend": choice.backend, "ms_per_step": choice.ms_per_step,
+                           "cached": choice.cached, "cache_key": choice.cache_key, "command": command})
+
+
+def run_plot(parser, args, device, command) -> None:
+    try:
+        plot.plot_file(args.source, args.out, args.only)
+    except (OSError, ValueError, KeyError) as e:
+        parser.error(f"plot --from {args.source}: {e}")
+    progress(f"plot written to {args.out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; 0 on success, 2 on bad input (argparse exits with 2 itself)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    command = " ".join([PROG, *argv])
+    try:
+        args.handler(args.subparser, args, device, command)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

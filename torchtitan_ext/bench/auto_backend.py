@@ -1,0 +1,199 @@
+"""``moe.compute_backend = "auto"``: the fastest available backend for a model's MoE shapes here.
+
+Resolution happens once at start-up (a config check, before any process group or model is
+built) and writes a concrete backend into every ``BackendGroupedExperts.Config``, so the
+model never sees "auto". The choice is the backend with the smallest forward+backward time
+of the expert block (``expert_block.expert_inputs``, balanced routing) summed over the
+model's MoE layers, at the run's tokens per step (local batch size x sequence length).
+
+Choices are cached in ``$TORCHTITAN_EXT_CACHE/auto_backend.json`` (default
+``~/.cache/torchtitan_ext/``), keyed by device name, torch version, dtype, the MoE shapes
+and the candidate backends. A single process measures on a cache miss; under torchrun
+(``WORLD_SIZE > 1``) every rank reads the cache and a miss is an error asking for
+``python -m torchtitan_ext.bench auto --flavor NAME`` first, so all ranks choose alike.
+"""
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from torchtitan_ext.bench.common import BenchShape, add_shim_for_older_torch, make_timer, progress
+
+add_shim_for_older_torch()
+
+from torchtitan.models.common.moe import MoE  # noqa: E402
+from torchtitan.tools.logging import logger  # noqa: E402
+
+from torchtitan_ext.bench.expert_block import expert_inputs  # noqa: E402
+from torchtitan_ext.experiments.moe_backends.experts import (  # noqa: E402
+    AUTO_BACKEND,
+    COMPUTE_BACKENDS,
+    EXPERT_BACKENDS,
+    BackendGroupedExperts,
+)
+from torchtitan_ext.kernels.fused_moe import triton_available_reason  # noqa: E402
+from torchtitan_ext.overrides import ConfigError  # noqa: E402
+
+CACHE_ENV = "TORCHTITAN_EXT_CACHE"
+CACHE_FILE_NAME = "auto_backend.json"
+
+Measure = Callable[[BenchShape, str], float]
+"""``measure(shape, backend) -> forward+backward ms`` of one expert block."""
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    backend: str
+    ms_per_step: dict[str, float]
+    """Expert-block forward+backward ms per training step (all MoE layers), per candidate."""
+    cached: bool
+    cache_key: str
+
+
+def cache_file() -> Path:
+    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "torchtitan_ext"
+    return Path(root) / CACHE_FILE_NAME
+
+
+def candidate_backends() -> list[str]:
+    """Every compute backend that runs here; ``triton`` only where its kernels can run."""
+    runnable = triton_available_reason() is None
+    return [name for name in COMPUTE_BACKENDS if name != "triton" or runnable]
+
+
+def moe_layer_shapes(model_config, tokens: int) -> dict[BenchShape, int]:
+    """{expert-block shape at ``tokens`` tokens: number of MoE layers with it}."""
+    counts: dict[BenchShape, int] = {}
+    for _, moe, _, _ in model_config.traverse(MoE.Config):
+        experts = moe.routed_experts.inner_experts
+        shape = BenchShape(
+            f"D{experts.dim}-F{experts.hidden_dim}-E{experts.num_experts}-K{moe.router.top_k}",
+            tokens, experts.dim, experts.hidden_dim, experts.num_experts, moe.router.top_k,
+        )
+        counts[shape] = counts.get(shape, 0) + 1
+    return counts
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def cache_key(device: torch.device, dtype: torch.dtype, layer_shapes: dict[BenchShape, int],
+              candidates: list[str]) -> str:
+    shapes = ",".join(f"{s.name}-T{s.tokens}x{n}" for s, n in sorted(layer_shapes.items(), key=lambda i: i[0].name))
+    return "|".join([device_name(device), f"torch {torch.__version__}", str(dtype).removeprefix("torch."),
+                     shapes, "+".join(candidates)])
+
+
+def expert_block_measure(device: torch.device, dtype: torch.dtype) -> Measure:
+    """A short real measurement: a few forward+backward passes, median ms (``make_timer``)."""
+    timer = make_timer(device, warmup_ms=10, repeat_ms=40)
+
+    def measure(shape: BenchShape, backend: str) -> float:
+        inputs = expert_inputs(shape, 0.0, device, dtype)
+        compute = EXPERT_BACKENDS[backend]
+        grad_ND = torch.randn(inputs.x_ND.shape, device=device, dtype=dtype)
+
+        def forward_backward():
+            torch.autograd.backward(compute(inputs.x_ND, *inputs.weights, inputs.counts_E), grad_ND)
+
+        return timer(forward_backward, grad_to_none=[inputs.x_ND, *inputs.weights])
+
+    return measure
+
+
+def choose_backend(layer_shapes: dict[BenchShape, int], candidates: list[str],
+                   measure: Measure) -> tuple[str, dict[str, float]]:
+    """(fastest candidate, ms per step per candidate); ties go to the earlier candidate."""
+    ms_per_step = {}
+    for backend in candidates:
+        progress(f"  auto backend  measuring {backend}")
+        ms_per_step[backend] = round(sum(count * measure(shape, backend)
+                                         for shape, count in layer_shapes.items()), 4)
+    return min(ms_per_step, key=ms_per_step.get), ms_per_step
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def resolve(layer_shapes: dict[BenchShape, int], device: torch.device, dtype: torch.dtype, *,
+            may_measure: bool, remeasure: bool = False, measure: Measure | None = None) -> AutoChoice:
+    """The cached choice for these shapes here, or (``may_measure``) a fresh measurement, cached."""
+    candidates = candidate_backends()
+    key = cache_key(device, dtype, layer_shapes, candidates)
+    path = cache_file()
+    cache = _read_cache(path)
+    if key in cache and not remeasure:
+        entry = cache[key]
+        return AutoChoice(entry["backend"], entry["ms_per_step"], True, key)
+    if not may_measure:
+        raise ConfigError(
+            f"moe.compute_backend = 'auto': no cached choice for {key} in {path}, "
+            "and several processes would measure apart; run the single-process "
+            "`python -m torchtitan_ext.bench auto --flavor NAME [--toml FILE] [--batch-size B --seq-len L]` first "
+            f"(same {CACHE_ENV}), or set a backend: {', '.join(COMPUTE_BACKENDS)}"
+        )
+    if len(candidates) == 1:
+        backend, ms_per_step = candidates[0], {}
+    else:
+        backend, ms_per_step = choose_backend(layer_shapes, candidates, measure or expert_block_measure(device, dtype))
+    cache[key] = {"backend": backend, "ms_per_step": ms_per_step}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(cache, indent=1, sort_keys=True))
+    temporary.replace(path)
+    return AutoChoice(backend, ms_per_step, False, key)
+
+
+def training_device_and_dtype(config) -> tuple[torch.device, torch.dtype]:
+    """Where and in what dtype the experts of this ``Trainer.Config`` compute (one GPU or CPU)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device()), getattr(torch, config.training.mixed_precision_param)
+    return torch.device("cpu"), torch.float32
+
+
+def resolve_for_config(config, *, remeasure: bool = False, measure: Measure | None = None) -> AutoChoice:
+    """The choice for a ``Trainer.Config``'s MoE layers at its local batch x sequence length."""
+    device, dtype = training_device_and_dtype(config)
+    tokens = config.training.local_batch_size * config.training.seq_len
+    layer_shapes = moe_layer_shapes(config.model_spec.model, tokens)
+    may_measure = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    return resolve(layer_shapes, device, dtype, may_measure=may_measure, remeasure=remeasure, measure=measure)
+
+
+def resolve_auto_compute_backend(config, *, measure: Measure | None = None) -> AutoChoice | None:
+    """Replace ``"auto"`` in every ``BackendGroupedExperts.Config`` by the chosen backend; log it.
+
+    Returns the choice, or None when no layer asks for "auto".
+    """
+    experts = [experts for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)
+               if experts.compute_backend == AUTO_BACKEND]
+    if not experts:
+        return None
+    choice = resolve_for_config(config, measure=measure)
+    for experts_config in experts:
+        experts_config.compute_backend = choice.backend
+    _record_in_run_metadata(config)
+    if os.environ.get("RANK", "0") == "0":
+        source = "cached" if choice.cached else "measured"
+        logger.info(f"moe.compute_backend = 'auto' -> {choice.backend!r} ({source}: expert-block fwd+bwd "
+                    f"ms per step {choice.ms_per_step}; key {choice.cache_key}; cache {cache_file()})")
+    return choice
+
+
+def _record_in_run_metadata(config) -> None:
+    """Re-record the run metadata (if the train entry recorded it) with the resolved backend."""
+    from torchtitan_ext.moe_metrics import record_run_metadata, run_metadata
+
+    metadata = run_metadata()
+    if metadata:
+        record_run_metadata(flavor=metadata["flavor"], toml_files=metadata["toml_files"],
+                            cli_args=metadata["cli_args"], config=config)

@@ -1,0 +1,132 @@
+"""One full training step of a registered flavor on one device, per compute backend.
+
+A step is: zero grads, forward of the whole model on synthetic tokens (uniform random ids,
+``local_batch_size x seq_len`` of the flavor unless overridden), cross-entropy loss,
+backward, AdamW step. The model is the flavor's model config built directly (no
+parallelism, no FSDP, no activation checkpointing, no compile); the backend is swapped with
+the ``moe.compute_backend`` TOML key, so every backend trains the same model from the same
+initial weights. On CUDA the step runs under bf16 autocast when the flavor's
+``training.mixed_precision_param`` is bfloat16 (fp32 parameters); on CPU it runs in fp32
+with torchtitan's FlexAttention replaced by causal SDPA (``cpu_support``).
+
+Reported: step ms (median, ``common.make_timer``), tokens/s, model TFLOP/s and MFU, from
+torchtitan's FLOP count of the model config (``get_nparams_and_flops``: 6 x active
+parameters per token plus attention) and torchtitan's peak dense bf16 table (H100/H200:
+989 TFLOP/s). MFU is n/a on CPU.
+"""
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from torchtitan_ext.bench.common import add_shim_for_older_torch, environment, make_timer, progress, write_json
+
+add_shim_for_older_torch()
+
+from torchtitan.models.common.attention import FlexAttention  # noqa: E402
+from torchtitan.tools.utils import get_peak_flops  # noqa: E402
+
+from torchtitan_ext.cpu_support import adapt_config_for_cpu, patch_torchtitan_for_cpu  # noqa: E402
+from torchtitan_ext.overrides import ConfigError, apply_overrides  # noqa: E402
+from torchtitan_ext.train import resolve_config  # noqa: E402
+
+TABLE = [("flavor", "flavor"), ("backend", "backend"), ("layers", "layers"), ("tokens", "tokens/step"),
+         ("dtype", "dtype"), ("step_ms", "step ms"), ("tokens_per_s", "tokens/s"), ("tflops", "TFLOP/s"),
+         ("mfu", "MFU"), ("loss", "loss")]
+
+FULL_SIZE_MIN_DIM = 1024
+"""Flavors with a model dim at least this large need CUDA (CPU runs are for tiny flavors)."""
+
+
+def step_config(flavor: str, tomls: list[str], backend: str, *, batch_size: int | None, seq_len: int | None,
+                num_layers: int | None):
+    """The flavor's ``Trainer.Config`` with the TOML files, ``backend`` and the size overrides applied."""
+    config = resolve_config(flavor, tomls)
+    overrides = {"moe.compute_backend": backend}
+    if batch_size:
+        overrides["training.local_batch_size"] = batch_size
+    if seq_len:
+        overrides["training.seq_len"] = seq_len
+    config = apply_overrides(config, overrides, source="train-step")
+    if num_layers:
+        layers = config.model_spec.model.layers
+        if not 1 <= num_layers <= len(layers):
+            raise ConfigError(f"--num-layers must be in [1, {len(layers)}] for {flavor}, got {num_layers}")
+        del layers[num_layers:]
+    return config
+
+
+def uses_flex_attention(model_config) -> bool:
+    return any(True for _ in model_config.traverse(FlexAttention.Config))
+
+
+def bench_backend(config, backend: str, device: torch.device, timer) -> dict:
+    """Build the model, time one training step, and return the row for ``backend``."""
+    model_config = config.model_spec.model
+    autocast_dtype = (torch.bfloat16 if device.type == "cuda" and config.training.mixed_precision_param == "bfloat16"
+                      else None)
+    batch, seq_len = config.training.local_batch_size, config.training.seq_len
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = model_config.build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=device.type == "cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    tokens_BL = torch.randint(model_config.vocab_size, (batch, seq_len + 1), device=device, generator=generator)
+    inputs_BL, labels_BL = tokens_BL[:, :-1], tokens_BL[:, 1:]
+    positions_BL = torch.arange(seq_len, device=device).expand(batch, seq_len)
+    masks = model.get_attention_masks(positions_BL) if uses_flex_attention(model_config) else None
+    losses = []
+
+    def train_step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext():
+            logits_BLV = model(inputs_BL, attention_masks=masks)
+        loss = F.cross_entropy(logits_BLV.flatten(0, 1).float(), labels_BL.flatten())
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+
+    step_ms = timer(train_step)
+    _, flops_per_token = model_config.get_nparams_and_flops(model, seq_len)
+    tokens = batch * seq_len
+    tokens_per_s = tokens / (step_ms / 1e3)
+    peak = get_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    del model, optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "flavor": config.model_spec.flavor, "backend": backend, "layers": len(model_config.layers),
+        "tokens": tokens, "dtype": str(autocast_dtype or torch.float32).removeprefix("torch."),
+        "step_ms": round(step_ms, 3), "tokens_per_s": round(tokens_per_s, 1),
+        "flops_per_token": flops_per_token,
+        "tflops": round(flops_per_token * tokens_per_s / 1e12, 3),
+        "mfu": f"{flops_per_token * tokens_per_s / peak:.1%}" if peak else "n/a",
+        "loss": round(float(losses[-1]), 4),
+    }
+
+
+def run(flavor: str, tomls: list[str], backends: list[str], device: torch.device, command: str, *,
+        batch_size: int | None = None, seq_len: int | None = None, num_layers: int | None = None,
+        out: str | None = None) -> dict:
+    """One row per backend; ``out`` is rewritten after each backend."""
+    configs = {backend: step_config(flavor, tomls, backend, batch_size=batch_size, seq_len=seq_len,
+                                    num_layers=num_layers) for backend in backends}
+    if device.type == "cpu":
+        if max(c.model_spec.model.dim for c in configs.values()) >= FULL_SIZE_MIN_DIM:
+            raise ConfigError(f"train-step: flavor {flavor!r} is full-size and needs a CUDA GPU; "
+                              "on CPU use a tiny flavor (python -m torchtitan_ext.flavors lists them)")
+        patch_torchtitan_for_cpu()
+        for config in configs.values():
+            adapt_config_for_cpu(config)
+    timer = make_timer(device)
+    results = {"meta": environment(command, device, torch.float32), "rows": []}
+    results["meta"]["dtype"] = "see rows"
+    for backend, config in configs.items():
+        progress(f"  train step    {flavor}  {backend}")
+        results["rows"].append(bench_backend(config, backend, device, timer))
+        write_json(out, results)
+    return results
