@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from torchtitan_ext.bench.__main__ import build_parser as bench_parser
 from torchtitan_ext.overrides import ConfigError, short_keys
 from torchtitan_ext.registry import all_flavors
 from torchtitan_ext.train import FlavorConfigManager
@@ -22,7 +23,7 @@ def documented_commands(module: str) -> list[tuple[int, list[str], bool]]:
     commands = []
     lines = DOCS_TEXT.splitlines()
     for number, line in enumerate(lines):
-        match = re.search(rf"-m {re.escape(module)}(\s[^`]*)?", line)
+        match = re.search(rf"-m {re.escape(module)}(?![\w.])(\s[^`]*)?", line)
         if match:
             nproc = re.search(r"--nproc_per_node[= ](\d+)", line)
             args = shlex.split((match.group(1) or "").split("#")[0])
@@ -56,7 +57,16 @@ def test_documented_train_commands_parse(tmp_path, monkeypatch):
 
 def test_documented_flavor_names_exist():
     known = {f.name for f in all_flavors()}
-    for _, args, _ in documented_commands("torchtitan_ext.train") + documented_commands("torchtitan_ext.flavors"):
+    modules = ("torchtitan_ext.train", "torchtitan_ext.flavors", "torchtitan_ext.bench")
+    for _, args, _ in [command for module in modules for command in documented_commands(module)]:
         for flag in ("--flavor", "--show"):
             if flag in args:
                 assert args[args.index(flag) + 1] in known
+
+
+def test_documented_bench_commands_parse():
+    commands = documented_commands("torchtitan_ext.bench")
+    assert len(commands) >= 10
+    for _, args, _ in commands:
+        if args:  # the bare module name in prose
+            bench_parser().parse_args(args)  # argparse exits on an unknown flag or choice
