@@ -22,24 +22,18 @@ import os
 import time
 
 import torch
-import torch.compiler
-
-if not hasattr(torch.compiler, "_is_non_strict_tracing"):  # older torch: torchtitan only reads it
-    torch.compiler._is_non_strict_tracing = lambda: False
-
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from torchtitan.distributed.utils import set_spmd_backend
-from torchtitan.models.common.config_utils import (
-    make_moe_config,
-    make_routed_experts_config,
-    make_router_config,
-)
-from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher, plan_slots
-from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS, BackendGroupedExperts
-from torchtitan_ext.experiments.moe_backends.moe import RoutedMoE
-from torchtitan_ext.experiments.moe_backends.router import BalancedTopKRouter
+from torchtitan_ext.bench.common import add_shim_for_older_torch
+
+add_shim_for_older_torch()
+
+from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
+
+from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher, plan_slots  # noqa: E402
+from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS  # noqa: E402
+from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config  # noqa: E402
 
 NUM_EXPERTS, TOP_K = 64, 8
 
@@ -141,30 +135,13 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
 
 
 def build_layer(compute_backend: str, permute_backend: str, dim: int = 256, hidden: int = 384):
-    """Built from the classes directly (``model.py`` pulls torchtitan's Qwen3 parallelize in)."""
-    titan = make_moe_config(
-        num_experts=NUM_EXPERTS,
-        router=make_router_config(dim=dim, num_experts=NUM_EXPERTS, gate_param_init={}, top_k=TOP_K,
-                                  score_func="sigmoid", route_norm=True),
-        routed_experts=make_routed_experts_config(dim=dim, hidden_dim=hidden, num_experts=NUM_EXPERTS,
-                                                  top_k=TOP_K, param_init={}, comm_backend="standard"),
-        load_balance_coeff=None,
+    """The project's MoE layer (sigmoid routing, aux and z losses on) with uneven expert loads."""
+    config = moe_layer_config(
+        compute_backend=compute_backend, dim=dim, hidden_dim=hidden, num_experts=NUM_EXPERTS,
+        top_k=TOP_K, score_func="sigmoid", load_balance_coeff=None,
     )
-    routed_experts = titan.routed_experts
-    routed_experts.inner_experts = BackendGroupedExperts.Config(
-        dim=dim, hidden_dim=hidden, num_experts=NUM_EXPERTS, compute_backend=compute_backend
-    )
-    routed_experts.token_dispatcher = RoutingDispatcher.Config(
-        num_experts=NUM_EXPERTS, top_k=TOP_K, permute_backend=permute_backend
-    )
-    router = titan.router
-    config = RoutedMoE.Config(
-        num_experts=NUM_EXPERTS, load_balance_coeff=None, routed_experts=routed_experts,
-        router=BalancedTopKRouter.Config(
-            num_experts=NUM_EXPERTS, gate=router.gate, top_k=TOP_K, score_func="sigmoid", route_norm=True
-        ),
-        aux_loss_coeff=0.01, aux_loss_type="global", z_loss_coeff=1e-3,
-    )
+    config.routed_experts.token_dispatcher.permute_backend = permute_backend
+    config.aux_loss_coeff, config.aux_loss_type, config.z_loss_coeff = 0.01, "global", 1e-3
     with torch.device("cuda"):
         layer = config.build()
     generator = torch.Generator().manual_seed(0)
