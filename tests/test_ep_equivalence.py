@@ -23,13 +23,8 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan.distributed.utils import set_spmd_backend
-from torchtitan.models.common.config_utils import (
-    make_moe_config,
-    make_routed_experts_config,
-    make_router_config,
-)
 from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS
-from torchtitan_ext.experiments.moe_backends.layer import use_backend_experts, use_routing
+from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 from torchtitan_ext.kernels._runtime import triton_available_reason
 
 NUM_EXPERTS, TOP_K, DIM, HIDDEN = 8, 2, 16, 24
@@ -53,20 +48,10 @@ def free_port() -> int:
 
 def build_layer(compute_backend: str, *, aux_loss_coeff, z_loss_coeff, aux_loss_type):
     """A RoutedMoE layer with deterministic weights (identical in every process)."""
-    init = {"weight": torch.nn.init.zeros_}
-    config = make_moe_config(
-        num_experts=NUM_EXPERTS,
-        router=make_router_config(
-            dim=DIM, num_experts=NUM_EXPERTS, gate_param_init=init, top_k=TOP_K,
-            score_func="softmax", route_norm=True,
-        ),
-        routed_experts=make_routed_experts_config(
-            dim=DIM, hidden_dim=HIDDEN, num_experts=NUM_EXPERTS, top_k=TOP_K,
-            param_init={}, comm_backend="standard",
-        ),
-        load_balance_coeff=None,
+    config = moe_layer_config(
+        compute_backend=compute_backend, dim=DIM, hidden_dim=HIDDEN, num_experts=NUM_EXPERTS,
+        top_k=TOP_K, load_balance_coeff=None,
     )
-    config = use_routing(use_backend_experts(config, compute_backend))
     config.aux_loss_coeff, config.z_loss_coeff, config.aux_loss_type = (
         aux_loss_coeff, z_loss_coeff, aux_loss_type,
     )
