@@ -15,9 +15,10 @@ import sys
 
 import torchtitan.train as titan_train
 from torchtitan.config import ConfigManager
+from torchtitan.tools.logging import logger
 
 from torchtitan_ext.cpu_support import adapt_config_for_cpu, cpu_training, patch_torchtitan_for_cpu
-from torchtitan_ext.moe_metrics import record_run_metadata
+from torchtitan_ext.moe_metrics import record_run_metadata, run_metadata
 from torchtitan_ext.overrides import ConfigError, apply_toml_files, run_config_checks
 from torchtitan_ext.registry import UnknownFlavorError, get_flavor
 
@@ -92,9 +93,16 @@ class FlavorConfigManager(ConfigManager):
     def parse_args(self, args: list[str] | None = None):
         config = super().parse_args(args)
         flavor, tomls, cli_args = self.run_arguments
+        run_config_checks(config)  # cross-field checks (and "auto" resolution), before any process group exists
         # Run metadata for the metrics loggers (wandb config).
         record_run_metadata(flavor=flavor, toml_files=tomls, cli_args=cli_args, config=config)
-        run_config_checks(config)  # cross-field checks, before any process group exists
+        if os.environ.get("RANK", "0") == "0":
+            metadata = run_metadata()
+            logger.info(
+                f"flavor {flavor}: compute_backend={metadata['compute_backend']}, "
+                f"expert_parallel_degree={metadata['expert_parallel_degree']}, "
+                f"toml files: {', '.join(tomls) or 'none'}"
+            )
         if cpu_training():
             adapt_config_for_cpu(config)
             patch_torchtitan_for_cpu()

@@ -181,19 +181,8 @@ def resolve_auto_compute_backend(config, *, measure: Measure | None = None) -> A
     choice = resolve_for_config(config, measure=measure)
     for experts_config in experts:
         experts_config.compute_backend = choice.backend
-    _record_in_run_metadata(config)
     if os.environ.get("RANK", "0") == "0":
         source = "cached" if choice.cached else "measured"
         logger.info(f"moe.compute_backend = 'auto' -> {choice.backend!r} ({source}: expert-block fwd+bwd "
                     f"ms per step {choice.ms_per_step}; key {choice.cache_key}; cache {cache_file()})")
     return choice
-
-
-def _record_in_run_metadata(config) -> None:
-    """Re-record the run metadata (if the train entry recorded it) with the resolved backend."""
-    from torchtitan_ext.moe_metrics import record_run_metadata, run_metadata
-
-    metadata = run_metadata()
-    if metadata:
-        record_run_metadata(flavor=metadata["flavor"], toml_files=metadata["toml_files"],
-                            cli_args=metadata["cli_args"], config=config)
