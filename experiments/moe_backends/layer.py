@@ -92,18 +92,24 @@ def stock_moe_config(
     route_norm: bool = True,
     load_balance_coeff: float | None = 1e-3,
     init_std: float = 0.02,
+    gate_param_init: dict[str, Callable] | None = None,
+    experts_param_init: dict[str, Callable] | None = None,
 ) -> MoE.Config:
-    """torchtitan's own MoE layer (router, standard dispatcher, grouped_mm experts)."""
+    """torchtitan's own MoE layer (router, standard dispatcher, grouped_mm experts).
+
+    Parameters initialise from ``normal(0, init_std)`` unless ``gate_param_init`` /
+    ``experts_param_init`` (torchtitan ``param_init`` dicts) say otherwise.
+    """
     normal: Callable = partial(nn.init.normal_, std=init_std)
     return make_moe_config(
         num_experts=num_experts,
         router=make_router_config(
-            dim=dim, num_experts=num_experts, gate_param_init={"weight": normal},
+            dim=dim, num_experts=num_experts, gate_param_init=gate_param_init or {"weight": normal},
             top_k=top_k, score_func=score_func, route_norm=route_norm,
         ),
         routed_experts=make_routed_experts_config(
             dim=dim, hidden_dim=hidden_dim, num_experts=num_experts, top_k=top_k,
-            param_init={"w1_EFD": normal, "w2_EDF": normal, "w3_EFD": normal},
+            param_init=experts_param_init or {"w1_EFD": normal, "w2_EDF": normal, "w3_EFD": normal},
             comm_backend="standard",
         ),
         load_balance_coeff=load_balance_coeff,

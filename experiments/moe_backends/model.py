@@ -16,9 +16,6 @@ from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.config_utils import (
     get_attention_config,
     make_gqa_config,
-    make_moe_config,
-    make_routed_experts_config,
-    make_router_config,
 )
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.qwen3 import parallelize_qwen3
@@ -27,7 +24,7 @@ from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 
 from .experts import ComputeBackend
-from .layer import use_backend_experts, use_routing
+from .layer import stock_moe_config, use_backend_experts, use_routing
 from .moe import with_router_loss_configuration
 
 
@@ -91,24 +88,15 @@ def qwen3_style_moe(
                 ),
                 qk_norm=norm(shape.head_dim),
             ),
-            moe=make_moe_config(
+            moe=stock_moe_config(
+                dim=shape.dim,
+                hidden_dim=shape.moe_hidden_dim,
                 num_experts=shape.num_experts,
-                router=make_router_config(
-                    dim=shape.dim,
-                    num_experts=shape.num_experts,
-                    gate_param_init=linear_init,
-                    top_k=shape.top_k,
-                    score_func=shape.score_func,
-                    route_norm=shape.route_norm,
-                ),
-                routed_experts=make_routed_experts_config(
-                    dim=shape.dim,
-                    hidden_dim=shape.moe_hidden_dim,
-                    num_experts=shape.num_experts,
-                    top_k=shape.top_k,
-                    param_init=experts_init,
-                    comm_backend="standard",
-                ),
+                top_k=shape.top_k,
+                score_func=shape.score_func,
+                route_norm=shape.route_norm,
+                gate_param_init=linear_init,
+                experts_param_init=experts_init,
             ),
         )
         for _ in range(shape.n_layers)
