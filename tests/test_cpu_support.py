@@ -7,6 +7,8 @@ A failure here after a torchtitan upgrade means a fix must be revisited.
 import inspect
 import os
 import socket
+import subprocess
+import sys
 import typing
 
 import pytest
@@ -169,3 +171,19 @@ def test_fsdp_sum_reductions_and_timeouts_work_with_gloo():
     results = mp.Manager().dict()
     mp.spawn(_fsdp_worker, args=(2, free_port(), results), nprocs=2, join=True)
     assert dict(results) == {0: True, 1: True}
+
+
+def test_cpu_training_exit_keeps_code_and_flushes_output():
+    program = (
+        "import logging, sys\n"
+        "from torchtitan_ext.cpu_support import exit_after_cpu_training\n"
+        "logging.basicConfig(stream=sys.stderr)\n"
+        "print('buffered output', end='')\n"
+        "logging.getLogger('t').warning('logged')\n"
+        "exit_after_cpu_training(3)\n"
+        "print('not reached')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3
+    assert result.stdout == "buffered output"
+    assert "logged" in result.stderr

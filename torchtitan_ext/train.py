@@ -17,7 +17,12 @@ import torchtitan.train as titan_train
 from torchtitan.config import ConfigManager
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.cpu_support import adapt_config_for_cpu, cpu_training, patch_torchtitan_for_cpu
+from torchtitan_ext.cpu_support import (
+    adapt_config_for_cpu,
+    cpu_training,
+    exit_after_cpu_training,
+    patch_torchtitan_for_cpu,
+)
 from torchtitan_ext.moe_metrics import record_run_metadata, run_metadata
 from torchtitan_ext.overrides import ConfigError, apply_toml_files, run_config_checks
 from torchtitan_ext.registry import UnknownFlavorError, get_flavor
@@ -142,5 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> None:
+    """Command-line entry: ``main`` and the process exit that suits the device."""
+    exit_after_cpu_training(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()
