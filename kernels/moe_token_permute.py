@@ -123,6 +123,31 @@ def _unpermute_backward_kernel(
     tl.store(grad_scores_ptr + slot, tl.sum(dot, axis=0).to(grad_scores_ptr.dtype.element_ty))
 
 
+def sum_slots(rows_PD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_tokens: int) -> torch.Tensor:
+    """``(T, D)``: ``y[t] = sum_k rows_PD[dest_row_S[t*K+k]]`` (dropped slots skipped); no autograd."""
+    rows_PD = rows_PD.contiguous()
+    dim = rows_PD.shape[1]
+    y_TD = rows_PD.new_empty(num_tokens, dim)
+    if num_tokens:
+        _sum_slots_kernel[(num_tokens,)](rows_PD, dest_row_S, y_TD, dim, top_k, BLOCK_D=_block_d(dim))
+    return y_TD
+
+
+def weighted_sum_slots(
+    rows_PD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """``(T, D)``: ``y[t] = sum_k scores_S[t*K+k] * rows_PD[dest_row_S[t*K+k]]``; no autograd."""
+    rows_PD = rows_PD.contiguous()
+    dim = rows_PD.shape[1]
+    num_tokens = dest_row_S.shape[0] // top_k
+    y_TD = rows_PD.new_empty(num_tokens, dim)
+    if num_tokens:
+        _unpermute_kernel[(num_tokens,)](
+            rows_PD, dest_row_S, scores_S.contiguous(), y_TD, dim, top_k, BLOCK_D=_block_d(dim)
+        )
+    return y_TD
+
+
 class _PermuteTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, dest_row_S, top_k, num_rows):
@@ -140,14 +165,7 @@ class _PermuteTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows_PD):
         (dest_row_S,) = ctx.saved_tensors
-        grad_rows_PD = grad_rows_PD.contiguous()
-        dim = grad_rows_PD.shape[1]
-        grad_x_TD = grad_rows_PD.new_empty(ctx.num_tokens, dim)
-        if ctx.num_tokens:
-            _sum_slots_kernel[(ctx.num_tokens,)](
-                grad_rows_PD, dest_row_S, grad_x_TD, dim, ctx.top_k, BLOCK_D=_block_d(dim)
-            )
-        return grad_x_TD, None, None, None
+        return sum_slots(grad_rows_PD, dest_row_S, ctx.top_k, ctx.num_tokens), None, None, None
 
 
 class _UnpermuteTokens(torch.autograd.Function):
@@ -155,13 +173,7 @@ class _UnpermuteTokens(torch.autograd.Function):
     def forward(ctx, rows_PD, dest_row_S, scores_S, top_k):
         rows_PD = rows_PD.contiguous()
         scores_S = scores_S.contiguous()
-        dim = rows_PD.shape[1]
-        num_tokens = dest_row_S.shape[0] // top_k
-        y_TD = rows_PD.new_empty(num_tokens, dim)
-        if num_tokens:
-            _unpermute_kernel[(num_tokens,)](
-                rows_PD, dest_row_S, scores_S, y_TD, dim, top_k, BLOCK_D=_block_d(dim)
-            )
+        y_TD = weighted_sum_slots(rows_PD, dest_row_S, scores_S, top_k)
         ctx.save_for_backward(rows_PD, dest_row_S, scores_S)
         ctx.top_k = top_k
         return y_TD

@@ -3,6 +3,7 @@
 # torchtitan: its wheels are carried in .whl/. Results go to $OUT (or ./gpu_results).
 #   scripts/measure_on_gpu.sh tests   # GPU tests (kernels, fused layer)
 #   scripts/measure_on_gpu.sh bench   # MoE layer and expert block benchmarks
+#   scripts/measure_on_gpu.sh ep4 ep2 # EP equivalence + dispatch/combine benchmark on 4 and 2 GPUs
 set -uo pipefail
 out=${OUT:-gpu_results}
 mkdir -p "$out"
@@ -12,6 +13,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 echo 'import torch.compiler as c; c._is_non_strict_tracing = getattr(c, "_is_non_strict_tracing", lambda: False)' \
     > "$site/sitecustomize.py"
 export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
+# NVLink multicast stays off on the shared measurement hosts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # The source tree as an importable package (what `pip install -e .` maps).
 ln -sfn ../kernels torchtitan_ext/kernels
 ln -sfn ../experiments torchtitan_ext/experiments
@@ -22,6 +25,10 @@ for task in "$@"; do
     bench)
       python3 -m torchtitan_ext.bench.moe_layer --out "$out/moe_layer.json" 2>&1 | tee "$out/moe_layer.log"
       python3 -m torchtitan_ext.bench.expert_block --out "$out/expert_block.json" 2>&1 | tee "$out/expert_block.log" ;;
-    *) echo "unknown task $task (tests, bench)"; exit 2 ;;
+    ep[0-9]*)
+      ranks=${task#ep}
+      timeout 290 torchrun --nproc_per_node="$ranks" -m torchtitan_ext.bench.ep_dispatch --check \
+          --out "$out/ep_dispatch_w$ranks.json" 2>&1 | tee "$out/ep_dispatch_w$ranks.log" ;;
+    *) echo "unknown task $task (tests, bench, ep<ranks>)"; exit 2 ;;
   esac
 done

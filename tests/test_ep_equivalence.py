@@ -1,12 +1,13 @@
 """Expert parallelism trains the same layer as EP=1, on CPU with gloo.
 
-Layer level: EP = 1, 2 and 4 processes (spawned here) each run their share of one batch
-through the MoE layer; outputs and every gradient (input, router gate, each expert's
-weights) equal a single-process run on the whole batch, for every compute backend, with
-uneven splits and a rank whose experts receive no token, and with the aux / z losses on.
+Layer level: EP = 1, 2 and 4 processes (spawned here), over either EP transport, each run
+their share of one batch through the MoE layer; outputs and every gradient (input, router
+gate, each expert's weights) equal a single-process run on the whole batch, for every
+compute backend, with uneven splits and a rank whose experts receive no token, and with the aux / z losses on.
 
 Training level: a tiny flavor trained for a few steps with torchrun on 2 processes gives the
-same loss curve with EP=2 as with EP=1 (data parallel only), so both see the same data.
+same loss curve with EP=2 (over each EP transport) as with EP=1 (data parallel only), so all
+see the same data.
 """
 
 import os
@@ -30,6 +31,7 @@ from torchtitan_ext.kernels._runtime import triton_available_reason
 NUM_EXPERTS, TOP_K, DIM, HIDDEN = 8, 2, 16, 24
 BATCH_PER_RANK, SEQ_LEN = 2, 6
 MAX_WORLD = 4
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # The fused Triton backend runs only on CUDA or under the interpreter; skipped otherwise.
 BACKENDS = [b for b in COMPUTE_BACKENDS if b != "triton" or triton_available_reason() is None]
 
@@ -91,7 +93,7 @@ def shard_experts(layer, rank: int, world: int) -> None:
         setattr(experts, name, torch.nn.Parameter(full.detach()[rank * per_rank:(rank + 1) * per_rank].clone()))
 
 
-def check_layer_shard(rank: int, world: int, ep_mesh) -> None:
+def check_layer_shard(rank: int, world: int, ep_mesh, ep_transport: str = "all_to_all") -> None:
     """This rank's outputs and gradients equal the single-process run on the whole batch."""
     x_all, grad_all = batch(world)
     mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
@@ -105,9 +107,10 @@ def check_layer_shard(rank: int, world: int, ep_mesh) -> None:
             if ep_mesh is not None:
                 shard_experts(layer, rank, world)
                 layer.routed_experts.token_dispatcher.wire_meshes(ep_mesh=ep_mesh)
+                layer.routed_experts.token_dispatcher.ep_transport = ep_transport
                 layer.loss_scale, layer.loss_group = 1.0 / world, dist.group.WORLD
             out, x_grad, grads = run_layer(layer, x_all[mine], grad_all[mine])
-            what = f"rank {rank}/{world} {backend} {losses}"
+            what = f"rank {rank}/{world} {ep_transport} {backend} {losses}"
             torch.testing.assert_close(out, ref_out[mine], msg=lambda m: f"{what} output: {m}")
             torch.testing.assert_close(x_grad, ref_x_grad[mine], msg=lambda m: f"{what} x grad: {m}")
             gate_grad = grads["router.gate.weight"]
@@ -123,13 +126,13 @@ def check_layer_shard(rank: int, world: int, ep_mesh) -> None:
                 )
 
 
-def ep_worker(rank: int, world: int, port: int) -> None:
+def ep_worker(rank: int, world: int, port: int, ep_transport: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     set_spmd_backend("partial_dtensor")  # the backend CPU training uses
     torch.set_num_threads(1)
     try:
-        check_layer_shard(rank, world, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
+        check_layer_shard(rank, world, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)), ep_transport)
     finally:
         dist.destroy_process_group()
 
@@ -140,8 +143,11 @@ def test_moe_layer_ep1_local_dispatch_equals_reference():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_moe_layer_under_ep_equals_single_process(world):
-    mp.spawn(ep_worker, args=(world, free_port()), nprocs=world, join=True)
+@pytest.mark.parametrize("ep_transport", ["all_to_all", "symm_mem"])
+def test_moe_layer_under_ep_equals_single_process(world, ep_transport):
+    if ep_transport == "symm_mem" and triton_available_reason() is not None:
+        pytest.skip(triton_available_reason())
+    mp.spawn(ep_worker, args=(world, free_port(), ep_transport), nprocs=world, join=True)
 
 
 def test_skewed_router_leaves_last_experts_empty():
@@ -153,7 +159,7 @@ def test_skewed_router_leaves_last_experts_empty():
     assert len(set(counts_E[:6].tolist())) > 1, "splits should be uneven"
 
 
-def train_losses(tmp_path: Path, expert_parallel_degree: int) -> list[float]:
+def train_losses(tmp_path: Path, expert_parallel_degree: int, toml: Path | None = None) -> list[float]:
     """Losses of the first steps of a 2-process torchrun training run (rank 0's log)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
@@ -161,9 +167,9 @@ def train_losses(tmp_path: Path, expert_parallel_degree: int) -> list[float]:
         "--flavor", "tiny-moe-for-loop",
         "--training.steps", "4", "--training.local_batch_size", "2", "--training.seq_len", "64",
         "--parallelism.expert_parallel_degree", str(expert_parallel_degree),
-        "--dump_folder", str(tmp_path / f"ep{expert_parallel_degree}"),
+        "--dump_folder", str(tmp_path / f"ep{expert_parallel_degree}-{toml.stem if toml else 'default'}"),
         "--metrics.disable_color_printing",
-    ]
+    ] + (["--toml", str(toml)] if toml else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     log = result.stdout + result.stderr
@@ -178,3 +184,6 @@ def test_training_loss_curve_ep2_equals_ep1(tmp_path):
     ep1 = train_losses(tmp_path, 1)
     ep2 = train_losses(tmp_path, 2)
     assert ep1 == pytest.approx(ep2, rel=1e-4), (ep1, ep2)
+    if triton_available_reason() is None:
+        ep2_symm_mem = train_losses(tmp_path, 2, EXAMPLES / "ep_symm_mem.toml")
+        assert ep1 == pytest.approx(ep2_symm_mem, rel=1e-4), (ep1, ep2_symm_mem)

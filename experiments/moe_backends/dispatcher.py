@@ -12,6 +12,10 @@ Options (``Config``):
 - ``permute_backend``: ``"torch"`` (index_copy / gather) or ``"triton"``
   (``torchtitan_ext.kernels.moe_token_permute``); used for the token -> expert-grouped
   permute and for the weighted unpermute + sum over top_k in combine.
+- ``ep_transport``: how rows move between EP ranks. ``"all_to_all"``: torchtitan's count exchange,
+  all-to-alls and regroup (any process group backend). ``"symm_mem"``: one pull kernel in
+  dispatch and one push kernel in combine through memory every rank maps (``ep_exchange``:
+  CUDA symmetric memory, or shared memory for CPU ranks on one host under ``TRITON_INTERPRET=1``).
 - ``align_size``: pad each local expert's rows with zero rows to a multiple of it (block-aligned
   kernels). The padded buffer has a static size, the sum of the real rows plus
   ``E * (align_size - 1)`` rounded up to ``align_size``; the slack beyond the padded groups is
@@ -21,7 +25,7 @@ Options (``Config``):
 After each dispatch, ``last_num_padding_rows`` (a 0-d int64 tensor on the tokens' device) holds
 the zero rows the experts computed on top of the real routed rows.
 
-No host sync on the local path; the EP path has torchtitan's one (the split sizes).
+No host sync on the local path; the EP path has one (split sizes / received row count).
 """
 
 from dataclasses import dataclass
@@ -34,10 +38,13 @@ import torch.nn.functional as F
 from torchtitan.distributed.spmd_types import current_spmd_mesh, maybe_set_sparse_mesh
 from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+from torchtitan_ext.experiments.moe_backends import ep_exchange
 from torchtitan_ext.kernels import moe_token_permute
 
 PermuteBackend = Literal["torch", "triton"]
 PERMUTE_BACKENDS: tuple[str, ...] = get_args(PermuteBackend)
+EPTransport = Literal["all_to_all", "symm_mem"]
+EP_TRANSPORTS: tuple[str, ...] = get_args(EPTransport)
 
 _PERMUTE = {
     "torch": moe_token_permute.permute_tokens_reference,
@@ -118,7 +125,8 @@ def plan_slots(topk_expert_ids_TK: torch.Tensor, num_experts: int, align_size: i
 class RoutingDispatchMetadata:
     """What ``combine`` needs to undo ``dispatch``."""
 
-    plan: SlotPlan
+    plan: SlotPlan | None
+    """local slot plan (None over ``symm_mem``, whose route replaces it)"""
     scores_S: torch.Tensor
     """``(T*K,)`` gating weight of each slot"""
     ep_input_shape: torch.Size | None = None
@@ -127,6 +135,8 @@ class RoutingDispatchMetadata:
     output_splits: list[int] | None = None
     received_dest_row_R: torch.Tensor | None = None
     """EP with align_size > 1: padded row of each received (expert-major) row"""
+    exchange_route: ep_exchange.Route | None = None
+    """EP over ``symm_mem``: where the received rows came from"""
 
 
 class RoutingDispatcher(AllToAllTokenDispatcher):
@@ -138,14 +148,17 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         """``"torch"`` or ``"triton"``: how rows are permuted and combined."""
         align_size: int = 1
         """Pad each expert's rows to a multiple of this (1: no padding)."""
+        ep_transport: EPTransport = "all_to_all"
+        """``"all_to_all"`` or ``"symm_mem"``: how rows move between EP ranks."""
 
         def __post_init__(self):
-            validate_dispatch_options(self.permute_backend, self.align_size)
+            validate_dispatch_options(self.permute_backend, self.align_size, self.ep_transport)
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.permute_backend = config.permute_backend
         self.align_size = config.align_size
+        self.ep_transport = config.ep_transport
         self._permute_rows = _PERMUTE[config.permute_backend]
         self._unpermute_rows = _UNPERMUTE[config.permute_backend]
         self.last_num_padding_rows: torch.Tensor | None = None
@@ -179,6 +192,12 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
     ) -> torch.Tensor:
         """Weight each slot's expert output by its score and sum over top_k -> ``(T, D)``."""
         rows_ND = routed_output_RD
+        if metadata.exchange_route is not None:
+            if metadata.received_dest_row_R is not None:
+                routed_output_RD = routed_output_RD[metadata.received_dest_row_R]
+            with maybe_set_sparse_mesh():
+                group = self._ep_group()
+            return ep_exchange.combine(routed_output_RD, metadata.scores_S, metadata.exchange_route, group).to(x_TD.dtype)
         if self.ep_mesh is not None:
             rows_ND = self._combine_expert_parallel(routed_output_RD, metadata)
         return self._unpermute_rows(
@@ -201,6 +220,8 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         if get_spmd_backend() == "spmd_types" and spmd.is_type_checking():
             raise NotImplementedError("RoutingDispatcher does not support SPMD type checking")
         assert self.ep_mesh is not None
+        if self.ep_transport == "symm_mem":
+            return self._dispatch_over_exchange(x_TD, topk_scores_TK, topk_expert_ids_TK)
         ep_size = self.ep_mesh.size()
         # Rows grouped by global expert = grouped by destination rank; dropped slots are
         # zero rows at the end and are cut off before the all-to-all.
@@ -223,6 +244,45 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
             input_shape, grouped_RD, permuted_indices, rows_per_local_expert_e = self._permute(
                 received_RD, received_counts_E
             )
+        grouped_RD, rows_per_local_expert_e, received_dest_row_R = self._pad_received_groups(
+            grouped_RD, rows_per_local_expert_e
+        )
+        metadata = RoutingDispatchMetadata(
+            plan=plan,
+            scores_S=topk_scores_TK.reshape(-1),
+            ep_input_shape=input_shape,
+            ep_permuted_indices=permuted_indices,
+            input_splits=input_splits,
+            output_splits=output_splits,
+            received_dest_row_R=received_dest_row_R,
+        )
+        return grouped_RD, rows_per_local_expert_e, metadata
+
+    def _dispatch_over_exchange(self, x_TD, topk_scores_TK, topk_expert_ids_TK):
+        """EP dispatch through ``ep_exchange``: rows arrive expert-major, no regroup."""
+        with maybe_set_sparse_mesh():
+            group = self._ep_group()
+        received_RD, rows_per_local_expert_e, route = ep_exchange.dispatch(
+            x_TD, topk_scores_TK.reshape(-1), topk_expert_ids_TK.reshape(-1), group,
+            self.num_experts, self.top_k,
+        )
+        grouped_RD, rows_per_local_expert_e, received_dest_row_R = self._pad_received_groups(
+            received_RD, rows_per_local_expert_e
+        )
+        metadata = RoutingDispatchMetadata(
+            plan=None,
+            scores_S=topk_scores_TK.reshape(-1),
+            received_dest_row_R=received_dest_row_R,
+            exchange_route=route,
+        )
+        return grouped_RD, rows_per_local_expert_e, metadata
+
+    def _pad_received_groups(self, grouped_RD, rows_per_local_expert_e):
+        """Apply ``align_size`` to expert-major received rows; sets ``last_num_padding_rows``.
+
+        Returns ``(rows, rows_per_local_expert, received_dest_row_R)``; the last is the padded
+        row of each received row, None without padding.
+        """
         received_dest_row_R = None
         num_padding_rows = 0
         if self.align_size > 1:
@@ -245,17 +305,8 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
             )
             rows_per_local_expert_e = padded_counts_e
             num_padding_rows = num_rows - num_received
-        self.last_num_padding_rows = torch.tensor(num_padding_rows, device=x_TD.device)
-        metadata = RoutingDispatchMetadata(
-            plan=plan,
-            scores_S=topk_scores_TK.reshape(-1),
-            ep_input_shape=input_shape,
-            ep_permuted_indices=permuted_indices,
-            input_splits=input_splits,
-            output_splits=output_splits,
-            received_dest_row_R=received_dest_row_R,
-        )
-        return grouped_RD, rows_per_local_expert_e, metadata
+        self.last_num_padding_rows = torch.tensor(num_padding_rows, device=grouped_RD.device)
+        return grouped_RD, rows_per_local_expert_e, received_dest_row_R
 
     def _combine_expert_parallel(
         self, routed_output_RD: torch.Tensor, metadata: RoutingDispatchMetadata
@@ -278,8 +329,10 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         return torch.ops._c10d_functional.wait_tensor(returned_KD)
 
 
-def validate_dispatch_options(permute_backend: str, align_size: int) -> None:
+def validate_dispatch_options(permute_backend: str, align_size: int, ep_transport: str = "all_to_all") -> None:
     """Raise ``ValueError`` naming the bad dispatcher option and what would be valid."""
+    if ep_transport not in EP_TRANSPORTS:
+        raise ValueError(f"unknown ep_transport {ep_transport!r}; valid: {', '.join(EP_TRANSPORTS)}")
     if permute_backend not in PERMUTE_BACKENDS:
         raise ValueError(
             f"unknown permute_backend {permute_backend!r}; valid: {', '.join(PERMUTE_BACKENDS)}"

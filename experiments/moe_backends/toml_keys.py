@@ -11,7 +11,7 @@ from typing import Literal
 from torchtitan_ext.kernels._runtime import triton_available_reason
 from torchtitan_ext.overrides import ConfigError, register_config_check, register_short_key
 
-from .dispatcher import PermuteBackend, RoutingDispatcher, validate_dispatch_options
+from .dispatcher import EPTransport, PermuteBackend, RoutingDispatcher, validate_dispatch_options
 from .experts import BackendGroupedExperts, ComputeBackendChoice
 from .moe import AuxLossType, RoutedMoE, validate_loss_options
 from .router import validate_router_options
@@ -107,6 +107,9 @@ _option_key("permute_backend", PermuteBackend, "token permute/unpermute: torch o
             dispatcher_configs)
 _option_key("align_size", int, "pad each expert's rows to a multiple of this (1 = off)",
             dispatcher_configs, _at_least_one)
+_option_key("ep_transport", EPTransport,
+            "how rows move between EP ranks: all_to_all (collectives) or symm_mem (one kernel each way)",
+            dispatcher_configs)
 
 
 @register_short_key("moe.top_k", int, "experts per token (router and dispatcher)")
@@ -140,10 +143,12 @@ def check_moe_config(config) -> None:
             )
             validate_loss_options(moe.aux_loss_coeff, moe.aux_loss_type, moe.z_loss_coeff)
             if isinstance(dispatcher, RoutingDispatcher.Config):
-                validate_dispatch_options(dispatcher.permute_backend, dispatcher.align_size)
+                validate_dispatch_options(dispatcher.permute_backend, dispatcher.align_size, dispatcher.ep_transport)
                 reason = triton_available_reason()
                 if dispatcher.permute_backend == "triton" and reason is not None:
                     errors.append(f"moe.permute_backend = 'triton': {reason}")
+                if dispatcher.ep_transport == "symm_mem":
+                    errors.extend(symm_mem_errors(config.parallelism.expert_parallel_degree))
         except ValueError as e:
             errors.append(f"moe: {e}")
         if router.top_k != dispatcher.top_k:
@@ -151,6 +156,24 @@ def check_moe_config(config) -> None:
     errors.extend(parallelism_errors(config, moes))
     if errors:
         raise ConfigError("\n".join(dict.fromkeys(errors)))
+
+
+def symm_mem_errors(expert_parallel_degree: int) -> list[str]:
+    """Why ``moe.ep_transport = 'symm_mem'`` cannot run here (empty list: it can)."""
+    if expert_parallel_degree <= 1:
+        return []
+    errors = []
+    reason = triton_available_reason()
+    if reason is not None:
+        errors.append(f"moe.ep_transport = 'symm_mem': {reason}")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", _world_size()))
+    if local_world < expert_parallel_degree:
+        errors.append(
+            f"moe.ep_transport = 'symm_mem' needs every rank of an EP group on one host, but "
+            f"expert_parallel_degree ({expert_parallel_degree}) exceeds the processes per host "
+            f"({local_world}); use moe.ep_transport = 'all_to_all' across hosts"
+        )
+    return errors
 
 
 def parallelism_errors(config, moes: list[RoutedMoE.Config], world_size: int | None = None) -> list[str]:

@@ -30,7 +30,7 @@ PROG = "python -m torchtitan_ext.bench"
 SKEW_CHOICES = {"balanced": (0.0,), "skewed": (2.0,), "both": (0.0, 2.0)}
 TRITON_IMPLS = ("triton", "fused_routed")
 EP_TABLE = [("world", "world"), ("tokens_per_rank", "T/rank"), ("dim", "D"), ("routing", "routing"),
-            ("permute_backend", "permute"), ("dispatch_combine_ms", "d+c ms"), ("raw_a2a_ms", "raw a2a ms"),
+            ("transport", "transport"), ("permute_backend", "permute"), ("dispatch_combine_ms", "d+c ms"), ("raw_a2a_ms", "raw a2a ms"),
             ("dispatch_combine_GBps", "d+c GB/s"), ("raw_a2a_GBps", "raw GB/s"), ("fraction_of_raw", "fraction")]
 AUTO_TABLE = [("backend", "backend"), ("ms_per_step", "expert fwd+bwd ms per step"), ("chosen", "chosen")]
 
@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192], help="tokens per rank")
     ep.add_argument("--dims", type=int, nargs="+", default=[2048, 7168], help="model dims")
     ep.add_argument("--check", action="store_true", help="run the EP equivalence check first")
+    ep.add_argument("--permute-backends", nargs="+", default=["triton"], choices=["torch", "triton"],
+                    help="permute backend(s) of the all_to_all transport")
     add_output_options(ep)
 
     step = commands.add_parser("train-step", help="one training step (fwd+bwd+AdamW) of a flavor per backend")
@@ -205,7 +207,7 @@ def run_ep(parser, args, device, command) -> None:
 
     from torchtitan_ext.bench import ep_dispatch
 
-    report = ep_dispatch.run(args.tokens, args.dims, args.check)
+    report = ep_dispatch.run(args.tokens, args.dims, args.check, args.permute_backends)
     report["command"] = command
     if dist.get_rank() == 0:
         rows = [{**row, "dispatch_combine_ms": row["ms"]["dispatch_combine"], "raw_a2a_ms": row["ms"]["raw_a2a"]}

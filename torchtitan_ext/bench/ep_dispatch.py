@@ -4,16 +4,20 @@
 
 Per (tokens per rank T, model dim D, top_k 8, balanced or skewed routing), on every rank:
 
-- ``dispatch_combine``: ``RoutingDispatcher.dispatch`` + ``combine`` (no expert compute), forward.
 - ``raw_a2a``: two NCCL ``all_to_all_single`` calls with the same split sizes and bytes
-  (dispatch and combine), in the same run: the ceiling.
-- overheads, timed alone: ``count_exchange`` (all-to-all of the per-expert counts),
-  ``host_sync`` (split sizes to the host), ``local_permute`` (tokens -> expert-grouped rows and the
-  weighted unpermute + sum over top_k), ``regroup`` (rank-major <-> expert-major on the receiver).
+  (dispatch and combine), in the same run: the reference.
+- ``dispatch_combine``: ``RoutingDispatcher.dispatch`` + ``combine`` (no expert compute),
+  forward, once per EP transport.
+- parts, each timed alone. ``all_to_all``: ``count_exchange`` (all-to-all of the per-expert
+  counts), ``host_sync`` (split sizes to the host), ``local_permute`` (tokens -> expert-grouped
+  rows and the weighted unpermute + sum over top_k), ``regroup`` (rank-major <-> expert-major on
+  the receiver). ``symm_mem``: ``dispatch`` (publish, barrier, counts, host sync, pull) and
+  ``combine`` (push, barrier, sum over top_k) alone, ``barrier``, ``counts_and_host_sync``
+  (every rank's counts read and copied to the host) and ``reduce_over_top_k``.
 
 Bandwidth is the bytes a rank sends to other ranks (both directions) over the time, max over
 ranks. ``--check`` first runs the EP layer equivalence (EP = world vs one GPU, every compute
-backend, both permute backends) and records the largest errors.
+backend, both transports and both permute backends) and records the largest errors.
 """
 
 import argparse
@@ -23,6 +27,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _symmetric_memory as symm_mem
 from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan_ext.bench.common import add_shim_for_older_torch
@@ -31,7 +36,12 @@ add_shim_for_older_torch()
 
 from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 
-from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher, plan_slots  # noqa: E402
+from torchtitan_ext.experiments.moe_backends import ep_exchange  # noqa: E402
+from torchtitan_ext.experiments.moe_backends.dispatcher import (  # noqa: E402
+    EP_TRANSPORTS, PERMUTE_BACKENDS, RoutingDispatcher, plan_slots,
+)
+from torchtitan_ext.kernels import ep_exchange as exchange_kernels  # noqa: E402
+from torchtitan_ext.kernels.moe_token_permute import weighted_sum_slots  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config  # noqa: E402
 
@@ -63,21 +73,23 @@ def routing(num_tokens: int, skewed: bool, world: int, generator: torch.Generato
     return ids_TK.cuda()
 
 
-def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: str) -> dict:
+def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: str) -> list[dict]:
+    """One routing case: raw all-to-all, then dispatch + combine over each EP transport."""
     rank, world = dist.get_rank(), dist.get_world_size()
     generator = torch.Generator().manual_seed(rank)
     ids_TK = routing(num_tokens, skewed, world, generator)
     x_TD = torch.randn(num_tokens, dim, device="cuda", dtype=torch.bfloat16)
     scores_TK = torch.rand(num_tokens, TOP_K, device="cuda")
     counts_E = torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS)
-    dispatcher = RoutingDispatcher(RoutingDispatcher.Config(
-        num_experts=NUM_EXPERTS, top_k=TOP_K, permute_backend=permute_backend
-    ))
-    dispatcher.wire_meshes(ep_mesh=mesh)
-
-    def dispatch_combine():
-        rows, _, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
-        return dispatcher.combine(rows, metadata, x_TD)
+    dispatchers = {
+        transport: RoutingDispatcher(RoutingDispatcher.Config(
+            num_experts=NUM_EXPERTS, top_k=TOP_K, permute_backend=permute_backend, ep_transport=transport
+        ))
+        for transport in EP_TRANSPORTS
+    }
+    for dispatcher in dispatchers.values():
+        dispatcher.wire_meshes(ep_mesh=mesh)
+    dispatcher = dispatchers["all_to_all"]
 
     _, _, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
     input_splits, output_splits = metadata.input_splits, metadata.output_splits
@@ -89,58 +101,94 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
         dist.all_to_all_single(send, receive, input_splits, output_splits)
 
     group = mesh.get_group()
+    exchanged = dispatcher._token_count_exchange(counts_E, group, world)
+    received_counts_E, _, _ = dispatcher._sync_token_count_exchange(counts_E, exchanged, world)
 
     def count_exchange():
-        exchanged = dispatcher._token_count_exchange(counts_E, group, world)
-        torch.ops._c10d_functional.wait_tensor(exchanged)
-
-    exchanged = dispatcher._token_count_exchange(counts_E, group, world)
+        torch.ops._c10d_functional.wait_tensor(dispatcher._token_count_exchange(counts_E, group, world))
 
     def host_sync():
         dispatcher._sync_token_count_exchange(counts_E, exchanged, world)
-
-    plan = plan_slots(ids_TK, NUM_EXPERTS, 1)
-    rows_ND = dispatcher._permute_rows(x_TD, plan.dest_row_S, TOP_K, plan.num_rows)
 
     def local_permute():
         plan = plan_slots(ids_TK, NUM_EXPERTS, 1)
         rows = dispatcher._permute_rows(x_TD, plan.dest_row_S, TOP_K, plan.num_rows)
         dispatcher._unpermute_rows(rows, plan.dest_row_S, scores_TK.reshape(-1), TOP_K)
 
-    received_counts_E, _, _ = dispatcher._sync_token_count_exchange(counts_E, exchanged, world)
-
     def regroup():
         shape, grouped, indices, _ = dispatcher._permute(receive, received_counts_E)
         dispatcher._unpermute(grouped, shape, indices)
 
-    times = {name: cuda_time_ms(fn) for name, fn in (
-        ("dispatch_combine", dispatch_combine), ("raw_a2a", raw_a2a), ("count_exchange", count_exchange),
-        ("host_sync", host_sync), ("local_permute", local_permute), ("regroup", regroup),
-    )}
-    del rows_ND
+    symm = dispatchers["symm_mem"]
+    rows_RD, _, symm_metadata = symm.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    route = symm_metadata.exchange_route
+    exchange = ep_exchange.EPExchange.for_group(group, x_TD.device)
+    workspace = route.workspace
+
+    def symm_dispatch():
+        symm.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+
+    def symm_combine():
+        symm.combine(rows_RD, symm_metadata, x_TD)
+
+    def symm_barrier():
+        exchange._barrier()
+
+    def symm_counts_and_host_sync():
+        exchange_kernels.gather_counts(workspace.table("counts"), NUM_EXPERTS + 1, x_TD).cpu()
+
+    landing_SD = workspace.local("landing")[: num_tokens * TOP_K]
+
+    def symm_reduce_over_top_k():
+        weighted_sum_slots(landing_SD, route.kept_slot_S, scores_TK.reshape(-1), TOP_K)
+
+    def dispatch_combine(transport):
+        def run():
+            rows, _, meta = dispatchers[transport].dispatch(x_TD, scores_TK, ids_TK, counts_E)
+            dispatchers[transport].combine(rows, meta, x_TD)
+        return run
+
+    parts = {
+        "all_to_all": {
+            "count_exchange": count_exchange, "host_sync": host_sync,
+            "local_permute": local_permute, "regroup": regroup,
+        },
+        "symm_mem": {
+            "dispatch": symm_dispatch, "combine": symm_combine, "barrier": symm_barrier,
+            "counts_and_host_sync": symm_counts_and_host_sync, "reduce_over_top_k": symm_reduce_over_top_k,
+        },
+    }
+    raw_ms = cuda_time_ms(raw_a2a)
     remote_rows = sum(input_splits) - input_splits[rank] + sum(output_splits) - output_splits[rank]
     remote = torch.tensor([remote_rows * dim * 2], device="cuda", dtype=torch.float64)
     dist.all_reduce(remote, op=dist.ReduceOp.MAX)
     remote_bytes = remote.item()
-    return {
-        "world": world, "tokens_per_rank": num_tokens, "dim": dim, "top_k": TOP_K,
-        "num_experts": NUM_EXPERTS, "routing": "skewed" if skewed else "balanced",
-        "permute_backend": permute_backend,
-        "ms": {k: round(v, 4) for k, v in times.items()},
-        "remote_MB_per_rank_max": round(remote_bytes / 1e6, 1),
-        "dispatch_combine_GBps": round(remote_bytes / times["dispatch_combine"] / 1e6, 1),
-        "raw_a2a_GBps": round(remote_bytes / times["raw_a2a"] / 1e6, 1),
-        "fraction_of_raw": round(times["raw_a2a"] / times["dispatch_combine"], 3),
-    }
+    rows = []
+    for transport in EP_TRANSPORTS:
+        total_ms = cuda_time_ms(dispatch_combine(transport))
+        rows.append({
+            "world": world, "tokens_per_rank": num_tokens, "dim": dim, "top_k": TOP_K,
+            "num_experts": NUM_EXPERTS, "routing": "skewed" if skewed else "balanced",
+            "transport": transport, "permute_backend": permute_backend,
+            "ms": {"dispatch_combine": round(total_ms, 4), "raw_a2a": round(raw_ms, 4)} | {
+                name: round(cuda_time_ms(fn), 4) for name, fn in parts[transport].items()
+            },
+            "remote_MB_per_rank_max": round(remote_bytes / 1e6, 1),
+            "dispatch_combine_GBps": round(remote_bytes / total_ms / 1e6, 1),
+            "raw_a2a_GBps": round(remote_bytes / raw_ms / 1e6, 1),
+            "fraction_of_raw": round(raw_ms / total_ms, 3),
+        })
+    return rows
 
 
-def build_layer(compute_backend: str, permute_backend: str, dim: int = 256, hidden: int = 384):
+def build_layer(compute_backend: str, transport: str, permute_backend: str, dim: int = 256, hidden: int = 384):
     """The project's MoE layer (sigmoid routing, aux and z losses on) with uneven expert loads."""
     config = moe_layer_config(
         compute_backend=compute_backend, dim=dim, hidden_dim=hidden, num_experts=NUM_EXPERTS,
         top_k=TOP_K, score_func="sigmoid", load_balance_coeff=None,
     )
     config.routed_experts.token_dispatcher.permute_backend = permute_backend
+    config.routed_experts.token_dispatcher.ep_transport = transport
     config.aux_loss_coeff, config.aux_loss_type, config.z_loss_coeff = 0.01, "global", 1e-3
     with torch.device("cuda"):
         layer = config.build()
@@ -166,11 +214,11 @@ def check_equivalence(mesh) -> list[dict]:
     mine, experts = slice(2 * rank, 2 * rank + 2), slice(rank * per_rank, (rank + 1) * per_rank)
     results = []
     for compute_backend in COMPUTE_BACKENDS:
-        for permute_backend in ("torch", "triton"):
+        for transport, permute_backend in (("all_to_all", "torch"), ("all_to_all", "triton"), ("symm_mem", "triton")):
             dtype = torch.bfloat16 if compute_backend == "grouped_mm" else torch.float32
             outs = []
             for ep in (False, True):
-                layer = build_layer(compute_backend, permute_backend).to(dtype)
+                layer = build_layer(compute_backend, transport, permute_backend).to(dtype)
                 if ep:
                     inner = layer.routed_experts.inner_experts
                     for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
@@ -196,14 +244,15 @@ def check_equivalence(mesh) -> list[dict]:
             worst = torch.tensor(list(errors.values()), device="cuda")
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             results.append({
-                "world": world, "compute_backend": compute_backend, "permute_backend": permute_backend,
+                "world": world, "compute_backend": compute_backend, "transport": transport,
+                "permute_backend": permute_backend,
                 "dtype": str(dtype).removeprefix("torch."),
                 "max_rel_err_over_ranks": dict(zip(errors, [float(f"{v:.3g}") for v in worst.tolist()])),
             })
     return results
 
 
-def run(token_counts: list[int], dims: list[int], check: bool) -> dict:
+def run(token_counts: list[int], dims: list[int], check: bool, permute_backends: list[str]) -> dict:
     """Under torchrun: NCCL process group, optional equivalence check, every case; the report.
 
     Every rank returns the same report; the caller destroys the process group.
@@ -216,6 +265,7 @@ def run(token_counts: list[int], dims: list[int], check: bool) -> dict:
     report = {
         "device": torch.cuda.get_device_name(), "world": world,
         "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "symm_mem_backend": symm_mem.get_backend("cuda"),
         "date": time.strftime("%Y-%m-%d"),
     }
     if check:
@@ -227,11 +277,11 @@ def run(token_counts: list[int], dims: list[int], check: bool) -> dict:
     for num_tokens in token_counts:
         for dim in dims:
             for skewed in (False, True):
-                for permute_backend in ("torch", "triton"):
-                    row = bench_case(mesh, num_tokens, dim, skewed, permute_backend)
-                    report["bench"].append(row)
-                    if rank == 0:
-                        print(json.dumps(row), flush=True)
+                for permute_backend in permute_backends:
+                    for row in bench_case(mesh, num_tokens, dim, skewed, permute_backend):
+                        report["bench"].append(row)
+                        if rank == 0:
+                            print(json.dumps(row), flush=True)
     return report
 
 
@@ -241,9 +291,11 @@ def main(argv=None) -> None:
     parser.add_argument("--check", action="store_true", help="run the EP equivalence check first")
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--dims", type=int, nargs="+", default=[2048, 7168])
+    parser.add_argument("--permute-backends", nargs="+", default=["triton"], choices=PERMUTE_BACKENDS,
+                        help="permute backend(s) of the all_to_all transport")
     args = parser.parse_args(argv)
 
-    report = run(args.tokens, args.dims, args.check)
+    report = run(args.tokens, args.dims, args.check, args.permute_backends)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

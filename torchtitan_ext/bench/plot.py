@@ -53,13 +53,15 @@ def bars_of(results: dict, only: Iterable[str] | None = None) -> tuple[list[Bar]
         bars = [Bar("", f"{r['flavor']} ({r['layers']} layers)", r["backend"], r["tflops"]) for r in rows]
         label, title = "model TFLOP/s", f"Training step per backend, {device}"
     elif _ep_rows(results):
-        bars = []
+        bars, with_raw = [], set()
         for r in _ep_rows(results):
             panel, group = f"{r['world']} ranks, {r['routing']} routing", f"T{r['tokens_per_rank']} D{r['dim']}"
-            bars.append(Bar(panel, group, f"dispatch+combine ({r['permute_backend']} permute)",
-                            r["dispatch_combine_GBps"]))
-            if r["permute_backend"] == "torch":
+            if (panel, group) not in with_raw:
+                with_raw.add((panel, group))
                 bars.append(Bar(panel, group, "raw all-to-all", r["raw_a2a_GBps"]))
+            transport = r.get("transport", "all_to_all")
+            how = f"all_to_all, {r['permute_backend']} permute" if transport == "all_to_all" else transport
+            bars.append(Bar(panel, group, f"dispatch+combine ({how})", r["dispatch_combine_GBps"]))
         label, title = "GB/s per rank (remote bytes)", f"EP dispatch + combine, {device}"
     else:
         raise ValueError("not a result file of python -m torchtitan_ext.bench (no rows to plot)")

@@ -1,0 +1,396 @@
+"""Expert-parallel exchange through a workspace every rank maps: the ``symm_mem`` EP transport.
+
+Instead of NCCL all-to-alls with a send buffer, a count exchange and a rank-major ->
+expert-major regroup, every rank publishes its tokens and its routing (kept slots sorted by
+expert, their scores, per-expert counts) in a workspace that the other ranks of the EP group
+can address, and the rows move with one kernel each way:
+
+- dispatch: every rank *pulls* the rows its local experts need straight into expert-major
+  order (local expert, then source rank, then the source's slot order);
+- combine: every rank *pushes* each expert output back into its owner's ``landing`` region at
+  the row's slot; the owner sums over top_k with the router scores (fp32 accumulation).
+
+Backward runs the same two moves the other way round (push row gradients and sum; pull output
+gradients, which also yields the router-score gradients). Every move is fenced by a device-side
+barrier; a barrier before overwriting a region is added only when a peer may still read it.
+One host sync per dispatch learns how many rows arrive.
+
+Workspaces: CUDA symmetric memory (``torch.distributed._symmetric_memory``: peer GPUs over
+NVLink / PCIe P2P) or, for ranks on one CPU host, shared-memory files (the kernels then run
+under ``TRITON_INTERPRET=1``). Every rank of the group must route the same number of tokens
+per call (torchtitan's fixed-length batches do); a mismatch is an error.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_ext.kernels import ep_exchange as kernels
+from torchtitan_ext.kernels.moe_token_permute import sum_slots, weighted_sum_slots
+
+_ALIGN_BYTES = 256
+
+
+@dataclass(frozen=True)
+class WorkspaceShape:
+    """What one rank's workspace holds room for."""
+
+    num_tokens: int
+    dim: int
+    top_k: int
+    num_experts: int
+    dtype: torch.dtype
+
+    def regions(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        slots = self.num_tokens * self.top_k
+        return {
+            "tokens": ((self.num_tokens, self.dim), self.dtype),
+            "landing": ((slots, self.dim), self.dtype),
+            "counts": ((self.num_experts + 1,), torch.int32),
+            "sorted_slot": ((slots,), torch.int32),
+            "sorted_score": ((slots,), torch.float32),
+            "score_grad": ((slots,), torch.float32),
+        }
+
+    def byte_offsets(self) -> tuple[dict[str, int], int]:
+        """Byte offset of every region and the workspace size, regions 256-byte aligned."""
+        offsets, total = {}, 0
+        for name, (shape, dtype) in self.regions().items():
+            offsets[name] = total
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            total += -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+        return offsets, total
+
+    def holds(self, other: WorkspaceShape) -> bool:
+        return (self.dim, self.top_k, self.num_experts, self.dtype) == (
+            other.dim, other.top_k, other.num_experts, other.dtype
+        ) and self.num_tokens >= other.num_tokens
+
+
+class Workspace(ABC):
+    """One rank's regions, addressable by every rank of ``group``.
+
+    ``local(name)`` is this rank's copy of a region; ``table(name)`` is an int64 tensor of
+    every rank's address of it (the kernels' pointer tables); ``barrier()`` returns once every
+    rank has reached it, with all earlier writes visible.
+    """
+
+    def __init__(self, shape: WorkspaceShape, group: dist.ProcessGroup, device: torch.device):
+        self.shape = shape
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        offsets, nbytes = shape.byte_offsets()
+        local_bytes, addresses = self._map(nbytes, device)
+        self._views, self._tables = {}, {}
+        for name, (region_shape, dtype) in shape.regions().items():
+            start = offsets[name]
+            size = torch.Size(region_shape).numel() * dtype.itemsize
+            self._views[name] = local_bytes[start:start + size].view(dtype).view(region_shape)
+            self._tables[name] = torch.tensor(
+                [address + start for address in addresses], dtype=torch.int64, device=device
+            )
+
+    @abstractmethod
+    def _map(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+        """Allocate this rank's bytes; return them and every rank's base address."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Return once every rank of the group has called it, earlier writes visible to all."""
+
+    def local(self, name: str) -> torch.Tensor:
+        return self._views[name]
+
+    def table(self, name: str) -> torch.Tensor:
+        return self._tables[name]
+
+
+class CudaSymmetricWorkspace(Workspace):
+    """CUDA symmetric memory: peers' buffers mapped into this GPU's address space."""
+
+    def _map(self, nbytes, device):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        local_bytes = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self._handle = symm_mem.rendezvous(local_bytes, self.group)
+        return local_bytes, list(self._handle.buffer_ptrs)
+
+    def barrier(self) -> None:
+        self._handle.barrier(channel=0)
+
+
+class SharedMemoryWorkspace(Workspace):
+    """Ranks on one host: one shared-memory file per rank, mapped by every rank."""
+
+    def _map(self, nbytes, device):
+        token = [uuid.uuid4().hex if self.rank == 0 else None]
+        dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0), group=self.group)
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        paths = [os.path.join(folder, f"moe-ep-exchange-{token[0]}-{rank}") for rank in range(self.world)]
+        mine = torch.UntypedStorage.from_file(paths[self.rank], shared=True, nbytes=nbytes)
+        dist.barrier(group=self.group)
+        self._storages = [
+            mine if rank == self.rank else torch.UntypedStorage.from_file(paths[rank], shared=True, nbytes=nbytes)
+            for rank in range(self.world)
+        ]
+        dist.barrier(group=self.group)
+        os.unlink(paths[self.rank])  # every rank holds its mapping; the name is no longer needed
+        local_bytes = torch.empty(0, dtype=torch.uint8).set_(mine)
+        return local_bytes, [storage.data_ptr() for storage in self._storages]
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiveLayout:
+    """Where this rank's received rows come from, as host tensors (int64)."""
+
+    block_start_B1: torch.Tensor
+    """``(L*W + 1,)`` first received row of block ``b = l * W + s``; last entry = rows received"""
+    source_start_B: torch.Tensor
+    """``(L*W,)`` where block ``b``'s entries start in rank ``s``'s sorted slot list"""
+    rows_per_local_expert_L: torch.Tensor
+    """``(L,)`` rows received for each local expert"""
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.block_start_B1[-1])
+
+
+def receive_layout(counts_WE: torch.Tensor, rank: int, world: int) -> ReceiveLayout:
+    """Expert-major layout of the rows ``rank`` receives, from every rank's per-expert counts."""
+    counts_WE = counts_WE.long()
+    local = counts_WE.shape[1] // world
+    mine = slice(rank * local, (rank + 1) * local)
+    block_counts_B = counts_WE[:, mine].t().reshape(-1)
+    source_starts_WE = torch.cumsum(counts_WE, dim=1) - counts_WE
+    return ReceiveLayout(
+        block_start_B1=torch.cat([block_counts_B.new_zeros(1), torch.cumsum(block_counts_B, 0)]),
+        source_start_B=source_starts_WE[:, mine].t().reshape(-1),
+        rows_per_local_expert_L=counts_WE[:, mine].sum(dim=0),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Route:
+    """What a dispatch leaves for its combine and both backwards (device tensors)."""
+
+    workspace: Workspace
+    num_tokens: int
+    recv_source_N: torch.Tensor
+    """``(N,)`` int32 rank each received row came from"""
+    recv_slot_N: torch.Tensor
+    """``(N,)`` int32 the row's slot on that rank"""
+    recv_score_N: torch.Tensor
+    """``(N,)`` fp32 the slot's router score"""
+    kept_slot_S: torch.Tensor
+    """``(T*K,)`` int64 slot index of each of this rank's kept slots, -1 for dropped ones"""
+
+
+class EPExchange:
+    """Dispatch and combine for one EP process group; one workspace shared by all MoE layers."""
+
+    _by_group: dict[tuple[str, str], EPExchange] = {}
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+        self.group = group
+        self.device = device
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.workspace: Workspace | None = None
+        self._peers_may_read_published = False
+        self._landing_in_local_use = False
+
+    @classmethod
+    def for_group(cls, group: dist.ProcessGroup, device: torch.device) -> EPExchange:
+        key = (group.group_name, str(device))
+        if key not in cls._by_group:
+            cls._by_group[key] = cls(group, device)
+        return cls._by_group[key]
+
+    # ------------------------------------------------------------------ fences
+
+    def _barrier(self) -> None:
+        assert self.workspace is not None
+        self.workspace.barrier()
+        self._peers_may_read_published = False
+        self._landing_in_local_use = False
+
+    def _before_publish(self) -> None:
+        """About to overwrite this rank's tokens / routing: peers must be done reading them."""
+        if self._peers_may_read_published:
+            self._barrier()
+
+    def _before_push(self) -> None:
+        """About to write peers' landing regions: they must be done reading them."""
+        if self._landing_in_local_use:
+            self._barrier()
+
+    def _workspace_for(self, shape: WorkspaceShape) -> Workspace:
+        if self.workspace is None or not self.workspace.shape.holds(shape):
+            if self.workspace is not None:
+                self._before_publish()
+                self._before_push()
+            workspace_type = CudaSymmetricWorkspace if self.device.type == "cuda" else SharedMemoryWorkspace
+            self.workspace = workspace_type(shape, self.group, self.device)
+        return self.workspace
+
+    # ------------------------------------------------------------------ moves
+
+    def dispatch_rows(
+        self, x_TD: torch.Tensor, scores_S: torch.Tensor, expert_S: torch.Tensor, num_experts: int, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, Route]:
+        """Return ``(rows_ND, rows_per_local_expert_L, route)``; expert ``num_experts`` = dropped."""
+        num_tokens, dim = x_TD.shape
+        num_slots = num_tokens * top_k
+        workspace = self._workspace_for(WorkspaceShape(num_tokens, dim, top_k, num_experts, x_TD.dtype))
+        self._before_publish()
+        expert_S = expert_S.reshape(-1)
+        order_S = torch.argsort(expert_S, stable=True)
+        counts = torch.bincount(expert_S, minlength=num_experts + 1)
+        workspace.local("tokens")[:num_tokens].copy_(x_TD)
+        workspace.local("sorted_slot")[:num_slots].copy_(order_S)
+        workspace.local("sorted_score")[:num_slots].copy_(scores_S.reshape(-1)[order_S])
+        published_counts = workspace.local("counts")
+        published_counts[:num_experts].copy_(counts[:num_experts])
+        published_counts[num_experts:].fill_(num_tokens)
+        self._barrier()
+
+        all_counts = kernels.gather_counts(workspace.table("counts"), num_experts + 1, x_TD).cpu()
+        tokens_per_rank = all_counts[:, num_experts].tolist()
+        if any(count != num_tokens for count in tokens_per_rank):
+            raise RuntimeError(
+                f"ep_transport 'symm_mem' needs the same token count on every EP rank, got {tokens_per_rank}"
+            )
+        layout = receive_layout(all_counts[:, :num_experts], self.rank, self.world)
+        tables = torch.cat([layout.block_start_B1, layout.source_start_B, layout.rows_per_local_expert_L])
+        tables = tables.to(self.device, non_blocking=True)
+        num_blocks = layout.source_start_B.shape[0]
+        block_start_B1 = tables[: num_blocks + 1]
+        source_start_B = tables[num_blocks + 1: 2 * num_blocks + 1]
+        rows_per_local_expert_L = tables[2 * num_blocks + 1:]
+
+        rows_ND = x_TD.new_empty(layout.num_rows, dim)
+        recv_source_N, recv_slot_N, recv_score_N = kernels.pull_rows(
+            workspace.table("tokens"), workspace.table("sorted_slot"), workspace.table("sorted_score"),
+            block_start_B1, source_start_B, rows_ND, top_k,
+        )
+        self._peers_may_read_published = True
+        slot_S = torch.arange(num_slots, device=x_TD.device)
+        route = Route(
+            workspace=workspace,
+            num_tokens=num_tokens,
+            recv_source_N=recv_source_N,
+            recv_slot_N=recv_slot_N,
+            recv_score_N=recv_score_N,
+            kept_slot_S=torch.where(expert_S < num_experts, slot_S, -1),
+        )
+        return rows_ND, rows_per_local_expert_L, route
+
+    def _push_and_collect(self, rows_ND: torch.Tensor, route: Route) -> torch.Tensor:
+        """Push every row to its owner's landing region; return this rank's ``(T*K, D)`` landing."""
+        self._before_push()
+        kernels.push_rows(rows_ND, route.recv_source_N, route.recv_slot_N, route.workspace.table("landing"))
+        self._barrier()
+        self._landing_in_local_use = True
+        return route.workspace.local("landing")[: route.kept_slot_S.shape[0]]
+
+    def combine_rows(self, rows_ND: torch.Tensor, scores_S: torch.Tensor, route: Route) -> torch.Tensor:
+        """``(T, D)``: each token's expert outputs weighted by its scores, summed over top_k."""
+        landing_SD = self._push_and_collect(rows_ND, route)
+        top_k = route.kept_slot_S.shape[0] // route.num_tokens if route.num_tokens else 1
+        return weighted_sum_slots(landing_SD, route.kept_slot_S, scores_S.reshape(-1), top_k)
+
+    def dispatch_backward(self, grad_rows_ND: torch.Tensor, route: Route) -> torch.Tensor:
+        """``(T, D)`` gradient of the dispatched tokens: each token's row gradients summed."""
+        landing_SD = self._push_and_collect(grad_rows_ND, route)
+        top_k = route.kept_slot_S.shape[0] // route.num_tokens if route.num_tokens else 1
+        return sum_slots(landing_SD, route.kept_slot_S, top_k, route.num_tokens)
+
+    def combine_backward(
+        self, grad_out_TD: torch.Tensor, rows_ND: torch.Tensor, route: Route
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(grad_rows_ND, grad_scores_S)`` for ``combine_rows``'s output gradient."""
+        workspace = route.workspace
+        num_slots = route.kept_slot_S.shape[0]
+        top_k = num_slots // route.num_tokens if route.num_tokens else 1
+        self._before_publish()
+        workspace.local("tokens")[: route.num_tokens].copy_(grad_out_TD)
+        self._barrier()
+        grad_rows_ND = kernels.pull_output_grad(
+            workspace.table("tokens"), route.recv_source_N, route.recv_slot_N, route.recv_score_N,
+            rows_ND, workspace.table("score_grad"), top_k,
+        )
+        self._barrier()
+        grad_scores_S = torch.where(route.kept_slot_S >= 0, workspace.local("score_grad")[:num_slots], 0.0)
+        self._landing_in_local_use = True
+        return grad_rows_ND, grad_scores_S
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, scores_S, expert_S, exchange, num_experts, top_k, routes):
+        rows_ND, rows_per_local_expert_L, route = exchange.dispatch_rows(
+            x_TD, scores_S, expert_S, num_experts, top_k
+        )
+        routes.append(route)
+        ctx.exchange, ctx.route = exchange, route
+        ctx.mark_non_differentiable(rows_per_local_expert_L)
+        return rows_ND, rows_per_local_expert_L
+
+    @staticmethod
+    def backward(ctx, grad_rows_ND, _):
+        grad_x_TD = ctx.exchange.dispatch_backward(grad_rows_ND.contiguous(), ctx.route)
+        return grad_x_TD, None, None, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows_ND, scores_S, exchange, route):
+        ctx.save_for_backward(rows_ND)
+        ctx.exchange, ctx.route, ctx.scores_dtype = exchange, route, scores_S.dtype
+        return exchange.combine_rows(rows_ND, scores_S, route)
+
+    @staticmethod
+    def backward(ctx, grad_out_TD):
+        (rows_ND,) = ctx.saved_tensors
+        grad_rows_ND, grad_scores_S = ctx.exchange.combine_backward(
+            grad_out_TD.to(rows_ND.dtype).contiguous(), rows_ND, ctx.route
+        )
+        return grad_rows_ND, grad_scores_S.to(ctx.scores_dtype), None, None
+
+
+def dispatch(
+    x_TD: torch.Tensor,
+    scores_S: torch.Tensor,
+    expert_S: torch.Tensor,
+    group: dist.ProcessGroup,
+    num_experts: int,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, Route]:
+    """Differentiable in ``x_TD``: ``(rows_ND, rows_per_local_expert_L, route)``, rows expert-major.
+
+    ``expert_S`` (``T*K``, token-major slots) holds global expert ids, ``num_experts`` for a
+    slot the router dropped; ``scores_S`` travels with the rows for the combine's backward.
+    """
+    exchange = EPExchange.for_group(group, x_TD.device)
+    routes: list[Route] = []
+    rows_ND, rows_per_local_expert_L = _Dispatch.apply(
+        x_TD.contiguous(), scores_S.detach(), expert_S, exchange, num_experts, top_k, routes
+    )
+    return rows_ND, rows_per_local_expert_L, routes[0]
+
+
+def combine(rows_ND: torch.Tensor, scores_S: torch.Tensor, route: Route, group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable in ``rows_ND`` and ``scores_S``: ``(T, D)`` weighted sum over top_k."""
+    exchange = EPExchange.for_group(group, rows_ND.device)
+    return _Combine.apply(rows_ND.contiguous(), scores_S.reshape(-1), exchange, route)

@@ -1,0 +1,114 @@
+"""The ``symm_mem`` EP transport (``ep_exchange``) moves the same rows as the all-to-all one.
+
+On CPU the workspace is one shared-memory file per rank and the kernels run under Triton's
+interpreter; processes are spawned here with gloo. Dispatch -> per-expert compute -> combine
+over ``symm_mem`` must give the same output and the same gradients (tokens, router scores,
+expert weights) as over ``all_to_all``, with uneven splits, dropped slots, a rank whose experts get
+no token, ``align_size`` padding, and two layers back to back (buffers reused across calls).
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+
+from test_ep_equivalence import free_port
+from torchtitan.distributed.utils import set_spmd_backend
+from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
+from torchtitan_ext.experiments.moe_backends.ep_exchange import receive_layout
+from torchtitan_ext.kernels._runtime import triton_available_reason
+
+NUM_EXPERTS, TOP_K, DIM, TOKENS = 8, 3, 12, 10
+
+needs_triton = pytest.mark.skipif(triton_available_reason() is not None, reason="Triton cannot run here")
+
+
+def test_receive_layout_matches_a_direct_enumeration():
+    generator = torch.Generator().manual_seed(0)
+    for world, experts in ((2, 4), (4, 8), (3, 6)):
+        counts_WE = torch.randint(0, 4, (world, experts), generator=generator)
+        counts_WE[0, 1] = 0
+        local = experts // world
+        for rank in range(world):
+            layout = receive_layout(counts_WE, rank, world)
+            expected = []  # (source rank, position in the source's expert-sorted list)
+            for expert in range(rank * local, (rank + 1) * local):
+                for source in range(world):
+                    first = int(counts_WE[source, :expert].sum())
+                    expected += [(source, first + i) for i in range(int(counts_WE[source, expert]))]
+            got = []
+            for block in range(local * world):
+                start, end = layout.block_start_B1[block:block + 2].tolist()
+                source = block % world
+                got += [(source, int(layout.source_start_B[block]) + i) for i in range(end - start)]
+            assert got == expected
+            assert layout.num_rows == len(expected)
+            assert layout.rows_per_local_expert_L.tolist() == counts_WE[:, rank * local:(rank + 1) * local].sum(0).tolist()
+
+
+def routing(rank: int, dtype: torch.dtype):
+    """Per-rank tokens, scores and expert ids: uneven, some dropped (id E), none for the last rank at W=4."""
+    generator = torch.Generator().manual_seed(10 + rank)
+    x_TD = torch.randn(TOKENS, DIM, generator=generator, dtype=dtype)
+    scores_TK = torch.rand(TOKENS, TOP_K, generator=generator)
+    ids_TK = torch.multinomial(torch.tensor([4.0, 3, 2, 1, 1, 1, 0, 0]).expand(TOKENS, -1), TOP_K, generator=generator)
+    ids_TK[::4, -1] = NUM_EXPERTS  # dropped by a capacity limit
+    return x_TD, scores_TK, ids_TK
+
+
+def moe_block(dispatcher, x_TD, scores_TK, ids_TK, weights_LDD):
+    """dispatch -> rows of local expert l times weights_LDD[l] -> combine."""
+    counts_E = torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS + 1)[:NUM_EXPERTS]
+    rows_RD, rows_per_expert_L, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    expert_R = torch.repeat_interleave(torch.arange(weights_LDD.shape[0]), rows_per_expert_L, output_size=rows_RD.shape[0])
+    out_RD = torch.bmm(rows_RD.unsqueeze(1), weights_LDD[expert_R]).squeeze(1)
+    return dispatcher.combine(out_RD, metadata, x_TD)
+
+
+def run_two_layers(mesh, transport: str, align_size: int, dtype: torch.dtype):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = NUM_EXPERTS // world
+    dispatcher = RoutingDispatcher(RoutingDispatcher.Config(
+        num_experts=NUM_EXPERTS, top_k=TOP_K, permute_backend="triton", align_size=align_size,
+        ep_transport=transport,
+    ))
+    dispatcher.wire_meshes(ep_mesh=mesh)
+    x_TD, scores_TK, ids_TK = routing(rank, dtype)
+    generator = torch.Generator().manual_seed(99)
+    all_weights = torch.randn(2, NUM_EXPERTS, DIM, DIM, generator=generator, dtype=dtype) * DIM ** -0.5
+    weights = all_weights[:, rank * local:(rank + 1) * local].clone().requires_grad_()
+    x = x_TD.clone().requires_grad_()
+    scores = scores_TK.clone().requires_grad_()
+    hidden = moe_block(dispatcher, x, scores, ids_TK, weights[0])
+    out = moe_block(dispatcher, hidden, scores.flip(0), ids_TK.flip(0), weights[1])
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out))
+    return out.detach(), x.grad, scores.grad, weights.grad
+
+
+def exchange_worker(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    set_spmd_backend("partial_dtensor")
+    torch.set_num_threads(1)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+            for align_size in (1, 4):
+                expected = run_two_layers(mesh, "all_to_all", align_size, dtype)
+                actual = run_two_layers(mesh, "symm_mem", align_size, dtype)
+                for name, e, a in zip(("output", "x grad", "score grad", "weight grad"), expected, actual):
+                    torch.testing.assert_close(
+                        a, e, atol=tol, rtol=tol,
+                        msg=lambda m: f"rank {rank}/{world} {dtype} align {align_size} {name}: {m}",
+                    )
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_triton
+@pytest.mark.parametrize("world", [2, 4])
+def test_symm_mem_transport_equals_nccl_transport(world):
+    mp.spawn(exchange_worker, args=(world, free_port()), nprocs=world, join=True)
