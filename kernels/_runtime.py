@@ -142,3 +142,18 @@ def block_experts(num_experts: int) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get full fp32 products; 16-bit inputs use the tensor cores' native path."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def row_copy_configs(configs: list[tuple[int, int, int]]) -> list[triton.Config]:
+    """Autotune configs of row-copy kernels from (ROWS, BLOCK_D, num_warps) tuples.
+
+    Under the interpreter a single small config keeps CPU tests fast.
+    """
+    if interpreter_enabled():
+        configs = [(4, 16, 1)]
+    return [triton.Config({"ROWS": rows, "BLOCK_D": block_d}, num_warps=warps) for rows, block_d, warps in configs]
+
+
+# Rows moved between GPUs (NVLink loads or stores): enough bytes in flight per SM.
+ROW_COPY_CONFIGS = [(4, 1024, 4), (8, 1024, 8), (16, 1024, 8), (8, 512, 4), (16, 512, 4), (32, 256, 4)]
+

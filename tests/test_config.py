@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.flavors import main as flavors_main
 from torchtitan_ext.flavors import parameter_counts
@@ -21,6 +22,10 @@ FULL_SIZE = {"qwen3-30b-a3b", "deepseek-v3-16b", "mixtral-8x7b", "olmoe-1b-7b"}
 
 def backends_of(config) -> set[str]:
     return {c.compute_backend for _, c, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)}
+
+
+def transports_of(config) -> set[str]:
+    return {c.ep_transport for _, c, _, _ in config.model_spec.model.traverse(RoutingDispatcher.Config)}
 
 
 def write_toml(tmp_path, name, text):
@@ -240,4 +245,8 @@ def test_flavors_cli_bad_input_exits_2(capsys):
 @pytest.mark.parametrize("example", sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.toml")))
 def test_example_toml_files_apply(example):
     config = apply_toml_files(get_flavor(TINY).build(), [str(example)])
-    assert backends_of(config) == {load_toml(example)["moe.compute_backend"]}
+    read_back = {"moe.compute_backend": backends_of, "moe.ep_transport": transports_of}
+    keys = load_toml(example)
+    assert set(keys) <= set(read_back), f"no read-back for {sorted(set(keys) - set(read_back))}"
+    for key, value in keys.items():
+        assert read_back[key](config) == {value}, key

@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from test_ep_equivalence import free_port
 from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
-from torchtitan_ext.experiments.moe_backends.ep_exchange import receive_layout
+from torchtitan_ext.experiments.moe_backends.toml_keys import symm_mem_errors
+from torchtitan_ext.kernels.ep_exchange import receive_layout
 from torchtitan_ext.kernels._runtime import triton_available_reason
 
 NUM_EXPERTS, TOP_K, DIM, TOKENS = 8, 3, 12, 10
@@ -26,14 +27,18 @@ NUM_EXPERTS, TOP_K, DIM, TOKENS = 8, 3, 12, 10
 needs_triton = pytest.mark.skipif(triton_available_reason() is not None, reason="Triton cannot run here")
 
 
-def test_receive_layout_matches_a_direct_enumeration():
+@needs_triton
+def test_receive_layout_kernel_matches_a_direct_enumeration():
+    """Every rank's counts in its own tensor (the pointer table holds their addresses)."""
     generator = torch.Generator().manual_seed(0)
-    for world, experts in ((2, 4), (4, 8), (3, 6)):
-        counts_WE = torch.randint(0, 4, (world, experts), generator=generator)
+    for world, experts in ((2, 4), (4, 8), (3, 6), (1, 5)):
+        counts_WE = torch.randint(0, 4, (world, experts), generator=generator, dtype=torch.int32)
         counts_WE[0, 1] = 0
+        regions = [torch.cat([counts_WE[s], torch.tensor([7 + s], dtype=torch.int32)]) for s in range(world)]
+        table = torch.tensor([region.data_ptr() for region in regions], dtype=torch.int64)
         local = experts // world
         for rank in range(world):
-            layout = receive_layout(counts_WE, rank, world)
+            layout = receive_layout(table, experts, rank, table)
             expected = []  # (source rank, position in the source's expert-sorted list)
             for expert in range(rank * local, (rank + 1) * local):
                 for source in range(world):
@@ -45,8 +50,10 @@ def test_receive_layout_matches_a_direct_enumeration():
                 source = block % world
                 got += [(source, int(layout.source_start_B[block]) + i) for i in range(end - start)]
             assert got == expected
-            assert layout.num_rows == len(expected)
-            assert layout.rows_per_local_expert_L.tolist() == counts_WE[:, rank * local:(rank + 1) * local].sum(0).tolist()
+            assert int(layout.block_start_B1[-1]) == len(expected)
+            mine = counts_WE[:, rank * local:(rank + 1) * local]
+            assert layout.rows_per_local_expert_L.tolist() == mine.sum(0).tolist()
+            assert layout.tokens_per_rank_W.tolist() == [7 + s for s in range(world)]
 
 
 def routing(rank: int, dtype: torch.dtype):
@@ -112,3 +119,21 @@ def exchange_worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_symm_mem_transport_equals_nccl_transport(world):
     mp.spawn(exchange_worker, args=(world, free_port()), nprocs=world, join=True)
+
+
+def test_symm_mem_start_up_errors(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert symm_mem_errors(1) == [] and symm_mem_errors(4) == []
+    (error,) = symm_mem_errors(8)
+    assert "needs every rank of an EP group on one host" in error and "(4)" in error
+    if not torch.cuda.is_available():
+        monkeypatch.delenv("TRITON_INTERPRET")
+        (error,) = symm_mem_errors(2)
+        assert error.startswith("moe.ep_transport = 'symm_mem': the Triton MoE kernels need a CUDA GPU")
+
+
+def test_unknown_ep_transport_is_rejected():
+    with pytest.raises(ValueError, match="unknown ep_transport 'nvlink'; valid: all_to_all, symm_mem"):
+        RoutingDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K, ep_transport="nvlink")

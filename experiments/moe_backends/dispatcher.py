@@ -305,7 +305,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
             )
             rows_per_local_expert_e = padded_counts_e
             num_padding_rows = num_rows - num_received
-        self.last_num_padding_rows = torch.tensor(num_padding_rows, device=grouped_RD.device)
+        self.last_num_padding_rows = rows_per_local_expert_e.new_full((), num_padding_rows)
         return grouped_RD, rows_per_local_expert_e, received_dest_row_R
 
     def _combine_expert_parallel(

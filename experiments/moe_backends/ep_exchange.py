@@ -15,6 +15,10 @@ gradients, which also yields the router-score gradients). Every move is fenced b
 barrier; a barrier before overwriting a region is added only when a peer may still read it.
 One host sync per dispatch learns how many rows arrive.
 
+One dispatch is: publish (token copy, a stable sort of the slots by expert, one kernel writing
+the sorted slots, scores and counts), barrier, one single-program kernel computing this rank's
+receive layout from every rank's counts, its copy to the host (the one host sync), and the pull.
+
 Workspaces: CUDA symmetric memory (``torch.distributed._symmetric_memory``: peer GPUs over
 NVLink / PCIe P2P) or, for ranks on one CPU host, shared-memory files (the kernels then run
 under ``TRITON_INTERPRET=1``). Every rank of the group must route the same number of tokens
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from torchtitan_ext.kernels import ep_exchange as kernels
 from torchtitan_ext.kernels.moe_token_permute import sum_slots, weighted_sum_slots
@@ -84,11 +89,11 @@ class Workspace(ABC):
 
     def __init__(self, shape: WorkspaceShape, group: dist.ProcessGroup, device: torch.device):
         self.shape = shape
-        self.group = group
+        self.group_name = group.group_name  # not the group: a destroyed group must be freeable
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         offsets, nbytes = shape.byte_offsets()
-        local_bytes, addresses = self._map(nbytes, device)
+        local_bytes, addresses = self._map(group, nbytes, device)
         self._views, self._tables = {}, {}
         for name, (region_shape, dtype) in shape.regions().items():
             start = offsets[name]
@@ -99,7 +104,7 @@ class Workspace(ABC):
             )
 
     @abstractmethod
-    def _map(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    def _map(self, group: dist.ProcessGroup, nbytes: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
         """Allocate this rank's bytes; return them and every rank's base address."""
 
     @abstractmethod
@@ -116,11 +121,11 @@ class Workspace(ABC):
 class CudaSymmetricWorkspace(Workspace):
     """CUDA symmetric memory: peers' buffers mapped into this GPU's address space."""
 
-    def _map(self, nbytes, device):
+    def _map(self, group, nbytes, device):
         from torch.distributed import _symmetric_memory as symm_mem
 
         local_bytes = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-        self._handle = symm_mem.rendezvous(local_bytes, self.group)
+        self._handle = symm_mem.rendezvous(local_bytes, group)
         return local_bytes, list(self._handle.buffer_ptrs)
 
     def barrier(self) -> None:
@@ -130,54 +135,24 @@ class CudaSymmetricWorkspace(Workspace):
 class SharedMemoryWorkspace(Workspace):
     """Ranks on one host: one shared-memory file per rank, mapped by every rank."""
 
-    def _map(self, nbytes, device):
+    def _map(self, group, nbytes, device):
         token = [uuid.uuid4().hex if self.rank == 0 else None]
-        dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0), group=self.group)
+        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         paths = [os.path.join(folder, f"moe-ep-exchange-{token[0]}-{rank}") for rank in range(self.world)]
         mine = torch.UntypedStorage.from_file(paths[self.rank], shared=True, nbytes=nbytes)
-        dist.barrier(group=self.group)
+        dist.barrier(group=group)
         self._storages = [
             mine if rank == self.rank else torch.UntypedStorage.from_file(paths[rank], shared=True, nbytes=nbytes)
             for rank in range(self.world)
         ]
-        dist.barrier(group=self.group)
+        dist.barrier(group=group)
         os.unlink(paths[self.rank])  # every rank holds its mapping; the name is no longer needed
         local_bytes = torch.empty(0, dtype=torch.uint8).set_(mine)
         return local_bytes, [storage.data_ptr() for storage in self._storages]
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReceiveLayout:
-    """Where this rank's received rows come from, as host tensors (int64)."""
-
-    block_start_B1: torch.Tensor
-    """``(L*W + 1,)`` first received row of block ``b = l * W + s``; last entry = rows received"""
-    source_start_B: torch.Tensor
-    """``(L*W,)`` where block ``b``'s entries start in rank ``s``'s sorted slot list"""
-    rows_per_local_expert_L: torch.Tensor
-    """``(L,)`` rows received for each local expert"""
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.block_start_B1[-1])
-
-
-def receive_layout(counts_WE: torch.Tensor, rank: int, world: int) -> ReceiveLayout:
-    """Expert-major layout of the rows ``rank`` receives, from every rank's per-expert counts."""
-    counts_WE = counts_WE.long()
-    local = counts_WE.shape[1] // world
-    mine = slice(rank * local, (rank + 1) * local)
-    block_counts_B = counts_WE[:, mine].t().reshape(-1)
-    source_starts_WE = torch.cumsum(counts_WE, dim=1) - counts_WE
-    return ReceiveLayout(
-        block_start_B1=torch.cat([block_counts_B.new_zeros(1), torch.cumsum(block_counts_B, 0)]),
-        source_start_B=source_starts_WE[:, mine].t().reshape(-1),
-        rows_per_local_expert_L=counts_WE[:, mine].sum(dim=0),
-    )
+        dist.barrier(group=_resolve_process_group(self.group_name))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,7 +177,7 @@ class EPExchange:
     _by_group: dict[tuple[str, str], EPExchange] = {}
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device):
-        self.group = group
+        self.group_name = group.group_name
         self.device = device
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -241,7 +216,7 @@ class EPExchange:
                 self._before_publish()
                 self._before_push()
             workspace_type = CudaSymmetricWorkspace if self.device.type == "cuda" else SharedMemoryWorkspace
-            self.workspace = workspace_type(shape, self.group, self.device)
+            self.workspace = workspace_type(shape, _resolve_process_group(self.group_name), self.device)
         return self.workspace
 
     # ------------------------------------------------------------------ moves
@@ -251,50 +226,38 @@ class EPExchange:
     ) -> tuple[torch.Tensor, torch.Tensor, Route]:
         """Return ``(rows_ND, rows_per_local_expert_L, route)``; expert ``num_experts`` = dropped."""
         num_tokens, dim = x_TD.shape
-        num_slots = num_tokens * top_k
         workspace = self._workspace_for(WorkspaceShape(num_tokens, dim, top_k, num_experts, x_TD.dtype))
         self._before_publish()
         expert_S = expert_S.reshape(-1)
-        order_S = torch.argsort(expert_S, stable=True)
-        counts = torch.bincount(expert_S, minlength=num_experts + 1)
+        narrow_keys = expert_S.to(torch.int16) if num_experts < torch.iinfo(torch.int16).max else expert_S
+        order_S = torch.argsort(narrow_keys, stable=True)  # 16-bit keys: fewer radix passes
         workspace.local("tokens")[:num_tokens].copy_(x_TD)
-        workspace.local("sorted_slot")[:num_slots].copy_(order_S)
-        workspace.local("sorted_score")[:num_slots].copy_(scores_S.reshape(-1)[order_S])
-        published_counts = workspace.local("counts")
-        published_counts[:num_experts].copy_(counts[:num_experts])
-        published_counts[num_experts:].fill_(num_tokens)
+        kept_slot_S = kernels.publish_routing(
+            order_S, expert_S, scores_S.reshape(-1), workspace.local("sorted_slot"),
+            workspace.local("sorted_score"), workspace.local("counts"), num_experts, num_tokens,
+        )
         self._barrier()
 
-        all_counts = kernels.gather_counts(workspace.table("counts"), num_experts + 1, x_TD).cpu()
-        tokens_per_rank = all_counts[:, num_experts].tolist()
-        if any(count != num_tokens for count in tokens_per_rank):
-            raise RuntimeError(
-                f"ep_transport 'symm_mem' needs the same token count on every EP rank, got {tokens_per_rank}"
-            )
-        layout = receive_layout(all_counts[:, :num_experts], self.rank, self.world)
-        tables = torch.cat([layout.block_start_B1, layout.source_start_B, layout.rows_per_local_expert_L])
-        tables = tables.to(self.device, non_blocking=True)
-        num_blocks = layout.source_start_B.shape[0]
-        block_start_B1 = tables[: num_blocks + 1]
-        source_start_B = tables[num_blocks + 1: 2 * num_blocks + 1]
-        rows_per_local_expert_L = tables[2 * num_blocks + 1:]
-
-        rows_ND = x_TD.new_empty(layout.num_rows, dim)
+        layout = kernels.receive_layout(workspace.table("counts"), num_experts, self.rank, x_TD)
+        on_host = kernels.ReceiveLayout.unpack(layout.packed.cpu(), num_experts // self.world, self.world)
+        tokens_per_rank = on_host.tokens_per_rank_W.tolist()
+        if tokens_per_rank.count(num_tokens) != self.world:
+            raise RuntimeError(f"ep_transport 'symm_mem' needs the same token count on every EP rank, got {tokens_per_rank}")
+        rows_ND = x_TD.new_empty(int(on_host.block_start_B1[-1]), dim)
         recv_source_N, recv_slot_N, recv_score_N = kernels.pull_rows(
             workspace.table("tokens"), workspace.table("sorted_slot"), workspace.table("sorted_score"),
-            block_start_B1, source_start_B, rows_ND, top_k,
+            layout, rows_ND, top_k,
         )
         self._peers_may_read_published = True
-        slot_S = torch.arange(num_slots, device=x_TD.device)
         route = Route(
             workspace=workspace,
             num_tokens=num_tokens,
             recv_source_N=recv_source_N,
             recv_slot_N=recv_slot_N,
             recv_score_N=recv_score_N,
-            kept_slot_S=torch.where(expert_S < num_experts, slot_S, -1),
+            kept_slot_S=kept_slot_S,
         )
-        return rows_ND, rows_per_local_expert_L, route
+        return rows_ND, layout.rows_per_local_expert_L, route
 
     def _push_and_collect(self, rows_ND: torch.Tensor, route: Route) -> torch.Tensor:
         """Push every row to its owner's landing region; return this rank's ``(T*K, D)`` landing."""

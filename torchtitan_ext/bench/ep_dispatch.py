@@ -12,8 +12,10 @@ Per (tokens per rank T, model dim D, top_k 8, balanced or skewed routing), on ev
   counts), ``host_sync`` (split sizes to the host), ``local_permute`` (tokens -> expert-grouped
   rows and the weighted unpermute + sum over top_k), ``regroup`` (rank-major <-> expert-major on
   the receiver). ``symm_mem``: ``dispatch`` (publish, barrier, counts, host sync, pull) and
-  ``combine`` (push, barrier, sum over top_k) alone, ``barrier``, ``counts_and_host_sync``
-  (every rank's counts read and copied to the host) and ``reduce_over_top_k``.
+  ``combine`` (push, barrier, sum over top_k) alone, ``barrier``, ``layout_and_host_sync``
+  (the receive layout computed from every rank's counts, copied to the host),
+  ``reduce_over_top_k``, and the ``pull_kernel`` and ``push_kernel`` alone (every rank
+  running them at once, the way they run inside dispatch and combine).
 
 Bandwidth is the bytes a rank sends to other ranks (both directions) over the time, max over
 ranks. ``--check`` first runs the EP layer equivalence (EP = world vs one GPU, every compute
@@ -134,10 +136,20 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
     def symm_barrier():
         exchange._barrier()
 
-    def symm_counts_and_host_sync():
-        exchange_kernels.gather_counts(workspace.table("counts"), NUM_EXPERTS + 1, x_TD).cpu()
+    def symm_layout_and_host_sync():
+        exchange_kernels.receive_layout(workspace.table("counts"), NUM_EXPERTS, rank, x_TD).packed.cpu()
 
     landing_SD = workspace.local("landing")[: num_tokens * TOP_K]
+    layout = exchange_kernels.receive_layout(workspace.table("counts"), NUM_EXPERTS, rank, x_TD)
+
+    def symm_pull_kernel():
+        exchange_kernels.pull_rows(
+            workspace.table("tokens"), workspace.table("sorted_slot"), workspace.table("sorted_score"),
+            layout, rows_RD, TOP_K,
+        )
+
+    def symm_push_kernel():
+        exchange_kernels.push_rows(rows_RD, route.recv_source_N, route.recv_slot_N, workspace.table("landing"))
 
     def symm_reduce_over_top_k():
         weighted_sum_slots(landing_SD, route.kept_slot_S, scores_TK.reshape(-1), TOP_K)
@@ -155,7 +167,8 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
         },
         "symm_mem": {
             "dispatch": symm_dispatch, "combine": symm_combine, "barrier": symm_barrier,
-            "counts_and_host_sync": symm_counts_and_host_sync, "reduce_over_top_k": symm_reduce_over_top_k,
+            "layout_and_host_sync": symm_layout_and_host_sync, "reduce_over_top_k": symm_reduce_over_top_k,
+            "pull_kernel": symm_pull_kernel, "push_kernel": symm_push_kernel,
         },
     }
     raw_ms = cuda_time_ms(raw_a2a)
@@ -204,7 +217,7 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30))
 
 
-def check_equivalence(mesh) -> list[dict]:
+def check_equivalence(mesh, compute_backends: list[str]) -> list[dict]:
     """EP=world vs a single GPU on the whole batch: output and every gradient."""
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = NUM_EXPERTS // world
@@ -213,7 +226,7 @@ def check_equivalence(mesh) -> list[dict]:
     grad_all = torch.randn(x_all.shape, generator=generator).cuda()
     mine, experts = slice(2 * rank, 2 * rank + 2), slice(rank * per_rank, (rank + 1) * per_rank)
     results = []
-    for compute_backend in COMPUTE_BACKENDS:
+    for compute_backend in compute_backends:
         for transport, permute_backend in (("all_to_all", "torch"), ("all_to_all", "triton"), ("symm_mem", "triton")):
             dtype = torch.bfloat16 if compute_backend == "grouped_mm" else torch.float32
             outs = []
@@ -252,7 +265,10 @@ def check_equivalence(mesh) -> list[dict]:
     return results
 
 
-def run(token_counts: list[int], dims: list[int], check: bool, permute_backends: list[str]) -> dict:
+def run(
+    token_counts: list[int], dims: list[int], check: bool, permute_backends: list[str],
+    check_backends: list[str] = COMPUTE_BACKENDS,
+) -> dict:
     """Under torchrun: NCCL process group, optional equivalence check, every case; the report.
 
     Every rank returns the same report; the caller destroys the process group.
@@ -270,7 +286,7 @@ def run(token_counts: list[int], dims: list[int], check: bool, permute_backends:
     }
     if check:
         try:
-            report["equivalence"] = check_equivalence(mesh)
+            report["equivalence"] = check_equivalence(mesh, list(check_backends))
         except Exception as e:  # recorded, so the benchmark still runs
             report["equivalence_error"] = f"{type(e).__name__}: {e}"
     report["bench"] = []
@@ -291,11 +307,13 @@ def main(argv=None) -> None:
     parser.add_argument("--check", action="store_true", help="run the EP equivalence check first")
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--dims", type=int, nargs="+", default=[2048, 7168])
+    parser.add_argument("--check-backends", nargs="+", default=list(COMPUTE_BACKENDS), choices=COMPUTE_BACKENDS,
+                        help="compute backends the equivalence check covers")
     parser.add_argument("--permute-backends", nargs="+", default=["triton"], choices=PERMUTE_BACKENDS,
                         help="permute backend(s) of the all_to_all transport")
     args = parser.parse_args(argv)
 
-    report = run(args.tokens, args.dims, args.check, args.permute_backends)
+    report = run(args.tokens, args.dims, args.check, args.permute_backends, args.check_backends)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
