@@ -161,6 +161,7 @@ class Route:
 
     workspace: Workspace
     num_tokens: int
+    top_k: int
     recv_source_N: torch.Tensor
     """``(N,)`` int32 rank each received row came from"""
     recv_slot_N: torch.Tensor
@@ -242,7 +243,9 @@ class EPExchange:
         on_host = kernels.ReceiveLayout.unpack(layout.packed.cpu(), num_experts // self.world, self.world)
         tokens_per_rank = on_host.tokens_per_rank_W.tolist()
         if tokens_per_rank.count(num_tokens) != self.world:
-            raise RuntimeError(f"ep_transport 'symm_mem' needs the same token count on every EP rank, got {tokens_per_rank}")
+            raise RuntimeError(
+                f"ep_transport 'symm_mem' needs the same token count on every EP rank, got {tokens_per_rank}"
+            )
         rows_ND = x_TD.new_empty(int(on_host.block_start_B1[-1]), dim)
         recv_source_N, recv_slot_N, recv_score_N = kernels.pull_rows(
             workspace.table("tokens"), workspace.table("sorted_slot"), workspace.table("sorted_score"),
@@ -252,6 +255,7 @@ class EPExchange:
         route = Route(
             workspace=workspace,
             num_tokens=num_tokens,
+            top_k=top_k,
             recv_source_N=recv_source_N,
             recv_slot_N=recv_slot_N,
             recv_score_N=recv_score_N,
@@ -270,14 +274,12 @@ class EPExchange:
     def combine_rows(self, rows_ND: torch.Tensor, scores_S: torch.Tensor, route: Route) -> torch.Tensor:
         """``(T, D)``: each token's expert outputs weighted by its scores, summed over top_k."""
         landing_SD = self._push_and_collect(rows_ND, route)
-        top_k = route.kept_slot_S.shape[0] // route.num_tokens if route.num_tokens else 1
-        return weighted_sum_slots(landing_SD, route.kept_slot_S, scores_S.reshape(-1), top_k)
+        return weighted_sum_slots(landing_SD, route.kept_slot_S, scores_S.reshape(-1), route.top_k)
 
     def dispatch_backward(self, grad_rows_ND: torch.Tensor, route: Route) -> torch.Tensor:
         """``(T, D)`` gradient of the dispatched tokens: each token's row gradients summed."""
         landing_SD = self._push_and_collect(grad_rows_ND, route)
-        top_k = route.kept_slot_S.shape[0] // route.num_tokens if route.num_tokens else 1
-        return sum_slots(landing_SD, route.kept_slot_S, top_k, route.num_tokens)
+        return sum_slots(landing_SD, route.kept_slot_S, route.top_k, route.num_tokens)
 
     def combine_backward(
         self, grad_out_TD: torch.Tensor, rows_ND: torch.Tensor, route: Route
@@ -285,13 +287,12 @@ class EPExchange:
         """Return ``(grad_rows_ND, grad_scores_S)`` for ``combine_rows``'s output gradient."""
         workspace = route.workspace
         num_slots = route.kept_slot_S.shape[0]
-        top_k = num_slots // route.num_tokens if route.num_tokens else 1
         self._before_publish()
         workspace.local("tokens")[: route.num_tokens].copy_(grad_out_TD)
         self._barrier()
         grad_rows_ND = kernels.pull_output_grad(
             workspace.table("tokens"), route.recv_source_N, route.recv_slot_N, route.recv_score_N,
-            rows_ND, workspace.table("score_grad"), top_k,
+            rows_ND, workspace.table("score_grad"), route.top_k,
         )
         self._barrier()
         grad_scores_S = torch.where(route.kept_slot_S >= 0, workspace.local("score_grad")[:num_slots], 0.0)
