@@ -144,6 +144,11 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def row_block_d(dim: int) -> int:
+    """Columns a row kernel handles per step: the row, up to 1024."""
+    return min(1024, triton.next_power_of_2(dim))
+
+
 def row_copy_configs(configs: list[tuple[int, int, int]]) -> list[triton.Config]:
     """Autotune configs of row-copy kernels from (ROWS, BLOCK_D, num_warps) tuples.
 

@@ -27,11 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from torchtitan_ext.kernels._runtime import ROW_COPY_CONFIGS, check_runnable, row_copy_configs
+from torchtitan_ext.kernels._runtime import ROW_COPY_CONFIGS, check_runnable, row_block_d, row_copy_configs
 
-
-def _block_d(dim: int) -> int:
-    return min(1024, triton.next_power_of_2(dim))
 
 
 @triton.jit
@@ -288,6 +285,6 @@ def pull_output_grad(
     if rows_ND.shape[0]:
         _pull_output_grad_kernel[(rows_ND.shape[0],)](
             token_ptrs_W, recv_source_N, recv_slot_N, recv_score_N, rows_ND, grad_rows_ND,
-            score_grad_ptrs_W, rows_ND.shape[1], top_k, BLOCK_D=_block_d(rows_ND.shape[1]),
+            score_grad_ptrs_W, rows_ND.shape[1], top_k, BLOCK_D=row_block_d(rows_ND.shape[1]),
         )
     return grad_rows_ND

@@ -21,11 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from torchtitan_ext.kernels._runtime import check_runnable
+from torchtitan_ext.kernels._runtime import check_runnable, row_block_d
 
-
-def _block_d(dim: int) -> int:
-    return min(1024, triton.next_power_of_2(dim))
 
 
 # ---------------------------------------------------------------- plain torch reference
@@ -129,7 +126,7 @@ def sum_slots(rows_PD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_t
     dim = rows_PD.shape[1]
     y_TD = rows_PD.new_empty(num_tokens, dim)
     if num_tokens:
-        _sum_slots_kernel[(num_tokens,)](rows_PD, dest_row_S, y_TD, dim, top_k, BLOCK_D=_block_d(dim))
+        _sum_slots_kernel[(num_tokens,)](rows_PD, dest_row_S, y_TD, dim, top_k, BLOCK_D=row_block_d(dim))
     return y_TD
 
 
@@ -143,7 +140,7 @@ def weighted_sum_slots(
     y_TD = rows_PD.new_empty(num_tokens, dim)
     if num_tokens:
         _unpermute_kernel[(num_tokens,)](
-            rows_PD, dest_row_S, scores_S.contiguous(), y_TD, dim, top_k, BLOCK_D=_block_d(dim)
+            rows_PD, dest_row_S, scores_S.contiguous(), y_TD, dim, top_k, BLOCK_D=row_block_d(dim)
         )
     return y_TD
 
@@ -156,7 +153,7 @@ class _PermuteTokens(torch.autograd.Function):
         rows_PD = x_TD.new_zeros(num_rows, dim)
         if dest_row_S.numel():
             _permute_kernel[(dest_row_S.shape[0],)](
-                x_TD, rows_PD, dest_row_S, dim, top_k, BLOCK_D=_block_d(dim)
+                x_TD, rows_PD, dest_row_S, dim, top_k, BLOCK_D=row_block_d(dim)
             )
         ctx.save_for_backward(dest_row_S)
         ctx.top_k, ctx.num_tokens = top_k, x_TD.shape[0]
@@ -188,7 +185,7 @@ class _UnpermuteTokens(torch.autograd.Function):
         if dest_row_S.numel():
             _unpermute_backward_kernel[(dest_row_S.shape[0],)](
                 rows_PD, dest_row_S, scores_S, grad_y_TD, grad_rows_PD, grad_scores_S, dim,
-                ctx.top_k, BLOCK_D=_block_d(dim),
+                ctx.top_k, BLOCK_D=row_block_d(dim),
             )
         return grad_rows_PD, None, grad_scores_S, None
 

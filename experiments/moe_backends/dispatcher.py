@@ -192,14 +192,12 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
     ) -> torch.Tensor:
         """Weight each slot's expert output by its score and sum over top_k -> ``(T, D)``."""
         rows_ND = routed_output_RD
+        if metadata.received_dest_row_R is not None:  # EP with align_size: drop the padding rows
+            rows_ND = rows_ND[metadata.received_dest_row_R]
         if metadata.exchange_route is not None:
-            if metadata.received_dest_row_R is not None:
-                routed_output_RD = routed_output_RD[metadata.received_dest_row_R]
-            with maybe_set_sparse_mesh():
-                group = self._ep_group()
-            return ep_exchange.combine(routed_output_RD, metadata.scores_S, metadata.exchange_route, group).to(x_TD.dtype)
+            return ep_exchange.combine(rows_ND, metadata.scores_S, metadata.exchange_route).to(x_TD.dtype)
         if self.ep_mesh is not None:
-            rows_ND = self._combine_expert_parallel(routed_output_RD, metadata)
+            rows_ND = self._combine_expert_parallel(rows_ND, metadata)
         return self._unpermute_rows(
             rows_ND, metadata.plan.dest_row_S, metadata.scores_S, self.top_k
         ).to(x_TD.dtype)
@@ -311,10 +309,8 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
     def _combine_expert_parallel(
         self, routed_output_RD: torch.Tensor, metadata: RoutingDispatchMetadata
     ) -> torch.Tensor:
-        """Strip padding, expert-major -> rank-major, all-to-all back, re-add dropped rows."""
+        """Expert-major -> rank-major, all-to-all back, re-add dropped rows."""
         assert metadata.input_splits is not None and metadata.output_splits is not None
-        if metadata.received_dest_row_R is not None:
-            routed_output_RD = routed_output_RD[metadata.received_dest_row_R]
         with maybe_set_sparse_mesh():
             group = self._ep_group()
             rank_major_RD = self._unpermute(

@@ -159,6 +159,7 @@ class SharedMemoryWorkspace(Workspace):
 class Route:
     """What a dispatch leaves for its combine and both backwards (device tensors)."""
 
+    exchange: EPExchange
     workspace: Workspace
     num_tokens: int
     top_k: int
@@ -253,6 +254,7 @@ class EPExchange:
         )
         self._peers_may_read_published = True
         route = Route(
+            exchange=self,
             workspace=workspace,
             num_tokens=num_tokens,
             top_k=top_k,
@@ -307,30 +309,30 @@ class _Dispatch(torch.autograd.Function):
             x_TD, scores_S, expert_S, num_experts, top_k
         )
         routes.append(route)
-        ctx.exchange, ctx.route = exchange, route
+        ctx.route = route
         ctx.mark_non_differentiable(rows_per_local_expert_L)
         return rows_ND, rows_per_local_expert_L
 
     @staticmethod
     def backward(ctx, grad_rows_ND, _):
-        grad_x_TD = ctx.exchange.dispatch_backward(grad_rows_ND.contiguous(), ctx.route)
+        grad_x_TD = ctx.route.exchange.dispatch_backward(grad_rows_ND.contiguous(), ctx.route)
         return grad_x_TD, None, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows_ND, scores_S, exchange, route):
+    def forward(ctx, rows_ND, scores_S, route):
         ctx.save_for_backward(rows_ND)
-        ctx.exchange, ctx.route, ctx.scores_dtype = exchange, route, scores_S.dtype
-        return exchange.combine_rows(rows_ND, scores_S, route)
+        ctx.route, ctx.scores_dtype = route, scores_S.dtype
+        return route.exchange.combine_rows(rows_ND, scores_S, route)
 
     @staticmethod
     def backward(ctx, grad_out_TD):
         (rows_ND,) = ctx.saved_tensors
-        grad_rows_ND, grad_scores_S = ctx.exchange.combine_backward(
+        grad_rows_ND, grad_scores_S = ctx.route.exchange.combine_backward(
             grad_out_TD.to(rows_ND.dtype).contiguous(), rows_ND, ctx.route
         )
-        return grad_rows_ND, grad_scores_S.to(ctx.scores_dtype), None, None
+        return grad_rows_ND, grad_scores_S.to(ctx.scores_dtype), None
 
 
 def dispatch(
@@ -354,7 +356,6 @@ def dispatch(
     return rows_ND, rows_per_local_expert_L, routes[0]
 
 
-def combine(rows_ND: torch.Tensor, scores_S: torch.Tensor, route: Route, group: dist.ProcessGroup) -> torch.Tensor:
+def combine(rows_ND: torch.Tensor, scores_S: torch.Tensor, route: Route) -> torch.Tensor:
     """Differentiable in ``rows_ND`` and ``scores_S``: ``(T, D)`` weighted sum over top_k."""
-    exchange = EPExchange.for_group(group, rows_ND.device)
-    return _Combine.apply(rows_ND.contiguous(), scores_S.reshape(-1), exchange, route)
+    return _Combine.apply(rows_ND.contiguous(), scores_S.reshape(-1), route)

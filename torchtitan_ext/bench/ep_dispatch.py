@@ -38,7 +38,6 @@ add_shim_for_older_torch()
 
 from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 
-from torchtitan_ext.experiments.moe_backends import ep_exchange  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.dispatcher import (  # noqa: E402
     EP_TRANSPORTS, PERMUTE_BACKENDS, RoutingDispatcher, plan_slots,
 )
@@ -124,7 +123,7 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
     symm = dispatchers["symm_mem"]
     rows_RD, _, symm_metadata = symm.dispatch(x_TD, scores_TK, ids_TK, counts_E)
     route = symm_metadata.exchange_route
-    exchange = ep_exchange.EPExchange.for_group(group, x_TD.device)
+    exchange = route.exchange
     workspace = route.workspace
 
     def symm_dispatch():
