@@ -19,7 +19,7 @@ from test_ep_equivalence import free_port
 from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.toml_keys import symm_mem_errors
-from torchtitan_ext.kernels.ep_exchange import receive_layout
+from torchtitan_ext.kernels.ep_exchange import receive_layout, route_pairs
 from torchtitan_ext.kernels._runtime import triton_available_reason
 
 NUM_EXPERTS, TOP_K, DIM, TOKENS = 8, 3, 12, 10
@@ -54,6 +54,48 @@ def test_receive_layout_kernel_matches_a_direct_enumeration():
             mine = counts_WE[:, rank * local:(rank + 1) * local]
             assert layout.rows_per_local_expert_L.tolist() == mine.sum(0).tolist()
             assert layout.tokens_per_rank_W.tolist() == [7 + s for s in range(world)]
+
+
+@needs_triton
+def test_pair_table_kernel_matches_a_direct_enumeration():
+    """Each slot's received row, its score, and each pair's ordinal among the token's ranks."""
+    generator = torch.Generator().manual_seed(1)
+    for world, experts, top_k, tokens in ((3, 6, 4, 5), (2, 4, 1, 3), (4, 8, 3, 6)):
+        local = experts // world
+        expert_WS = torch.randint(0, experts + 1, (world, tokens * top_k), generator=generator, dtype=torch.int32)
+        score_WS = torch.rand(world, tokens * top_k, generator=generator)
+        position_WS = torch.full_like(expert_WS, -1)
+        counts = []
+        for source in range(world):
+            order = torch.argsort(expert_WS[source], stable=True)
+            position_WS[source, order] = torch.arange(order.numel(), dtype=torch.int32)
+            kept = expert_WS[source][expert_WS[source] < experts].long()
+            counts.append(torch.cat([torch.bincount(kept, minlength=experts), torch.tensor([tokens])]).int())
+
+        def table(regions):
+            return torch.tensor([region.data_ptr() for region in regions], dtype=torch.int64)
+
+        for rank in range(world):
+            layout = receive_layout(table(counts), experts, rank, expert_WS)
+            pairs = route_pairs(
+                table(expert_WS), table(position_WS), table(score_WS), layout, rank, tokens, top_k, experts
+            )
+            received = []  # (source, slot) in expert-major order
+            for expert in range(rank * local, (rank + 1) * local):
+                for source in range(world):
+                    received += [(source, int(slot)) for slot in (expert_WS[source] == expert).nonzero().flatten()]
+            for source in range(world):
+                for token in range(tokens):
+                    slots = range(token * top_k, (token + 1) * top_k)
+                    pair = source * tokens + token
+                    for k, slot in enumerate(slots):
+                        here = (source, slot) in received
+                        expected_row = received.index((source, slot)) if here else -1
+                        assert int(pairs.recv_row_PK[pair, k]) == expected_row
+                        assert float(pairs.recv_score_PK[pair, k]) == (float(score_WS[source, slot]) if here else 0.0)
+                    ranks = {int(expert_WS[source, slot]) // local for slot in slots if expert_WS[source, slot] < experts}
+                    expected_ordinal = len([r for r in ranks if r < rank]) if rank in ranks else -1
+                    assert int(pairs.ordinal_P[pair]) == expected_ordinal
 
 
 def routing(rank: int, dtype: torch.dtype):

@@ -1,23 +1,27 @@
 """Expert-parallel exchange through a workspace every rank maps: the ``symm_mem`` EP transport.
 
 Instead of NCCL all-to-alls with a send buffer, a count exchange and a rank-major ->
-expert-major regroup, every rank publishes its tokens and its routing (kept slots sorted by
-expert, their scores, per-expert counts) in a workspace that the other ranks of the EP group
-can address, and the rows move with one kernel each way:
+expert-major regroup, every rank publishes its tokens and its routing (each slot's expert,
+score and expert-sorted position; per-expert counts) in a workspace that the other ranks of the
+EP group can address, and the rows move with one kernel each way. A token crosses to a rank
+once, however many of that rank's experts it is routed to:
 
-- dispatch: every rank *pulls* the rows its local experts need straight into expert-major
-  order (local expert, then source rank, then the source's slot order);
-- combine: every rank *pushes* each expert output back into its owner's ``landing`` region at
-  the row's slot; the owner sums over top_k with the router scores (fp32 accumulation).
+- dispatch: every rank *pulls* each token that comes to it once and writes it to all of its
+  expert rows, in expert-major order (local expert, then source rank, then the source's slot
+  order);
+- combine: every rank sums its expert outputs of each such token, weighted by the router
+  scores (fp32), and *pushes* that one partial sum into the owner's ``landing`` region; the
+  owner adds the partial sums of the token's destination ranks (fp32 accumulation).
 
-Backward runs the same two moves the other way round (push row gradients and sum; pull output
-gradients, which also yields the router-score gradients). Every move is fenced by a device-side
-barrier; a barrier before overwriting a region is added only when a peer may still read it.
-One host sync per dispatch learns how many rows arrive.
+Backward runs the same two moves the other way round (sum row gradients per token and push;
+pull each token's output gradient once, which also yields the router-score gradients). Every
+move is fenced by a device-side barrier; a barrier before overwriting a region is added only
+when a peer may still read it. One host sync per dispatch learns how many rows arrive.
 
 One dispatch is: publish (token copy, a stable sort of the slots by expert, one kernel writing
-the sorted slots, scores and counts), barrier, one single-program kernel computing this rank's
-receive layout from every rank's counts, its copy to the host (the one host sync), and the pull.
+the routing regions and counts), barrier, one single-program kernel computing this rank's
+receive layout from every rank's counts, one kernel reading every rank's routing into this
+rank's pair table, the layout's copy to the host (the one host sync), and the pull.
 
 Workspaces: CUDA symmetric memory (``torch.distributed._symmetric_memory``: peer GPUs over
 NVLink / PCIe P2P) or, for ranks on one CPU host, shared-memory files (the kernels then run
@@ -38,7 +42,6 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from torchtitan_ext.kernels import ep_exchange as kernels
-from torchtitan_ext.kernels.moe_token_permute import sum_slots, weighted_sum_slots
 
 _ALIGN_BYTES = 256
 
@@ -51,16 +54,19 @@ class WorkspaceShape:
     dim: int
     top_k: int
     num_experts: int
+    world: int
     dtype: torch.dtype
 
     def regions(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         slots = self.num_tokens * self.top_k
+        landing_rows = self.num_tokens * kernels.slots_per_token(self.top_k, self.world)
         return {
             "tokens": ((self.num_tokens, self.dim), self.dtype),
-            "landing": ((slots, self.dim), self.dtype),
+            "landing": ((landing_rows, self.dim), self.dtype),
             "counts": ((self.num_experts + 1,), torch.int32),
-            "sorted_slot": ((slots,), torch.int32),
-            "sorted_score": ((slots,), torch.float32),
+            "slot_expert": ((slots,), torch.int32),
+            "slot_position": ((slots,), torch.int32),
+            "slot_score": ((slots,), torch.float32),
             "score_grad": ((slots,), torch.float32),
         }
 
@@ -74,8 +80,8 @@ class WorkspaceShape:
         return offsets, total
 
     def holds(self, other: WorkspaceShape) -> bool:
-        return (self.dim, self.top_k, self.num_experts, self.dtype) == (
-            other.dim, other.top_k, other.num_experts, other.dtype
+        return (self.dim, self.top_k, self.num_experts, self.world, self.dtype) == (
+            other.dim, other.top_k, other.num_experts, other.world, other.dtype
         ) and self.num_tokens >= other.num_tokens
 
 
@@ -161,16 +167,10 @@ class Route:
 
     exchange: EPExchange
     workspace: Workspace
-    num_tokens: int
-    top_k: int
-    recv_source_N: torch.Tensor
-    """``(N,)`` int32 rank each received row came from"""
-    recv_slot_N: torch.Tensor
-    """``(N,)`` int32 the row's slot on that rank"""
-    recv_score_N: torch.Tensor
-    """``(N,)`` fp32 the slot's router score"""
-    kept_slot_S: torch.Tensor
-    """``(T*K,)`` int64 slot index of each of this rank's kept slots, -1 for dropped ones"""
+    num_experts: int
+    pairs: kernels.PairTable
+    expert_S: torch.Tensor
+    """``(T*K,)`` this rank's slots' expert ids, ``num_experts`` for dropped ones"""
 
 
 class EPExchange:
@@ -228,19 +228,13 @@ class EPExchange:
     ) -> tuple[torch.Tensor, torch.Tensor, Route]:
         """Return ``(rows_ND, rows_per_local_expert_L, route)``; expert ``num_experts`` = dropped."""
         num_tokens, dim = x_TD.shape
-        workspace = self._workspace_for(WorkspaceShape(num_tokens, dim, top_k, num_experts, x_TD.dtype))
-        self._before_publish()
-        expert_S = expert_S.reshape(-1)
-        narrow_keys = expert_S.to(torch.int16) if num_experts < torch.iinfo(torch.int16).max else expert_S
-        order_S = torch.argsort(narrow_keys, stable=True)  # 16-bit keys: fewer radix passes
-        workspace.local("tokens")[:num_tokens].copy_(x_TD)
-        kept_slot_S = kernels.publish_routing(
-            order_S, expert_S, scores_S.reshape(-1), workspace.local("sorted_slot"),
-            workspace.local("sorted_score"), workspace.local("counts"), num_experts, num_tokens,
+        workspace = self._workspace_for(
+            WorkspaceShape(num_tokens, dim, top_k, num_experts, self.world, x_TD.dtype)
         )
+        expert_S = expert_S.reshape(-1)
+        self.publish(x_TD, scores_S.reshape(-1), expert_S, num_experts)
         self._barrier()
-
-        layout = kernels.receive_layout(workspace.table("counts"), num_experts, self.rank, x_TD)
+        layout, pairs = self.read_routing(num_experts, num_tokens, top_k)
         on_host = kernels.ReceiveLayout.unpack(layout.packed.cpu(), num_experts // self.world, self.world)
         tokens_per_rank = on_host.tokens_per_rank_W.tolist()
         if tokens_per_rank.count(num_tokens) != self.world:
@@ -248,56 +242,69 @@ class EPExchange:
                 f"ep_transport 'symm_mem' needs the same token count on every EP rank, got {tokens_per_rank}"
             )
         rows_ND = x_TD.new_empty(int(on_host.block_start_B1[-1]), dim)
-        recv_source_N, recv_slot_N, recv_score_N = kernels.pull_rows(
-            workspace.table("tokens"), workspace.table("sorted_slot"), workspace.table("sorted_score"),
-            layout, rows_ND, top_k,
-        )
+        kernels.pull_pairs(workspace.table("tokens"), pairs, rows_ND)
         self._peers_may_read_published = True
-        route = Route(
-            exchange=self,
-            workspace=workspace,
-            num_tokens=num_tokens,
-            top_k=top_k,
-            recv_source_N=recv_source_N,
-            recv_slot_N=recv_slot_N,
-            recv_score_N=recv_score_N,
-            kept_slot_S=kept_slot_S,
-        )
+        route = Route(exchange=self, workspace=workspace, num_experts=num_experts, pairs=pairs, expert_S=expert_S)
         return rows_ND, layout.rows_per_local_expert_L, route
 
-    def _push_and_collect(self, rows_ND: torch.Tensor, route: Route) -> torch.Tensor:
-        """Push every row to its owner's landing region; return this rank's ``(T*K, D)`` landing."""
+    def publish(self, x_TD: torch.Tensor, scores_S: torch.Tensor, expert_S: torch.Tensor, num_experts: int) -> None:
+        """Write this rank's tokens and routing into its workspace (once peers are done reading)."""
+        assert self.workspace is not None
+        self._before_publish()
+        narrow_keys = expert_S.to(torch.int16) if num_experts < torch.iinfo(torch.int16).max else expert_S
+        order_S = torch.argsort(narrow_keys, stable=True)  # 16-bit keys: fewer radix passes
+        self.workspace.local("tokens")[: x_TD.shape[0]].copy_(x_TD)
+        kernels.publish_routing(
+            order_S, expert_S, scores_S, self.workspace.local("slot_expert"), self.workspace.local("slot_score"),
+            self.workspace.local("slot_position"), self.workspace.local("counts"), num_experts, x_TD.shape[0],
+        )
+
+    def read_routing(
+        self, num_experts: int, num_tokens: int, top_k: int
+    ) -> tuple[kernels.ReceiveLayout, kernels.PairTable]:
+        """Every rank's published routing (after the barrier) -> this rank's layout and pair table."""
+        assert self.workspace is not None
+        table = self.workspace.table
+        layout = kernels.receive_layout(table("counts"), num_experts, self.rank, table("counts"))
+        pairs = kernels.route_pairs(
+            table("slot_expert"), table("slot_position"), table("slot_score"),
+            layout, self.rank, num_tokens, top_k, num_experts,
+        )
+        return layout, pairs
+
+    def _push_and_sum(self, rows_ND: torch.Tensor, route: Route, weighted: bool) -> torch.Tensor:
+        """Push each pair's row sum to its owner's landing region; return this rank's ``(T, D)`` totals."""
         self._before_push()
-        kernels.push_rows(rows_ND, route.recv_source_N, route.recv_slot_N, route.workspace.table("landing"))
+        kernels.push_pairs(rows_ND, route.pairs, route.workspace.table("landing"), weighted)
         self._barrier()
         self._landing_in_local_use = True
-        return route.workspace.local("landing")[: route.kept_slot_S.shape[0]]
+        return kernels.sum_landing(
+            route.workspace.local("landing"), route.expert_S, route.num_experts, self.world, route.pairs.top_k
+        )
 
-    def combine_rows(self, rows_ND: torch.Tensor, scores_S: torch.Tensor, route: Route) -> torch.Tensor:
+    def combine_rows(self, rows_ND: torch.Tensor, route: Route) -> torch.Tensor:
         """``(T, D)``: each token's expert outputs weighted by its scores, summed over top_k."""
-        landing_SD = self._push_and_collect(rows_ND, route)
-        return weighted_sum_slots(landing_SD, route.kept_slot_S, scores_S.reshape(-1), route.top_k)
+        return self._push_and_sum(rows_ND, route, weighted=True)
 
     def dispatch_backward(self, grad_rows_ND: torch.Tensor, route: Route) -> torch.Tensor:
         """``(T, D)`` gradient of the dispatched tokens: each token's row gradients summed."""
-        landing_SD = self._push_and_collect(grad_rows_ND, route)
-        return sum_slots(landing_SD, route.kept_slot_S, route.top_k, route.num_tokens)
+        return self._push_and_sum(grad_rows_ND, route, weighted=False)
 
     def combine_backward(
         self, grad_out_TD: torch.Tensor, rows_ND: torch.Tensor, route: Route
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(grad_rows_ND, grad_scores_S)`` for ``combine_rows``'s output gradient."""
         workspace = route.workspace
-        num_slots = route.kept_slot_S.shape[0]
+        num_slots = route.expert_S.shape[0]
         self._before_publish()
-        workspace.local("tokens")[: route.num_tokens].copy_(grad_out_TD)
+        workspace.local("tokens")[: route.pairs.num_tokens].copy_(grad_out_TD)
         self._barrier()
         grad_rows_ND = kernels.pull_output_grad(
-            workspace.table("tokens"), route.recv_source_N, route.recv_slot_N, route.recv_score_N,
-            rows_ND, workspace.table("score_grad"), route.top_k,
+            workspace.table("tokens"), route.pairs, rows_ND, workspace.table("score_grad")
         )
         self._barrier()
-        grad_scores_S = torch.where(route.kept_slot_S >= 0, workspace.local("score_grad")[:num_slots], 0.0)
+        kept_S = route.expert_S < route.num_experts
+        grad_scores_S = torch.where(kept_S, workspace.local("score_grad")[:num_slots], 0.0)
         self._landing_in_local_use = True
         return grad_rows_ND, grad_scores_S
 
@@ -324,7 +331,7 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, rows_ND, scores_S, route):
         ctx.save_for_backward(rows_ND)
         ctx.route, ctx.scores_dtype = route, scores_S.dtype
-        return route.exchange.combine_rows(rows_ND, scores_S, route)
+        return route.exchange.combine_rows(rows_ND, route)
 
     @staticmethod
     def backward(ctx, grad_out_TD):
@@ -346,7 +353,7 @@ def dispatch(
     """Differentiable in ``x_TD``: ``(rows_ND, rows_per_local_expert_L, route)``, rows expert-major.
 
     ``expert_S`` (``T*K``, token-major slots) holds global expert ids, ``num_experts`` for a
-    slot the router dropped; ``scores_S`` travels with the rows for the combine's backward.
+    slot the router dropped; ``scores_S`` travels with the rows: the combine weights by it.
     """
     exchange = EPExchange.for_group(group, x_TD.device)
     routes: list[Route] = []
@@ -357,5 +364,8 @@ def dispatch(
 
 
 def combine(rows_ND: torch.Tensor, scores_S: torch.Tensor, route: Route) -> torch.Tensor:
-    """Differentiable in ``rows_ND`` and ``scores_S``: ``(T, D)`` weighted sum over top_k."""
+    """Differentiable in ``rows_ND`` and ``scores_S``: ``(T, D)`` weighted sum over top_k.
+
+    ``scores_S`` must be the scores given to ``dispatch`` (the weights travelled with the rows).
+    """
     return _Combine.apply(rows_ND.contiguous(), scores_S.reshape(-1), route)

@@ -31,7 +31,8 @@ SKEW_CHOICES = {"balanced": (0.0,), "skewed": (2.0,), "both": (0.0, 2.0)}
 TRITON_IMPLS = ("triton", "fused_routed")
 EP_TABLE = [("world", "world"), ("tokens_per_rank", "T/rank"), ("dim", "D"), ("routing", "routing"),
             ("transport", "transport"), ("permute_backend", "permute"), ("dispatch_combine_ms", "d+c ms"), ("raw_a2a_ms", "raw a2a ms"),
-            ("dispatch_combine_GBps", "d+c GB/s"), ("raw_a2a_GBps", "raw GB/s"), ("fraction_of_raw", "fraction")]
+            ("raw_a2a_unique_ms", "raw a2a unique ms"), ("dispatch_combine_GBps", "d+c GB/s"),
+            ("raw_a2a_GBps", "raw GB/s"), ("fraction_of_raw", "fraction"), ("fraction_of_raw_unique", "fraction unique")]
 AUTO_TABLE = [("backend", "backend"), ("ms_per_step", "expert fwd+bwd ms per step"), ("chosen", "chosen")]
 
 
@@ -210,7 +211,7 @@ def run_ep(parser, args, device, command) -> None:
     report = ep_dispatch.run(args.tokens, args.dims, args.check, args.permute_backends)
     report["command"] = command
     if dist.get_rank() == 0:
-        rows = [{**row, "dispatch_combine_ms": row["ms"]["dispatch_combine"], "raw_a2a_ms": row["ms"]["raw_a2a"]}
+        rows = [{**row, **{f"{name}_ms": row["ms"][name] for name in ("dispatch_combine", "raw_a2a", "raw_a2a_unique")}}
                 for row in report["bench"]]
         finish(report, rows, EP_TABLE, args)
     dist.destroy_process_group()

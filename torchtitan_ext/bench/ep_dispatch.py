@@ -5,20 +5,25 @@
 Per (tokens per rank T, model dim D, top_k 8, balanced or skewed routing), on every rank:
 
 - ``raw_a2a``: two NCCL ``all_to_all_single`` calls with the same split sizes and bytes
-  (dispatch and combine), in the same run: the reference.
+  (dispatch and combine: one row per routed slot), in the same run: the reference.
+- ``raw_a2a_unique``: the same, with one row per (token, destination rank): the bytes the
+  ``symm_mem`` transport moves between GPUs, which sends a token to a rank once however many
+  of its experts there the token is routed to.
 - ``dispatch_combine``: ``RoutingDispatcher.dispatch`` + ``combine`` (no expert compute),
   forward, once per EP transport.
 - parts, each timed alone. ``all_to_all``: ``count_exchange`` (all-to-all of the per-expert
   counts), ``host_sync`` (split sizes to the host), ``local_permute`` (tokens -> expert-grouped
   rows and the weighted unpermute + sum over top_k), ``regroup`` (rank-major <-> expert-major on
-  the receiver). ``symm_mem``: ``dispatch`` (publish, barrier, counts, host sync, pull) and
-  ``combine`` (push, barrier, sum over top_k) alone, ``barrier``, ``layout_and_host_sync``
-  (the receive layout computed from every rank's counts, copied to the host),
-  ``reduce_over_top_k``, and the ``pull_kernel`` and ``push_kernel`` alone (every rank
-  running them at once, the way they run inside dispatch and combine).
+  the receiver). ``symm_mem``: ``dispatch`` (publish, barrier, layout, pair table, host
+  sync, pull) and ``combine`` (push, barrier, owner's sum) alone, ``publish`` (token copy,
+  sort, routing kernel), ``barrier``, ``layout_pairs_and_host_sync`` (the receive layout
+  from every rank's counts, the pair table from every rank's routing, the layout copied to the
+  host), ``owner_sum`` (the owner adding its tokens' partial sums), and the ``pull_kernel``
+  and ``push_kernel`` alone (every rank running them at once, as inside dispatch and combine).
 
-Bandwidth is the bytes a rank sends to other ranks (both directions) over the time, max over
-ranks. ``--check`` first runs the EP layer equivalence (EP = world vs one GPU, every compute
+Bandwidth is the bytes of the routed slots a rank sends to other ranks (both directions) over
+the time, max over ranks; ``fraction_of_raw`` is ``raw_a2a`` time over dispatch + combine time,
+``fraction_of_raw_unique`` the same against ``raw_a2a_unique``. ``--check`` first runs the EP layer equivalence (EP = world vs one GPU, every compute
 backend, both transports and both permute backends) and records the largest errors.
 """
 
@@ -42,7 +47,6 @@ from torchtitan_ext.experiments.moe_backends.dispatcher import (  # noqa: E402
     EP_TRANSPORTS, PERMUTE_BACKENDS, RoutingDispatcher, plan_slots,
 )
 from torchtitan_ext.kernels import ep_exchange as exchange_kernels  # noqa: E402
-from torchtitan_ext.kernels.moe_token_permute import weighted_sum_slots  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config  # noqa: E402
 
@@ -101,6 +105,19 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
         dist.all_to_all_single(receive, send, output_splits, input_splits)
         dist.all_to_all_single(send, receive, input_splits, output_splits)
 
+    ranks_per_token_TW = torch.zeros(num_tokens, world, dtype=torch.int64, device="cuda")
+    ranks_per_token_TW.scatter_(1, ids_TK // (NUM_EXPERTS // world), 1)
+    unique_in = ranks_per_token_TW.sum(0)
+    unique_out = torch.empty_like(unique_in)
+    dist.all_to_all_single(unique_out, unique_in)
+    unique_in_splits, unique_out_splits = unique_in.tolist(), unique_out.tolist()
+    send_unique = torch.empty(sum(unique_in_splits), dim, device="cuda", dtype=torch.bfloat16)
+    receive_unique = torch.empty(sum(unique_out_splits), dim, device="cuda", dtype=torch.bfloat16)
+
+    def raw_a2a_unique():
+        dist.all_to_all_single(receive_unique, send_unique, unique_out_splits, unique_in_splits)
+        dist.all_to_all_single(send_unique, receive_unique, unique_in_splits, unique_out_splits)
+
     group = mesh.get_group()
     exchanged = dispatcher._token_count_exchange(counts_E, group, world)
     received_counts_E, _, _ = dispatcher._sync_token_count_exchange(counts_E, exchanged, world)
@@ -132,26 +149,24 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
     def symm_combine():
         symm.combine(rows_RD, symm_metadata, x_TD)
 
+    def symm_publish():
+        exchange.publish(x_TD, scores_TK.reshape(-1), ids_TK.reshape(-1), NUM_EXPERTS)
+
     def symm_barrier():
         exchange._barrier()
 
-    def symm_layout_and_host_sync():
-        exchange_kernels.receive_layout(workspace.table("counts"), NUM_EXPERTS, rank, x_TD).packed.cpu()
-
-    landing_SD = workspace.local("landing")[: num_tokens * TOP_K]
-    layout = exchange_kernels.receive_layout(workspace.table("counts"), NUM_EXPERTS, rank, x_TD)
+    def symm_layout_pairs_and_host_sync():
+        layout, _ = exchange.read_routing(NUM_EXPERTS, num_tokens, TOP_K)
+        layout.packed.cpu()
 
     def symm_pull_kernel():
-        exchange_kernels.pull_rows(
-            workspace.table("tokens"), workspace.table("sorted_slot"), workspace.table("sorted_score"),
-            layout, rows_RD, TOP_K,
-        )
+        exchange_kernels.pull_pairs(workspace.table("tokens"), route.pairs, rows_RD)
 
     def symm_push_kernel():
-        exchange_kernels.push_rows(rows_RD, route.recv_source_N, route.recv_slot_N, workspace.table("landing"))
+        exchange_kernels.push_pairs(rows_RD, route.pairs, workspace.table("landing"), weighted=True)
 
-    def symm_reduce_over_top_k():
-        weighted_sum_slots(landing_SD, route.kept_slot_S, scores_TK.reshape(-1), TOP_K)
+    def symm_owner_sum():
+        exchange_kernels.sum_landing(workspace.local("landing"), route.expert_S, NUM_EXPERTS, world, TOP_K)
 
     def dispatch_combine(transport):
         def run():
@@ -165,16 +180,21 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
             "local_permute": local_permute, "regroup": regroup,
         },
         "symm_mem": {
-            "dispatch": symm_dispatch, "combine": symm_combine, "barrier": symm_barrier,
-            "layout_and_host_sync": symm_layout_and_host_sync, "reduce_over_top_k": symm_reduce_over_top_k,
+            "dispatch": symm_dispatch, "combine": symm_combine, "publish": symm_publish, "barrier": symm_barrier,
+            "layout_pairs_and_host_sync": symm_layout_pairs_and_host_sync, "owner_sum": symm_owner_sum,
             "pull_kernel": symm_pull_kernel, "push_kernel": symm_push_kernel,
         },
     }
     raw_ms = cuda_time_ms(raw_a2a)
-    remote_rows = sum(input_splits) - input_splits[rank] + sum(output_splits) - output_splits[rank]
-    remote = torch.tensor([remote_rows * dim * 2], device="cuda", dtype=torch.float64)
-    dist.all_reduce(remote, op=dist.ReduceOp.MAX)
-    remote_bytes = remote.item()
+    raw_unique_ms = cuda_time_ms(raw_a2a_unique)
+
+    def remote_bytes_max(sent: list[int], received: list[int]) -> float:
+        remote = torch.tensor([(sum(sent) - sent[rank] + sum(received) - received[rank]) * dim * 2.0], device="cuda")
+        dist.all_reduce(remote, op=dist.ReduceOp.MAX)
+        return remote.item()
+
+    remote_bytes = remote_bytes_max(input_splits, output_splits)
+    remote_unique_bytes = remote_bytes_max(unique_in_splits, unique_out_splits)
     rows = []
     for transport in EP_TRANSPORTS:
         total_ms = cuda_time_ms(dispatch_combine(transport))
@@ -182,13 +202,18 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
             "world": world, "tokens_per_rank": num_tokens, "dim": dim, "top_k": TOP_K,
             "num_experts": NUM_EXPERTS, "routing": "skewed" if skewed else "balanced",
             "transport": transport, "permute_backend": permute_backend,
-            "ms": {"dispatch_combine": round(total_ms, 4), "raw_a2a": round(raw_ms, 4)} | {
+            "ms": {
+                "dispatch_combine": round(total_ms, 4), "raw_a2a": round(raw_ms, 4),
+                "raw_a2a_unique": round(raw_unique_ms, 4),
+            } | {
                 name: round(cuda_time_ms(fn), 4) for name, fn in parts[transport].items()
             },
             "remote_MB_per_rank_max": round(remote_bytes / 1e6, 1),
+            "remote_unique_MB_per_rank_max": round(remote_unique_bytes / 1e6, 1),
             "dispatch_combine_GBps": round(remote_bytes / total_ms / 1e6, 1),
             "raw_a2a_GBps": round(remote_bytes / raw_ms / 1e6, 1),
             "fraction_of_raw": round(raw_ms / total_ms, 3),
+            "fraction_of_raw_unique": round(raw_unique_ms / total_ms, 3),
         })
     return rows
 

@@ -3,8 +3,9 @@
 - expert block / MoE layer: forward+backward TFLOP/s per backend, grouped by shape, one panel
   per routing skew;
 - train step: model TFLOP/s per backend, grouped by flavor;
-- EP dispatch: GB/s of dispatch+combine per permute backend next to the raw all-to-all,
-  grouped by tokens per rank x dim, one panel per world size and routing.
+- EP dispatch: GB/s of dispatch+combine per transport next to the raw all-to-all (one row per
+  routed slot, and one per token and destination rank), all as the routed rows' bytes over the
+  time; grouped by tokens per rank x dim, one panel per world size and routing.
 """
 
 import json
@@ -59,10 +60,13 @@ def bars_of(results: dict, only: Iterable[str] | None = None) -> tuple[list[Bar]
             if (panel, group) not in with_raw:
                 with_raw.add((panel, group))
                 bars.append(Bar(panel, group, "raw all-to-all", r["raw_a2a_GBps"]))
+                if "raw_a2a_unique" in r["ms"]:
+                    unique_GBps = r["raw_a2a_GBps"] * r["ms"]["raw_a2a"] / r["ms"]["raw_a2a_unique"]
+                    bars.append(Bar(panel, group, "raw all-to-all, each token once per rank", unique_GBps))
             transport = r.get("transport", "all_to_all")
             how = f"all_to_all, {r['permute_backend']} permute" if transport == "all_to_all" else transport
             bars.append(Bar(panel, group, f"dispatch+combine ({how})", r["dispatch_combine_GBps"]))
-        label, title = "GB/s per rank (remote bytes)", f"EP dispatch + combine, {device}"
+        label, title = "GB/s per rank (routed rows' remote bytes / time)", f"EP dispatch + combine, {device}"
     else:
         raise ValueError("not a result file of python -m torchtitan_ext.bench (no rows to plot)")
     if only:
