@@ -27,8 +27,9 @@ for task in "$@"; do
       python3 -m torchtitan_ext.bench.expert_block --out "$out/expert_block.json" 2>&1 | tee "$out/expert_block.log" ;;
     ep[0-9]*)
       ranks=${task#ep}
-      # EP_CHECK_BACKENDS narrows the equivalence check (e.g. "grouped_mm for_loop").
-      timeout 290 torchrun --nproc_per_node="$ranks" -m torchtitan_ext.bench.ep_dispatch --check \
+      # EP_CHECK_BACKENDS narrows the equivalence check (e.g. "grouped_mm for_loop");
+      # EP_TIMEOUT_S bounds each run (default 290 s; a cold Triton cache compiles for minutes).
+      timeout "${EP_TIMEOUT_S:-290}" torchrun --nproc_per_node="$ranks" -m torchtitan_ext.bench.ep_dispatch --check \
           ${EP_CHECK_BACKENDS:+--check-backends $EP_CHECK_BACKENDS} \
           --out "$out/ep_dispatch_w$ranks.json" 2>&1 | tee "$out/ep_dispatch_w$ranks.log" ;;
     *) echo "unknown task $task (tests, bench, ep<ranks>)"; exit 2 ;;
