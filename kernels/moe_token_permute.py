@@ -67,31 +67,24 @@ def _permute_kernel(x_ptr, rows_ptr, dest_ptr, dim, top_k, BLOCK_D: tl.constexpr
 
 
 @triton.jit
-def _sum_slots_kernel(grad_rows_ptr, dest_ptr, grad_x_ptr, dim, top_k, BLOCK_D: tl.constexpr):
-    """grad_x[t] = sum_k grad_rows[dest[t*K+k]] (the backward of the permute)."""
+def _sum_slots_kernel(
+    rows_ptr, dest_ptr, scores_ptr, y_ptr, dim, top_k, WEIGHTED: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """y[t] = sum_k rows[dest[t*K+k]], times scores[t*K+k] if ``WEIGHTED`` (fp32; dropped slots skipped).
+
+    Unweighted, it is the backward of the permute; weighted, the unpermute of combine.
+    """
     token = tl.program_id(0).to(tl.int64)
     for start in range(0, dim, BLOCK_D):
         offs = start + tl.arange(0, BLOCK_D)
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for k in range(0, top_k):
             dest = tl.load(dest_ptr + token * top_k + k).to(tl.int64)
-            mask = offs < tl.where(dest >= 0, dim, 0)  # dropped slot: nothing
-            acc += tl.load(grad_rows_ptr + dest * dim + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(grad_x_ptr + token * dim + offs, acc.to(grad_x_ptr.dtype.element_ty), mask=offs < dim)
-
-
-@triton.jit
-def _unpermute_kernel(rows_ptr, dest_ptr, scores_ptr, y_ptr, dim, top_k, BLOCK_D: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    for start in range(0, dim, BLOCK_D):
-        offs = start + tl.arange(0, BLOCK_D)
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for k in range(0, top_k):
-            dest = tl.load(dest_ptr + token * top_k + k).to(tl.int64)
-            score = tl.load(scores_ptr + token * top_k + k).to(tl.float32)
             mask = offs < tl.where(dest >= 0, dim, 0)  # dropped slot: nothing
             row = tl.load(rows_ptr + dest * dim + offs, mask=mask, other=0.0).to(tl.float32)
-            acc += row * score
+            if WEIGHTED:
+                row = row * tl.load(scores_ptr + token * top_k + k).to(tl.float32)
+            acc += row
         tl.store(y_ptr + token * dim + offs, acc.to(y_ptr.dtype.element_ty), mask=offs < dim)
 
 
@@ -126,7 +119,9 @@ def sum_slots(rows_PD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_t
     dim = rows_PD.shape[1]
     y_TD = rows_PD.new_empty(num_tokens, dim)
     if num_tokens:
-        _sum_slots_kernel[(num_tokens,)](rows_PD, dest_row_S, y_TD, dim, top_k, BLOCK_D=row_block_d(dim))
+        _sum_slots_kernel[(num_tokens,)](
+            rows_PD, dest_row_S, rows_PD, y_TD, dim, top_k, WEIGHTED=False, BLOCK_D=row_block_d(dim)  # no scores read
+        )
     return y_TD
 
 
@@ -139,8 +134,8 @@ def weighted_sum_slots(
     num_tokens = dest_row_S.shape[0] // top_k
     y_TD = rows_PD.new_empty(num_tokens, dim)
     if num_tokens:
-        _unpermute_kernel[(num_tokens,)](
-            rows_PD, dest_row_S, scores_S.contiguous(), y_TD, dim, top_k, BLOCK_D=row_block_d(dim)
+        _sum_slots_kernel[(num_tokens,)](
+            rows_PD, dest_row_S, scores_S.contiguous(), y_TD, dim, top_k, WEIGHTED=True, BLOCK_D=row_block_d(dim)
         )
     return y_TD
 
