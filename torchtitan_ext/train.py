@@ -4,25 +4,28 @@
     python -m torchtitan_ext.train --flavor tiny-moe-for-loop --toml my.toml --training.steps 20
 
 Precedence: torchtitan CLI flags > TOML files (later wins) > flavor defaults.
-Without CUDA, training runs on CPU with gloo (see ``cpu_support``); with CUDA it is
-torchtitan's normal NCCL path. Configuration errors exit with code 2 before any
-process group or model is built.
+Without CUDA, training runs on CPU with gloo (see ``compat.cpu``); with CUDA it is
+torchtitan's NCCL path. On every device the fixes the running torch needs
+(``compat.torch_versions``) are applied first. Configuration errors exit with code 2
+before any process group or model is built.
 """
 
 import os
 import socket
 import sys
 
+import torch
 import torchtitan.train as titan_train
 from torchtitan.config import ConfigManager
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.cpu_support import (
+from torchtitan_ext.compat.cpu import (
     adapt_config_for_cpu,
     cpu_training,
     exit_after_cpu_training,
     patch_torchtitan_for_cpu,
 )
+from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
 from torchtitan_ext.moe_metrics import record_run_metadata, run_metadata
 from torchtitan_ext.overrides import ConfigError, apply_toml_files, run_config_checks
 from torchtitan_ext.registry import UnknownFlavorError, get_flavor
@@ -108,6 +111,9 @@ class FlavorConfigManager(ConfigManager):
                 f"expert_parallel_degree={metadata['expert_parallel_degree']}, "
                 f"toml files: {', '.join(tomls) or 'none'}"
             )
+        fixes = apply_torch_version_fixes()
+        if fixes and os.environ.get("RANK", "0") == "0":
+            logger.info(f"torch {torch.__version__}: torchtitan compatibility fixes applied: {', '.join(fixes)}")
         if cpu_training():
             adapt_config_for_cpu(config)
             patch_torchtitan_for_cpu()

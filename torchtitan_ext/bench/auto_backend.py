@@ -21,9 +21,11 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_ext.bench.common import BenchShape, add_shim_for_older_torch, make_timer, progress
+from torchtitan_ext.bench.common import BenchShape, make_timer, progress
 
-add_shim_for_older_torch()
+from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes  # noqa: E402
+
+apply_torch_version_fixes()
 
 from torchtitan.models.common.moe import MoE  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402

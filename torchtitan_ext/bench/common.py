@@ -49,12 +49,6 @@ SKEWS = (0.0, 2.0)
 """0: balanced; 2: logits + linspace(2, 0, E), max/mean load about 3.5 at the shapes above."""
 
 
-def add_shim_for_older_torch() -> None:
-    """torchtitan's dispatcher reads ``torch.compiler._is_non_strict_tracing`` (torch >= 2.13)."""
-    if not hasattr(torch.compiler, "_is_non_strict_tracing"):
-        torch.compiler._is_non_strict_tracing = lambda: False
-
-
 def route(num_tokens: int, num_experts: int, top_k: int, skew: float, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids_TK, scores_TK): top-k of random softmax logits, renormalised; skew favours low ids."""
     logits_TE = torch.randn(num_tokens, num_experts, device=device)

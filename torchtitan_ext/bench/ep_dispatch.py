@@ -37,9 +37,10 @@ import torch.distributed as dist
 from torch.distributed import _symmetric_memory as symm_mem
 from torch.distributed.device_mesh import init_device_mesh
 
-from torchtitan_ext.bench.common import add_shim_for_older_torch
 
-add_shim_for_older_torch()
+from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes  # noqa: E402
+
+apply_torch_version_fixes()
 
 from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 

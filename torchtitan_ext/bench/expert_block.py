@@ -26,7 +26,6 @@ from torchtitan_ext.bench.common import (
     SKEWS,
     TINY_SHAPE,
     BenchShape,
-    add_shim_for_older_torch,
     dense_ceiling_tflops,
     environment,
     expert_tflops,
@@ -40,7 +39,9 @@ from torchtitan_ext.bench.common import (
     write_json,
 )
 
-add_shim_for_older_torch()
+from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes  # noqa: E402
+
+apply_torch_version_fixes()
 
 from torchtitan_ext.experiments.moe_backends.experts import EXPERT_BACKENDS  # noqa: E402
 from torchtitan_ext.kernels.fused_moe import fused_moe_routed, triton_available_reason  # noqa: E402

@@ -21,7 +21,6 @@ from torchtitan_ext.bench.common import (
     SKEWS,
     TINY_SHAPE,
     BenchShape,
-    add_shim_for_older_torch,
     environment,
     expert_tflops,
     make_timer,
@@ -33,7 +32,9 @@ from torchtitan_ext.bench.common import (
     write_json,
 )
 
-add_shim_for_older_torch()
+from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes  # noqa: E402
+
+apply_torch_version_fixes()
 
 from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.layer import (  # noqa: E402

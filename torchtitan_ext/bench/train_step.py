@@ -7,7 +7,7 @@ parallelism, no FSDP, no activation checkpointing, no compile); the backend is s
 the ``moe.compute_backend`` TOML key, so every backend trains the same model from the same
 initial weights. On CUDA the step runs under bf16 autocast when the flavor's
 ``training.mixed_precision_param`` is bfloat16 (fp32 parameters); on CPU it runs in fp32
-with torchtitan's FlexAttention replaced by causal SDPA (``cpu_support``).
+with torchtitan's FlexAttention replaced by causal SDPA (``compat.cpu``).
 
 Reported: step ms (median, ``common.make_timer``), tokens/s, model TFLOP/s and MFU, from
 torchtitan's FLOP count of the model config (``get_nparams_and_flops``: 6 x active
@@ -20,14 +20,16 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from torchtitan_ext.bench.common import add_shim_for_older_torch, environment, make_timer, progress, write_json
+from torchtitan_ext.bench.common import environment, make_timer, progress, write_json
 
-add_shim_for_older_torch()
+from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes  # noqa: E402
+
+apply_torch_version_fixes()
 
 from torchtitan.models.common.attention import FlexAttention  # noqa: E402
 from torchtitan.tools.utils import get_peak_flops  # noqa: E402
 
-from torchtitan_ext.cpu_support import adapt_config_for_cpu, patch_torchtitan_for_cpu  # noqa: E402
+from torchtitan_ext.compat.cpu import adapt_config_for_cpu, patch_torchtitan_for_cpu  # noqa: E402
 from torchtitan_ext.overrides import ConfigError, apply_overrides  # noqa: E402
 from torchtitan_ext.train import resolve_config  # noqa: E402
 

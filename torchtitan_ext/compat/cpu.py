@@ -1,9 +1,10 @@
-"""Everything that lets torchtitan 0.3.0's Trainer run on CPU with gloo.
+"""CPU/gloo adaptations: what lets torchtitan 0.3.0's Trainer run without CUDA.
 
 torchtitan assumes CUDA. Each fix below is applied from outside torchtitan, names
-the torchtitan code it addresses, and is covered by ``tests/test_cpu_support.py``,
+the torchtitan code it addresses, and is covered by ``tests/test_compat.py``,
 which fails loudly if a torchtitan upgrade moves or changes what a fix relies on.
-On a machine with CUDA nothing here is applied: the NCCL path stays torchtitan's own.
+On a machine with CUDA nothing here is applied (torch-version fixes that every
+device needs live in ``compat.torch_versions``).
 
 Two kinds of fixes:
 - ``adapt_config_for_cpu(config)``: settings of the ``Trainer.Config``.
@@ -23,7 +24,6 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
 import torchtitan.distributed.fsdp as titan_fsdp
-import torchtitan.distributed.utils as titan_dist_utils
 import torchtitan.tools.utils as titan_utils
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.common.decoder import Decoder
@@ -115,9 +115,7 @@ def adapt_config_for_cpu(config) -> None:
     - ``models/common/attention.py`` FlexAttention: no CPU backward, so every
       ``FlexAttention.Config`` becomes ``DocumentCausalSDPA.Config`` (same masking).
     - ``trainer.py`` ``Trainer.Config._validate_cuda_graphs``: CUDA graphs are
-      rejected with EP and meaningless on CPU, so ``training.disable_cuda_graphs``.
-    - ``config/configs.py`` ``ParallelismConfig.spmd_backend``: the default backend
-      needs FSDP features this torch build lacks on CPU; ``partial_dtensor`` works.
+      meaningless on CPU, so ``training.disable_cuda_graphs``.
     """
     if config.model_spec is not None:
         for _, _, parent, attr in list(config.model_spec.model.traverse(FlexAttention.Config)):
@@ -127,7 +125,6 @@ def adapt_config_for_cpu(config) -> None:
             else:
                 setattr(parent, attr, replacement)
     config.training.disable_cuda_graphs = True
-    config.parallelism.spmd_backend = "partial_dtensor"
 
 
 def _cpu_attention_masks(self, positions):
@@ -140,7 +137,6 @@ def _cpu_attention_masks(self, positions):
 
 _original_get_attention_masks = Decoder.get_attention_masks
 _original_disable_division = titan_fsdp.disable_fsdp_gradient_division
-_original_set_pg_timeouts = titan_dist_utils.set_pg_timeouts
 
 
 def _disable_division_with_sum_reductions(model: torch.nn.Module) -> None:
@@ -149,14 +145,6 @@ def _disable_division_with_sum_reductions(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
-
-
-def _set_pg_timeouts_gloo(timeout, parallel_dims) -> None:
-    """``set_pg_timeouts`` without CUDA device ids and without ``dist.set_timeout``."""
-    torch.distributed.barrier()
-    groups = [mesh.get_group() for mesh in parallel_dims.get_all_one_dimensional_meshes().values()]
-    for group in groups + [None]:
-        torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def exit_after_cpu_training(exit_code: int) -> None:
@@ -187,9 +175,6 @@ def patch_torchtitan_for_cpu() -> None:
     - ``distributed/fsdp.py`` ``disable_fsdp_gradient_division``: leaves FSDP using
       ``ReduceOp.PREMUL_SUM``/``AVG``, which gloo rejects; also force SUM reductions
       (the divide factor is 1, so results are unchanged).
-    - ``distributed/utils.py`` ``set_pg_timeouts``: calls ``barrier(device_ids=...)``
-      and ``torch.distributed.set_timeout``, which this torch lacks; use the c10d
-      per-group setter instead.
     - ``models/common/decoder.py`` ``Decoder.get_attention_masks``: only knows Flex
       and varlen masks; build the dense mask ``DocumentCausalSDPA`` expects.
     """
@@ -204,7 +189,6 @@ def patch_torchtitan_for_cpu() -> None:
                 module.device_module = CPU_DEVICE_MODULE
     titan_utils.device_type, titan_utils.device_module = "cpu", CPU_DEVICE_MODULE
     titan_fsdp.disable_fsdp_gradient_division = _disable_division_with_sum_reductions
-    titan_dist_utils.set_pg_timeouts = _set_pg_timeouts_gloo
     Decoder.get_attention_masks = _cpu_attention_masks
     _patched = True
     logger.info("No CUDA device: torchtitan patched for CPU training with gloo")

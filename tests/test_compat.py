@@ -1,7 +1,8 @@
-"""Each CPU fix in ``torchtitan_ext.cpu_support``: the torchtitan behaviour it answers
-is still there (so the fix is still needed and still aimed right), and the fix works.
+"""Each fix in ``torchtitan_ext.compat``: the torch/torchtitan behaviour it answers is
+still there (so the fix is still needed and still aimed right), and the fix works.
 
-A failure here after a torchtitan upgrade means a fix must be revisited.
+Torch-version fixes are tested on every device; CPU/gloo fixes only without CUDA.
+A failure here after a torch or torchtitan upgrade means a fix must be revisited.
 """
 
 import inspect
@@ -28,21 +29,24 @@ from torchtitan.models.common.attention import (
 )
 from torchtitan.models.common.decoder import Decoder
 
-from torchtitan_ext import cpu_support
-from torchtitan_ext.cpu_support import (
+from torchtitan_ext.compat import cpu as cpu_support
+from torchtitan_ext.compat.cpu import (
     DocumentCausalSDPA,
     adapt_config_for_cpu,
     document_causal_mask,
     patch_torchtitan_for_cpu,
 )
+from torchtitan_ext.compat import torch_versions
 from torchtitan_ext.registry import get_flavor
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only fixes")
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo fixes apply only without CUDA")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def patched():
-    patch_torchtitan_for_cpu()
+    torch_versions.apply_torch_version_fixes()
+    if not torch.cuda.is_available():
+        patch_torchtitan_for_cpu()
 
 
 def free_port() -> int:
@@ -54,11 +58,13 @@ def free_port() -> int:
 # Device type
 
 
+@cpu_only
 def test_torchtitan_still_defaults_device_type_to_cuda():
     assert "or \"cuda\"" in inspect.getsource(titan_utils.get_device_info)
     assert titan_utils.get_device_info()[0] == "cuda"
 
 
+@cpu_only
 def test_device_type_is_cpu_everywhere_after_patch():
     for module in (titan_utils, titan_metrics, titan_dist_utils):
         assert module.device_type == "cpu", module.__name__
@@ -69,6 +75,7 @@ def test_device_type_is_cpu_everywhere_after_patch():
     assert titan_metrics.device_module is cpu_support.CPU_DEVICE_MODULE
 
 
+@cpu_only
 def test_torchtitan_memory_monitor_works_on_cpu():
     monitor = titan_metrics.build_device_memory_monitor()
     stats = monitor.get_peak_stats()
@@ -79,6 +86,7 @@ def test_torchtitan_memory_monitor_works_on_cpu():
 # Attention
 
 
+@cpu_only
 def test_document_causal_mask_matches_torchtitan_mask_mods():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 0, 1, 2]])
     batch, seq_len = positions.shape
@@ -91,6 +99,7 @@ def test_document_causal_mask_matches_torchtitan_mask_mods():
     assert torch.equal(document_causal_mask(positions), expected)
 
 
+@cpu_only
 def test_document_causal_sdpa_forward_and_backward_on_cpu():
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 9, 4, 8, requires_grad=True) for _ in range(3))
@@ -104,6 +113,7 @@ def test_document_causal_sdpa_forward_and_backward_on_cpu():
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
+@cpu_only
 def test_decoder_masks_for_cpu_attention():
     config = get_flavor("tiny-moe-grouped-mm").build()
     assert any(True for _ in config.model_spec.model.traverse(FlexAttention.Config))
@@ -118,12 +128,13 @@ def test_decoder_masks_for_cpu_attention():
 # Trainer.Config settings
 
 
+@cpu_only
 def test_adapted_config_uses_settings_torchtitan_accepts():
     config = get_flavor("tiny-moe-for-loop").build()
     adapt_config_for_cpu(config)
     assert config.training.disable_cuda_graphs is True
     backends = typing.get_args(typing.get_type_hints(ParallelismConfig)["spmd_backend"])
-    assert config.parallelism.spmd_backend == "partial_dtensor" and "partial_dtensor" in backends
+    assert "partial_dtensor" in backends
 
 
 # FSDP reductions and process-group timeouts under gloo
@@ -134,6 +145,7 @@ def _fsdp_worker(rank: int, world: int, port: int, results) -> None:
 
     from torch.distributed.fsdp import fully_shard
 
+    torch_versions.apply_torch_version_fixes()
     patch_torchtitan_for_cpu()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -160,23 +172,43 @@ def _fsdp_worker(rank: int, world: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-def test_torchtitan_fsdp_and_timeout_code_still_needs_the_fixes():
+def test_torchtitan_fsdp_code_still_needs_the_sum_reduction_fix():
     assert "set_gradient_divide_factor(1.0)" in inspect.getsource(cpu_support._original_disable_division)
-    original_timeouts = inspect.getsource(cpu_support._original_set_pg_timeouts)
-    assert "torch.distributed.set_timeout" in original_timeouts and "device_ids" in original_timeouts
-    assert not hasattr(torch.distributed, "set_timeout")
 
 
+def test_torchtitan_set_pg_timeouts_still_calls_set_timeout():
+    original = inspect.getsource(torch_versions.original_set_pg_timeouts)
+    assert "torch.distributed.set_timeout" in original
+
+
+def test_set_timeout_fix_applies_exactly_when_torch_lacks_set_timeout():
+    lacks = not hasattr(torch.distributed, "set_timeout")
+    assert torch_versions.needs_set_timeout_fix() is lacks
+    patched = titan_dist_utils.set_pg_timeouts is torch_versions.set_pg_timeouts_per_group
+    assert patched is lacks
+    if torch.__version__.startswith("2.13."):
+        assert lacks, "torch 2.13 gained set_timeout: the fix is no longer needed"
+
+
+def test_torchtitan_dispatcher_reads_non_strict_tracing():
+    from torchtitan.models.common import token_dispatcher
+
+    assert "torch.compiler._is_non_strict_tracing()" in inspect.getsource(token_dispatcher)
+    assert callable(torch.compiler._is_non_strict_tracing)
+
+
+@cpu_only
 def test_fsdp_sum_reductions_and_timeouts_work_with_gloo():
     results = mp.Manager().dict()
     mp.spawn(_fsdp_worker, args=(2, free_port(), results), nprocs=2, join=True)
     assert dict(results) == {0: True, 1: True}
 
 
+@cpu_only
 def test_cpu_training_exit_keeps_code_and_flushes_output():
     program = (
         "import logging, sys\n"
-        "from torchtitan_ext.cpu_support import exit_after_cpu_training\n"
+        "from torchtitan_ext.compat.cpu import exit_after_cpu_training\n"
         "logging.basicConfig(stream=sys.stderr)\n"
         "print('buffered output', end='')\n"
         "logging.getLogger('t').warning('logged')\n"
