@@ -151,6 +151,13 @@ EXPERT_BACKENDS: dict[str, ExpertCompute] = {
 }
 assert tuple(EXPERT_BACKENDS) == COMPUTE_BACKENDS
 
+_HOST_SYNC_BACKENDS = frozenset({"for_loop", "batched_mm_padded"})
+
+
+def host_sync_backends() -> frozenset[str]:
+    """Backends that read the expert counts on the host (a device sync) in every forward."""
+    return _HOST_SYNC_BACKENDS
+
 
 def validate_compute_backend(name: str) -> str:
     """Return ``name`` if it is a known backend, else raise listing the valid ones."""

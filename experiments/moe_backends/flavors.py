@@ -20,7 +20,7 @@ from torchtitan_ext.data import TINY_STORIES, TOKENIZER_DIR
 from torchtitan_ext.moe_metrics import MoEMetricsProcessor
 from torchtitan_ext.registry import register_flavor
 
-from . import toml_keys  # noqa: F401  (registers the [moe] TOML keys)
+from . import toml_keys, torchtitan_features  # noqa: F401  (register the [moe] TOML keys and start-up checks)
 from .experts import COMPUTE_BACKENDS, ComputeBackend
 from .layer import use_backend_experts, use_routing
 from .model import MoEShape, qwen3_style_moe
@@ -79,8 +79,16 @@ def moe_trainer_config(
         lr_scheduler=LRSchedulersContainer.Config(
             warmup_steps=warmup_steps, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.1
         ),
-        training=TrainingConfig(local_batch_size=local_batch_size, seq_len=seq_len, steps=steps),
-        parallelism=ParallelismConfig(expert_parallel_degree=expert_parallel_degree),
+        # CUDA graphs stay off: the MoE metrics hooks keep Python-side counts, and the EP
+        # dispatch and the for_loop / batched_mm_padded experts read counts on the host.
+        training=TrainingConfig(
+            local_batch_size=local_batch_size, seq_len=seq_len, steps=steps, disable_cuda_graphs=True
+        ),
+        # Model-parallel axes only: these models carry no SPMD sharding annotations, which
+        # torchtitan's default "spmd_types" backend needs for FSDP.
+        parallelism=ParallelismConfig(
+            expert_parallel_degree=expert_parallel_degree, spmd_backend="partial_dtensor"
+        ),
         checkpoint=CheckpointManager.Config(interval=500, last_save_model_only=False),
         activation_checkpoint=SelectiveAC.Config(),
         debug=DebugConfig(seed=0),

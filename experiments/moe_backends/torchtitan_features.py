@@ -1,0 +1,76 @@
+"""Which of torchtitan's Trainer features this experiment's MoE layers run under.
+
+Checked once on the final config, before any process group or model is built; a setting the
+layers cannot honour is refused with the reason (exit 2), never silently ignored:
+
+- ``parallelism.spmd_backend``: only ``"partial_dtensor"`` (DTensor on model-parallel axes).
+  ``"spmd_types"`` and ``"full_dtensor"`` make FSDP require every parameter to be a DTensor
+  on the full SPMD mesh, which needs sharding annotations these model configs do not carry.
+- CUDA graphs (``training.disable_cuda_graphs = false``): a captured step replays kernels
+  only, but the MoE metrics hooks count tokens in Python, the EP dispatch reads split sizes
+  on the host, and the ``for_loop`` / ``batched_mm_padded`` backends read expert counts on
+  the host. The flavors turn CUDA graphs off; asking for them is refused.
+- ``compile.enable`` with the ``model`` component: torchtitan compiles every block with
+  ``fullgraph=True``, and the MoE layer's host reads, metrics hooks and Triton autotuning
+  break the graph. Compiling the ``loss`` component alone works.
+- Quantizing converters (torchtitan's float8 / MXFP8 grouped-experts converters) subclass
+  the experts module but this experiment's experts compute through their backend function,
+  so the model would keep computing in bf16: refused.
+"""
+
+from torchtitan.models.common.moe import GroupedExperts
+
+from torchtitan_ext.overrides import ConfigError, register_config_check
+
+from .dispatcher import RoutingDispatcher
+from .experts import BackendGroupedExperts, host_sync_backends
+
+SUPPORTED_SPMD_BACKEND = "partial_dtensor"
+
+
+def cuda_graph_blockers(config) -> list[str]:
+    """Why a CUDA-graph capture of this config's training step would not replay correctly."""
+    model = config.model_spec.model
+    reasons = ["the MoE metrics hooks count tokens in Python"]
+    if config.parallelism.expert_parallel_degree > 1 and any(model.traverse(RoutingDispatcher.Config)):
+        reasons.append("the EP dispatch reads split sizes on the host")
+    backends = sorted({experts.compute_backend for _, experts, _, _ in model.traverse(BackendGroupedExperts.Config)})
+    syncing = [b for b in backends if b in host_sync_backends()]
+    if syncing:
+        reasons.append(f"compute_backend {', '.join(syncing)} reads expert counts on the host")
+    return reasons
+
+
+@register_config_check
+def check_torchtitan_features(config) -> None:
+    """Refuse torchtitan features the MoE layers cannot honour (see the module docstring)."""
+    model_spec = config.model_spec
+    if model_spec is None or not any(model_spec.model.traverse(BackendGroupedExperts.Config)):
+        return
+    errors = []
+    if config.parallelism.spmd_backend != SUPPORTED_SPMD_BACKEND:
+        errors.append(
+            f"parallelism.spmd_backend = {config.parallelism.spmd_backend!r} is not supported by this "
+            f"experiment's models (they carry no SPMD sharding annotations); use {SUPPORTED_SPMD_BACKEND!r}"
+        )
+    if not config.training.disable_cuda_graphs:
+        errors.append(
+            "training.disable_cuda_graphs = false: CUDA graphs cannot replay this MoE step ("
+            + "; ".join(cuda_graph_blockers(config)) + "); leave CUDA graphs off"
+        )
+    if config.compile.enable and "model" in config.compile.components:
+        errors.append(
+            "compile.enable with the 'model' component: torchtitan compiles each block with "
+            "fullgraph=True, which the MoE layer's host reads, metrics hooks and Triton autotuning "
+            "break; compile only the loss (compile.components = ['loss']) or leave compile off"
+        )
+    for fqn, experts, _, _ in model_spec.model.traverse(GroupedExperts.Config):
+        if type(experts) is not BackendGroupedExperts.Config:
+            errors.append(
+                f"{fqn or 'model'}: experts config {type(experts).__qualname__} (from a quantizing "
+                "converter such as float8 / MXFP8 grouped experts) is not supported: this experiment's "
+                "experts compute through their compute_backend and would silently stay in bf16"
+            )
+            break
+    if errors:
+        raise ConfigError("\n".join(errors))
