@@ -62,6 +62,68 @@ def gemm_configs(configs: list[tuple[int, int, int, int, int]]) -> list[triton.C
     ]
 
 
+def _block_cap(size: int) -> int:
+    """Largest tile worth trying along a dimension of ``size``: its next power of 2, at least 16."""
+    return max(16, triton.next_power_of_2(max(1, size)))
+
+
+def _shared_memory_bytes(config: triton.Config, a_tiles: int, b_tiles: int, element_size: int) -> int:
+    """Shared memory of ``a_tiles`` [M, K] and ``b_tiles`` [K, N] tiles over the pipeline's stages."""
+    block = config.kwargs
+    tile = a_tiles * block["BLOCK_M"] * block["BLOCK_K"] + b_tiles * block["BLOCK_K"] * block["BLOCK_N"]
+    return tile * element_size * max(1, config.num_stages)
+
+
+def _shared_memory_limit() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
+    return 227 * 1024
+
+
+def prune_for_shape(m: str | None, n: str | None, k: str | None, a_tiles: int = 1, b_tiles: int = 1):
+    """``early_config_prune`` for a GEMM kernel whose M/N/K sizes are the named kernel arguments
+    (None: the row count, which varies), reading ``a_tiles`` A and ``b_tiles`` B operands.
+
+    Drops configs with a tile larger than its dimension needs, or whose pipeline does not fit
+    in shared memory for the operands' dtype; keeps the smallest config when none is left.
+    Fewer candidates means fewer compilations on the first step.
+    """
+
+    def prune(configs, named_args, **kwargs):
+        element_size = next(
+            (arg.element_size() for arg in named_args.values() if isinstance(arg, torch.Tensor) and arg.is_floating_point()),
+            2,
+        )
+        caps = {
+            block: _block_cap(named_args[arg])
+            for block, arg in (("BLOCK_M", m), ("BLOCK_N", n), ("BLOCK_K", k))
+            if arg is not None
+        }
+        limit = _shared_memory_limit()
+        kept = [
+            config for config in configs
+            if all(config.kwargs[block] <= cap for block, cap in caps.items())
+            and _shared_memory_bytes(config, a_tiles, b_tiles, element_size) <= limit
+        ]
+        if not kept:
+            kept = [min(configs, key=lambda c: _shared_memory_bytes(c, a_tiles, b_tiles, element_size))]
+        return kept
+
+    return prune
+
+
+def tuned(configs: list[triton.Config], key: list[str], prune=None, **autotune_kwargs):
+    """``triton.autotune`` whose choices persist in Triton's on-disk cache, optionally pruned.
+
+    The cache key covers the kernel source, the ``key`` arguments and the tensors' dtypes,
+    and the cache folder is per machine (``TRITON_CACHE_DIR``, default ``~/.triton/cache``):
+    a second launch with the same GPU, shapes and dtypes benchmarks nothing.
+    """
+    if prune is not None:
+        autotune_kwargs["prune_configs_by"] = {"early_config_prune": prune}
+    return triton.autotune(configs=configs, key=key, cache_results=True, **autotune_kwargs)
+
+
 # Hopper (H100/H200), bf16/fp16: wgmma-sized tiles, 4-5 deep cp.async pipelines.
 SINGLE_ACCUMULATOR_CONFIGS = [
     (128, 128, 64, 8, 4),

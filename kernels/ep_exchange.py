@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchtitan_ext.kernels._runtime import ROW_COPY_CONFIGS, check_runnable, row_copy_configs
+from torchtitan_ext.kernels._runtime import ROW_COPY_CONFIGS, check_runnable, row_copy_configs, tuned
 
 
 @triton.jit
@@ -140,7 +140,7 @@ def _pair_block(num_tokens, world, rank, ROWS: tl.constexpr):
     return source, token, source * num_tokens + token, token < num_tokens
 
 
-@triton.autotune(configs=row_copy_configs(ROW_COPY_CONFIGS), key=["dim", "TOP_K"])
+@tuned(row_copy_configs(ROW_COPY_CONFIGS), key=["dim", "TOP_K"])
 @triton.jit
 def _pull_pairs_kernel(
     token_ptrs, recv_row_ptr, pair_ordinal_ptr, out_ptr, num_tokens, world, rank, dim,
@@ -160,7 +160,7 @@ def _pull_pairs_kernel(
             tl.store(out_ptr + row[:, None] * dim + offs[None, :], tile, mask=(row >= 0)[:, None] & col_ok)
 
 
-@triton.autotune(configs=row_copy_configs(ROW_COPY_CONFIGS), key=["dim", "TOP_K", "WEIGHTED"])
+@tuned(row_copy_configs(ROW_COPY_CONFIGS), key=["dim", "TOP_K", "WEIGHTED"])
 @triton.jit
 def _push_pairs_kernel(
     rows_ptr, recv_row_ptr, recv_score_ptr, pair_ordinal_ptr, landing_ptrs, num_tokens, world, rank, dim,
@@ -189,7 +189,7 @@ def _push_pairs_kernel(
         tl.store(destination_rows[:, None] + offs[None, :], total.to(rows_ptr.dtype.element_ty), mask=arrives[:, None] & col_ok)
 
 
-@triton.autotune(configs=row_copy_configs(ROW_COPY_CONFIGS), key=["dim", "TOP_K"])
+@tuned(row_copy_configs(ROW_COPY_CONFIGS), key=["dim", "TOP_K"])
 @triton.jit
 def _sum_landing_kernel(
     landing_ptr, expert_ptr, out_ptr, num_tokens, num_experts, local, dim,
@@ -217,7 +217,7 @@ def _sum_landing_kernel(
         tl.store(out_ptr + tokens[:, None] * dim + offs[None, :], total.to(out_ptr.dtype.element_ty), mask=token_ok[:, None] & col_ok)
 
 
-@triton.autotune(configs=row_copy_configs(ROW_COPY_CONFIGS), key=["dim", "TOP_K"])
+@tuned(row_copy_configs(ROW_COPY_CONFIGS), key=["dim", "TOP_K"])
 @triton.jit
 def _pull_output_grad_kernel(
     token_ptrs, recv_row_ptr, recv_score_ptr, pair_ordinal_ptr, rows_ptr, grad_rows_ptr, score_grad_ptrs,

@@ -20,6 +20,8 @@ are the same from run to run.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -33,10 +35,29 @@ from torchtitan_ext.kernels._runtime import (
     gemm_configs,
     locate_row_tile,
     num_row_tiles_upper_bound,
+    prune_for_shape,
     swizzle_tile,
+    tuned,
 )
 
 GROUP_M = 8
+
+_logger = logging.getLogger(__name__)
+_shapes_seen: set[tuple] = set()
+
+
+def _announce_first_use(x: torch.Tensor, w1_EFD: torch.Tensor, routed: bool) -> None:
+    """One log line the first time a shape and dtype reach the kernels in this process."""
+    num_experts, hidden, dim = w1_EFD.shape
+    shape = (str(x.device), x.dtype, dim, hidden, num_experts, routed)
+    if shape in _shapes_seen:
+        return
+    _shapes_seen.add(shape)
+    _logger.info(
+        f"Triton MoE kernels: first use of D={dim} F={hidden} E={num_experts} {str(x.dtype).removeprefix('torch.')} "
+        "on this device: compiling and tuning, or loading both from Triton's disk cache "
+        "(a cold cache makes this step slow; later launches reuse it)"
+    )
 
 
 @triton.jit
@@ -63,8 +84,9 @@ def _divides(**flag_to_dim_and_block):
     }
 
 
-@triton.autotune(
-    configs=gemm_configs(DUAL_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER", "SAVE_PREACT"]
+@tuned(
+    gemm_configs(DUAL_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER", "SAVE_PREACT"],
+    prune=prune_for_shape(m=None, n="hidden", k="dim", b_tiles=2),
 )
 @triton.heuristics(_divides(EVEN_K=("dim", "BLOCK_K")))
 @triton.jit
@@ -120,7 +142,10 @@ def _gate_up_forward_kernel(
     tl.store(h_ptr + out_offsets, h.to(h_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.autotune(configs=gemm_configs(SINGLE_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"])
+@tuned(
+    gemm_configs(SINGLE_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
+    prune=prune_for_shape(m=None, n="dim", k="hidden"),
+)
 @triton.heuristics(_divides(EVEN_K=("hidden", "BLOCK_K")))
 @triton.jit
 def _down_forward_kernel(
@@ -168,9 +193,9 @@ def _down_forward_kernel(
     )
 
 
-@triton.autotune(
-    configs=gemm_configs(SINGLE_ACCUMULATOR_CONFIGS),
-    key=["dim", "hidden", "HAS_GATHER"],
+@tuned(
+    gemm_configs(SINGLE_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
+    prune=prune_for_shape(m=None, n="hidden", k="dim"),
     restore_value=["gate_ptr", "up_ptr"],
 )
 @triton.heuristics(_divides(EVEN_K=("dim", "BLOCK_K"), EVEN_N=("hidden", "BLOCK_N")))
@@ -240,7 +265,10 @@ def _down_backward_kernel(
     tl.store(h_ptr + offsets, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=gemm_configs(SINGLE_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"])
+@tuned(
+    gemm_configs(SINGLE_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
+    prune=prune_for_shape(m=None, n="dim", k="hidden", a_tiles=2, b_tiles=2),
+)
 @triton.heuristics(_divides(EVEN_K=("hidden", "BLOCK_K"), EVEN_N=("dim", "BLOCK_N")))
 @triton.jit
 def _gate_up_backward_input_kernel(
@@ -311,7 +339,10 @@ def _expert_rows(group_end_ptr, expert):
     return row_start, row_end
 
 
-@triton.autotune(configs=gemm_configs(SINGLE_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"])
+@tuned(
+    gemm_configs(SINGLE_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
+    prune=prune_for_shape(m="dim", n="hidden", k=None),
+)
 @triton.heuristics(_divides(EVEN_M=("dim", "BLOCK_M"), EVEN_N=("hidden", "BLOCK_N")))
 @triton.jit
 def _down_backward_weight_kernel(
@@ -365,7 +396,10 @@ def _down_backward_weight_kernel(
     tl.store(dw2_ptr + out_offsets, acc.to(dw2_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.autotune(configs=gemm_configs(DUAL_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"])
+@tuned(
+    gemm_configs(DUAL_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
+    prune=prune_for_shape(m="hidden", n="dim", k=None, a_tiles=2),
+)
 @triton.heuristics(_divides(EVEN_M=("hidden", "BLOCK_M"), EVEN_N=("dim", "BLOCK_N")))
 @triton.jit
 def _gate_up_backward_weight_kernel(
@@ -560,4 +594,5 @@ def swiglu_experts(
             raise ValueError("routed mode needs scores_N alongside row_slot_N")
         tensors += [row_slot_N, scores_N]
     check_runnable(*tensors)
+    _announce_first_use(x_XD, w1_EFD, routed=row_slot_N is not None)
     return SwiGLUExpertsFunction.apply(x_XD, w1_EFD, w2_EDF, w3_EFD, scores_N, group_end_E, row_slot_N, top_k)
