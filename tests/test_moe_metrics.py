@@ -1,24 +1,35 @@
 """MoE metrics: a CPU training run logged to an offline wandb run, read back from its
-``.wandb`` file, and unit checks of the routing statistics on forced routings."""
+``.wandb`` file, its console output, and unit checks of the routing statistics on forced
+routings."""
 
 import glob
+import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from torchtitan_ext.moe_metrics import (
+    HEATMAP_SCALE_MAX,
     MoERoutingObserver,
+    RunProgress,
+    WandbRunLocation,
     configure_wandb_environment,
+    heatmap_due,
     layer_scalars,
     routing_heatmap_png,
     routing_scalars,
+    run_summary_lines,
     summarize,
+    wandb_run_location,
 )
 from torchtitan_ext.overrides import ConfigError, apply_overrides
 from torchtitan_ext.train import resolve_config
@@ -63,9 +74,22 @@ def wandb_history_and_config(path) -> tuple[dict[int, dict], dict]:
     return history, config
 
 
+@dataclass(frozen=True)
+class OfflineRun:
+    history: dict[int, dict]
+    config: dict
+    root: Path
+    run_folder: Path
+    stdout: str
+    stderr: str
+
+
 @pytest.fixture(scope="module")
-def offline_run(tmp_path_factory):
-    """Four steps of the padded tiny flavor, log_freq 2 (logs at 1, 2, 4), wandb without credentials."""
+def offline_run(tmp_path_factory) -> OfflineRun:
+    """Four steps of the padded tiny flavor, log_freq 2 (logs at 1, 2, 4), wandb without credentials.
+
+    Output goes to pipes (not a terminal), and colour printing is left at its default.
+    """
     root = tmp_path_factory.mktemp("moe_metrics")
     toml = root / "metrics.toml"
     toml.write_text(
@@ -78,18 +102,23 @@ def offline_run(tmp_path_factory):
     result = subprocess.run(
         [sys.executable, "-m", "torchtitan_ext.train", "--flavor", "tiny-moe-batched-mm-padded",
          "--toml", str(toml), "--training.steps", "4", "--metrics.log_freq", "2",
-         "--metrics.enable_tensorboard", "--metrics.disable_color_printing",
-         "--dump_folder", str(root / "dump")],
+         "--metrics.enable_tensorboard", "--dump_folder", str(root / "dump")],
         capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     run_files = glob.glob(str(root / "dump" / "tb" / "*" / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(run_files) == 1, "wandb did not write one offline run under the dump folder"
-    return (*wandb_history_and_config(run_files[0]), root)
+    history, config = wandb_history_and_config(run_files[0])
+    return OfflineRun(history, config, root, Path(run_files[0]).parent, result.stdout, result.stderr)
+
+
+def console_messages(stdout: str) -> list[str]:
+    """The messages of torchtitan's console lines (after ``... - LEVEL - ``)."""
+    return [line.split(" - ", 3)[3] for line in stdout.splitlines() if line.startswith("[titan]")]
 
 
 def test_offline_run_logs_moe_metrics_per_layer(offline_run):
-    history, _, _ = offline_run
+    history = offline_run.history
     assert sorted(history) == [1, 2, 4]
     for step, window_steps in ((1, 1), (2, 1), (4, 2)):
         row = history[step]
@@ -120,7 +149,7 @@ def test_offline_run_logs_moe_metrics_per_layer(offline_run):
 
 
 def test_offline_run_config_has_run_metadata(offline_run):
-    _, config, root = offline_run
+    config, root = offline_run.config, offline_run.root
     metadata = config["run_metadata"]
     assert metadata["flavor"] == "tiny-moe-batched-mm-padded"
     assert metadata["compute_backend"] == "batched_mm_padded"
@@ -132,7 +161,7 @@ def test_offline_run_config_has_run_metadata(offline_run):
 
 
 def test_offline_run_writes_tensorboard_events(offline_run):
-    _, _, root = offline_run
+    root = offline_run.root
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (events_dir,) = {os.path.dirname(p) for p in glob.glob(str(root / "dump" / "tb" / "*" / "events.*"))}
@@ -140,6 +169,99 @@ def test_offline_run_writes_tensorboard_events(offline_run):
     assert "moe/layer_0/load_imbalance" in events.Tags()["scalars"]
     assert "moe/layer_1/tokens_per_expert" in events.Tags()["histograms"]
     assert "moe/model/tokens_per_expert_heatmap" in events.Tags()["images"]
+
+
+def test_console_has_moe_line_after_each_step_line_and_no_colour_codes(offline_run):
+    assert "\x1b[" not in offline_run.stdout  # output is a pipe, not a terminal
+    messages = console_messages(offline_run.stdout)
+    step_lines = [i for i, message in enumerate(messages) if message.startswith("step:")]
+    assert len(step_lines) == 3
+    for index in step_lines:
+        assert messages[index + 1].startswith("moe: imbalance")
+    assert sum(message.startswith("moe:") for message in messages) == 3
+    if not torch.cuda.is_available():
+        assert not any("tflops" in message or "mfu" in message for message in messages)
+        assert "tps: " in messages[step_lines[0]]
+
+
+def test_console_ends_with_run_summary_and_wandb_sync_command(offline_run):
+    messages = console_messages(offline_run.stdout)
+    summary_start = next(i for i, m in enumerate(messages) if m.startswith("run summary:"))
+    summary = messages[summary_start:summary_start + 4]
+    assert re.fullmatch(r"run summary: 4 steps run \(last step 4\), loss \d+\.\d{4} \(step 1\) -> "
+                        r"\d+\.\d{4} \(step 4\), wall time \d+\.\d s", summary[0])
+    assert summary[1] == f"  output folder:     {offline_run.root / 'dump'}"
+    assert summary[2] == "  checkpoint folder: none (checkpoint.enable is false)"
+    folder = offline_run.run_folder
+    assert summary[3] == f"  wandb run:         {folder} (offline; upload it with: wandb sync {folder})"
+    assert f"wandb: run folder {folder} (offline; upload it with: wandb sync {folder})" in messages
+    assert "Run data is saved locally in" in offline_run.stderr + offline_run.stdout  # wandb is not silenced
+
+
+def test_run_summary_lines():
+    progress = RunProgress(steps_run=20, last_step=20)
+    progress.record_loss(1, 6.5)
+    progress.record_loss(20, 2.25)
+    online = WandbRunLocation(folder="/runs/run-1", url="https://wandb.ai/team/project/runs/1")
+    lines = run_summary_lines(progress, output_folder="/out", checkpoint_folder="/out/checkpoint",
+                              wandb_run=online, wall_seconds=12.34)
+    assert lines == [
+        "run summary: 20 steps run (last step 20), loss 6.5000 (step 1) -> 2.2500 (step 20), wall time 12.3 s",
+        "  output folder:     /out",
+        "  checkpoint folder: /out/checkpoint",
+        "  wandb run:         https://wandb.ai/team/project/runs/1 (local files: /runs/run-1)",
+    ]
+    assert online.sync_command is None
+    assert WandbRunLocation(folder="/a b", url=None).sync_command == "wandb sync '/a b'"
+    nothing = run_summary_lines(RunProgress(), output_folder="/out", checkpoint_folder=None, wandb_run=None,
+                                wall_seconds=0.0)
+    assert nothing[0] == "run summary: 0 steps run, no loss logged, wall time 0.0 s" and len(nothing) == 3
+
+
+def test_wandb_run_location_of_a_live_offline_run(tmp_path, monkeypatch):
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    run = wandb.init(project="location-test", dir=str(tmp_path))
+    try:
+        location = wandb_run_location(run)
+    finally:
+        wandb.finish()
+    assert location.url is None and Path(location.folder).name.startswith("offline-run-")
+    assert list(Path(location.folder).glob("run-*.wandb"))
+    assert location.sync_command == f"wandb sync {location.folder}"
+
+
+def test_heatmap_steps_follow_multiples_of_heatmap_every():
+    def heatmap_steps(log_steps, every):
+        drawn, last = [], None
+        for step in log_steps:
+            if heatmap_due(step, last, every):
+                drawn.append(step)
+                last = step
+        return drawn
+
+    every_tenth = [1, *range(10, 201, 10)]
+    assert heatmap_steps(every_tenth, 50) == [1, 50, 100, 150, 200]
+    assert heatmap_steps([1, *range(30, 201, 30)], 50) == [1, 60, 120, 150]
+    assert heatmap_steps(every_tenth, 0) == []
+
+
+def test_heatmaps_of_different_steps_share_one_colour_scale():
+    from PIL import Image
+
+    def pixel(png: bytes, xy_fraction: tuple[float, float]) -> tuple:
+        image = Image.open(io.BytesIO(png)).convert("RGB")
+        return image.getpixel((int(image.width * xy_fraction[0]), int(image.height * xy_fraction[1])))
+
+    balanced_layer = np.full(8, 10.0)
+    mild = np.stack([balanced_layer, np.array([2, 1, 1, 1, 1, 1, 1, 0]) * 5.0])
+    extreme = np.stack([balanced_layer, np.array([8 * HEATMAP_SCALE_MAX, 0, 0, 0, 0, 0, 0, 0])])
+    names = ["layer_0", "layer_1"]
+    # the balanced layer (top row) keeps its colour whatever the other layer's range
+    assert pixel(routing_heatmap_png(mild, names, 1), (0.3, 0.3)) == pixel(
+        routing_heatmap_png(extreme, names, 2), (0.3, 0.3))
 
 
 def test_routing_scalars_on_crafted_loads():

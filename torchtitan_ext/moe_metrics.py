@@ -6,6 +6,11 @@ docs/metrics.md). Scalars travel with torchtitan's own metrics to every enabled
 logger (wandb, TensorBoard); the tokens-per-expert histograms and the
 layers x experts heatmap go to each logger in its own format.
 
+Console: each log step prints torchtitan's ``step:`` line, then one ``moe:`` line;
+on CPU the step line has no TFLOP/s or MFU columns (they are measured against a GPU's
+peak); colour codes only go to a terminal; ``close`` prints a run summary (steps,
+first and last loss, wall time, output, checkpoint and wandb folders).
+
 Cost: forward hooks add device-side counters only; the host reads them (one
 all-reduce, one device-to-host copy) on logging steps, never on the others.
 
@@ -20,11 +25,16 @@ activation-checkpoint recomputations are not counted.
 """
 
 import io
+import logging
 import math
 import netrc
 import os
 import re
-from collections.abc import Callable
+import shlex
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -42,8 +52,10 @@ from torchtitan.components.metrics import (
 )
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.tools.logging import logger
+from torchtitan.tools.utils import NoColor
 
 import torchtitan_ext.metrics_toml_keys  # noqa: F401  (registers the TOML keys)
+from torchtitan_ext.compat.cpu import cpu_training
 from torchtitan_ext.overrides import load_toml
 
 KEY_PREFIX = "moe"
@@ -120,8 +132,31 @@ def configure_wandb_environment(*, project: str | None, entity: str | None,
             os.environ[variable] = value
     if "WANDB_MODE" not in os.environ and not wandb_has_credentials():
         os.environ["WANDB_MODE"] = "offline"
-        logger.info("wandb: no credentials configured, logging offline (sync later: wandb sync DIR)")
-    os.environ.setdefault("WANDB_SILENT", "true")
+        logger.info("wandb: no credentials configured, logging offline")
+
+
+@dataclass(kw_only=True, slots=True)
+class WandbRunLocation:
+    """Where a wandb run went: its local folder, and its URL when it is online."""
+
+    folder: str
+    url: str | None
+
+    @property
+    def sync_command(self) -> str | None:
+        """The command that uploads an offline run (None for an online run)."""
+        return None if self.url else f"wandb sync {shlex.quote(self.folder)}"
+
+    def describe(self) -> str:
+        if self.url:
+            return f"{self.url} (local files: {self.folder})"
+        return f"{self.folder} (offline; upload it with: {self.sync_command})"
+
+
+def wandb_run_location(run) -> WandbRunLocation:
+    """Folder and URL of a live ``wandb.Run`` (read before ``wandb.finish``)."""
+    offline = bool(getattr(run, "offline", False))
+    return WandbRunLocation(folder=os.path.abspath(run.settings.sync_dir), url=None if offline else run.url)
 
 
 # ---------------------------------------------------------------------------
@@ -144,9 +179,18 @@ def routing_scalars(tokens_per_expert_E: np.ndarray) -> dict[str, float]:
     }
 
 
+HEATMAP_SCALE_MAX = 4.0
+"""Top of the heatmap's fixed colour scale: load / layer mean; larger cells take the top colour."""
+
+
 def routing_heatmap_png(tokens_per_expert_LE: np.ndarray, layer_names: list[str], step: int) -> bytes:
-    """PNG of the layers x experts load, each cell relative to its layer's mean."""
+    """PNG of the layers x experts load, each cell relative to its layer's mean.
+
+    The colour scale is the same at every step: 0 (no token) to ``HEATMAP_SCALE_MAX``,
+    centred on 1 (balanced), so images of different steps compare directly.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import TwoSlopeNorm
     from matplotlib.figure import Figure
 
     counts = np.asarray(tokens_per_expert_LE, dtype=np.float64)
@@ -155,12 +199,14 @@ def routing_heatmap_png(tokens_per_expert_LE: np.ndarray, layer_names: list[str]
     figure = Figure(figsize=(max(4.0, 0.25 * num_experts + 2), max(2.5, 0.3 * num_layers + 1.5)))
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
-    image = axes.imshow(relative, aspect="auto", cmap="viridis", interpolation="nearest")
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=HEATMAP_SCALE_MAX)
+    image = axes.imshow(relative, aspect="auto", cmap="RdBu_r", norm=norm, interpolation="nearest")
     axes.set_xlabel("expert")
     axes.set_ylabel("MoE layer")
     axes.set_yticks(range(num_layers), layer_names, fontsize=7)
     axes.set_title(f"tokens per expert / layer mean, step {step}")
-    figure.colorbar(image, ax=axes)
+    colorbar = figure.colorbar(image, ax=axes, extend="max")
+    colorbar.set_label("1 = balanced", fontsize=8)
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100)
@@ -478,6 +524,76 @@ def model_scalars(per_layer: list[dict[str, float]], summaries: list[LayerSummar
 # The metrics processor
 
 
+GPU_ONLY_METRICS = ("tflops", "mfu(%)")
+"""torchtitan metrics that are rates against a GPU's peak FLOP/s: meaningless on CPU."""
+
+_GPU_ONLY_COLUMNS = re.compile(r"\s*(?:\x1b\[[0-9;]*m)?tflops: .*?mfu: [^\s\x1b]*")
+"""The ``tflops: X  mfu: Y%`` columns of torchtitan's console step line (with their colour codes)."""
+
+
+class _WithoutGpuOnlyColumns(logging.Filter):
+    """Cuts the TFLOP/s and MFU columns out of torchtitan's console step line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and "tflops: " in record.msg:
+            record.msg = _GPU_ONLY_COLUMNS.sub("", record.msg)
+        return True
+
+
+class _WithoutGpuOnlyMetrics(BaseLogger):
+    """Forwards metrics to ``inner`` without ``GPU_ONLY_METRICS``."""
+
+    def __init__(self, inner: BaseLogger):
+        self.inner = inner
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.inner.log({k: v for k, v in metrics.items() if k not in GPU_ONLY_METRICS}, step)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@dataclass(kw_only=True, slots=True)
+class RunProgress:
+    """What the closing summary reports: steps run, first and last logged loss, start time."""
+
+    started: float = field(default_factory=time.perf_counter)
+    steps_run: int = 0
+    last_step: int | None = None
+    first_loss: tuple[int, float] | None = None
+    last_loss: tuple[int, float] | None = None
+
+    def record_loss(self, step: int, loss: float) -> None:
+        if self.first_loss is None:
+            self.first_loss = (step, loss)
+        self.last_loss = (step, loss)
+
+
+def run_summary_lines(progress: RunProgress, *, output_folder: str, checkpoint_folder: str | None,
+                      wandb_run: WandbRunLocation | None, wall_seconds: float) -> list[str]:
+    """Closing summary: steps, loss, wall time, and where outputs, checkpoints and wandb went.
+
+    ``checkpoint_folder`` is None when checkpointing is off.
+    """
+    steps = f"{progress.steps_run} steps run"
+    if progress.last_step is not None:
+        steps += f" (last step {progress.last_step})"
+    if progress.first_loss is None:
+        loss = "no loss logged"
+    else:
+        (first_step, first), (last_step, last) = progress.first_loss, progress.last_loss
+        loss = f"loss {first:.4f} (step {first_step}) -> {last:.4f} (step {last_step})"
+    lines = [
+        f"run summary: {steps}, {loss}, wall time {wall_seconds:.1f} s",
+        f"  output folder:     {os.path.abspath(output_folder)}",
+        "  checkpoint folder: "
+        + (os.path.abspath(checkpoint_folder) if checkpoint_folder else "none (checkpoint.enable is false)"),
+    ]
+    if wandb_run is not None:
+        lines.append(f"  wandb run:         {wandb_run.describe()}")
+    return lines
+
+
 class MoEMetricsProcessor(MetricsProcessor):
     """torchtitan's ``MetricsProcessor`` that also logs MoE routing metrics.
 
@@ -491,7 +607,8 @@ class MoEMetricsProcessor(MetricsProcessor):
         """Log MoE routing metrics (per layer and whole model) at ``log_freq``."""
 
         heatmap_every: int = 50
-        """Steps between layers x experts heatmap images (0: never); drawn on log steps."""
+        """Layers x experts heatmap at the first log step, then at the first log step at or
+        after each multiple of this many steps (0: never)."""
 
         wandb_project: str | None = None
         """wandb project (default: env WANDB_PROJECT, else "torchtitan")."""
@@ -506,14 +623,21 @@ class MoEMetricsProcessor(MetricsProcessor):
             if self.heatmap_every < 0:
                 raise ValueError(f"metrics.heatmap_every must be >= 0, got {self.heatmap_every}")
 
-    def __init__(self, config: Config, **kwargs):
+    def __init__(self, config: Config, *, dump_folder: str = "./outputs", config_dict=None, **kwargs):
         self._observer: MoERoutingObserver | None = None
         self._model_parts = None
         self._optimizers = None
         self._steps_since_log = 0
         self._last_heatmap_step: int | None = None
         self._rich_loggers: list[BaseLogger] = []
-        super().__init__(config, **kwargs)
+        self._wandb_run: WandbRunLocation | None = None
+        self._progress = RunProgress()
+        self._output_folder = dump_folder
+        self._checkpoint_folder = _checkpoint_folder(dump_folder, config_dict)
+        self._on_cpu = cpu_training()
+        super().__init__(config, dump_folder=dump_folder, config_dict=config_dict, **kwargs)
+        if not sys.stdout.isatty():
+            self.color = NoColor()
 
     def _build_metric_logger(self, *, config: Config, config_dict=None, **kwargs) -> BaseLogger:
         if config.enable_wandb:
@@ -522,11 +646,13 @@ class MoEMetricsProcessor(MetricsProcessor):
             )
         config_dict = {**(config_dict or {}), "run_metadata": run_metadata()}
         built = super()._build_metric_logger(config=config, config_dict=config_dict, **kwargs)
-        self._rich_loggers = [
-            child for child in getattr(built, "_loggers", [built])
-            if isinstance(child, (WandBLogger, TensorBoardLogger))
-        ]
-        return built
+        children = getattr(built, "_loggers", [built])
+        self._rich_loggers = [child for child in children if isinstance(child, (WandBLogger, TensorBoardLogger))]
+        for child in children:
+            if isinstance(child, WandBLogger) and child.wandb.run is not None:
+                self._wandb_run = wandb_run_location(child.wandb.run)
+                logger.info(f"wandb: run folder {self._wandb_run.describe()}")
+        return _WithoutGpuOnlyMetrics(built) if self._on_cpu else built
 
     @property
     def model_parts(self):
@@ -555,6 +681,7 @@ class MoEMetricsProcessor(MetricsProcessor):
 
     def _count_step(self, *args, **kwargs) -> None:
         self._steps_since_log += 1
+        self._progress.steps_run += 1
 
     def _expert_parallel_placement(self) -> ExpertParallelPlacement | None:
         if not self.parallel_dims.ep_enabled:
@@ -593,26 +720,51 @@ class MoEMetricsProcessor(MetricsProcessor):
         if self._heatmap_due(step):
             self._last_heatmap_step = step
             rich["heatmap"] = (counts_LE, [s.name for s in summaries])
-        logger.info(
-            f"moe: imbalance {whole_model['load_imbalance']:.3f} (max {whole_model['load_imbalance_max']:.3f})  "
-            f"cv {whole_model['load_cv']:.3f}  dead {whole_model['dead_expert_fraction']:.3f}  "
-            f"entropy {whole_model['router_entropy']:.3f}"
-        )
         return scalars, rich
 
     def _heatmap_due(self, step: int) -> bool:
-        every = self.config.heatmap_every
-        if every == 0 or not self._rich_loggers:
-            return False
-        return self._last_heatmap_step is None or step - self._last_heatmap_step >= every
+        return bool(self._rich_loggers) and heatmap_due(step, self._last_heatmap_step, self.config.heatmap_every)
 
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
             extra_metrics: dict[str, Any] | None = None):
+        """torchtitan's metrics and step line, then the MoE metrics' ``moe:`` line."""
+        moe_line = None
         if self._observer is not None:
             scalars, rich = self.collect_moe_metrics(step)
             extra_metrics = {**(extra_metrics or {}), **scalars}
             self._log_rich(rich, step)
-        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+            moe_line = moe_console_line(scalars)
+        self._progress.last_step = step
+        self._progress.record_loss(step, global_avg_loss)
+        with self._gpu_only_columns_hidden():
+            super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+        if moe_line is not None:
+            logger.info(moe_line)
+
+    @contextmanager
+    def _gpu_only_columns_hidden(self) -> Iterator[None]:
+        """On CPU, the console step line printed inside this block has no TFLOP/s and MFU columns."""
+        if not self._on_cpu:
+            yield
+            return
+        column_filter = _WithoutGpuOnlyColumns()
+        logger.addFilter(column_filter)
+        try:
+            yield
+        finally:
+            logger.removeFilter(column_filter)
+
+    def close(self) -> None:
+        """Close the loggers, then print the run summary (rank 0, and the rank holding the wandb run)."""
+        super().close()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank != 0 and self._wandb_run is None:
+            return
+        for line in run_summary_lines(
+            self._progress, output_folder=self._output_folder, checkpoint_folder=self._checkpoint_folder,
+            wandb_run=self._wandb_run, wall_seconds=time.perf_counter() - self._progress.started,
+        ):
+            logger.info(line)
 
     def _log_rich(self, rich: dict[str, Any], step: int) -> None:
         """Histograms and the heatmap, in each logger's own format."""
@@ -622,6 +774,36 @@ class MoEMetricsProcessor(MetricsProcessor):
                 _log_rich_wandb(rich_logger, rich["histograms"], heatmap_png, step)
             else:
                 _log_rich_tensorboard(rich_logger, rich["histograms"], heatmap_png, step)
+
+
+def heatmap_due(step: int, last_heatmap_step: int | None, every: int) -> bool:
+    """True at the first log step, then at the first log step at or after each multiple of ``every``.
+
+    ``every`` 0: never. With log steps 1, 10, 20, ... and ``every`` 50: steps 1, 50, 100, ...
+    """
+    if every == 0:
+        return False
+    return last_heatmap_step is None or step // every > last_heatmap_step // every
+
+
+def moe_console_line(scalars: dict[str, float]) -> str:
+    """The ``moe:`` console line from the whole-model scalars of one log step."""
+    def model(key: str) -> float:
+        return scalars[f"{KEY_PREFIX}/{MODEL_SCOPE}/{key}"]
+
+    return (
+        f"moe: imbalance {model('load_imbalance'):.3f} (max {model('load_imbalance_max'):.3f})  "
+        f"cv {model('load_cv'):.3f}  dead {model('dead_expert_fraction'):.3f}  "
+        f"entropy {model('router_entropy'):.3f}"
+    )
+
+
+def _checkpoint_folder(dump_folder: str, config_dict: dict[str, Any] | None) -> str | None:
+    """torchtitan's checkpoint folder (``dump_folder/checkpoint.folder``), None when checkpointing is off."""
+    checkpoint = (config_dict or {}).get("checkpoint") or {}
+    if not checkpoint.get("enable"):
+        return None
+    return os.path.join(dump_folder, checkpoint.get("folder", "checkpoint"))
 
 
 def _log_rich_wandb(wandb_logger: WandBLogger, histograms: dict[str, np.ndarray],
