@@ -41,9 +41,9 @@ def make_inputs(counts, dim, hidden, x_dtype, w_dtype, seed):
         return (torch.randn(*shape, generator=generator) * scale).to(dtype)
 
     x = randn(num_rows, dim, dtype=x_dtype)
-    w1 = randn(num_experts, hidden, dim, dtype=w_dtype, scale=dim**-0.5)
-    w2 = randn(num_experts, dim, hidden, dtype=w_dtype, scale=hidden**-0.5)
-    w3 = randn(num_experts, hidden, dim, dtype=w_dtype, scale=dim**-0.5)
+    w1 = randn(num_experts, hidden, dim, dtype=w_dtype, scale=max(dim, 1) ** -0.5)
+    w2 = randn(num_experts, dim, hidden, dtype=w_dtype, scale=max(hidden, 1) ** -0.5)
+    w3 = randn(num_experts, hidden, dim, dtype=w_dtype, scale=max(dim, 1) ** -0.5)
     grad_out = randn(num_rows, dim, dtype=x_dtype)
     return (x, w1, w2, w3), torch.tensor(counts, dtype=torch.int64), grad_out
 
@@ -152,3 +152,80 @@ def test_batched_mm_padded_equals_for_loop_up_to_summation_order():
         actual = run_backend(EXPERT_BACKENDS["batched_mm_padded"], tensors, counts_E, grad_out)
         for a, e in zip([actual[0], *actual[1]], [expected[0], *expected[1]]):
             assert relative_error(a, e) <= bound, dtype
+
+
+# Layouts a caller may legally hand a backend: every one is a view of a larger tensor.
+def strided_input(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """A non-contiguous (or, for "contiguous", plain) tensor equal to ``x``."""
+    rows, dim = x.shape
+    if layout == "contiguous":
+        return x.clone()
+    if layout == "row_padded":  # row stride dim + 1: not 16-byte aligned
+        wide = torch.zeros(rows, dim + 1, dtype=x.dtype)
+        wide[:, :dim] = x
+        return wide[:, :dim]
+    if layout == "column_major":
+        return x.t().contiguous().t()
+    if layout == "every_other_row":
+        spaced = torch.zeros(2 * rows, dim, dtype=x.dtype)
+        spaced[::2] = x
+        return spaced[::2]
+    raise ValueError(layout)
+
+
+# Incoming gradients of the shapes autograd hands a backend.
+def incoming_gradient(out: torch.Tensor, kind: str, generator: torch.Generator) -> torch.Tensor:
+    if kind == "dense":
+        return torch.randn(out.shape, generator=generator).to(out.dtype)
+    if kind == "broadcast_scalar":  # out.sum().backward(): stride 0 in every dimension
+        return torch.ones((), dtype=out.dtype).expand(out.shape)
+    if kind == "broadcast_row":  # (out * v).sum().backward(): stride 0 across rows
+        return torch.randn(out.shape[1], generator=generator).to(out.dtype).expand(out.shape)
+    if kind == "transposed":
+        return torch.randn(out.shape[::-1], generator=generator).to(out.dtype).t()
+    raise ValueError(kind)
+
+
+def run_with_layout(fn, tensors, counts_E, layout, gradient_kind):
+    """Forward on a ``layout`` view of x, backward with a ``gradient_kind`` gradient."""
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    x = strided_input(leaves[0], layout)
+    out = fn(x, *leaves[1:], counts_E)
+    out.backward(incoming_gradient(out, gradient_kind, torch.Generator().manual_seed(7)))
+    grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+    return out.detach(), grads
+
+
+def assert_same_as_reference_with_layout(backend, counts, dim, hidden, layout, gradient_kind):
+    tensors, counts_E, _ = make_inputs(counts, dim, hidden, torch.float32, torch.float32, 11)
+    expected_out, expected_grads = run_with_layout(for_loop_experts, tensors, counts_E, layout, gradient_kind)
+    actual_out, actual_grads = run_with_layout(EXPERT_BACKENDS[backend], tensors, counts_E, layout, gradient_kind)
+    assert actual_out.shape == expected_out.shape
+    assert relative_error(actual_out, expected_out) < TOLERANCE[torch.float32], "output"
+    for name, actual, expected in zip(("x", "w1", "w2", "w3"), actual_grads, expected_grads):
+        assert actual.shape == expected.shape, f"grad of {name}"
+        assert relative_error(actual, expected) < TOLERANCE[torch.float32], f"grad of {name}"
+
+
+GRADIENT_KINDS = ["dense", "broadcast_scalar", "broadcast_row", "transposed"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
+@pytest.mark.parametrize("layout", ["contiguous", "row_padded", "column_major", "every_other_row"])
+@pytest.mark.parametrize("gradient_kind", GRADIENT_KINDS)
+def test_non_contiguous_input_with_every_gradient_shape(backend, layout, gradient_kind):
+    """D = 16 (16-byte aligned in fp32): the strides, not the padding, are what is tested."""
+    assert_same_as_reference_with_layout(backend, [3, 0, 4, 1], 16, 8, layout, gradient_kind)
+
+
+@pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
+@pytest.mark.parametrize("dim", [16, 5])
+@pytest.mark.parametrize("gradient_kind", GRADIENT_KINDS)
+def test_zero_rows_with_every_gradient_shape(backend, dim, gradient_kind):
+    assert_same_as_reference_with_layout(backend, [0, 0, 0], dim, 8, "contiguous", gradient_kind)
+
+
+@pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
+@pytest.mark.parametrize("dim,hidden", [(0, 8), (8, 0)])
+def test_zero_width_features(backend, dim, hidden):
+    assert_same_as_reference_with_layout(backend, [2, 0, 3], dim, hidden, "contiguous", "broadcast_scalar")

@@ -41,19 +41,31 @@ ExpertCompute = Callable[
 ]
 
 
-def _contiguous_grad(y: torch.Tensor) -> torch.Tensor:
-    """Make the incoming gradient of ``y`` contiguous (grouped_mm's backward needs strides)."""
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with row-major strides, as ``torch._grouped_mm`` requires of its operands.
+
+    A zero-size tensor may carry any strides (an expanded gradient has stride 0) and
+    counts as contiguous, so it is always copied (the copy is free).
+    """
+    if t.numel() and t.is_contiguous():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _row_major_grad(y: torch.Tensor) -> torch.Tensor:
+    """Make the incoming gradient of ``y`` row-major (grouped_mm's backward needs strides)."""
     if y.requires_grad:
-        y.register_hook(lambda grad: grad.contiguous())
+        y.register_hook(_row_major)
     return y
 
 
 def _pad_to_multiple(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
-    """Zero-pad ``t`` along ``dim`` up to a multiple of ``multiple`` (differentiable)."""
-    excess = t.shape[dim] % multiple
-    if excess == 0:
+    """Zero-pad ``t`` along ``dim`` up to a positive multiple of ``multiple`` (differentiable)."""
+    size = t.shape[dim]
+    padding = max(multiple, -(-size // multiple) * multiple) - size
+    if padding == 0:
         return t
-    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, multiple - excess]
+    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, padding]
     return F.pad(t, pad)
 
 
@@ -66,8 +78,9 @@ def grouped_mm_experts(
 ) -> torch.Tensor:
     """Three ``torch._grouped_mm`` calls over expert offsets; no host sync.
 
-    ``_grouped_mm`` needs 16-byte aligned row strides, so D and F are zero-padded
-    when they are not aligned (zeros change no result) and the output is cut back.
+    ``_grouped_mm`` needs row-major operands with 16-byte aligned row strides, so D and
+    F are zero-padded when they are not aligned (zeros change no result), the output is
+    cut back, and strided inputs and incoming gradients are made row-major.
     """
     dtype = x_RD.dtype
     dim = x_RD.shape[1]
@@ -76,11 +89,11 @@ def grouped_mm_experts(
 
     def grouped(a_RK: torch.Tensor, w_ENK: torch.Tensor) -> torch.Tensor:
         w_ENK = _pad_to_multiple(_pad_to_multiple(w_ENK.to(dtype), 1, align), 2, align)
-        return _contiguous_grad(
+        return _row_major_grad(
             torch._grouped_mm(a_RK, w_ENK.transpose(-2, -1), offs=offsets_E)
         )
 
-    x_RD = _pad_to_multiple(x_RD, 1, align)
+    x_RD = _row_major(_pad_to_multiple(x_RD, 1, align))
     h_RF = F.silu(grouped(x_RD, w1_EFD)) * grouped(x_RD, w3_EFD)
     return grouped(h_RF, w2_EDF)[:, :dim]
 
