@@ -5,7 +5,6 @@ two CPU cores; full-size flavors carry the dimensions of public MoE models for G
 users. Every flavor trains on the shipped offline corpus and tokenizer by default.
 """
 
-from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import ParallelismConfig, TrainingConfig
@@ -16,6 +15,7 @@ from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3_registry
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
+from torchtitan_ext.checkpoint_integrity import IntegrityCheckpointManager
 from torchtitan_ext.data import TINY_STORIES, TOKENIZER_DIR
 from torchtitan_ext.moe_metrics import MoEMetricsProcessor
 from torchtitan_ext.registry import register_flavor
@@ -89,7 +89,7 @@ def moe_trainer_config(
         parallelism=ParallelismConfig(
             expert_parallel_degree=expert_parallel_degree, spmd_backend="partial_dtensor"
         ),
-        checkpoint=CheckpointManager.Config(interval=500, last_save_model_only=False),
+        checkpoint=IntegrityCheckpointManager.Config(interval=500, last_save_model_only=False),
         activation_checkpoint=SelectiveAC.Config(),
         debug=DebugConfig(seed=0),
     )
