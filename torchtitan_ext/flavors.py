@@ -1,22 +1,84 @@
-"""List registered flavors, show one flavor's resolved config, or list TOML keys.
+"""List registered flavors, show one flavor's config, or list TOML keys.
 
     python -m torchtitan_ext.flavors
     python -m torchtitan_ext.flavors --show tiny-moe-grouped-mm --toml my.toml
+    python -m torchtitan_ext.flavors --show tiny-moe-grouped-mm --full
     python -m torchtitan_ext.flavors --keys
+
+The listing is cached in ``$TORCHTITAN_EXT_CACHE/flavors.json`` (default
+``~/.cache/torchtitan_ext/``), keyed by the project's source files and the installed torch
+and torchtitan; a cache hit imports neither torch nor torchtitan. Everything else builds
+the flavors' configs (torchtitan's Trainer and model code, several seconds to import).
 """
 
 import argparse
+import hashlib
 import json
-import logging
+import os
+import re
 import sys
+from collections import Counter
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
-import torch
-from torchtitan.models.common.moe import MoE
-from torchtitan.tools.logging import logger
+CACHE_ENV = "TORCHTITAN_EXT_CACHE"
+LISTING_CACHE_NAME = "flavors.json"
+LISTING_HEADER = ("flavor", "total", "active", "compute_backend", "description")
 
-from torchtitan_ext.overrides import ConfigError, short_keys
-from torchtitan_ext.registry import all_flavors
-from torchtitan_ext.train import resolve_config
+
+def cache_dir() -> Path:
+    """The project's cache folder: ``$TORCHTITAN_EXT_CACHE``, else ``~/.cache/torchtitan_ext``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "torchtitan_ext")
+
+
+def _installed_version(distribution: str) -> str:
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def source_fingerprint() -> str:
+    """Hash of what the listing depends on: the project's Python files, the interpreter
+    prefix and the torch and torchtitan versions."""
+    import torchtitan_ext
+    import torchtitan_ext.experiments
+    import torchtitan_ext.kernels
+
+    roots = [Path(p) for package in (torchtitan_ext, torchtitan_ext.experiments, torchtitan_ext.kernels)
+             for p in package.__path__]
+    installed = f"{sys.prefix}|{_installed_version('torch')}|{_installed_version('torchtitan')}"
+    return files_fingerprint(roots, installed)
+
+
+def files_fingerprint(roots: list[Path], salt: str) -> str:
+    """Hash of ``salt`` and the path, size and modification time of every ``*.py`` under ``roots``."""
+    digest = hashlib.sha256(salt.encode())
+    for root in sorted(set(roots)):
+        for path in sorted(root.rglob("*.py")):
+            stat = path.stat()
+            digest.update(f"{path}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def _human(count: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.2f}{unit}"
+    return str(count)
+
+
+# ---------------------------------------------------------------------------
+# Built from the configs (imports torch and torchtitan)
+
+
+def quiet_torchtitan_logger() -> None:
+    """Building configs logs torchtitan warnings meant for training runs; keep listings clean."""
+    import logging
+
+    from torchtitan.tools.logging import logger
+
+    logger.setLevel(logging.ERROR)
 
 
 def parameter_counts(model_config) -> tuple[int, int]:
@@ -24,6 +86,9 @@ def parameter_counts(model_config) -> tuple[int, int]:
 
     Active counts each MoE layer's routed experts as top_k of num_experts.
     """
+    import torch
+    from torchtitan.models.common.moe import MoE
+
     with torch.device("meta"):
         model = model_config.build()
     total = sum(p.numel() for p in model.parameters())
@@ -35,53 +100,152 @@ def parameter_counts(model_config) -> tuple[int, int]:
     return total, total - inactive
 
 
+def _backend(experts_config) -> str:
+    return getattr(experts_config, "compute_backend", "grouped_mm (torchtitan)")
+
+
 def compute_backends(model_config) -> str:
     """The distinct compute backends of a model's routed experts, comma-separated."""
-    backends = {
-        getattr(experts, "compute_backend", "grouped_mm (torchtitan)")
-        for _, moe, _, _ in model_config.traverse(MoE.Config)
-        for experts in [moe.routed_experts.inner_experts]
-    }
+    from torchtitan.models.common.moe import MoE
+
+    backends = {_backend(moe.routed_experts.inner_experts) for _, moe, _, _ in model_config.traverse(MoE.Config)}
     return ",".join(sorted(backends)) or "-"
 
 
-def quiet_torchtitan_logger() -> None:
-    """Building configs logs torchtitan warnings meant for training runs; keep listings clean."""
-    logger.setLevel(logging.ERROR)
+def listing_rows() -> list[list[str]]:
+    """One row per registered flavor, cells as in ``LISTING_HEADER``."""
+    from torchtitan_ext.registry import all_flavors
 
-
-def _human(count: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if count >= scale:
-            return f"{count / scale:.2f}{unit}"
-    return str(count)
-
-
-def list_flavors() -> None:
     quiet_torchtitan_logger()
     rows = []
     for flavor in all_flavors():
         model_config = flavor.build().model_spec.model
         total, active = parameter_counts(model_config)
-        rows.append((flavor.name, _human(total), _human(active), compute_backends(model_config),
-                     flavor.description))
-    header = ("flavor", "total", "active", "compute_backend", "description")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
-    for row in [header, *rows]:
+        rows.append([flavor.name, _human(total), _human(active), compute_backends(model_config),
+                     flavor.description])
+    return rows
+
+
+def cached_listing_rows() -> list[list[str]]:
+    """``listing_rows()``, from the cache when the fingerprint matches; refreshes the cache."""
+    path = cache_dir() / LISTING_CACHE_NAME
+    fingerprint = source_fingerprint()
+    try:
+        cached = json.loads(path.read_text())
+        if cached["fingerprint"] == fingerprint:
+            return cached["rows"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    print("building the flavor list (first listing after an install or an edit; cached after)",
+          file=sys.stderr, flush=True)
+    rows = listing_rows()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps({"fingerprint": fingerprint, "rows": rows}))
+        temporary.replace(path)
+    except OSError:
+        pass  # a read-only home still lists, only slower
+    return rows
+
+
+def list_flavors() -> None:
+    rows = cached_listing_rows()
+    widths = [max(len(r[i]) for r in [LISTING_HEADER, *rows]) for i in range(4)]
+    for row in [LISTING_HEADER, *rows]:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4])
 
 
-def show_flavor(name: str, tomls: list[str]) -> None:
+def moe_layer_summary(model_config) -> str:
+    """``N x (E experts, top-K, expert hidden F, compute_backend B, router S)`` per distinct MoE layer."""
+    from torchtitan.models.common.moe import MoE
+
+    kinds = Counter()
+    for _, moe, _, _ in model_config.traverse(MoE.Config):
+        experts = moe.routed_experts.inner_experts
+        shared = ", shared experts" if getattr(moe, "shared_experts", None) is not None else ""
+        kinds[f"{experts.num_experts} experts, top-{moe.router.top_k}, expert hidden {experts.hidden_dim}, "
+              f"compute_backend {_backend(experts)}, router {moe.router.score_func}{shared}"] += 1
+    return "; ".join(f"{count} x ({kind})" for kind, count in kinds.items()) or "none"
+
+
+def concise_view(name: str, tomls: list[str], config) -> list[str]:
+    """The settings a user looks at first, one line per area, named like the TOML keys."""
+    model_config = config.model_spec.model
+    total, active = parameter_counts(model_config)
+    training, parallelism, metrics, checkpoint = config.training, config.parallelism, config.metrics, config.checkpoint
+    lr_scheduler = config.lr_scheduler
+    learning_rates = sorted({group.optimizer_kwargs.get("lr") for group in config.optimizer.param_groups})
+    lr = ", ".join(str(value) for value in learning_rates)
+    moe_metrics = "on" if getattr(metrics, "moe_metrics", False) else "off"
+    if moe_metrics == "on":
+        moe_metrics += f" (heatmap_every {metrics.heatmap_every})"
+    dataset = config.dataloader.dataset + (f" from {config.dataloader.dataset_path}"
+                                           if config.dataloader.dataset_path else "")
+    checkpoints = (f"every {checkpoint.interval} steps to {os.path.join(config.dump_folder, checkpoint.folder)}"
+                   if checkpoint.enable else "off")
+    sections = [
+        ("model", f"{config.model_spec.name}: {len(model_config.layers)} layers, dim {model_config.dim}, "
+                  f"vocab {model_config.vocab_size}; {_human(total)} parameters, {_human(active)} active per token"),
+        ("moe", moe_layer_summary(model_config)),
+        ("training", f"steps {training.steps}, batch_size {training.local_batch_size}, seq_len {training.seq_len}, "
+                     f"lr {lr} (warmup {lr_scheduler.warmup_steps} steps, {lr_scheduler.decay_type} decay), "
+                     f"params in {training.mixed_precision_param}"),
+        ("parallelism", f"dp_shard {parallelism.data_parallel_shard_degree}, "
+                        f"dp_replicate {parallelism.data_parallel_replicate_degree}, "
+                        f"tp {parallelism.tensor_parallel_degree}, pp {parallelism.pipeline_parallel_degree}, "
+                        f"cp {parallelism.context_parallel_degree}, ep {parallelism.expert_parallel_degree}"),
+        ("data", f"{dataset}; tokenizer {config.hf_assets_path}"),
+        ("metrics", f"log_freq {metrics.log_freq}; moe_metrics {moe_metrics}; "
+                    f"wandb {'on' if metrics.enable_wandb else 'off'}; "
+                    f"tensorboard {'on' if metrics.enable_tensorboard else 'off'}"),
+        ("checkpoint", checkpoints),
+        ("dump_folder", config.dump_folder),
+    ]
+    width = max(len(label) for label, _ in sections)
+    toml_note = ", ".join(tomls) or "none"
+    full = " ".join(["python -m torchtitan_ext.flavors --show", name, *(f"--toml {t}" for t in tomls), "--full"])
+    return [
+        f"{name}  (TOML files: {toml_note})",
+        *(f"  {label.ljust(width)}  {text}" for label, text in sections),
+        f"every field: {full}",
+    ]
+
+
+_PARTIAL_REPR = re.compile(r"functools\.partial\(<function (\S+) at 0x[0-9a-f]+>, (.*)\)", re.S)
+_FUNCTION_REPR = re.compile(r"<function (\S+) at 0x[0-9a-f]+>")
+
+
+def readable_callables(value):
+    """``value`` (from ``Config.to_dict()``) with function reprs as names:
+    ``functools.partial(<function normal_ at 0x..>, std=0.02)`` becomes ``normal_(std=0.02)``."""
+    if isinstance(value, dict):
+        return {key: readable_callables(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [readable_callables(item) for item in value]
+    if isinstance(value, str):
+        return _FUNCTION_REPR.sub(r"\1", _PARTIAL_REPR.sub(r"\1(\2)", value))
+    return value
+
+
+def show_flavor(name: str, tomls: list[str], *, full: bool) -> None:
+    from torchtitan_ext.train import resolve_config
+
     quiet_torchtitan_logger()
     config = resolve_config(name, tomls)
+    if not full:
+        print("\n".join(concise_view(name, tomls, config)))
+        return
     resolved = config.to_dict()
     resolved.pop("model_spec", None)
-    resolved = {"flavor": name, "toml_files": tomls, "model": config.model_spec.model.to_dict(),
-                **resolved}
-    print(json.dumps(resolved, indent=2, default=repr))
+    resolved = {"flavor": name, "toml_files": tomls, "model": config.model_spec.model.to_dict(), **resolved}
+    print(json.dumps(readable_callables(resolved), indent=2, default=repr))
 
 
 def list_short_keys() -> None:
+    from torchtitan_ext.overrides import short_keys
+    from torchtitan_ext.registry import all_flavors
+
     all_flavors()  # experiments register their keys on import
     width = max(len(k.key) for k in short_keys())
     for key in short_keys():
@@ -92,21 +256,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m torchtitan_ext.flavors",
         description="List registered flavors (with parameter counts and compute backend), "
-        "or print one flavor's resolved config after TOML overrides.",
+        "or print one flavor's settings after TOML overrides.",
     )
-    parser.add_argument("--show", metavar="NAME", help="print the resolved config of flavor NAME")
+    parser.add_argument("--show", metavar="NAME", help="print the main settings of flavor NAME")
+    parser.add_argument("--full", action="store_true", help="with --show: every config field, as JSON")
     parser.add_argument("--keys", action="store_true",
                         help="list the short TOML keys (any config field path also works)")
     parser.add_argument("--toml", action="append", default=[], metavar="FILE",
                         help="TOML overrides applied before --show (repeatable, later wins)")
     args = parser.parse_args(argv)
+    if args.toml and not args.show:
+        parser.error("--toml only applies together with --show NAME")
+    if args.full and not args.show:
+        parser.error("--full only applies together with --show NAME")
+    from torchtitan_ext.overrides import ConfigError
+
     try:
         if args.keys:
             list_short_keys()
         elif args.show:
-            show_flavor(args.show, args.toml)
-        elif args.toml:
-            parser.error("--toml only applies together with --show NAME")
+            show_flavor(args.show, args.toml, full=args.full)
         else:
             list_flavors()
     except ConfigError as e:

@@ -37,10 +37,10 @@ from torchtitan_ext.experiments.moe_backends.experts import (  # noqa: E402
     EXPERT_BACKENDS,
     BackendGroupedExperts,
 )
+from torchtitan_ext.flavors import CACHE_ENV, cache_dir  # noqa: E402
 from torchtitan_ext.kernels.fused_moe import triton_available_reason  # noqa: E402
 from torchtitan_ext.overrides import ConfigError  # noqa: E402
 
-CACHE_ENV = "TORCHTITAN_EXT_CACHE"
 CACHE_FILE_NAME = "auto_backend.json"
 
 Measure = Callable[[BenchShape, str], float]
@@ -57,8 +57,7 @@ class AutoChoice:
 
 
 def cache_file() -> Path:
-    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "torchtitan_ext"
-    return Path(root) / CACHE_FILE_NAME
+    return cache_dir() / CACHE_FILE_NAME
 
 
 def candidate_backends() -> list[str]:

@@ -1,0 +1,91 @@
+"""The flavors CLI: a cached listing that imports neither torch nor torchtitan, and the
+concise and full views of one flavor."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from torchtitan_ext import flavors
+from torchtitan_ext.flavors import main
+
+TINY = "tiny-moe-grouped-mm"
+
+
+def test_cached_listing_imports_neither_torch_nor_torchtitan(capsys):
+    assert main([]) == 0  # fills the listing cache of this test session
+    listing = capsys.readouterr().out
+    probe = (
+        "import sys\n"
+        "from torchtitan_ext.flavors import main\n"
+        "main([])\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchtitan'))\n"
+        "print('heavy modules:', heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                            env=os.environ.copy())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith("heavy modules: []\n")
+    assert result.stdout.removesuffix("heavy modules: []\n") == listing
+
+
+def test_listing_cache_follows_the_sources(monkeypatch, tmp_path):
+    monkeypatch.setenv(flavors.CACHE_ENV, str(tmp_path))
+    builds = []
+    monkeypatch.setattr(flavors, "listing_rows", lambda: builds.append(1) or [["f", "1", "1", "b", "d"]])
+    monkeypatch.setattr(flavors, "source_fingerprint", lambda: "sources v1")
+    assert flavors.cached_listing_rows() == [["f", "1", "1", "b", "d"]]
+    assert flavors.cached_listing_rows() == [["f", "1", "1", "b", "d"]] and len(builds) == 1
+    monkeypatch.setattr(flavors, "source_fingerprint", lambda: "sources v2")
+    flavors.cached_listing_rows()
+    assert len(builds) == 2
+    (tmp_path / flavors.LISTING_CACHE_NAME).write_text("not json")
+    flavors.cached_listing_rows()
+    assert len(builds) == 3
+
+
+def test_fingerprint_changes_with_any_source_file(tmp_path):
+    module = tmp_path / "package" / "module.py"
+    module.parent.mkdir()
+    module.write_text("A = 1\n")
+    first = flavors.files_fingerprint([tmp_path], "torch 2.13")
+    assert flavors.files_fingerprint([tmp_path], "torch 2.13") == first
+    assert flavors.files_fingerprint([tmp_path], "torch 2.14") != first
+    stat = module.stat()
+    os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert flavors.files_fingerprint([tmp_path], "torch 2.13") != first
+    (tmp_path / "new_experiment.py").write_text("")
+    assert len({first, flavors.files_fingerprint([tmp_path], "torch 2.13")}) == 2
+
+
+def test_show_is_concise_and_applies_toml(tmp_path, capsys):
+    toml = tmp_path / "s.toml"
+    toml.write_text('[moe]\ncompute_backend = "batched_mm_padded"\n[training]\nsteps = 7\n')
+    assert main(["--show", TINY, "--toml", str(toml)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{TINY}  (TOML files: {toml})"
+    assert len(lines) <= 12 and "0x" not in "\n".join(lines)
+    assert any("2 x (8 experts, top-2" in line and "compute_backend batched_mm_padded" in line for line in lines)
+    assert any(line.split()[:3] == ["training", "steps", "7,"] for line in lines)
+    assert lines[-1] == f"every field: python -m torchtitan_ext.flavors --show {TINY} --toml {toml} --full"
+
+
+def test_show_full_is_json_with_readable_functions(capsys):
+    assert main(["--show", TINY, "--full"]) == 0
+    out = capsys.readouterr().out
+    shown = json.loads(out)
+    assert shown["flavor"] == TINY and shown["training"]["steps"] > 0
+    assert "0x" not in out and "<function" not in out
+    assert shown["model"]["tok_embeddings"]["param_init"]["weight"] == "normal_(std=0.02)"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--full"], "--full only applies together with --show NAME"),
+    (["--toml", "x.toml"], "--toml only applies together with --show NAME"),
+])
+def test_flags_without_show_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
