@@ -26,14 +26,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(args: list[str], dump_folder, nproc: int = 1) -> dict[int, float]:
-    """Run the train entry (under torchrun when ``nproc`` > 1); return {step: loss} of rank 0."""
+def train(args: list[str], dump_folder, nproc: int = 1, subcommands: tuple[str, ...] = ()) -> dict[int, float]:
+    """Run the train entry (under torchrun when ``nproc`` > 1); return {step: loss} of rank 0.
+
+    ``subcommands`` (torchtitan's choices such as ``activation-checkpoint:full``) go last.
+    """
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                 f"--master_port={free_port()}", "--local-ranks-filter=0", "-m"]
     command = launcher if nproc > 1 else [sys.executable, "-m"]
     result = subprocess.run(
         [*command, "torchtitan_ext.train", *args, "--dump_folder", str(dump_folder),
-         "--metrics.disable_color_printing"],
+         "--metrics.disable_color_printing", *subcommands],
         capture_output=True, text=True, timeout=600,
     )
     output = result.stdout + result.stderr
@@ -103,3 +106,25 @@ def test_checkpoint_continues_with_another_backend(tmp_path):
         assert sorted(resumed[backend]) == [4, 5], backend
     for step in (4, 5):
         assert resumed["for_loop"][step] == pytest.approx(resumed["grouped_mm"][step], rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("transport", "modes"),
+    # symm_mem's kernels run through Triton's interpreter on CPU: one checkpointing mode.
+    [("all_to_all", ("selective", "full")), ("symm_mem", ("selective",))],
+)
+def test_activation_checkpointing_modes_train_like_no_checkpointing(tmp_path, monkeypatch, transport, modes):
+    """EP=2 training with selective or full checkpointing gives the losses of no checkpointing."""
+    if transport == "symm_mem":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    (tmp_path / "transport.toml").write_text(f'[moe]\nep_transport = "{transport}"\n')
+    args = ["--flavor", "tiny-moe-grouped-mm", "--training.steps", "2", *SMALL_BATCH,
+            "--parallelism.expert_parallel_degree", "2", "--toml", str(tmp_path / "transport.toml")]
+    losses = {
+        mode: train(args, tmp_path / mode, nproc=2, subcommands=(f"activation-checkpoint:{mode}",))
+        for mode in ("none", *modes)
+    }
+    assert sorted(losses["none"]) == [1, 2]
+    for mode in modes:
+        for step, loss in losses["none"].items():
+            assert losses[mode][step] == pytest.approx(loss, rel=1e-5), (mode, step)
