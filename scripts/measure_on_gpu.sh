@@ -4,15 +4,14 @@
 #   scripts/measure_on_gpu.sh tests   # GPU tests (kernels, fused layer)
 #   scripts/measure_on_gpu.sh bench   # MoE layer and expert block benchmarks
 #   scripts/measure_on_gpu.sh ep4 ep2 # EP equivalence + dispatch/combine benchmark on 4 and 2 GPUs
+#   scripts/measure_on_gpu.sh train-tiny train-full   # training through the Trainer on 2 GPUs
+#     (torch >= 2.13: see ../shared/gpu for bringing it to the measurement machines)
 set -uo pipefail
 out=${OUT:-gpu_results}
 mkdir -p "$out"
 site=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
-# torchtitan 0.3.0's dispatcher reads torch.compiler._is_non_strict_tracing (torch >= 2.13).
-echo 'import torch.compiler as c; c._is_non_strict_tracing = getattr(c, "_is_non_strict_tracing", lambda: False)' \
-    > "$site/sitecustomize.py"
-export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # NVLink multicast stays off on the shared measurement hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # The source tree as an importable package (what `pip install -e .` maps).
@@ -32,6 +31,9 @@ for task in "$@"; do
       timeout "${EP_TIMEOUT_S:-290}" torchrun --nproc_per_node="$ranks" -m torchtitan_ext.bench.ep_dispatch --check \
           ${EP_CHECK_BACKENDS:+--check-backends $EP_CHECK_BACKENDS} \
           --out "$out/ep_dispatch_w$ranks.json" 2>&1 | tee "$out/ep_dispatch_w$ranks.log" ;;
-    *) echo "unknown task $task (tests, bench, ep<ranks>)"; exit 2 ;;
+    train-tiny|train-full)
+      suite=${task#train-}
+      python3 scripts/gpu_training_runs.py "$suite" --out "$out/train_$suite.json" 2>&1 | tee "$out/train_$suite.log" ;;
+    *) echo "unknown task $task (tests, bench, ep<ranks>, train-tiny, train-full)"; exit 2 ;;
   esac
 done

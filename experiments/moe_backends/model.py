@@ -52,10 +52,13 @@ def qwen3_style_moe(
     name: str,
     shape: MoEShape,
     *,
-    compute_backend: ComputeBackend,
+    compute_backend: ComputeBackend | None,
     attn_backend: str = "flex",
 ) -> ModelSpec:
-    """A torchtitan ``ModelSpec`` of Qwen3 blocks with the given MoE ``shape``."""
+    """A torchtitan ``ModelSpec`` of Qwen3 blocks with the given MoE ``shape``.
+
+    ``compute_backend`` None keeps torchtitan's own MoE layers (the stock reference).
+    """
     linear_init = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
     residual_std = 0.02 / (2 * shape.n_layers) ** 0.5
     residual_init = {"weight": partial(nn.init.normal_, std=residual_std), "bias": nn.init.zeros_}
@@ -118,7 +121,7 @@ def qwen3_style_moe(
     return ModelSpec(
         name="qwen3",
         flavor=name,
-        model=use_routing(use_backend_experts(model, compute_backend)),
+        model=model if compute_backend is None else use_routing(use_backend_experts(model, compute_backend)),
         parallelize_fn=with_router_loss_configuration(parallelize_qwen3),
         pipelining_fn=pipeline_llm,
         post_optimizer_build_fn=register_moe_load_balancing_hook,

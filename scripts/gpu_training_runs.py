@@ -1,0 +1,188 @@
+"""Training runs on the GPUs of one host through the train entry, recorded as JSON.
+
+    python scripts/gpu_training_runs.py tiny --out train_tiny.json   # every tiny flavor, EP 1 and 2
+    python scripts/gpu_training_runs.py full --out train_full.json   # olmoe-1b-7b: grouped_mm, triton, stock
+
+``tiny``: each tiny flavor (fp32) for 30 steps on one GPU (EP 1; two runs side by side, one per
+GPU) and on two GPUs with EP 2 over each EP transport; tiny-moe-triton once more on one GPU with
+the Triton cache the first run filled (warm start). Every backend's losses must equal for_loop's
+of the same layout to rel 1e-4.
+``full``: olmoe-1b-7b on two GPUs (FSDP 2, EP 2, bf16), 20 steps, with grouped_mm, triton and
+torchtitan's own MoE layers; every loss must be within 2% of grouped_mm's at the same step.
+
+Per run: losses, tokens/s, MFU, peak memory (rank 0's log) and the seconds from launch to the
+first step's log line. The JSON carries the device, torch, triton and NCCL versions and the commit.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import date
+
+import torch
+import triton
+
+TINY_BACKENDS = ("for_loop", "grouped_mm", "batched_mm_padded", "triton")
+STEP_LINE = re.compile(
+    r"step:\s+(?P<step>\d+)\s+loss:\s+(?P<loss>[0-9.]+).*?memory:\s+(?P<memory>[0-9.]+)GiB"
+    r".*?tps:\s+(?P<tps>[0-9,]+)(?:.*?mfu:\s+(?P<mfu>[0-9.]+)%)?"
+)
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass
+class Run:
+    """One training launch and what its rank 0 logged."""
+
+    name: str
+    flavor: str
+    gpus: int
+    args: list[str]
+    returncode: int | None = None
+    seconds_to_first_step: float | None = None
+    wall_seconds: float | None = None
+    losses: dict[int, float] = field(default_factory=dict)
+    tokens_per_second: dict[int, int] = field(default_factory=dict)
+    mfu_percent: dict[int, float] = field(default_factory=dict)
+    peak_memory_gib: float | None = None
+    error_tail: str | None = None
+
+
+def launch(run: Run, device_ids: str, port: int, env: dict[str, str]) -> Run:
+    """Train ``run`` on ``device_ids`` under torchrun; fill in what rank 0 logged."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={run.gpus}",
+               f"--master_port={port}", "--local-ranks-filter=0", "-m", "torchtitan_ext.train",
+               "--flavor", run.flavor, *run.args]
+    started = time.monotonic()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**env, "CUDA_VISIBLE_DEVICES": device_ids})
+    lines = []
+    for line in process.stdout:
+        line = ANSI.sub("", line)
+        lines.append(line)
+        match = STEP_LINE.search(line)
+        if match:
+            step = int(match["step"])
+            if run.seconds_to_first_step is None:
+                run.seconds_to_first_step = round(time.monotonic() - started, 1)
+            run.losses[step] = float(match["loss"])
+            run.tokens_per_second[step] = int(match["tps"].replace(",", ""))
+            if match["mfu"] is not None:
+                run.mfu_percent[step] = float(match["mfu"])
+            run.peak_memory_gib = max(run.peak_memory_gib or 0.0, float(match["memory"]))
+    run.returncode = process.wait()
+    run.wall_seconds = round(time.monotonic() - started, 1)
+    if run.returncode != 0 or not run.losses:
+        run.error_tail = "".join(lines[-60:])
+    print(f"{run.name}: rc {run.returncode}, first step after {run.seconds_to_first_step} s, "
+          f"{len(run.losses)} steps, last loss {run.losses.get(max(run.losses, default=0))}", flush=True)
+    return run
+
+
+def tiny_runs() -> list[list[Run]]:
+    """Batches of runs that share the host: EP 1 pairs side by side, then each EP 2 run alone."""
+    steps = ["--training.steps", "30"]
+    ep1 = [Run(f"{b} ep1 1gpu", f"tiny-moe-{b.replace('_', '-')}", 1, steps) for b in TINY_BACKENDS]
+    batches = [ep1[i:i + 2] for i in range(0, len(ep1), 2)]
+    batches.append([Run("triton ep1 1gpu warm cache", "tiny-moe-triton", 1, steps)])
+    for transport in ("all_to_all", "symm_mem"):
+        for backend in TINY_BACKENDS:
+            batches.append([Run(
+                f"{backend} ep2 {transport}", f"tiny-moe-{backend.replace('_', '-')}", 2,
+                [*steps, "--parallelism.expert_parallel_degree", "2",
+                 *(["--toml", "examples/ep_symm_mem.toml"] if transport == "symm_mem" else [])],
+            )])
+    return batches
+
+
+def full_runs() -> list[list[Run]]:
+    args = ["--training.steps", "20", "--training.local_batch_size", "2", "--training.seq_len", "2048",
+            "--parallelism.expert_parallel_degree", "2"]
+    return [
+        [Run("olmoe grouped_mm fsdp2 ep2", "olmoe-1b-7b", 2, args)],
+        [Run("olmoe triton fsdp2 ep2", "olmoe-1b-7b", 2, [*args, "--toml", "examples/triton.toml"])],
+        [Run("olmoe torchtitan-moe fsdp2 ep2", "olmoe-1b-7b-torchtitan-moe", 2, args)],
+    ]
+
+
+def compare_losses(runs: list[Run], reference_of, rel: float) -> list[str]:
+    """Runs whose losses differ from ``reference_of(run)``'s (None: not compared) by more than ``rel``."""
+    problems = []
+    for run in runs:
+        reference = reference_of(run)
+        if reference is None or reference is run:
+            continue
+        if run.losses.keys() != reference.losses.keys() or not run.losses:
+            problems.append(f"{run.name}: steps {sorted(run.losses)} vs {reference.name}'s {sorted(reference.losses)}")
+            continue
+        worst = max(abs(run.losses[s] - reference.losses[s]) / abs(reference.losses[s]) for s in run.losses)
+        if worst > rel:
+            problems.append(f"{run.name}: loss differs from {reference.name}'s by rel {worst:.2e} > {rel}")
+    return problems
+
+
+def same_layout_for_loop(runs: list[Run]):
+    """The for_loop run of a run's layout (the name after the backend); warm-cache reruns excluded."""
+    by_name = {run.name: run for run in runs}
+
+    def reference_of(run: Run) -> Run | None:
+        layout = run.name.partition(" ")[2]
+        return None if "warm" in layout else by_name.get(f"for_loop {layout}")
+
+    return reference_of
+
+
+def environment() -> dict:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "commit": commit or None,
+        "date": date.today().isoformat(),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("suite", choices=("tiny", "full"))
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    args = parser.parse_args()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.suite == "tiny":
+        env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
+    batches = tiny_runs() if args.suite == "tiny" else full_runs()
+    runs = []
+    port = 29600
+    for batch in batches:
+        with ThreadPoolExecutor(len(batch)) as pool:
+            futures = []
+            for slot, run in enumerate(batch):
+                devices = str(slot) if run.gpus == 1 else ",".join(map(str, range(run.gpus)))
+                futures.append(pool.submit(launch, run, devices, port, env))
+                port += 1
+            runs += [future.result() for future in futures]
+    if args.suite == "tiny":
+        problems = compare_losses(runs, same_layout_for_loop(runs), 1e-4)
+    else:
+        problems = compare_losses(runs, lambda run: runs[0], 0.02)
+    problems += [f"{run.name}: exit code {run.returncode}" for run in runs if run.returncode != 0]
+    result = {"environment": environment(), "suite": args.suite, "runs": [asdict(r) for r in runs],
+              "problems": problems}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print("problems:" if problems else "all runs agree", *problems, sep="\n  ")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
