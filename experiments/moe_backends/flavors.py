@@ -115,9 +115,9 @@ def tiny_moe(compute_backend: ComputeBackend) -> Trainer.Config:
     return config
 
 
-def full_size(name: str, shape: MoEShape) -> Trainer.Config:
+def full_size(name: str, shape: MoEShape, compute_backend: ComputeBackend | None = "grouped_mm") -> Trainer.Config:
     return moe_trainer_config(
-        qwen3_style_moe(name, shape, compute_backend="grouped_mm"),
+        qwen3_style_moe(name, shape, compute_backend=compute_backend),
         local_batch_size=4,
         seq_len=4096,
         steps=1000,
@@ -147,6 +147,14 @@ def mixtral_8x7b() -> Trainer.Config:
 @register_flavor("olmoe-1b-7b", "OLMoE-1B-7B dims: 16 layers, dim 2048, 64 experts top-8, F 1024")
 def olmoe_1b_7b() -> Trainer.Config:
     return full_size("olmoe-1b-7b", OLMOE_1B_7B)
+
+
+@register_flavor(
+    "olmoe-1b-7b-torchtitan-moe",
+    "olmoe-1b-7b with torchtitan's own MoE layers (router, dispatcher, grouped_mm experts): the stock reference",
+)
+def olmoe_1b_7b_torchtitan_moe() -> Trainer.Config:
+    return full_size("olmoe-1b-7b-torchtitan-moe", OLMOE_1B_7B, compute_backend=None)
 
 
 @register_flavor(
