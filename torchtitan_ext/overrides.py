@@ -15,6 +15,8 @@ nothing. Errors are ``ConfigError`` with one line per problem.
 import copy
 import dataclasses
 import difflib
+import math
+import re
 import sys
 import types
 import typing
@@ -72,9 +74,22 @@ def register_config_check(check: Callable[[Any], None]) -> Callable[[Any], None]
 
 
 def run_config_checks(config) -> None:
-    """Run every registered check on the final ``Trainer.Config``."""
+    """Run every registered check on the final ``Trainer.Config``; one ``ConfigError`` lists all problems.
+
+    A check that fails with another exception after earlier checks reported problems is
+    taken as a consequence of those problems; on a clean config it propagates.
+    """
+    errors: list[str] = []
     for check in _CONFIG_CHECKS:
-        check(config)
+        try:
+            check(config)
+        except ConfigError as e:
+            errors.append(str(e))
+        except Exception:
+            if not errors:
+                raise
+    if errors:
+        raise ConfigError("\n".join(dict.fromkeys(errors)))
 
 
 def short_keys() -> list[ShortKey]:
@@ -109,24 +124,55 @@ _field_alias("data.tokenizer", "hf_assets_path", str, "folder with tokenizer.jso
 
 @register_short_key("training.lr", float, "learning rate of every optimizer parameter group")
 def _set_learning_rate(config, lr: float) -> None:
-    if lr <= 0:
-        raise ConfigError(f"training.lr must be > 0, got {lr}")
+    if not (math.isfinite(lr) and lr > 0):
+        raise ConfigError(f"training.lr = {lr}: must be a finite number > 0")
     for group in config.optimizer.param_groups:
         group.optimizer_kwargs["lr"] = lr
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Parse one TOML file into ``{dotted_key: value}``; errors name file and line."""
-    path = Path(path)
+    return _read_toml(Path(path))[0]
+
+
+def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """``{dotted_key: value}`` of one TOML file and ``{dotted_key: line}`` where a line is found."""
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"{path}: cannot read TOML file ({e.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}:{line}: not a UTF-8 text file (byte 0x{data[e.start]:02x} at offset {e.start}); "
+            "TOML files must be UTF-8"
+        ) from None
     try:
         tree = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: malformed TOML: {e}") from None
-    return dict(_flatten(tree))
+    return dict(_flatten(tree)), _key_lines(text)
+
+
+_TABLE_HEADER = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+_KEY_LINE = re.compile(r"^\s*([A-Za-z0-9_.\-\s\"']+?)\s*=")
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """Line number of each ``key = value`` of a TOML text, by dotted key (bare and quoted keys)."""
+    lines, table = {}, ""
+    for number, line in enumerate(text.splitlines(), start=1):
+        if header := _TABLE_HEADER.match(line):
+            table = _unquote_dotted(header.group(1)) + "."
+        elif key := _KEY_LINE.match(line):
+            lines.setdefault(table + _unquote_dotted(key.group(1)), number)
+    return lines
+
+
+def _unquote_dotted(key: str) -> str:
+    return ".".join(part.strip().strip("\"'") for part in key.split("."))
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -253,43 +299,134 @@ def _unknown_key_message(key: str, config) -> str:
     return f"unknown key {key!r}{hint}"
 
 
-def apply_overrides(config, overrides: dict[str, Any], source: str = "TOML"):
+FLAVOR_FIXED_FIELDS: dict[str, str] = {
+    "dim": "the model width was copied into the embedding, attention, MoE, norm and output configs when the flavor was built",
+    "vocab_size": "the vocabulary size was copied into the embedding, output layer and loss when the flavor was built",
+    "global_vocab_size": "the vocabulary size is fixed by the flavor's model",
+    "num_experts": "the expert count was copied into the router, dispatcher and experts of the layer when the flavor was built",
+    "hidden_dim": "the expert/FFN width fixes the weight shapes the flavor built",
+    "n_heads": "the head count was copied into the attention projections when the flavor was built",
+    "n_kv_heads": "the KV head count was copied into the attention projections when the flavor was built",
+    "head_dim": "the head width was copied into the attention projections and RoPE when the flavor was built",
+    "in_features": "layer shapes are fixed by the flavor",
+    "out_features": "layer shapes are fixed by the flavor",
+    "num_embeddings": "layer shapes are fixed by the flavor",
+    "embedding_dim": "layer shapes are fixed by the flavor",
+    "normalized_shape": "layer shapes are fixed by the flavor",
+}
+"""Model-shape fields a flavor derives into other fields when it is built: an override of one
+copy would leave the others unchanged (or build a model whose shapes disagree), so it is refused."""
+
+
+def _fixed_field_error(key: str) -> str | None:
+    """Why ``key`` cannot be overridden after the flavor was built, or None."""
+    parts = key.split(".")
+    if parts[0] not in ("model", "loss") or parts[-1] not in FLAVOR_FIXED_FIELDS:
+        return None
+    return (
+        f"{key} cannot be overridden: {FLAVOR_FIXED_FIELDS[parts[-1]]}; "
+        "pick a flavor of the size you need (python -m torchtitan_ext.flavors) or register one"
+    )
+
+
+_VALUE_SOURCES: dict[str, str] = {}
+
+
+def value_source(*keys: str) -> str | None:
+    """Where the value of the first of ``keys`` that was overridden came from ("file:line", "command line")."""
+    for key in keys:
+        if key in _VALUE_SOURCES:
+            return _VALUE_SOURCES[key]
+    return None
+
+
+def apply_overrides(config, overrides: dict[str, Any], source: str = "TOML", lines: dict[str, int] | None = None):
     """Return a copy of ``config`` with ``{dotted_key: value}`` applied, or raise.
 
     All keys are checked before the copy is returned; on any error the caller's
-    ``config`` is untouched and ``ConfigError`` lists every problem.
+    ``config`` is untouched and ``ConfigError`` lists every problem. ``lines`` maps keys
+    to their line in ``source``; errors and ``value_source`` name it.
     """
     result = copy.deepcopy(config)
     errors: list[str] = []
+    applied: dict[str, str] = {}
     for key, value in overrides.items():
+        where = f"{source}:{lines[key]}" if lines and key in lines else source
         try:
             if key in _SHORT_KEYS:
                 short = _SHORT_KEYS[key]
                 short.apply(result, check_value(key, value, short.annotation))
+                applied[key] = where
+                continue
+            if (reason := _fixed_field_error(key)) is not None:
+                errors.append(f"{where}: {reason}")
                 continue
             try:
                 parent, name = _resolve_parent(result, key.split("."))
             except KeyError:
-                errors.append(f"{source}: {_unknown_key_message(key, result)}")
+                errors.append(f"{where}: {_unknown_key_message(key, result)}")
                 continue
             current = parent[int(name)] if isinstance(parent, list) else getattr(parent, name)
             if _children(current):
-                errors.append(f"{source}: {key} is a section, not a value; set one of its keys")
+                errors.append(f"{where}: {key} is a section, not a value; set one of its keys")
                 continue
             checked = check_value(key, value, _field_annotation(parent, name))
             if isinstance(parent, list):
                 parent[int(name)] = checked
             else:
                 setattr(parent, name, checked)
+            applied[key] = where
         except ConfigError as e:
-            errors.append(f"{source}: {e}")
+            errors.append(f"{where}: {e}")
     if errors:
         raise ConfigError("\n".join(errors))
+    _VALUE_SOURCES.update(applied)
     return result
 
 
 def apply_toml_files(config, paths: list[str]):
     """Apply TOML files in order (later files win); all-or-nothing."""
     for path in paths:
-        config = apply_overrides(config, load_toml(path), source=str(path))
+        overrides, lines = _read_toml(Path(path))
+        config = apply_overrides(config, overrides, source=str(path), lines=lines)
     return config
+
+
+COMMAND_LINE = "command line"
+
+
+def split_short_key_args(args: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Take ``--<short key> VALUE`` / ``--<short key>=VALUE`` out of ``args``: (overrides, the rest).
+
+    A value is read as a TOML value (``2``, ``1e-3``, ``true``, ``"x"``), else as a bare
+    string (``for_loop``); a bool key given without a value means true.
+    """
+    overrides: dict[str, Any] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        name, has_inline, inline = args[i].partition("=")
+        key = name[2:].replace("-", "_") if name.startswith("--") else None
+        if key not in _SHORT_KEYS:
+            rest.append(args[i])
+            i += 1
+            continue
+        if has_inline:
+            text = inline
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            text = args[i + 1]
+            i += 1
+        elif _SHORT_KEYS[key].annotation is bool:
+            text = "true"
+        else:
+            raise ConfigError(f"{COMMAND_LINE}: --{key} needs a value")
+        overrides[key] = _cli_value(text)
+        i += 1
+    return overrides, rest
+
+
+def _cli_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text

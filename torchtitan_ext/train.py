@@ -27,8 +27,16 @@ from torchtitan_ext.compat.cpu import (
 )
 from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
 from torchtitan_ext.moe_metrics import record_run_metadata, run_metadata
-from torchtitan_ext.overrides import ConfigError, apply_toml_files, run_config_checks
-from torchtitan_ext.registry import UnknownFlavorError, get_flavor
+from torchtitan_ext.overrides import (
+    COMMAND_LINE,
+    ConfigError,
+    apply_overrides,
+    apply_toml_files,
+    run_config_checks,
+    split_short_key_args,
+)
+from torchtitan_ext.registry import UnknownFlavorError, all_flavors, get_flavor
+from torchtitan_ext.validation import check_config_values  # noqa: F401  (registers the start-up checks)
 
 USAGE = """\
 usage: [torchrun --nproc_per_node=N] python -m torchtitan_ext.train --flavor NAME
@@ -42,9 +50,33 @@ options:
   --help-torchtitan    with --flavor: list every torchtitan option for that flavor
   -h, --help           show this help
 
-Any torchtitan option is accepted after these and wins over the TOML files,
-e.g. --training.steps 20 --parallelism.expert_parallel_degree 2.
+Every short key (below) and any torchtitan option is accepted after these and wins over
+the TOML files, e.g. --moe.compute_backend for_loop --parallelism.ep 2 --training.steps 20.
 """
+
+
+def short_keys_help() -> str:
+    """The short keys with their types and choices, as listed by ``--help``."""
+    from torchtitan_ext.overrides import short_keys
+
+    all_flavors()  # experiments register their keys on import
+    keys = short_keys()
+    width = max(len(k.key) for k in keys) + 2
+    lines = ["short keys (command line --KEY VALUE, or TOML):"]
+    for key in keys:
+        lines.append(f"  --{key.key:<{width}} {_type_name(key.annotation):<14} {key.help}")
+    return "\n".join(lines)
+
+
+def _type_name(annotation) -> str:
+    import types
+    import typing
+
+    if typing.get_origin(annotation) is typing.Literal:
+        return "{" + ",".join(str(a) for a in typing.get_args(annotation)) + "}"
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return "|".join(_type_name(a) for a in typing.get_args(annotation) if a is not type(None))
+    return getattr(annotation, "__name__", str(annotation))
 
 
 def split_project_args(args: list[str]) -> tuple[str | None, list[str], list[str]]:
@@ -72,13 +104,37 @@ def split_project_args(args: list[str]) -> tuple[str | None, list[str], list[str
     return flavor, tomls, rest
 
 
-def resolve_config(flavor_name: str, toml_paths: list[str]):
-    """The flavor's ``Trainer.Config`` with the TOML files applied."""
+def resolve_config(flavor_name: str, toml_paths: list[str], cli_overrides: dict | None = None):
+    """The flavor's ``Trainer.Config`` with the TOML files, then the command-line short keys, applied."""
     try:
         flavor = get_flavor(flavor_name)
     except UnknownFlavorError as e:
         raise ConfigError(str(e)) from None
-    return apply_toml_files(flavor.build(), toml_paths)
+    config = apply_toml_files(flavor.build(), toml_paths)
+    return apply_overrides(config, cli_overrides or {}, source=COMMAND_LINE)
+
+
+def unknown_option_errors(config, args: list[str]) -> list[str]:
+    """``--a.b`` options of ``args`` that name no config field, with close matches (short keys included)."""
+    import difflib
+
+    from torchtitan_ext.overrides import valid_keys
+
+    keys = valid_keys(config)
+    known = set(keys)
+    errors = []
+    for arg in args:
+        if not arg.startswith("--") or arg in ("--help", "--help-torchtitan"):
+            continue
+        name = arg[2:].partition("=")[0].replace("-", "_")
+        parent, _, leaf = name.rpartition(".")
+        plain = f"{parent}.{leaf.removeprefix('no_')}".lstrip(".")
+        if name in known or plain in known or any(k.startswith(name + ".") for k in keys):
+            continue
+        close = difflib.get_close_matches(name, keys, n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
+        errors.append(f"{COMMAND_LINE}: unknown option {arg.partition('=')[0]}{hint}")
+    return errors
 
 
 class FlavorConfigManager(ConfigManager):
@@ -91,7 +147,11 @@ class FlavorConfigManager(ConfigManager):
         if "--help-torchtitan" in rest:
             rest = [a for a in rest if a != "--help-torchtitan"] + ["--help"]
         self.run_arguments = (flavor, tomls, rest)
-        config = resolve_config(flavor, tomls)
+        all_flavors()  # experiments register their short keys on import
+        cli_overrides, rest = split_short_key_args(rest)
+        config = resolve_config(flavor, tomls, cli_overrides)
+        if errors := unknown_option_errors(config, rest):
+            raise ConfigError("\n".join(errors))
         if cpu_training():
             # Before tyro builds the config: Trainer.Config.__post_init__ validates
             # CUDA-graph settings against the parallelism from the command line.
@@ -99,7 +159,7 @@ class FlavorConfigManager(ConfigManager):
         return config, rest
 
     def parse_args(self, args: list[str] | None = None):
-        config = super().parse_args(args)
+        config = parse_with_tyro(lambda: super(FlavorConfigManager, self).parse_args(args))
         flavor, tomls, cli_args = self.run_arguments
         run_config_checks(config)  # cross-field checks (and "auto" resolution), before any process group exists
         # Run metadata for the metrics loggers (wandb config).
@@ -118,6 +178,32 @@ class FlavorConfigManager(ConfigManager):
             adapt_config_for_cpu(config)
             patch_torchtitan_for_cpu()
         return config
+
+
+def parse_with_tyro(parse):
+    """Run torchtitan's tyro parsing; its usage errors and ``ValueError``s become ``ConfigError``."""
+    import contextlib
+    import io
+    import re
+
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+            return parse()
+    except SystemExit as e:
+        if e.code in (0, None):
+            sys.stdout.write(captured.getvalue())
+            raise
+        text = re.sub(r"[\u2500-\u257f]", " ", captured.getvalue())
+        lines = [
+            line.strip() for line in text.splitlines()
+            if line.strip().strip("-") and "For full helptext" not in line
+        ]
+        raise ConfigError(f"{COMMAND_LINE}: " + "\n".join(lines or [f"invalid arguments (exit {e.code})"])) from None
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"{COMMAND_LINE}: {e}") from None
 
 
 def _free_port() -> int:
@@ -139,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if "-h" in args or "--help" in args:
         print(USAGE)
+        print(short_keys_help())
         return 0
     set_single_process_env()
     # torchtitan's main builds its config through the name ``ConfigManager``.

@@ -10,6 +10,7 @@ from typing import Literal
 
 from torchtitan_ext.kernels._runtime import triton_available_reason
 from torchtitan_ext.overrides import ConfigError, register_config_check, register_short_key
+from torchtitan_ext.validation import launch_command
 
 from .dispatcher import EPTransport, PermuteBackend, RoutingDispatcher, validate_dispatch_options
 from .experts import BackendGroupedExperts, ComputeBackendChoice
@@ -71,9 +72,19 @@ def _positive_or_off(key: str, value):
     return value
 
 
+MAX_ALIGN_SIZE = 4096
+"""Largest ``moe.align_size``: every expert's rows are padded to a multiple of it."""
+
+
 def _at_least_one(key: str, value: int) -> int:
     if value < 1:
         raise ConfigError(f"{key} must be >= 1 (1 = off), got {value}")
+    return value
+
+
+def _align_size(key: str, value: int) -> int:
+    if not 1 <= value <= MAX_ALIGN_SIZE:
+        raise ConfigError(f"{key} must be in [1, {MAX_ALIGN_SIZE}] (1 = off), got {value}")
     return value
 
 
@@ -106,7 +117,7 @@ _option_key("z_loss_coeff", float, "router z-loss weight (0 = off)", moe_configs
 _option_key("permute_backend", PermuteBackend, "token permute/unpermute: torch or triton",
             dispatcher_configs)
 _option_key("align_size", int, "pad each expert's rows to a multiple of this (1 = off)",
-            dispatcher_configs, _at_least_one)
+            dispatcher_configs, _align_size)
 _option_key("ep_transport", EPTransport,
             "how rows move between EP ranks: all_to_all (collectives) or symm_mem (one kernel each way)",
             dispatcher_configs)
@@ -154,8 +165,26 @@ def check_moe_config(config) -> None:
         if router.top_k != dispatcher.top_k:
             errors.append(f"moe: router top_k ({router.top_k}) differs from the dispatcher's ({dispatcher.top_k}); set moe.top_k")
     errors.extend(parallelism_errors(config, moes))
+    errors.extend(align_size_errors(config, moes))
     if errors:
         raise ConfigError("\n".join(dict.fromkeys(errors)))
+
+
+def align_size_errors(config, moes: list[RoutedMoE.Config]) -> list[str]:
+    """``align_size`` within [1, MAX_ALIGN_SIZE] and no larger than the routed rows of a step."""
+    routed_rows = config.training.local_batch_size * config.training.seq_len
+    errors = []
+    for moe in moes:
+        dispatcher = moe.routed_experts.token_dispatcher
+        if not isinstance(dispatcher, RoutingDispatcher.Config):
+            continue
+        limit = min(MAX_ALIGN_SIZE, max(1, routed_rows * dispatcher.top_k))
+        if not 1 <= dispatcher.align_size <= limit:
+            errors.append(
+                f"moe.align_size = {dispatcher.align_size}: must be in [1, {limit}] (at most {MAX_ALIGN_SIZE} "
+                f"and the routed rows per step, batch x seq_len x top_k = {routed_rows * dispatcher.top_k})"
+            )
+    return errors
 
 
 def symm_mem_errors(expert_parallel_degree: int) -> list[str]:
@@ -192,7 +221,12 @@ def parallelism_errors(config, moes: list[RoutedMoE.Config], world_size: int | N
     if dp_replicate * dp_shard * cp * tp * pp != world:
         errors.append(f"parallelism: dp_replicate({dp_replicate}) * dp_shard({dp_shard}) * cp({cp}) * tp({tp}) * pp({pp}) != world size {world}")
     if ep > 1:
-        if world % ep:
+        if ep > world:
+            errors.append(
+                f"parallelism.expert_parallel_degree ({ep}) needs at least {ep} processes but this run has "
+                f"{world}; launch one process per rank: {launch_command(ep)}"
+            )
+        elif world % ep:
             errors.append(f"parallelism.expert_parallel_degree ({ep}) does not divide the world size ({world})")
         if (dp_shard * cp * tp) % ep:
             errors.append(

@@ -1,0 +1,181 @@
+"""Start-up validation of a final ``Trainer.Config``: values, cross-field rules, paths.
+
+``check_config_values`` is a registered config check (``overrides.run_config_checks``): it
+runs once on the final config (flavor, TOML files, command line), before any process group
+or model is built, and reports every problem in one ``ConfigError``. Each message names the
+key, where its value came from when it was overridden, the value and what is allowed.
+"""
+
+import dataclasses
+import math
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from torchtitan_ext.overrides import ConfigError, register_config_check, value_source
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model")
+
+
+def _named(key: str, *aliases: str) -> str:
+    """``key``, prefixed with the file/line or "command line" its value came from."""
+    source = value_source(key, *aliases)
+    return f"{source}: {key}" if source else key
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launch_command(nproc_per_node: int) -> str:
+    """The torchrun command running this command line's arguments on ``nproc_per_node`` processes."""
+    args = " ".join(shlex.quote(a) for a in sys.argv[1:])
+    return f"torchrun --nproc_per_node={nproc_per_node} -m torchtitan_ext.train {args}".rstrip()
+
+
+def _walk_floats(node: Any, path: str):
+    """(dotted path, value) of every float in a config tree (dataclass fields, lists, dicts)."""
+    if isinstance(node, float):
+        yield path, node
+    elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for field in dataclasses.fields(node):
+            if not field.name.startswith("_"):
+                yield from _walk_floats(getattr(node, field.name), f"{path}.{field.name}".lstrip("."))
+    elif isinstance(node, (list, tuple)):
+        for i, item in enumerate(node):
+            yield from _walk_floats(item, f"{path}.{i}")
+    elif isinstance(node, dict):
+        for name, item in node.items():
+            if isinstance(name, str):
+                yield from _walk_floats(item, f"{path}.{name}")
+
+
+def non_finite_errors(config) -> list[str]:
+    """NaN or infinity anywhere in the config (the model config is walked as ``model``)."""
+    trees = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model_spec"}
+    if config.model_spec is not None:
+        trees["model"] = config.model_spec.model
+    return [
+        f"{_named(path)} = {value}: must be a finite number"
+        for name, tree in trees.items()
+        for path, value in _walk_floats(tree, name)
+        if not math.isfinite(value)
+    ]
+
+
+def _data_parallel_degree(parallelism, world: int) -> int:
+    p = parallelism
+    if p.data_parallel_shard_degree != -1:
+        return p.data_parallel_replicate_degree * p.data_parallel_shard_degree
+    others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
+    return world // others * p.data_parallel_replicate_degree if others > 0 else 0
+
+
+def training_errors(config, world: int) -> list[str]:
+    """Steps, batch sizes, learning rate, sequence length vs RoPE and loss chunking."""
+    t = config.training
+    errors = []
+    if t.steps < 1:
+        errors.append(f"{_named('training.steps')} = {t.steps}: must be >= 1")
+    if t.local_batch_size < 1:
+        errors.append(f"{_named('training.local_batch_size', 'training.batch_size')} = {t.local_batch_size}: must be >= 1")
+    dp = _data_parallel_degree(config.parallelism, world)
+    if t.global_batch_size != -1 and t.local_batch_size >= 1 and dp >= 1:
+        per_step = t.local_batch_size * dp
+        if t.global_batch_size < 1 or t.global_batch_size % per_step:
+            errors.append(
+                f"{_named('training.global_batch_size')} = {t.global_batch_size}: must be -1 (= local batch x "
+                f"data-parallel degree) or a positive multiple of local_batch_size ({t.local_batch_size}) x "
+                f"data-parallel degree ({dp}) = {per_step}"
+            )
+    for group in config.optimizer.param_groups:
+        lr = group.optimizer_kwargs.get("lr")
+        if isinstance(lr, (int, float)) and not (math.isfinite(lr) and lr > 0):
+            errors.append(f"{_named('training.lr')} = {lr}: must be a finite number > 0")
+            break
+    errors.extend(sequence_length_errors(config))
+    return errors
+
+
+def sequence_length_errors(config) -> list[str]:
+    """``training.seq_len`` > 0, within every RoPE cache and divisible by the loss chunk count."""
+    seq_len = config.training.seq_len
+    key = _named("training.seq_len")
+    if seq_len < 1:
+        return [f"{key} = {seq_len}: must be >= 1"]
+    errors = []
+    if config.model_spec is not None:
+        limits = {getattr(node, "max_seq_len") for node in _config_nodes(config.model_spec.model) if hasattr(node, "max_seq_len")}
+        if limits and seq_len > min(limits):
+            errors.append(f"{key} = {seq_len}: exceeds the model's RoPE length (max_seq_len = {min(limits)}); use at most {min(limits)}")
+    num_chunks = getattr(config.loss, "num_chunks", None)
+    if isinstance(num_chunks, int) and num_chunks > 0 and seq_len % num_chunks:
+        errors.append(
+            f"{key} = {seq_len}: the chunked loss splits the sequence into {num_chunks} equal chunks; "
+            f"use a multiple of {num_chunks}"
+        )
+    return errors
+
+
+def _config_nodes(node: Any):
+    """Every dataclass config in a tree, the root included."""
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        yield node
+        for field in dataclasses.fields(node):
+            yield from _config_nodes(getattr(node, field.name))
+    elif isinstance(node, (list, tuple)):
+        for item in node:
+            yield from _config_nodes(item)
+
+
+def data_errors(config) -> list[str]:
+    """Dataset name known to torchtitan, local data paths that hold data, tokenizer folder."""
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    import torchtitan_ext.data  # noqa: F401  (registers the shipped dataset)
+
+    errors = []
+    loader = config.dataloader
+    name = getattr(loader, "dataset", None)
+    if name is not None and name not in DATASETS:
+        errors.append(f"{_named('dataloader.dataset', 'data.dataset')} = {name!r}: unknown dataset; known: {', '.join(sorted(DATASETS))}")
+    elif name is not None:
+        path = getattr(loader, "dataset_path", None) or DATASETS[name].path
+        key = _named("dataloader.dataset_path", "data.path")
+        local = Path(path).expanduser()
+        if local.is_dir() and not any(p.is_file() and not p.name.startswith(".") for p in local.rglob("*")):
+            errors.append(f"{key} = {path!r}: the folder holds no data files")
+        elif not local.exists() and (local.is_absolute() or path.startswith(".")):
+            errors.append(f"{key} = {path!r}: no such file or folder")
+    tokenizer = Path(config.hf_assets_path).expanduser()
+    tokenizer_key = _named("hf_assets_path", "data.tokenizer")
+    if not tokenizer.is_dir():
+        errors.append(f"{tokenizer_key} = {str(config.hf_assets_path)!r}: no such folder (a folder with {' or '.join(TOKENIZER_FILES)})")
+    elif not any((tokenizer / f).is_file() for f in TOKENIZER_FILES):
+        errors.append(f"{tokenizer_key} = {str(config.hf_assets_path)!r}: the folder has none of {', '.join(TOKENIZER_FILES)}")
+    return errors
+
+
+def output_errors(config) -> list[str]:
+    """``dump_folder`` and its parents are folders or do not exist yet."""
+    folder = Path(config.dump_folder).expanduser()
+    for path in (folder, *folder.parents):
+        if path.exists() and not path.is_dir():
+            return [f"{_named('dump_folder')} = {str(config.dump_folder)!r}: {path} is a file; dump_folder must be a folder"]
+    return []
+
+
+@register_config_check
+def check_config_values(config) -> None:
+    """Every value and cross-field rule of the framework; one ``ConfigError`` lists all problems."""
+    world = world_size()
+    errors = [
+        *non_finite_errors(config),
+        *training_errors(config, world),
+        *data_errors(config),
+        *output_errors(config),
+    ]
+    if errors:
+        raise ConfigError("\n".join(dict.fromkeys(errors)))
