@@ -1,0 +1,70 @@
+"""Short keys on the command line: same effect, validation and suggestions as in TOML."""
+
+import pytest
+
+from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
+from torchtitan_ext.overrides import ConfigError, split_short_key_args
+from torchtitan_ext.train import FlavorConfigManager, main
+
+TINY = "tiny-moe-grouped-mm"
+
+
+def parse(*args):
+    return FlavorConfigManager().parse_args(["--flavor", TINY, *args])
+
+
+def test_short_keys_split_from_the_command_line_with_toml_values():
+    overrides, rest = split_short_key_args(
+        ["--parallelism.ep=1", "--training.lr", "1e-3", "--wandb.enable", "--training.steps", "3"]
+    )
+    assert overrides == {"parallelism.ep": 1, "training.lr": 1e-3, "wandb.enable": True}
+    assert rest == ["--training.steps", "3"]
+
+
+def test_short_keys_on_the_command_line_take_effect():
+    config = parse("--moe.compute_backend", "for_loop", "--training.lr", "1e-3", "--parallelism.ep", "1",
+                   "--training.steps", "3")
+    backends = {e.compute_backend for _, e, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)}
+    assert backends == {"for_loop"}
+    assert {g.optimizer_kwargs["lr"] for g in config.optimizer.param_groups} == {1e-3}
+    assert config.training.steps == 3
+
+
+def test_command_line_beats_toml(tmp_path):
+    toml = tmp_path / "a.toml"
+    toml.write_text('[moe]\ncompute_backend = "batched_mm_padded"\n')
+    config = parse("--toml", str(toml), "--moe.compute_backend", "for_loop")
+    backends = {e.compute_backend for _, e, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)}
+    assert backends == {"for_loop"}
+
+
+@pytest.mark.parametrize(
+    "args,fragments",
+    [
+        (["--moe.compute_backend", "for_lop"], ["command line: moe.compute_backend = 'for_lop' is not one of the valid choices"]),
+        (["--training.lr", "nan"], ["training.lr = nan: must be a finite number > 0"]),
+        (["--parallelism.epp", "2"], ["unknown option --parallelism.epp; did you mean", "--parallelism.ep"]),
+        (["--training.steps", "x"], ["--training.steps", "invalid literal for int()"]),
+        (["--training.steps", "0"], ["training.steps = 0: must be >= 1"]),
+        (["--training.lr"], ["--training.lr needs a value"]),
+    ],
+)
+def test_bad_command_line_is_one_message_and_exit_2(capsys, args, fragments):
+    code = main(["--flavor", TINY, *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error: ") and err.count("error:") == 1, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_bad_command_line_raises_config_error():
+    with pytest.raises(ConfigError, match="unknown option --training.stepz; did you mean --training.steps"):
+        parse("--training.stepz", "3")
+
+
+def test_help_lists_short_keys_with_types_and_choices(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--moe.compute_backend" in out and "{grouped_mm,for_loop,batched_mm_padded,triton,auto}" in out
+    assert "--parallelism.ep" in out and "--training.lr" in out and "float" in out
