@@ -228,7 +228,7 @@ def parallelism_errors(config, moes: list[RoutedMoE.Config], world_size: int | N
             )
         elif world % ep:
             errors.append(f"parallelism.expert_parallel_degree ({ep}) does not divide the world size ({world})")
-        if (dp_shard * cp * tp) % ep:
+        elif (dp_shard * cp * tp) % ep:
             errors.append(
                 f"parallelism.expert_parallel_degree ({ep}) must divide dp_shard*cp*tp = {dp_shard * cp * tp} "
                 "(EP borrows ranks from data-shard, context and tensor parallelism)"
