@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 
 import torchtitan.distributed.fsdp as titan_fsdp
 import torchtitan.tools.utils as titan_utils
+from torchtitan.config.configs import CommConfig
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.tools.logging import logger
@@ -116,6 +117,9 @@ def adapt_config_for_cpu(config) -> None:
       ``FlexAttention.Config`` becomes ``DocumentCausalSDPA.Config`` (same masking).
     - ``trainer.py`` ``Trainer.Config._validate_cuda_graphs``: CUDA graphs are
       meaningless on CPU, so ``training.disable_cuda_graphs``.
+    - ``config/configs.py`` ``CommConfig.train_timeout_seconds`` (gloo timeout after the
+      first step): torchtitan's 100 s let a frozen rank hold a CPU job for 132 s; left at
+      torchtitan's default it becomes 30 s on CPU, any other value is kept.
     """
     if config.model_spec is not None:
         for _, _, parent, attr in list(config.model_spec.model.traverse(FlexAttention.Config)):
@@ -125,6 +129,8 @@ def adapt_config_for_cpu(config) -> None:
             else:
                 setattr(parent, attr, replacement)
     config.training.disable_cuda_graphs = True
+    if config.comm.train_timeout_seconds == CommConfig().train_timeout_seconds:
+        config.comm.train_timeout_seconds = 30
 
 
 def _cpu_attention_masks(self, positions):
