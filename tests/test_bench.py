@@ -1,4 +1,4 @@
-"""The benchmark CLI on CPU with tiny shapes, and the "auto" compute-backend choice."""
+"""The benchmark CLI on CPU with tiny shapes, its plots, and the "auto" compute-backend choice."""
 
 import json
 from pathlib import Path
@@ -8,7 +8,9 @@ import torch
 
 from torchtitan_ext.bench import auto_backend
 from torchtitan_ext.bench.__main__ import main
-from torchtitan_ext.bench.common import TINY_SHAPE, BenchShape
+from torchtitan_ext.bench.common import TINY_SHAPE, BenchShape, make_timer
+from torchtitan_ext.bench.expert_block import expert_inputs
+from torchtitan_ext.bench.plot import chart_of
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.moe_metrics import run_metadata
 from torchtitan_ext.overrides import ConfigError
@@ -32,13 +34,21 @@ def run_main(argv, tmp_path) -> tuple[dict, str]:
     return json.loads((tmp_path / "out.json").read_text())
 
 
+ON_CPU = not torch.cuda.is_available()
+
+
 def test_expert_tiny_shape(tmp_path, capsys):
     results = run_main(["expert", "--tiny", "--skew", "balanced", "--impls", "grouped_mm", "for_loop"], tmp_path)
     out = capsys.readouterr()
-    assert "fwd+bwd TF/s" in out.out and "for_loop" in out.out
+    assert "fwd+bwd ms" in out.out and "for_loop" in out.out
     assert "expert block" in out.err  # progress
     assert [row["impl"] for row in results["rows"]] == ["grouped_mm", "for_loop"]
     assert results["meta"]["device"] == "cpu" and results["meta"]["command"].startswith("python -m torchtitan_ext.bench expert")
+    for row in results["rows"]:
+        assert row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0
+    if ON_CPU:  # FLOP rates and memory are GPU figures: neither in the rows nor in the table
+        assert all(row["fwdbwd_tflops"] is None and row["fwdbwd_peak_mb"] is None for row in results["rows"])
+        assert "TF/s" not in out.out and "peak MB" not in out.out
 
 
 def test_expert_explicit_dims(tmp_path):
@@ -46,6 +56,7 @@ def test_expert_explicit_dims(tmp_path):
                         "--skew", "skewed", "--impls", "batched_mm_padded"], tmp_path)
     (row,) = results["rows"]
     assert row["shape"] == "D16-F24-E4-K2-T16" and row["skew"] == 2.0
+    assert row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0
 
 
 def test_layer_shapes_from_flavor(tmp_path, capsys):
@@ -54,15 +65,68 @@ def test_layer_shapes_from_flavor(tmp_path, capsys):
     assert "err vs stock" in capsys.readouterr().out
     assert [row["layer"] for row in results["rows"]] == ["torchtitan", "for_loop"]
     assert results["rows"][0]["shape"] == "tiny-moe-for-loop"
+    assert all(row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0 and row["fwdbwd_speedup"] > 0 for row in results["rows"])
 
 
 def test_train_step_tiny_flavor(tmp_path, capsys):
-    results = run_main(["train-step", "--flavor", "tiny-moe-grouped-mm", "--backends", "for_loop",
+    results = run_main(["train-step", "--flavor", "tiny-moe-grouped-mm", "--backends", "for_loop", "grouped_mm",
                         "--batch-size", "2", "--seq-len", "16"], tmp_path)
-    assert "tokens/s" in capsys.readouterr().out
-    (row,) = results["rows"]
-    assert row["backend"] == "for_loop" and row["tokens"] == 32 and row["mfu"] == "n/a"
-    assert row["tokens_per_s"] > 0 and row["flops_per_token"] > 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "step-1 loss" in out
+    for_loop, grouped_mm = results["rows"]
+    assert for_loop["backend"] == "for_loop" and for_loop["tokens"] == 32
+    assert for_loop["step_ms"] > 0 and for_loop["tokens_per_s"] > 0 and for_loop["flops_per_token"] > 0
+    assert for_loop["first_loss"] == pytest.approx(grouped_mm["first_loss"], abs=1e-3)  # same weights, same tokens
+    if ON_CPU:
+        assert for_loop["tflops"] is None and for_loop["mfu"] is None and "MFU" not in out
+
+
+def test_expert_inputs_are_seeded():
+    first, again = (expert_inputs(TINY_SHAPE, 2.0, torch.device("cpu"), torch.float32) for _ in range(2))
+    assert torch.equal(first.ids_TK, again.ids_TK) and torch.equal(first.x_TD, again.x_TD)
+    assert all(torch.equal(a, b) for a, b in zip(first.weights, again.weights))
+
+
+def test_cpu_timer_resets_grads_before_every_call():
+    calls, leaf = [], torch.ones(3, requires_grad=True)
+
+    def step():
+        assert leaf.grad is None
+        (leaf * 2).sum().backward()
+        calls.append(1)
+
+    ms = make_timer(torch.device("cpu"), warmup_ms=1, repeat_ms=5)(step, grad_to_none=[leaf])
+    assert ms > 0 and len(calls) > 5
+
+
+def test_plots_of_cpu_results_show_milliseconds(tmp_path):
+    expert = run_main(["expert", "--tiny", "--skew", "balanced", "--impls", "grouped_mm", "for_loop"], tmp_path)
+    chart = chart_of(expert)
+    if ON_CPU:
+        assert chart.value_label == "fwd+bwd ms (lower is better)"
+        assert [bar.value for bar in chart.bars] == [row["fwdbwd_ms"] for row in expert["rows"]]
+    measured = json.loads((RESULTS / "expert_block_h100.json").read_text())
+    assert chart_of(measured).value_label == "fwd+bwd TFLOP/s (higher is better)"
+    step = {"meta": {"device": "cpu"}, "rows": [{"flavor": "f", "layers": 2, "backend": "b", "tokens_per_s": 1e4,
+                                                   "tflops": None, "step_ms": 147.0}]}
+    assert [bar.value for bar in chart_of(step).bars] == [147.0]
+    step["rows"][0]["step_ms"] = 0.0
+    with pytest.raises(ValueError, match="nothing to plot"):
+        chart_of(step)
+
+
+@pytest.mark.skipif(not ON_CPU, reason="full-size shapes run on a GPU")
+@pytest.mark.parametrize("argv, refused", [
+    (["expert", "--flavor", "qwen3-30b-a3b"], "bench expert: qwen3-30b-a3b (dim 2048) is full-size"),
+    (["layer", "--shapes", "mixtral-8x7b"], "bench layer: mixtral-8x7b (dim 4096) is full-size"),
+    (["expert", "--dim", "2048", "--hidden", "8", "--experts", "4", "--top-k", "2"], "is full-size"),
+    (["train-step", "--flavor", "qwen3-30b-a3b", "--backends", "for_loop"], "flavor qwen3-30b-a3b (dim 2048)"),
+    (["auto", "--flavor", "olmoe-1b-7b"], "bench auto: flavor olmoe-1b-7b (dim 2048) is full-size"),
+])
+def test_full_size_shapes_are_refused_on_cpu(argv, refused, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert refused in err and "needs a CUDA GPU" in err
 
 
 @pytest.mark.parametrize("name", ["expert_block_h100.json", "moe_layer_h200.json", "ep_dispatch_h200_2026-11-21.json"])
@@ -91,9 +155,6 @@ def test_bad_arguments_exit_2(argv, message, capsys):
 def test_config_errors_exit_2(capsys):
     assert main(["train-step", "--flavor", "tiny-moe-for-lop"]) == 2
     assert "unknown flavor 'tiny-moe-for-lop'; did you mean" in capsys.readouterr().err
-    if not torch.cuda.is_available():
-        assert main(["train-step", "--flavor", "qwen3-30b-a3b", "--backends", "for_loop"]) == 2
-        assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 # --- compute_backend = "auto" ------------------------------------------------------------

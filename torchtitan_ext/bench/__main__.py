@@ -8,8 +8,9 @@
     python -m torchtitan_ext.bench plot --from result.json --out result.png
 
 Progress goes to stderr, the table to stdout; ``--json`` and ``--plot`` write the results.
-Without CUDA everything runs on CPU in fp32 (small shapes; the Triton backends only with
-TRITON_INTERPRET=1); with CUDA timings are medians over CUDA events after warm-up.
+Without CUDA everything runs on CPU in fp32, timed with torch.utils.benchmark and reported
+in ms (small shapes only: full-size ones are refused; the Triton backends only with
+TRITON_INTERPRET=1); with CUDA timings are medians over CUDA events after warm-up, with TFLOP/s.
 """
 
 import argparse
@@ -20,7 +21,17 @@ import sys
 import torch
 
 from torchtitan_ext.bench import auto_backend, expert_block, moe_layer, plot, train_step
-from torchtitan_ext.bench.common import SHAPES, TINY_SHAPE, BenchShape, print_table, progress, write_json
+from torchtitan_ext.bench.common import (
+    SHAPES,
+    TINY_FLAVORS_HINT,
+    TINY_SHAPE,
+    BenchShape,
+    print_table,
+    progress,
+    refuse_full_size_on_cpu,
+    write_json,
+)
+from torchtitan_ext.compat.quiet_cpu import quiet_cpu_warnings
 from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS
 from torchtitan_ext.kernels.fused_moe import triton_available_reason
 from torchtitan_ext.overrides import ConfigError
@@ -232,6 +243,8 @@ def run_train_step(parser, args, device, command) -> None:
 def run_auto(parser, args, device, command) -> None:
     config = train_step.step_config(args.flavor, args.toml, auto_backend.AUTO_BACKEND, batch_size=args.batch_size,
                                     seq_len=args.seq_len, num_layers=None)
+    refuse_full_size_on_cpu("auto", {f"flavor {args.flavor}": config.model_spec.model.dim}, device,
+                            hint=TINY_FLAVORS_HINT)
     choice = auto_backend.resolve_for_config(config, remeasure=args.remeasure)
     rows = [{"backend": name, "ms_per_step": ms, "chosen": "*" if name == choice.backend else ""}
             for name, ms in choice.ms_per_step.items()]
@@ -254,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    quiet_cpu_warnings()
     command = " ".join([PROG, *argv])
     try:
         args.handler(args.subparser, args, device, command)

@@ -9,7 +9,7 @@ Implementations, timed in one process so that ratios compare like with like:
 - ``fused_routed``: the fused Triton kernels' routed mode (gather and weighted combine
   inside the kernels), the single-device path of compute_backend "triton".
 
-FLOPs: 6*N*D*F forward, 18*N*D*F forward+backward, N = T*K routed rows.
+FLOPs (reported on GPUs): 6*N*D*F forward, 18*N*D*F forward+backward, N = T*K routed rows.
 
     python -m torchtitan_ext.bench.expert_block --out results.json
     python -m torchtitan_ext.bench.expert_block --tiny        # CPU smoke run
@@ -34,8 +34,10 @@ from torchtitan_ext.bench.common import (
     memory_mb,
     print_table,
     progress,
+    refuse_full_size_on_cpu,
     relative_error,
     route,
+    seeded_generator,
     write_json,
 )
 
@@ -73,23 +75,28 @@ class ExpertInputs(NamedTuple):
 
 
 def expert_inputs(shape: BenchShape, skew: float, device, dtype) -> ExpertInputs:
-    """Random routing (see ``route``), tokens, the same tokens grouped by expert, and weights."""
-    ids_TK, scores_TK = route(shape.tokens, shape.num_experts, shape.top_k, skew, device)
+    """Seeded random routing (see ``route``), tokens, the same tokens grouped by expert, and weights."""
+    generator = seeded_generator(device)
+    ids_TK, scores_TK = route(shape.tokens, shape.num_experts, shape.top_k, skew, device, generator)
     counts_E = torch.bincount(ids_TK.reshape(-1), minlength=shape.num_experts)
     slot_N = torch.argsort(ids_TK.reshape(-1), stable=True)
-    x_TD = torch.randn(shape.tokens, shape.dim, device=device, dtype=dtype).requires_grad_()
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, device=device, generator=generator).to(dtype)
+
+    x_TD = randn(shape.tokens, shape.dim).requires_grad_()
     x_ND = x_TD.detach()[slot_N // shape.top_k].clone().requires_grad_()
     E, D, F = shape.num_experts, shape.dim, shape.hidden_dim
     weights = [
-        (torch.randn(E, F, D, device=device, dtype=dtype) * D**-0.5).requires_grad_(),
-        (torch.randn(E, D, F, device=device, dtype=dtype) * F**-0.5).requires_grad_(),
-        (torch.randn(E, F, D, device=device, dtype=dtype) * D**-0.5).requires_grad_(),
+        (randn(E, F, D) * D**-0.5).requires_grad_(),
+        (randn(E, D, F) * F**-0.5).requires_grad_(),
+        (randn(E, F, D) * D**-0.5).requires_grad_(),
     ]
     return ExpertInputs(ids_TK, scores_TK.to(dtype).requires_grad_(), counts_E, x_TD, x_ND, weights)
 
 
 def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype) -> list[dict]:
-    """One row per implementation: ms, TFLOP/s, memory, error vs grouped_mm."""
+    """One row per implementation: ms, TFLOP/s and memory (GPU), error vs grouped_mm."""
     ids_TK, scores_TK, counts_E, x_TD, x_ND, weights = expert_inputs(shape, skew, device, dtype)
     calls = {name: (lambda fn=fn: fn(x_ND, *weights, counts_E), [x_ND, *weights])
              for name, fn in EXPERT_BACKENDS.items()}
@@ -107,7 +114,7 @@ def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype) -> 
         reference = references["routed" if name in ROUTED_IMPLS else "grouped"]
         with torch.no_grad():
             error = relative_error(forward(), reference)
-        grad_out = torch.randn_like(reference)
+        grad_out = torch.randn(reference.shape, device=device, generator=seeded_generator(device, 1)).to(dtype)
 
         def forward_backward():
             torch.autograd.backward(forward(), grad_out)
@@ -119,8 +126,9 @@ def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype) -> 
             tensor.grad = None
         rows.append({
             "shape": shape.name, "skew": skew, "max_over_mean": max_over_mean(counts_E), "impl": name,
-            "fwd_ms": round(fwd_ms, 3), "fwd_tflops": expert_tflops(shape, fwd_ms, backward=False),
-            "fwdbwd_ms": round(fwdbwd_ms, 3), "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, backward=True),
+            "fwd_ms": round(fwd_ms, 3), "fwd_tflops": expert_tflops(shape, fwd_ms, device, backward=False),
+            "fwdbwd_ms": round(fwdbwd_ms, 3),
+            "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, device, backward=True),
             "fwd_held_mb": held_mb, "fwdbwd_peak_mb": peak_mb, "rel_err": f"{error:.1e}",
         })
         if device.type == "cuda":
@@ -130,7 +138,11 @@ def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype) -> 
 
 def run(shapes: list[BenchShape], impls, device, dtype, command: str, out: str | None = None,
         skews=SKEWS) -> dict:
-    """Measure every shape and skew; ``out`` is rewritten after each shape."""
+    """Measure every shape and skew; ``out`` is rewritten after each shape.
+
+    Raises ``ConfigError`` for full-size shapes on CPU.
+    """
+    refuse_full_size_on_cpu("expert", {shape.name: shape.dim for shape in shapes}, device)
     timer = make_timer(device)
     results = {"meta": environment(command, device, dtype), "rows": []}
     if device.type == "cuda":

@@ -4,8 +4,9 @@ against stock torchtitan 0.3.0's MoE layer, on one device, in one process.
 Both layers get the same weights and inputs, ``(B, L, D) = (2, 4096, D)`` in bf16 on a GPU.
 Skewed routing adds the same expert bias (a linear ramp, calibrated to max/mean load about
 3.5) to both layers' routers, so they route alike. Reported: forward and forward+backward
-ms, expert-equivalent TFLOP/s (6*N*D*F / 18*N*D*F), speed-up over stock, peak memory of
-forward+backward above the weights (activation memory), and the output's error vs stock.
+ms, speed-up over stock, the output's error vs stock and, on a GPU, expert-equivalent
+TFLOP/s (6*N*D*F / 18*N*D*F) and peak memory of forward+backward above the weights
+(activation memory).
 
     python -m torchtitan_ext.bench.moe_layer --out layer.json
     python -m torchtitan_ext.bench.moe_layer --tiny          # CPU smoke run
@@ -28,7 +29,9 @@ from torchtitan_ext.bench.common import (
     memory_mb,
     print_table,
     progress,
+    refuse_full_size_on_cpu,
     relative_error,
+    seeded_generator,
     write_json,
 )
 
@@ -80,7 +83,7 @@ def calibrate_skew(stock_layer, x_BLD: torch.Tensor, target: float) -> torch.Ten
 
 def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, batch: int) -> list[dict]:
     seq_len = shape.tokens // batch
-    generator = torch.Generator(device=device).manual_seed(0)
+    generator = seeded_generator(device)
     x_BLD = torch.randn(batch, seq_len, shape.dim, device=device, dtype=dtype, generator=generator)
     stock = build(STOCK, shape, device, dtype)
     with torch.no_grad():
@@ -116,8 +119,8 @@ def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, bat
         rows.append({
             "shape": shape.name, "skew": skew, "max_over_mean": max_over_mean(counts_E), "layer": kind,
             "fwd_ms": round(fwd_ms, 3), "fwdbwd_ms": round(fwdbwd_ms, 3),
-            "fwd_tflops": expert_tflops(shape, fwd_ms, backward=False),
-            "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, backward=True),
+            "fwd_tflops": expert_tflops(shape, fwd_ms, device, backward=False),
+            "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, device, backward=True),
             "fwdbwd_peak_mb": peak_mb, "rel_err_vs_stock": f"{error:.1e}",
         })
         if layer is not stock:
@@ -144,7 +147,11 @@ TABLE = [("shape", "shape"), ("skew", "skew"), ("max_over_mean", "max/mean"), ("
 
 def run(shapes, kinds, device, dtype, batch: int, command: str, out: str | None = None,
         skews=SKEWS) -> dict:
-    """Measure every shape and skew; ``out`` is rewritten after each shape."""
+    """Measure every shape and skew; ``out`` is rewritten after each shape.
+
+    Raises ``ConfigError`` for full-size shapes on CPU.
+    """
+    refuse_full_size_on_cpu("layer", {shape.name: shape.dim for shape in shapes}, device)
     timer = make_timer(device)
     results = {"meta": environment(command, device, dtype), "rows": []}
     for shape in shapes:

@@ -1,11 +1,14 @@
 """Grouped bar charts (PNG) of benchmark results, from the result dicts or their JSON files.
 
-- expert block / MoE layer: forward+backward TFLOP/s per backend, grouped by shape, one panel
+- expert block / MoE layer: forward+backward TFLOP/s per backend (GPU results) or
+  forward+backward ms (CPU results, which carry no FLOP rates), grouped by shape, one panel
   per routing skew;
-- train step: model TFLOP/s per backend, grouped by flavor;
+- train step: model TFLOP/s (GPU) or step ms (CPU) per backend, grouped by flavor;
 - EP dispatch: GB/s of dispatch+combine per transport next to the raw all-to-all (one row per
   routed slot, and one per token and destination rank), all as the routed rows' bytes over the
   time; grouped by tokens per rank x dim, one panel per world size and routing.
+
+Every bar carries its value; one y-axis label and one legend serve all panels, outside them.
 """
 
 import json
@@ -19,6 +22,14 @@ class Bar:
     group: str
     series: str
     value: float
+
+
+@dataclass(frozen=True)
+class Chart:
+    bars: list[Bar]
+    value_label: str
+    """The y-axis label: what the bars measure and which way is better."""
+    title: str
 
 
 def _skew_panel(row: dict) -> str:
@@ -38,21 +49,30 @@ def _ep_rows(results: dict) -> list[dict]:
     return rows
 
 
-def bars_of(results: dict, only: Iterable[str] | None = None) -> tuple[list[Bar], str, str]:
-    """(bars, y-axis label, title) for any result dict the benchmarks write."""
+def _rate_or_time(rows: list[dict], rate_key: str, rate_label: str, time_key: str,
+                  time_label: str) -> tuple[str, str]:
+    """(row key, axis label): the FLOP rate where the rows have one (GPU), else the time (CPU)."""
+    if any(row.get(rate_key) is not None for row in rows):
+        return rate_key, f"{rate_label} (higher is better)"
+    return time_key, f"{time_label} (lower is better)"
+
+
+def chart_of(results: dict, only: Iterable[str] | None = None) -> Chart:
+    """The bars, axis label and title for any result dict the benchmarks write."""
     only = set(only or ())
     rows = results.get("rows", [])
     meta = results.get("meta", results)
     device = meta.get("device") or meta.get("machine", "")
-    if rows and "impl" in rows[0]:
-        bars = [Bar(_skew_panel(r), _shape_group(r), r["impl"], r["fwdbwd_tflops"]) for r in rows]
-        label, title = "fwd+bwd TFLOP/s", f"Expert block per implementation, {device}, {meta.get('dtype')}"
-    elif rows and "layer" in rows[0]:
-        bars = [Bar(_skew_panel(r), _shape_group(r), r["layer"], r["fwdbwd_tflops"]) for r in rows]
-        label, title = "fwd+bwd expert TFLOP/s", f"MoE layer per backend vs stock torchtitan, {device}, {meta.get('dtype')}"
+    if rows and ("impl" in rows[0] or "layer" in rows[0]):
+        series_key = "impl" if "impl" in rows[0] else "layer"
+        key, label = _rate_or_time(rows, "fwdbwd_tflops", "fwd+bwd TFLOP/s", "fwdbwd_ms", "fwd+bwd ms")
+        bars = [Bar(_skew_panel(r), _shape_group(r), r[series_key], r[key]) for r in rows]
+        what = "Expert block per implementation" if series_key == "impl" else "MoE layer per backend vs stock torchtitan"
+        title = f"{what}, {device}, {meta.get('dtype')}"
     elif rows and "tokens_per_s" in rows[0]:
-        bars = [Bar("", f"{r['flavor']} ({r['layers']} layers)", r["backend"], r["tflops"]) for r in rows]
-        label, title = "model TFLOP/s", f"Training step per backend, {device}"
+        key, label = _rate_or_time(rows, "tflops", "model TFLOP/s", "step_ms", "training step ms")
+        bars = [Bar("", f"{r['flavor']} ({r['layers']} layers)", r["backend"], r[key]) for r in rows]
+        title = f"Training step per backend, {device}"
     elif _ep_rows(results):
         bars, with_raw = [], set()
         for r in _ep_rows(results):
@@ -66,14 +86,22 @@ def bars_of(results: dict, only: Iterable[str] | None = None) -> tuple[list[Bar]
             transport = r.get("transport", "all_to_all")
             how = f"all_to_all, {r['permute_backend']} permute" if transport == "all_to_all" else transport
             bars.append(Bar(panel, group, f"dispatch+combine ({how})", r["dispatch_combine_GBps"]))
-        label, title = "GB/s per rank (routed rows' remote bytes / time)", f"EP dispatch + combine, {device}"
+        label = "GB/s per rank: routed rows' remote bytes / time (higher is better)"
+        title = f"EP dispatch + combine, {device}"
     else:
         raise ValueError("not a result file of python -m torchtitan_ext.bench (no rows to plot)")
+    bars = [bar for bar in bars if bar.value is not None]
     if only:
         bars = [bar for bar in bars if bar.series in only]
         if not bars:
             raise ValueError(f"--only {' '.join(sorted(only))}: no such series in these results")
-    return bars, label, title
+    if not any(bar.value for bar in bars):
+        raise ValueError("every value in these results is zero or missing: nothing to plot")
+    return Chart(bars, label, title)
+
+
+def _value_text(value: float) -> str:
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
 
 
 def plot(results: dict, path: str, only: Iterable[str] | None = None) -> None:
@@ -83,25 +111,38 @@ def plot(results: dict, path: str, only: Iterable[str] | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bars, label, title = bars_of(results, only)
-    panels = list(dict.fromkeys(bar.panel for bar in bars))
-    series = list(dict.fromkeys(bar.series for bar in bars))
-    figure, axes = plt.subplots(len(panels), 1, figsize=(11, 3.6 * len(panels)), squeeze=False,
-                                layout="constrained")
+    chart = chart_of(results, only)
+    panels = list(dict.fromkeys(bar.panel for bar in chart.bars))
+    series = list(dict.fromkeys(bar.series for bar in chart.bars))
+    legend_rows = -(-len(series) // 3)
+    figure, axes = plt.subplots(len(panels), 1, figsize=(11, 3.4 * len(panels) + 0.3 * legend_rows + 0.6),
+                                squeeze=False, layout="constrained")
     width = 0.8 / len(series)
+    rotation = 90 if len(series) > 3 else 0
     for axis, panel in zip(axes[:, 0], panels):
-        groups = list(dict.fromkeys(bar.group for bar in bars if bar.panel == panel))
-        values = {(bar.group, bar.series): bar.value for bar in bars if bar.panel == panel}
+        groups = list(dict.fromkeys(bar.group for bar in chart.bars if bar.panel == panel))
+        values = {(bar.group, bar.series): bar.value for bar in chart.bars if bar.panel == panel}
         for index, name in enumerate(series):
-            positions = [g + (index - (len(series) - 1) / 2) * width for g in range(len(groups))]
-            heights = [values.get((group, name), 0.0) for group in groups]
-            axis.bar(positions, heights, width, label=name)
+            present = [(g, values[group, name]) for g, group in enumerate(groups) if (group, name) in values]
+            positions = [g + (index - (len(series) - 1) / 2) * width for g, _ in present]
+            heights = [value for _, value in present]
+            bars = axis.bar(positions, heights, width, label=name, color=f"C{index}")
+            axis.bar_label(bars, labels=[_value_text(h) for h in heights], fontsize=7, padding=2,
+                           rotation=rotation)
         axis.set_xticks(range(len(groups)), groups)
-        axis.set_ylabel(label)
-        axis.set_title(panel, fontsize=10)
+        axis.margins(y=0.18 if rotation else 0.1)
+        if panel:
+            axis.set_title(panel, fontsize=10)
         axis.grid(axis="y", alpha=0.3)
-    axes[0, 0].legend(fontsize=8, ncol=min(len(series), 3))
-    figure.suptitle(title, fontsize=11)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    for axis in axes[1:, 0]:
+        for handle, label in zip(*axis.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+    figure.legend(handles, labels, loc="outside lower center", ncol=min(len(series), 3), fontsize=8, frameon=False)
+    figure.supylabel(chart.value_label, fontsize=10)
+    figure.suptitle(chart.title, fontsize=11)
     figure.savefig(path, dpi=80)
     plt.close(figure)
 

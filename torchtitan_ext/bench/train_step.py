@@ -9,10 +9,11 @@ initial weights. On CUDA the step runs under bf16 autocast when the flavor's
 ``training.mixed_precision_param`` is bfloat16 (fp32 parameters); on CPU it runs in fp32
 with torchtitan's FlexAttention replaced by causal SDPA (``compat.cpu``).
 
-Reported: step ms (median, ``common.make_timer``), tokens/s, model TFLOP/s and MFU, from
-torchtitan's FLOP count of the model config (``get_nparams_and_flops``: 6 x active
-parameters per token plus attention) and torchtitan's peak dense bf16 table (H100/H200:
-989 TFLOP/s). MFU is n/a on CPU.
+Reported: step ms (median, ``common.make_timer``), tokens/s and, on a GPU, model TFLOP/s
+and MFU, from torchtitan's FLOP count of the model config (``get_nparams_and_flops``: 6 x
+active parameters per token plus attention) and torchtitan's peak dense bf16 table
+(H100/H200: 989 TFLOP/s), and the loss of the first timed step (the same for every backend
+up to rounding: same weights, same tokens). Full-size flavors are refused on CPU.
 """
 
 from contextlib import nullcontext
@@ -20,7 +21,14 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from torchtitan_ext.bench.common import environment, make_timer, progress, write_json
+from torchtitan_ext.bench.common import (
+    TINY_FLAVORS_HINT,
+    environment,
+    make_timer,
+    progress,
+    refuse_full_size_on_cpu,
+    write_json,
+)
 
 from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes  # noqa: E402
 
@@ -35,10 +43,7 @@ from torchtitan_ext.train import resolve_config  # noqa: E402
 
 TABLE = [("flavor", "flavor"), ("backend", "backend"), ("layers", "layers"), ("tokens", "tokens/step"),
          ("dtype", "dtype"), ("step_ms", "step ms"), ("tokens_per_s", "tokens/s"), ("tflops", "TFLOP/s"),
-         ("mfu", "MFU"), ("loss", "loss")]
-
-FULL_SIZE_MIN_DIM = 1024
-"""Flavors with a model dim at least this large need CUDA (CPU runs are for tiny flavors)."""
+         ("mfu", "MFU"), ("first_loss", "step-1 loss")]
 
 
 def step_config(flavor: str, tomls: list[str], backend: str, *, batch_size: int | None, seq_len: int | None,
@@ -96,7 +101,8 @@ def bench_backend(config, backend: str, device: torch.device, timer) -> dict:
     _, flops_per_token = model_config.get_nparams_and_flops(model, seq_len)
     tokens = batch * seq_len
     tokens_per_s = tokens / (step_ms / 1e3)
-    peak = get_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    on_gpu = device.type == "cuda"
+    peak = get_peak_flops(torch.cuda.get_device_name(device)) if on_gpu else None
     del model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -105,22 +111,24 @@ def bench_backend(config, backend: str, device: torch.device, timer) -> dict:
         "tokens": tokens, "dtype": str(autocast_dtype or torch.float32).removeprefix("torch."),
         "step_ms": round(step_ms, 3), "tokens_per_s": round(tokens_per_s, 1),
         "flops_per_token": flops_per_token,
-        "tflops": round(flops_per_token * tokens_per_s / 1e12, 3),
-        "mfu": f"{flops_per_token * tokens_per_s / peak:.1%}" if peak else "n/a",
-        "loss": round(float(losses[-1]), 4),
+        "tflops": round(flops_per_token * tokens_per_s / 1e12, 3) if on_gpu else None,
+        "mfu": f"{flops_per_token * tokens_per_s / peak:.1%}" if peak else None,
+        "first_loss": round(float(losses[0]), 4),
     }
 
 
 def run(flavor: str, tomls: list[str], backends: list[str], device: torch.device, command: str, *,
         batch_size: int | None = None, seq_len: int | None = None, num_layers: int | None = None,
         out: str | None = None) -> dict:
-    """One row per backend; ``out`` is rewritten after each backend."""
+    """One row per backend; ``out`` is rewritten after each backend.
+
+    Raises ``ConfigError`` for a full-size flavor on CPU.
+    """
     configs = {backend: step_config(flavor, tomls, backend, batch_size=batch_size, seq_len=seq_len,
                                     num_layers=num_layers) for backend in backends}
+    model_dim = max(config.model_spec.model.dim for config in configs.values())
+    refuse_full_size_on_cpu("train-step", {f"flavor {flavor}": model_dim}, device, hint=TINY_FLAVORS_HINT)
     if device.type == "cpu":
-        if max(c.model_spec.model.dim for c in configs.values()) >= FULL_SIZE_MIN_DIM:
-            raise ConfigError(f"train-step: flavor {flavor!r} is full-size and needs a CUDA GPU; "
-                              "on CPU use a tiny flavor (python -m torchtitan_ext.flavors lists them)")
         patch_torchtitan_for_cpu()
         for config in configs.values():
             adapt_config_for_cpu(config)
