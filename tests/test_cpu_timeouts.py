@@ -33,31 +33,35 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_stopped_rank_ends_the_job_at_the_cpu_train_timeout(tmp_path):
-    """Two ranks without torchrun; rank 1 gets SIGSTOP after step 1; rank 0 fails on gloo's timeout."""
+def test_stopped_rank_ends_the_job_at_the_train_timeout(tmp_path):
+    """Two ranks without torchrun; rank 1 gets SIGSTOP after step 2; rank 0 fails on gloo's timeout.
+
+    Step 2 is the first under ``comm.train_timeout_seconds`` on both ranks (torchtitan sets it
+    after a barrier at the end of step 1).
+    """
     port = str(free_port())
+    rank0_log = tmp_path / "rank0.log"
     ranks = []
     for rank in (0, 1):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        output = open(rank0_log, "w") if rank == 0 else subprocess.PIPE
         ranks.append(subprocess.Popen(
             [sys.executable, "-m", "torchtitan_ext.train", "--flavor", "tiny-moe-grouped-mm",
-             "--training.steps", "200", "--dump_folder", str(tmp_path / f"rank{rank}"),
-             "--metrics.disable_color_printing"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+             "--training.steps", "200", "--comm.train_timeout_seconds", "5",
+             "--dump_folder", str(tmp_path / f"rank{rank}"), "--metrics.disable_color_printing"],
+            env=env, stdout=output, stderr=subprocess.STDOUT, text=True,
         ))
     rank0, rank1 = ranks
     try:
-        output = []
-        for line in rank0.stdout:
-            output.append(line)
-            if re.search(r"step:\s+1\s+loss", line):
+        for line in rank1.stdout:
+            if re.search(r"step:\s+2\s+loss", line):
                 rank1.send_signal(signal.SIGSTOP)
                 break
-        output.append(rank0.communicate(timeout=300)[0])
-        text = "".join(output)
+        rank0.wait(timeout=300)
+        text = rank0_log.read_text()
         assert rank0.returncode != 0, text[-4000:]
-        assert "Timed out waiting 30000ms" in text, text[-4000:]
+        assert "Timed out waiting 5000ms" in text, text[-4000:]
     finally:
         for process in ranks:
             process.kill()
