@@ -1,0 +1,42 @@
+"""What pyproject.toml promises a new user: the Python version, the parallel test run, and the
+installed commands, whose README examples parse."""
+
+import importlib
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from torchtitan_ext.train import FlavorConfigManager
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_python_version_and_parallel_tests():
+    assert PYPROJECT["project"]["requires-python"] == ">=3.11"  # torchtitan 0.3.0 needs 3.11
+    assert "pytest-xdist" in PYPROJECT["project"]["optional-dependencies"]["test"]
+    addopts = PYPROJECT["tool"]["pytest"]["ini_options"]["addopts"].split()
+    assert "-n" in addopts and "-rfEs" in addopts
+
+
+@pytest.mark.parametrize("command, entry", [("moe-train", "torchtitan_ext.train:cli"),
+                                            ("moe-flavors", "torchtitan_ext.flavors:main")])
+def test_installed_commands_point_at_the_entry_points(command, entry):
+    assert PYPROJECT["project"]["scripts"][command] == entry
+    module, function = entry.split(":")
+    assert callable(getattr(importlib.import_module(module), function))
+    assert f"`{command}`" in (ROOT / "README.md").read_text()
+
+
+def test_readme_moe_train_commands_parse(monkeypatch):
+    commands = [line for line in (ROOT / "README.md").read_text().splitlines()
+                if re.search(r"(^|--no-python )moe-train ", line)]
+    assert len(commands) >= 2
+    for line in commands:
+        nproc = re.search(r"--nproc_per_node[= ](\d+)", line)
+        monkeypatch.setenv("WORLD_SIZE", nproc.group(1) if nproc else "1")
+        args = shlex.split(line.split("moe-train", 1)[1].split("#")[0])
+        FlavorConfigManager().parse_args(args)
