@@ -35,5 +35,6 @@ for _key, _field, _annotation, _help in (
 
 register_short_key(
     "moe_metrics.heatmap_every", int,
-    "steps between layers x experts heatmaps, 0: never (= metrics.heatmap_every)",
+    "layers x experts heatmap at the first log step and at the first log step at or after each "
+    "multiple of N, 0: never (= metrics.heatmap_every)",
 )(_heatmap_every)
