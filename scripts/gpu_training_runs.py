@@ -8,10 +8,12 @@ GPU) and on two GPUs with EP 2 over each EP transport; tiny-moe-triton once more
 the Triton cache the first run filled (warm start). Every backend's losses must equal for_loop's
 of the same layout to rel 1e-4.
 ``full``: olmoe-1b-7b on two GPUs (FSDP 2, EP 2, bf16), 20 steps, with grouped_mm, triton and
-torchtitan's own MoE layers; every loss must be within 2% of grouped_mm's at the same step.
+torchtitan's own MoE layers, and grouped_mm a second time (the run-to-run spread of bf16 training);
+every loss must be within 2% of grouped_mm's at the same step.
 
 Per run: losses, tokens/s, MFU, peak memory (rank 0's log) and the seconds from launch to the
-first step's log line. The JSON carries the device, torch, triton and NCCL versions and the commit.
+first step's log line. The JSON carries the device, torch, triton and NCCL versions and the commit
+(``SOURCE_COMMIT`` where the tree has no git metadata).
 """
 
 import argparse
@@ -104,9 +106,10 @@ def tiny_runs() -> list[list[Run]]:
 
 def full_runs() -> list[list[Run]]:
     args = ["--training.steps", "20", "--training.local_batch_size", "2", "--training.seq_len", "2048",
-            "--parallelism.expert_parallel_degree", "2"]
+            "--parallelism.expert_parallel_degree", "2", "--metrics.log_freq", "1"]
     return [
         [Run("olmoe grouped_mm fsdp2 ep2", "olmoe-1b-7b", 2, args)],
+        [Run("olmoe grouped_mm fsdp2 ep2 repeat", "olmoe-1b-7b", 2, args)],
         [Run("olmoe triton fsdp2 ep2", "olmoe-1b-7b", 2, [*args, "--toml", "examples/triton.toml"])],
         [Run("olmoe torchtitan-moe fsdp2 ep2", "olmoe-1b-7b-torchtitan-moe", 2, args)],
     ]
@@ -140,7 +143,9 @@ def same_layout_for_loop(runs: list[Run]):
 
 
 def environment() -> dict:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("SOURCE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     return {
         "device": torch.cuda.get_device_name(0),
         "gpus": torch.cuda.device_count(),
@@ -156,11 +161,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("suite", choices=("tiny", "full"))
     parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--only", nargs="+", metavar="REGEX", help="run only the runs whose name matches one of these")
     args = parser.parse_args()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.suite == "tiny":
         env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
     batches = tiny_runs() if args.suite == "tiny" else full_runs()
+    if args.only:
+        batches = [[r for r in batch if any(re.search(p, r.name) for p in args.only)] for batch in batches]
+        batches = [batch for batch in batches if batch]
     runs = []
     port = 29600
     for batch in batches:

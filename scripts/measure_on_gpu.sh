@@ -32,8 +32,10 @@ for task in "$@"; do
           ${EP_CHECK_BACKENDS:+--check-backends $EP_CHECK_BACKENDS} \
           --out "$out/ep_dispatch_w$ranks.json" 2>&1 | tee "$out/ep_dispatch_w$ranks.log" ;;
     train-tiny|train-full)
+      # TRAIN_ONLY narrows the runs (space-separated regular expressions on run names, e.g. "ep2.symm_mem").
       suite=${task#train-}
-      python3 scripts/gpu_training_runs.py "$suite" --out "$out/train_$suite.json" 2>&1 | tee "$out/train_$suite.log" ;;
+      python3 scripts/gpu_training_runs.py "$suite" --out "$out/train_$suite.json" \
+          ${TRAIN_ONLY:+--only $TRAIN_ONLY} 2>&1 | tee "$out/train_$suite.log" ;;
     *) echo "unknown task $task (tests, bench, ep<ranks>, train-tiny, train-full)"; exit 2 ;;
   esac
 done
