@@ -1,9 +1,11 @@
 """The small offline corpus and tokenizer that ship with the project.
 
 ``TINY_STORIES`` is registered in torchtitan's dataset table on import, so
-``--dataloader.dataset tiny_stories`` works like any torchtitan dataset; users point
-to their own data with ``--dataloader.dataset`` / ``--dataloader.dataset_path`` and to
-their own tokenizer with ``--hf_assets_path``.
+``--dataloader.dataset tiny_stories`` works like any torchtitan dataset. ``JSONL_TEXT``
+(``jsonl``) reads any local folder of ``*.jsonl`` files whose records have a ``text`` field,
+given as ``data.path`` (required: the start-up checks refuse ``jsonl`` without one);
+torchtitan's own names (``c4``, ...) work as well. Users point to
+their own tokenizer folder with ``data.tokenizer`` (docs/configuration.md, "Your own data").
 """
 
 from pathlib import Path
@@ -16,6 +18,7 @@ ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 TOKENIZER_DIR = ASSETS_DIR / "tokenizer"
 TINY_STORIES = "tiny_stories"
 TINY_STORIES_DIR = ASSETS_DIR / "tiny_stories"
+JSONL_TEXT = "jsonl"
 
 
 def _load_jsonl_folder(path: str):
@@ -26,6 +29,15 @@ DATASETS.setdefault(
     TINY_STORIES,
     DatasetConfig(
         path=str(TINY_STORIES_DIR),
+        loader=_load_jsonl_folder,
+        sample_processor=lambda sample: sample["text"],
+    ),
+)
+
+DATASETS.setdefault(
+    JSONL_TEXT,
+    DatasetConfig(
+        path="",
         loader=_load_jsonl_folder,
         sample_processor=lambda sample: sample["text"],
     ),

@@ -141,6 +141,11 @@ def data_errors(config) -> list[str]:
     name = getattr(loader, "dataset", None)
     if name is not None and name not in DATASETS:
         errors.append(f"{_named('dataloader.dataset', 'data.dataset')} = {name!r}: unknown dataset; known: {', '.join(sorted(DATASETS))}")
+    elif name == torchtitan_ext.data.JSONL_TEXT and not getattr(loader, "dataset_path", None):
+        errors.append(
+            f"{_named('dataloader.dataset', 'data.dataset')} = {name!r} needs "
+            f"{_named('dataloader.dataset_path', 'data.path')}: a folder of *.jsonl files with a 'text' field"
+        )
     elif name is not None:
         path = getattr(loader, "dataset_path", None) or DATASETS[name].path
         key = _named("dataloader.dataset_path", "data.path")
@@ -155,7 +160,29 @@ def data_errors(config) -> list[str]:
         errors.append(f"{tokenizer_key} = {str(config.hf_assets_path)!r}: no such folder (a folder with {' or '.join(TOKENIZER_FILES)})")
     elif not any((tokenizer / f).is_file() for f in TOKENIZER_FILES):
         errors.append(f"{tokenizer_key} = {str(config.hf_assets_path)!r}: the folder has none of {', '.join(TOKENIZER_FILES)}")
+    else:
+        errors += tokenizer_vocabulary_errors(tokenizer, tokenizer_key, config)
     return errors
+
+
+def tokenizer_vocabulary_errors(tokenizer_dir: Path, key: str, config) -> list[str]:
+    """A ``tokenizer.json`` whose ids the model's embedding cannot hold."""
+    vocab_size = getattr(getattr(config.model_spec, "model", None), "vocab_size", None)
+    tokenizer_file = tokenizer_dir / "tokenizer.json"
+    if vocab_size is None or not tokenizer_file.is_file():
+        return []
+    from tokenizers import Tokenizer
+
+    try:
+        tokens = Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:
+        return [f"{key}: {tokenizer_file} cannot be read as a tokenizer ({e})"]
+    if tokens > vocab_size:
+        return [
+            f"{key}: the tokenizer has {tokens} tokens but this flavor's model has a vocabulary of "
+            f"{vocab_size}; use a flavor whose vocabulary holds the tokenizer"
+        ]
+    return []
 
 
 def output_errors(config) -> list[str]:
