@@ -2,6 +2,7 @@
 
     python scripts/gpu_training_runs.py tiny --out train_tiny.json   # every tiny flavor, EP 1 and 2
     python scripts/gpu_training_runs.py full --out train_full.json   # olmoe-1b-7b: grouped_mm, triton, stock
+    python scripts/gpu_training_runs.py plot --from train_full.json ... --out train.png
 
 ``tiny``: each tiny flavor (fp32) for 30 steps on one GPU (EP 1; two runs side by side, one per
 GPU) and on two GPUs with EP 2 over each EP transport; tiny-moe-triton once more on one GPU with
@@ -157,7 +158,50 @@ def environment() -> dict:
     }
 
 
+def plot(result_files: list[str], out: str) -> None:
+    """Loss per step (left) and median tokens/s of steps 5 on (right) of every run, one row per file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = []
+    for path in result_files:
+        with open(path) as f:
+            results.append(json.load(f))
+    figure, axes = plt.subplots(len(results), 2, figsize=(13, 3.6 * len(results)), squeeze=False,
+                                gridspec_kw={"width_ratios": [3, 2]})
+    for (loss_axis, speed_axis), result in zip(axes, results):
+        env = result["environment"]
+        title = f"{env['device']} x{env['gpus']}, torch {env['torch']}, triton {env['triton']}"
+        names, speeds = [], []
+        for run in result["runs"]:
+            steps = sorted(run["losses"], key=int)
+            loss_axis.plot([int(s) for s in steps], [run["losses"][s] for s in steps], label=run["name"],
+                           linestyle="--" if "repeat" in run["name"] else "-")
+            later = [run["tokens_per_second"][s] for s in steps if int(s) >= 5]
+            names.append(run["name"])
+            speeds.append(sorted(later)[len(later) // 2] if later else 0)
+        loss_axis.set(title=f"loss per step ({title})", xlabel="step", ylabel="loss")
+        loss_axis.legend(fontsize=7)
+        bars = speed_axis.barh(names, speeds, color="tab:blue")
+        speed_axis.bar_label(bars, labels=[f"{v:,}" for v in speeds], fontsize=7, padding=2)
+        speed_axis.set(title="tokens/s per GPU (median of steps >= 5)", xlabel="tokens/s")
+        speed_axis.tick_params(axis="y", labelsize=7)
+        speed_axis.invert_yaxis()
+        speed_axis.set_xlim(0, max(speeds, default=1) * 1.2)
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["plot"]:
+        parser = argparse.ArgumentParser(prog="gpu_training_runs.py plot")
+        parser.add_argument("--from", dest="sources", nargs="+", required=True, help="result JSON files")
+        parser.add_argument("--out", required=True, help="PNG file to write")
+        args = parser.parse_args(sys.argv[2:])
+        plot(args.sources, args.out)
+        return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("suite", choices=("tiny", "full"))
     parser.add_argument("--out", required=True, help="JSON file to write")
