@@ -24,6 +24,7 @@ expose, after its forward, the detached statistics named in
 activation-checkpoint recomputations are not counted.
 """
 
+import functools
 import io
 import logging
 import math
@@ -43,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils._python_dispatch import _disable_current_modes
 
 from torchtitan.components.metrics import (
     BaseLogger,
@@ -221,6 +223,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _outside_dispatch_modes(hook: Callable) -> Callable:
+    """``hook`` run with the active torch dispatch modes switched off.
+
+    The hooks run tensor ops in a forward but skip them in an activation-checkpoint
+    recomputation. Selective checkpointing matches saved op outputs to the recomputation by
+    each op's call count, so ops it could see in one pass and not the other would shift that
+    match (a saved device-to-host copy of split sizes would come back as another op's output).
+    Hidden from the modes, the hooks leave the call counts of the layer's own ops unchanged.
+    """
+
+    @functools.wraps(hook)
+    def run(*args):
+        with _disable_current_modes():
+            return hook(*args)
+
+    return run
+
+
 def _in_backward_recompute() -> bool:
     """True while autograd runs a backward (activation-checkpoint recomputation)."""
     return torch._C._current_graph_task_id() != -1
@@ -298,13 +318,17 @@ class MoERoutingObserver:
         self.layers.append(layer)
         counts_before: list[torch.Tensor] = []
         self._handles += [
-            moe.register_forward_pre_hook(self._moe_pre_hook(layer, counts_before)),
-            moe.register_forward_hook(self._moe_hook(layer, counts_before)),
-            moe.router.gate.register_forward_hook(self._gate_hook(layer, moe.router.score_func)),
+            moe.register_forward_pre_hook(_outside_dispatch_modes(self._moe_pre_hook(layer, counts_before))),
+            moe.register_forward_hook(_outside_dispatch_modes(self._moe_hook(layer, counts_before))),
+            moe.router.gate.register_forward_hook(
+                _outside_dispatch_modes(self._gate_hook(layer, moe.router.score_func))
+            ),
         ]
         for module in moe.modules():
             if getattr(module, "compute_backend", None) == "batched_mm_padded":
-                self._handles.append(module.register_forward_pre_hook(self._padded_experts_hook(layer)))
+                self._handles.append(
+                    module.register_forward_pre_hook(_outside_dispatch_modes(self._padded_experts_hook(layer)))
+                )
 
     def _moe_pre_hook(self, layer: LayerAccumulator, counts_before: list) -> Callable:
         def hook(moe, args) -> None:
