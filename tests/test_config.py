@@ -250,7 +250,13 @@ def test_flavors_cli_bad_input_exits_2(capsys):
 @pytest.mark.parametrize("example", sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.toml")))
 def test_example_toml_files_apply(example):
     config = apply_toml_files(get_flavor(TINY).build(), [str(example)])
-    read_back = {"moe.compute_backend": backends_of, "moe.ep_transport": transports_of}
+    read_back = {
+        "moe.compute_backend": backends_of,
+        "moe.ep_transport": transports_of,
+        "data.dataset": lambda c: {c.dataloader.dataset},
+        "data.path": lambda c: {c.dataloader.dataset_path},
+        "data.tokenizer": lambda c: {c.hf_assets_path},
+    }
     keys = load_toml(example)
     assert set(keys) <= set(read_back), f"no read-back for {sorted(set(keys) - set(read_back))}"
     for key, value in keys.items():
