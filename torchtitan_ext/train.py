@@ -1,5 +1,6 @@
 """Train a registered flavor with torchtitan's own Trainer.
 
+    python -m torchtitan_ext.train --nproc_per_node=2 --flavor tiny-moe-grouped-mm
     torchrun --nproc_per_node=2 -m torchtitan_ext.train --flavor tiny-moe-grouped-mm
     python -m torchtitan_ext.train --flavor tiny-moe-for-loop --toml my.toml --training.steps 20
 
@@ -25,7 +26,9 @@ from torchtitan_ext.compat.cpu import (
     exit_after_cpu_training,
     patch_torchtitan_for_cpu,
 )
+from torchtitan_ext.compat.quiet_cpu import quiet_cpu_warnings
 from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
+from torchtitan_ext.launch import launch, report_startup_error, wants_launcher
 from torchtitan_ext.moe_metrics import record_run_metadata, run_metadata
 from torchtitan_ext.overrides import (
     COMMAND_LINE,
@@ -39,10 +42,13 @@ from torchtitan_ext.registry import UnknownFlavorError, all_flavors, get_flavor
 from torchtitan_ext.validation import check_config_values  # noqa: F401  (registers the start-up checks)
 
 USAGE = """\
-usage: [torchrun --nproc_per_node=N] python -m torchtitan_ext.train --flavor NAME
+usage: python -m torchtitan_ext.train [TORCHRUN OPTIONS] --flavor NAME
            [--toml FILE ...] [TORCHTITAN OPTIONS ...]
+       (also: moe-train ...; torchrun --nproc_per_node=N -m torchtitan_ext.train ...)
 
 Train a registered flavor with torchtitan's Trainer (CPU/gloo without CUDA, NCCL with it).
+Leading torchrun options (e.g. --nproc_per_node=2, --nnodes, --rdzv_endpoint) start the
+processes through torchrun, show rank 0's output, and report a start-up error once (exit 2).
 
 options:
   --flavor NAME        flavor to train (list them: python -m torchtitan_ext.flavors)
@@ -227,14 +233,17 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         print(short_keys_help())
         return 0
+    if wants_launcher(args):
+        return launch(args)
     set_single_process_env()
+    quiet_cpu_warnings()
     # torchtitan's main builds its config through the name ``ConfigManager``.
     titan_train.ConfigManager = FlavorConfigManager
     sys.argv = [sys.argv[0], *args]
     try:
         titan_train.main()
     except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":
+        if not report_startup_error(str(e)) and os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
