@@ -5,7 +5,7 @@
 (``jsonl``) reads any local folder of ``*.jsonl`` files whose records have a ``text`` field,
 given as ``data.path`` (required: the start-up checks refuse ``jsonl`` without one);
 torchtitan's own names (``c4``, ...) work as well. Users point to
-their own tokenizer folder with ``data.tokenizer`` (docs/configuration.md, "Your own data").
+their own tokenizer folder with ``data.tokenizer`` (docs/quickstart.md, "Your own data").
 """
 
 from pathlib import Path
