@@ -16,9 +16,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS
+from torchtitan_ext.experiments.moe_backends.experts import BACKENDS, backend_names
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
-from torchtitan_ext.kernels._runtime import triton_available_reason
 from torchtitan_ext.moe_metrics import MoERoutingObserver
 
 SHAPE = dict(dim=16, hidden_dim=24, num_experts=6, top_k=2)
@@ -54,10 +53,11 @@ def gradients(layer, x, grad_out, selective: bool) -> dict[str, torch.Tensor]:
     return grads
 
 
-@pytest.mark.parametrize("compute_backend", COMPUTE_BACKENDS)
+@pytest.mark.parametrize("compute_backend", backend_names())
 def test_selective_recompute_with_metrics_hooks_matches_plain_backward(compute_backend):
-    if compute_backend == "triton" and triton_available_reason() is not None:
-        pytest.skip(triton_available_reason())
+    reason = BACKENDS[compute_backend].unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
     layer = build_layer(compute_backend)
     observer = MoERoutingObserver([torch.nn.ModuleList([layer])], expert_parallel=None)
     generator = torch.Generator().manual_seed(1)

@@ -6,15 +6,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_ext.bench import auto_backend
 from torchtitan_ext.bench.__main__ import main
-from torchtitan_ext.bench.common import TINY_SHAPE, BenchShape, make_timer
-from torchtitan_ext.bench.expert_block import expert_inputs
+from torchtitan_ext.bench.common import TINY_SHAPE
+from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, expert_inputs, make_timer
 from torchtitan_ext.bench.plot import chart_of
-from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
+from torchtitan_ext.experiments.moe_backends import auto_backend
+from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts, runnable_backends
 from torchtitan_ext.moe_metrics import run_metadata
-from torchtitan_ext.overrides import ConfigError
 from torchtitan_ext.train import FlavorConfigManager
+
+from helpers import make_backend_unavailable
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 PNG_MAGIC = b"\x89PNG"
@@ -182,14 +183,14 @@ def test_choice_sums_layers_and_breaks_ties_by_order():
 
 
 def test_triton_is_a_candidate_only_where_it_runs(monkeypatch):
-    monkeypatch.setattr(auto_backend, "triton_available_reason", lambda: "needs CUDA")
-    assert auto_backend.candidate_backends() == TORCH_BACKENDS
-    monkeypatch.setattr(auto_backend, "triton_available_reason", lambda: None)
-    assert auto_backend.candidate_backends() == [*TORCH_BACKENDS, "triton"]
+    make_backend_unavailable(monkeypatch, "triton", "needs CUDA")
+    assert runnable_backends() == TORCH_BACKENDS
+    make_backend_unavailable(monkeypatch, "triton", None)
+    assert runnable_backends() == [*TORCH_BACKENDS, "triton"]
 
 
 def test_choice_is_cached_per_device_shape_and_dtype(monkeypatch):
-    monkeypatch.setattr(auto_backend, "triton_available_reason", lambda: "needs CUDA")
+    make_backend_unavailable(monkeypatch, "triton", "needs CUDA")
     ms = {("a", "grouped_mm"): 3.0, ("a", "for_loop"): 2.0, ("a", "batched_mm_padded"): 1.0}
     calls = []
     measure = fake_measure(ms, calls)
@@ -201,14 +202,14 @@ def test_choice_is_cached_per_device_shape_and_dtype(monkeypatch):
     assert (again.backend, again.cached, len(calls)) == ("batched_mm_padded", True, 3)
     cache = json.loads(auto_backend.cache_file().read_text())
     assert list(cache) == [first.cache_key] and "cpu|" in first.cache_key and "float32" in first.cache_key
-    with pytest.raises(ConfigError, match="no cached choice"):  # another dtype: a miss, and no measuring allowed
+    with pytest.raises(auto_backend.AutoBackendError, match="no cached choice"):  # another dtype: a miss, and no measuring allowed
         auto_backend.resolve({SHAPE_A: 2}, cpu, torch.bfloat16, may_measure=False, measure=measure)
     auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, may_measure=True, remeasure=True, measure=measure)
     assert len(calls) == 6
 
 
 def test_auto_in_toml_resolves_at_startup_and_is_recorded(tmp_path, monkeypatch):
-    monkeypatch.setattr(auto_backend, "triton_available_reason", lambda: "needs CUDA")
+    make_backend_unavailable(monkeypatch, "triton", "needs CUDA")
     ms = {"grouped_mm": 3.0, "for_loop": 1.0, "batched_mm_padded": 2.0}
     monkeypatch.setattr(auto_backend, "expert_block_measure", lambda device, dtype: lambda shape, backend: ms[backend])
     toml = tmp_path / "auto.toml"
@@ -230,7 +231,7 @@ def test_unresolved_auto_cannot_build():
 
 
 def test_real_tiny_measurement(monkeypatch, capsys):
-    monkeypatch.setattr(auto_backend, "triton_available_reason", lambda: "needs CUDA")
+    make_backend_unavailable(monkeypatch, "triton", "needs CUDA")
     choice = auto_backend.resolve({TINY_SHAPE: 2}, torch.device("cpu"), torch.float32, may_measure=True)
     assert choice.backend in TORCH_BACKENDS and set(choice.ms_per_step) == set(TORCH_BACKENDS)
     assert all(ms > 0 for ms in choice.ms_per_step.values())

@@ -24,16 +24,15 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan.distributed.utils import set_spmd_backend
-from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS
+from torchtitan_ext.experiments.moe_backends.experts import runnable_backends
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
-from torchtitan_ext.kernels._runtime import triton_available_reason
 
 NUM_EXPERTS, TOP_K, DIM, HIDDEN = 8, 2, 16, 24
 BATCH_PER_RANK, SEQ_LEN = 2, 6
 MAX_WORLD = 4
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-# The fused Triton backend runs only on CUDA or under the interpreter; skipped otherwise.
-BACKENDS = [b for b in COMPUTE_BACKENDS if b != "triton" or triton_available_reason() is None]
+# Every backend that runs here (the fused Triton one needs CUDA or the interpreter).
+BACKENDS = runnable_backends()
 
 LOSS_CASES = [
     dict(aux_loss_coeff=0.0, z_loss_coeff=0.0, aux_loss_type="batch"),

@@ -4,14 +4,14 @@ import pytest
 import torch
 
 from torchtitan_ext.experiments.moe_backends.experts import (
-    COMPUTE_BACKENDS,
-    EXPERT_BACKENDS,
+    BACKENDS,
     BackendGroupedExperts,
+    backend_names,
     for_loop_experts,
-    validate_compute_backend,
+    get_backend,
 )
 
-BACKENDS_UNDER_TEST = [b for b in COMPUTE_BACKENDS if b != "for_loop"]
+BACKENDS_UNDER_TEST = [b for b in backend_names() if b != "for_loop"]
 
 # Relative error bounds (||a - b|| / ||b||) per compute dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -65,7 +65,7 @@ def assert_backend_matches_reference(backend, counts, dim, hidden, x_dtype, w_dt
     skip_interpreted_bf16(backend, x_dtype)
     tensors, counts_E, grad_out = make_inputs(counts, dim, hidden, x_dtype, w_dtype, seed)
     expected_out, expected_grads = run_backend(for_loop_experts, tensors, counts_E, grad_out)
-    actual_out, actual_grads = run_backend(EXPERT_BACKENDS[backend], tensors, counts_E, grad_out)
+    actual_out, actual_grads = run_backend(BACKENDS[backend].grouped, tensors, counts_E, grad_out)
 
     tolerance = TOLERANCE[x_dtype]
     assert actual_out.dtype == x_dtype and actual_out.shape == expected_out.shape
@@ -114,8 +114,8 @@ def test_bf16_inputs_with_fp32_parameters(backend):
 
 def test_empty_experts_receive_zero_weight_gradients():
     tensors, counts_E, grad_out = make_inputs([5, 0, 4], 8, 12, torch.float32, torch.float32, 3)
-    for backend in COMPUTE_BACKENDS:
-        _, grads = run_backend(EXPERT_BACKENDS[backend], tensors, counts_E, grad_out)
+    for backend in backend_names():
+        _, grads = run_backend(BACKENDS[backend].grouped, tensors, counts_E, grad_out)
         for grad in grads[1:]:
             assert grad[1].abs().max() == 0, backend
             assert grad[0].abs().max() > 0, backend
@@ -124,7 +124,7 @@ def test_empty_experts_receive_zero_weight_gradients():
 def test_module_uses_configured_backend_and_matches_reference():
     torch.manual_seed(0)
     outputs = {}
-    for backend in COMPUTE_BACKENDS:
+    for backend in backend_names():
         experts = BackendGroupedExperts.Config(
             dim=16, hidden_dim=24, num_experts=4, compute_backend=backend
         ).build()
@@ -134,13 +134,13 @@ def test_module_uses_configured_backend_and_matches_reference():
         x = torch.randn(10, 16, generator=torch.Generator().manual_seed(2))
         outputs[backend] = experts(x, torch.tensor([2, 0, 5, 3]))
         assert backend in repr(experts)
-    for backend in COMPUTE_BACKENDS:
+    for backend in backend_names():
         assert relative_error(outputs[backend], outputs["for_loop"]) < 1e-5
 
 
 def test_unknown_backend_is_an_error_listing_valid_ones():
     with pytest.raises(ValueError, match="grouped_mm, for_loop, batched_mm_padded, triton"):
-        validate_compute_backend("cuda_magic")
+        get_backend("cuda_magic")
     with pytest.raises(ValueError, match="unknown compute_backend 'cuda_magic'"):
         BackendGroupedExperts.Config(dim=4, hidden_dim=4, num_experts=2, compute_backend="cuda_magic")
 
@@ -149,7 +149,7 @@ def test_batched_mm_padded_equals_for_loop_up_to_summation_order():
     for dtype, bound in ((torch.float32, 1e-6), (torch.bfloat16, 0.0)):
         tensors, counts_E, grad_out = make_inputs([9, 0, 4, 17, 1], 32, 48, dtype, dtype, 5)
         expected = run_backend(for_loop_experts, tensors, counts_E, grad_out)
-        actual = run_backend(EXPERT_BACKENDS["batched_mm_padded"], tensors, counts_E, grad_out)
+        actual = run_backend(BACKENDS["batched_mm_padded"].grouped, tensors, counts_E, grad_out)
         for a, e in zip([actual[0], *actual[1]], [expected[0], *expected[1]]):
             assert relative_error(a, e) <= bound, dtype
 
@@ -199,7 +199,7 @@ def run_with_layout(fn, tensors, counts_E, layout, gradient_kind):
 def assert_same_as_reference_with_layout(backend, counts, dim, hidden, layout, gradient_kind):
     tensors, counts_E, _ = make_inputs(counts, dim, hidden, torch.float32, torch.float32, 11)
     expected_out, expected_grads = run_with_layout(for_loop_experts, tensors, counts_E, layout, gradient_kind)
-    actual_out, actual_grads = run_with_layout(EXPERT_BACKENDS[backend], tensors, counts_E, layout, gradient_kind)
+    actual_out, actual_grads = run_with_layout(BACKENDS[backend].grouped, tensors, counts_E, layout, gradient_kind)
     assert actual_out.shape == expected_out.shape
     assert relative_error(actual_out, expected_out) < TOLERANCE[torch.float32], "output"
     for name, actual, expected in zip(("x", "w1", "w2", "w3"), actual_grads, expected_grads):

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from torchtitan_ext import flavors
+from torchtitan_ext.experiments.moe_backends.cache import CACHE_ENV
 from torchtitan_ext.flavors import main
 
 TINY = "tiny-moe-grouped-mm"
@@ -32,7 +33,7 @@ def test_cached_listing_imports_neither_torch_nor_torchtitan(capsys):
 
 
 def test_listing_cache_follows_the_sources(monkeypatch, tmp_path):
-    monkeypatch.setenv(flavors.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     builds = []
     monkeypatch.setattr(flavors, "listing_rows", lambda: builds.append(1) or [["f", "1", "1", "b", "d"]])
     monkeypatch.setattr(flavors, "source_fingerprint", lambda: "sources v1")

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS
+from torchtitan_ext.experiments.moe_backends.experts import backend_names
 from torchtitan_ext.experiments.moe_backends.flavors import tiny_flavor_name
 
 pytestmark = [
@@ -48,7 +48,7 @@ def train(args: list[str], dump_folder, nproc: int = 1, subcommands: tuple[str, 
 
 # The fused Triton backend runs through Triton's (slow) interpreter on CPU: it gets a
 # smaller run of its own below.
-TORCH_BACKENDS = [b for b in COMPUTE_BACKENDS if b != "triton"]
+TORCH_BACKENDS = [b for b in backend_names() if b != "triton"]
 SMALL_BATCH = ["--training.local_batch_size", "2", "--training.seq_len", "32"]
 
 

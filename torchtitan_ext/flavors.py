@@ -21,14 +21,10 @@ from collections import Counter
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-CACHE_ENV = "TORCHTITAN_EXT_CACHE"
+from torchtitan_ext.experiments.moe_backends.cache import cache_dir
+
 LISTING_CACHE_NAME = "flavors.json"
 LISTING_HEADER = ("flavor", "total", "active", "compute_backend", "description")
-
-
-def cache_dir() -> Path:
-    """The project's cache folder: ``$TORCHTITAN_EXT_CACHE``, else ``~/.cache/torchtitan_ext``."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "torchtitan_ext")
 
 
 def _installed_version(distribution: str) -> str:
@@ -101,7 +97,12 @@ def parameter_counts(model_config) -> tuple[int, int]:
 
 
 def _backend(experts_config) -> str:
-    return getattr(experts_config, "compute_backend", "grouped_mm (torchtitan)")
+    """The experts' compute backend; torchtitan's own experts compute like the default backend."""
+    from torchtitan_ext.experiments.moe_backends.experts import DEFAULT_BACKEND, BackendGroupedExperts
+
+    if isinstance(experts_config, BackendGroupedExperts.Config):
+        return experts_config.compute_backend
+    return f"{DEFAULT_BACKEND} (torchtitan)"
 
 
 def compute_backends(model_config) -> str:

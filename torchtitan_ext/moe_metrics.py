@@ -58,6 +58,7 @@ from torchtitan.tools.utils import NoColor
 
 import torchtitan_ext.metrics_toml_keys  # noqa: F401  (registers the TOML keys)
 from torchtitan_ext.compat.cpu import cpu_training
+from torchtitan_ext.experiments.moe_backends.experts import DEFAULT_BACKEND, BackendGroupedExperts
 from torchtitan_ext.overrides import load_toml
 
 KEY_PREFIX = "moe"
@@ -92,7 +93,7 @@ def record_run_metadata(*, flavor: str, toml_files: list[str], cli_args: list[st
     backends = []
     if config.model_spec is not None:
         backends = sorted({
-            getattr(experts, "compute_backend", "grouped_mm")
+            experts.compute_backend if isinstance(experts, BackendGroupedExperts.Config) else DEFAULT_BACKEND
             for _, experts, _, _ in config.model_spec.model.traverse(GroupedExperts.Config)
         })
     _run_metadata.clear()
@@ -325,7 +326,7 @@ class MoERoutingObserver:
             ),
         ]
         for module in moe.modules():
-            if getattr(module, "compute_backend", None) == "batched_mm_padded":
+            if isinstance(module, BackendGroupedExperts) and module.backend.pads_rows:
                 self._handles.append(
                     module.register_forward_pre_hook(_outside_dispatch_modes(self._padded_experts_hook(layer)))
                 )
@@ -387,7 +388,7 @@ class MoERoutingObserver:
         layer.computed_a2a_bytes += 2 * remote_rows * x.shape[-1] * x.element_size()
 
     def _padded_experts_hook(self, layer: LayerAccumulator) -> Callable:
-        """Rows ``batched_mm_padded`` adds: every expert padded to the largest one."""
+        """Rows a backend with ``pads_rows`` adds: every expert padded to the largest one."""
 
         def hook(experts, args) -> None:
             if not experts.training or _in_backward_recompute():

@@ -163,6 +163,11 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         self._unpermute_rows = _UNPERMUTE[config.permute_backend]
         self.last_num_padding_rows: torch.Tensor | None = None
 
+    @property
+    def single_device(self) -> bool:
+        """True without expert parallelism: every expert is local and no rows leave the device."""
+        return self.ep_mesh is None
+
     def dispatch(
         self,
         x_TD: torch.Tensor,

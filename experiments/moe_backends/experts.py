@@ -14,7 +14,7 @@ their own dtype. The output has the dtype of ``x_RD``.
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -27,18 +27,22 @@ from torchtitan_ext.kernels.fused_moe import (
     fused_moe_routed,
     triton_available_reason,
 )
-from torchtitan_ext.overrides import ConfigError, register_config_check
 
-ComputeBackend = Literal["grouped_mm", "for_loop", "batched_mm_padded", "triton"]
-COMPUTE_BACKENDS: tuple[str, ...] = get_args(ComputeBackend)
+from .dispatcher import RoutingDispatcher
+
 AUTO_BACKEND = "auto"
-ComputeBackendChoice = Literal[ComputeBackend, "auto"]
-"""What the ``moe.compute_backend`` TOML key accepts: a backend, or "auto" (resolved at start-up)."""
+"""The ``compute_backend`` value resolved at start-up to the fastest backend here."""
 
 ExpertCompute = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     torch.Tensor,
 ]
+"""``(x_RD, w1_EFD, w2_EDF, w3_EFD, num_tokens_per_expert_E) -> out_RD``, rows grouped by expert."""
+RoutedExpertCompute = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    torch.Tensor,
+]
+"""``(x_TD, w1_EFD, w2_EDF, w3_EFD, topk_expert_ids_TK, topk_scores_TK) -> out_TD``, summed over K."""
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
@@ -154,61 +158,85 @@ def batched_mm_padded_experts(
     return out_EMD[expert_R, slot_R]
 
 
-EXPERT_BACKENDS: dict[str, ExpertCompute] = {
-    "grouped_mm": grouped_mm_experts,
-    "for_loop": for_loop_experts,
-    "batched_mm_padded": batched_mm_padded_experts,
-    # Fused Triton kernels (kernels/fused_moe.py); on a single device the MoE layer
-    # skips the dispatcher and calls their routed mode instead (see FusedRoutedExperts).
-    "triton": fused_moe_grouped,
-}
-assert tuple(EXPERT_BACKENDS) == COMPUTE_BACKENDS
+@dataclass(frozen=True, kw_only=True)
+class ComputeBackendSpec:
+    """One compute backend: how it computes the expert block and what it needs.
 
-_HOST_SYNC_BACKENDS = frozenset({"for_loop", "batched_mm_padded"})
+    ``grouped`` takes rows grouped by expert (``ExpertCompute``). ``routed``, when set, takes
+    tokens and the router's top-k ids and scores (``RoutedExpertCompute``) and returns the
+    weighted sum over K; the MoE layer calls it instead of the dispatcher on a single device.
+    ``unavailable_reason()`` says why the backend cannot run on this machine (None: it can).
+    ``syncs_with_host``: reads the expert counts on the host in every forward.
+    ``pads_rows``: pads every expert's rows to the largest expert's count.
+    """
+
+    name: str
+    grouped: ExpertCompute
+    routed: RoutedExpertCompute | None = None
+    unavailable_reason: Callable[[], str | None] = lambda: None
+    syncs_with_host: bool = False
+    pads_rows: bool = False
+
+
+BACKENDS: dict[str, ComputeBackendSpec] = {}
+"""The backend table: every compute backend by name, in the order they are listed and tried."""
+
+
+def register_backend(spec: ComputeBackendSpec) -> ComputeBackendSpec:
+    """Add ``spec`` to the backend table; its name must be new."""
+    if spec.name in BACKENDS or spec.name == AUTO_BACKEND:
+        raise ValueError(f"compute backend {spec.name!r} is already taken")
+    BACKENDS[spec.name] = spec
+    return spec
+
+
+DEFAULT_BACKEND = register_backend(ComputeBackendSpec(name="grouped_mm", grouped=grouped_mm_experts)).name
+register_backend(ComputeBackendSpec(name="for_loop", grouped=for_loop_experts, syncs_with_host=True))
+register_backend(
+    ComputeBackendSpec(
+        name="batched_mm_padded", grouped=batched_mm_padded_experts, syncs_with_host=True, pads_rows=True
+    )
+)
+register_backend(
+    ComputeBackendSpec(
+        name="triton",
+        grouped=fused_moe_grouped,
+        routed=fused_moe_routed,
+        unavailable_reason=triton_available_reason,
+    )
+)
+
+ComputeBackend = Literal[tuple(BACKENDS)]
+"""A backend name of the table (the type of ``compute_backend``)."""
+ComputeBackendChoice = Literal[(*BACKENDS, AUTO_BACKEND)]
+"""What the ``moe.compute_backend`` TOML key accepts: a backend, or "auto" (resolved at start-up)."""
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every backend of the table, in table order."""
+    return tuple(BACKENDS)
+
+
+def get_backend(name: str) -> ComputeBackendSpec:
+    """The spec of backend ``name``; ValueError listing the valid names otherwise."""
+    if name == AUTO_BACKEND:
+        raise ValueError(
+            "compute_backend 'auto' is resolved to a backend at start-up "
+            "(experiments.moe_backends.auto_backend.resolve_auto_compute_backend); resolve it before building"
+        )
+    if name not in BACKENDS:
+        raise ValueError(f"unknown compute_backend {name!r}; valid backends: " + ", ".join(BACKENDS))
+    return BACKENDS[name]
+
+
+def runnable_backends() -> list[str]:
+    """The backends that can run on this machine, in table order."""
+    return [name for name, spec in BACKENDS.items() if spec.unavailable_reason() is None]
 
 
 def host_sync_backends() -> frozenset[str]:
     """Backends that read the expert counts on the host (a device sync) in every forward."""
-    return _HOST_SYNC_BACKENDS
-
-
-def validate_compute_backend(name: str) -> str:
-    """Return ``name`` if it is a known backend, else raise listing the valid ones."""
-    if name == AUTO_BACKEND:
-        raise ValueError(
-            "compute_backend 'auto' is resolved to a backend at start-up "
-            "(torchtitan_ext.bench.auto_backend.resolve_auto_compute_backend); resolve it before building"
-        )
-    if name not in EXPERT_BACKENDS:
-        raise ValueError(
-            f"unknown compute_backend {name!r}; valid backends: "
-            + ", ".join(COMPUTE_BACKENDS)
-        )
-    return name
-
-
-@register_config_check
-def check_compute_backends_run_here(config) -> None:
-    """Before training: ``triton`` needs a CUDA GPU or ``TRITON_INTERPRET=1``."""
-    if config.model_spec is None:
-        return
-    backends = {
-        experts.compute_backend
-        for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)
-    }
-    reason = triton_available_reason()
-    if "triton" in backends and reason is not None:
-        raise ConfigError(f"moe.compute_backend = 'triton': {reason}")
-
-
-@register_config_check
-def resolve_auto_compute_backend(config) -> None:
-    """Before training: ``moe.compute_backend = "auto"`` becomes the fastest backend here."""
-    if config.model_spec is None:
-        return
-    from torchtitan_ext.bench.auto_backend import resolve_auto_compute_backend as resolve
-
-    resolve(config)
+    return frozenset(name for name, spec in BACKENDS.items() if spec.syncs_with_host)
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -220,22 +248,22 @@ class BackendGroupedExperts(GroupedExperts):
 
     @dataclass(kw_only=True, slots=True)
     class Config(GroupedExperts.Config):
-        compute_backend: ComputeBackend = "grouped_mm"
-        """How the expert block is computed; see ``COMPUTE_BACKENDS``."""
+        compute_backend: ComputeBackend = DEFAULT_BACKEND
+        """How the expert block is computed: a name of the backend table ``BACKENDS``."""
 
         def __post_init__(self):
-            validate_compute_backend(self.compute_backend)
+            get_backend(self.compute_backend)
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.compute_backend = config.compute_backend
-        self._compute = EXPERT_BACKENDS[validate_compute_backend(config.compute_backend)]
+        self.backend = get_backend(config.compute_backend)
 
     def forward(
         self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor
     ) -> torch.Tensor:
         """``x_RD`` grouped by expert, ``num_tokens_per_expert_E`` its segment sizes -> ``(R, D)``."""
-        return self._compute(
+        return self.backend.grouped(
             x_RD,
             _local(self.w1_EFD),
             _local(self.w2_EDF),
@@ -248,11 +276,12 @@ class BackendGroupedExperts(GroupedExperts):
 
 
 class FusedRoutedExperts(RoutedExperts):
-    """torchtitan's ``RoutedExperts`` with a single-device shortcut for the ``triton`` backend.
+    """torchtitan's ``RoutedExperts`` with a single-device shortcut for backends with a routed path.
 
-    Without expert parallelism, ``compute_backend = "triton"`` skips the dispatcher: the
-    fused kernels read token rows through the routing indices (no permuted copy) and weight
-    and sum each token's expert outputs in their epilogue (no separate combine). Slots the
+    When the backend's spec has a ``routed`` path and the dispatcher is single-device, the
+    dispatcher is skipped: the fused kernels read token rows through the routing indices (no
+    permuted copy) and weight and sum each token's expert outputs in their epilogue (no
+    separate combine). Slots the
     router dropped (expert id ``num_experts``) contribute nothing and get no gradient, as in
     the dispatcher. Every other case is torchtitan's dispatch -> experts -> combine.
     """
@@ -260,6 +289,15 @@ class FusedRoutedExperts(RoutedExperts):
     @dataclass(kw_only=True, slots=True)
     class Config(RoutedExperts.Config):
         pass
+
+    def _routed_path(self) -> RoutedExpertCompute | None:
+        """The backend's routed path when it applies here (single device), else None."""
+        dispatcher, experts = self.token_dispatcher, self.inner_experts
+        if not (isinstance(dispatcher, RoutingDispatcher) and dispatcher.single_device):
+            return None
+        if not isinstance(experts, BackendGroupedExperts):
+            return None
+        return experts.backend.routed
 
     def forward(
         self,
@@ -269,15 +307,15 @@ class FusedRoutedExperts(RoutedExperts):
         num_local_tokens_per_expert_E: torch.Tensor,
     ) -> torch.Tensor:
         """``(B, L, D)`` tokens, ``(B, L, K)`` scores and expert ids -> ``(B, L, D)``."""
-        single_device = getattr(self.token_dispatcher, "ep_mesh", None) is None
-        if getattr(self.inner_experts, "compute_backend", None) != "triton" or not single_device:
+        routed = self._routed_path()
+        if routed is None:
             return super().forward(
                 x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E
             )
         batch, seq_len, dim = x_BLD.shape
         top_k = topk_expert_ids_BLK.shape[-1]
         experts = self.inner_experts
-        out_TD = fused_moe_routed(
+        out_TD = routed(
             x_BLD.reshape(batch * seq_len, dim),
             _local(experts.w1_EFD),
             _local(experts.w2_EDF),

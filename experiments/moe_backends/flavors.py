@@ -21,7 +21,7 @@ from torchtitan_ext.moe_metrics import MoEMetricsProcessor
 from torchtitan_ext.registry import register_flavor
 
 from . import toml_keys, torchtitan_features  # noqa: F401  (register the [moe] TOML keys and start-up checks)
-from .experts import COMPUTE_BACKENDS, ComputeBackend
+from .experts import DEFAULT_BACKEND, ComputeBackend, backend_names
 from .layer import use_backend_experts, use_routing
 from .model import MoEShape, qwen3_style_moe
 from .moe import with_router_loss_configuration
@@ -115,7 +115,7 @@ def tiny_moe(compute_backend: ComputeBackend) -> Trainer.Config:
     return config
 
 
-def full_size(name: str, shape: MoEShape, compute_backend: ComputeBackend | None = "grouped_mm") -> Trainer.Config:
+def full_size(name: str, shape: MoEShape, compute_backend: ComputeBackend | None = DEFAULT_BACKEND) -> Trainer.Config:
     return moe_trainer_config(
         qwen3_style_moe(name, shape, compute_backend=compute_backend),
         local_batch_size=4,
@@ -127,7 +127,7 @@ def full_size(name: str, shape: MoEShape, compute_backend: ComputeBackend | None
     )
 
 
-for _backend in COMPUTE_BACKENDS:
+for _backend in backend_names():
     register_flavor(
         tiny_flavor_name(_backend),
         f"2-layer, 8-expert top-2 MoE (dim 64) for CPU smoke runs; {_backend} experts",
@@ -163,7 +163,7 @@ def olmoe_1b_7b_torchtitan_moe() -> Trainer.Config:
 )
 def deepseek_v3_16b() -> Trainer.Config:
     model_spec = deepseek_v3_registry("16B")
-    use_routing(use_backend_experts(model_spec.model, "grouped_mm"))
+    use_routing(use_backend_experts(model_spec.model, DEFAULT_BACKEND))
     model_spec.parallelize_fn = with_router_loss_configuration(model_spec.parallelize_fn)
     config = moe_trainer_config(
         model_spec, local_batch_size=4, seq_len=4096, steps=1000, lr=2.2e-4,

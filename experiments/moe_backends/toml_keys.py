@@ -12,8 +12,9 @@ from torchtitan_ext.kernels._runtime import triton_available_reason
 from torchtitan_ext.overrides import ConfigError, register_config_check, register_short_key
 from torchtitan_ext.validation import launch_command
 
+from .auto_backend import AutoBackendError, resolve_auto_compute_backend
 from .dispatcher import EPTransport, PermuteBackend, RoutingDispatcher, validate_dispatch_options
-from .experts import BackendGroupedExperts, ComputeBackendChoice
+from .experts import AUTO_BACKEND, BackendGroupedExperts, ComputeBackendChoice, get_backend
 from .moe import AuxLossType, RoutedMoE, validate_loss_options
 from .router import validate_router_options
 
@@ -26,6 +27,32 @@ def set_compute_backend(config, backend: str) -> None:
         raise ConfigError("moe.compute_backend: this flavor's model has no backend-switchable experts")
     for _, experts_config, _, _ in experts:
         experts_config.compute_backend = backend
+
+
+@register_config_check
+def check_compute_backends_run_here(config) -> None:
+    """Before training: every chosen backend can run on this machine (its spec says why not)."""
+    if config.model_spec is None:
+        return
+    names = {experts.compute_backend for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)}
+    errors = []
+    for name in sorted(names - {AUTO_BACKEND}):
+        reason = get_backend(name).unavailable_reason()
+        if reason is not None:
+            errors.append(f"moe.compute_backend = {name!r}: {reason}")
+    if errors:
+        raise ConfigError("\n".join(errors))
+
+
+@register_config_check
+def resolve_auto_backend(config) -> None:
+    """Before training: ``moe.compute_backend = "auto"`` becomes the fastest backend here."""
+    if config.model_spec is None:
+        return
+    try:
+        resolve_auto_compute_backend(config)
+    except AutoBackendError as e:
+        raise ConfigError(str(e)) from None
 
 
 def moe_configs(config, key: str) -> list[RoutedMoE.Config]:

@@ -20,26 +20,26 @@ import sys
 
 import torch
 
-from torchtitan_ext.bench import auto_backend, expert_block, moe_layer, plot, train_step
+from torchtitan_ext.bench import expert_block, moe_layer, plot, train_step
 from torchtitan_ext.bench.common import (
     SHAPES,
     TINY_FLAVORS_HINT,
     TINY_SHAPE,
-    BenchShape,
     print_table,
     progress,
     refuse_full_size_on_cpu,
     write_json,
 )
+from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape
 from torchtitan_ext.compat.quiet_cpu import quiet_cpu_warnings
-from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS
-from torchtitan_ext.kernels.fused_moe import triton_available_reason
+from torchtitan_ext.experiments.moe_backends import auto_backend
+from torchtitan_ext.experiments.moe_backends.dispatcher import PERMUTE_BACKENDS
+from torchtitan_ext.experiments.moe_backends.experts import AUTO_BACKEND, BACKENDS, runnable_backends
 from torchtitan_ext.overrides import ConfigError
 from torchtitan_ext.train import resolve_config
 
 PROG = "python -m torchtitan_ext.bench"
 SKEW_CHOICES = {"balanced": (0.0,), "skewed": (2.0,), "both": (0.0, 2.0)}
-TRITON_IMPLS = ("triton", "fused_routed")
 EP_TABLE = [("world", "world"), ("tokens_per_rank", "T/rank"), ("dim", "D"), ("routing", "routing"),
             ("transport", "transport"), ("permute_backend", "permute"), ("dispatch_combine_ms", "d+c ms"), ("raw_a2a_ms", "raw a2a ms"),
             ("raw_a2a_unique_ms", "raw a2a unique ms"), ("dispatch_combine_GBps", "d+c GB/s"),
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     layer = commands.add_parser("layer", help="the whole MoE layer per backend vs stock torchtitan")
     add_shape_options(layer)
-    layer.add_argument("--layers", nargs="+", choices=[moe_layer.STOCK, *COMPUTE_BACKENDS],
+    layer.add_argument("--layers", nargs="+", choices=moe_layer.KINDS,
                        help=f"layers (default: every one that runs here; {moe_layer.STOCK} always runs first)")
     layer.add_argument("--batch", type=int, default=2, help="batch B of the (B, tokens/B, D) input")
     add_output_options(layer)
@@ -91,14 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192], help="tokens per rank")
     ep.add_argument("--dims", type=int, nargs="+", default=[2048, 7168], help="model dims")
     ep.add_argument("--check", action="store_true", help="run the EP equivalence check first")
-    ep.add_argument("--permute-backends", nargs="+", default=["triton"], choices=["torch", "triton"],
+    ep.add_argument("--permute-backends", nargs="+", default=["triton"], choices=PERMUTE_BACKENDS,
                     help="permute backend(s) of the all_to_all transport")
     add_output_options(ep)
 
     step = commands.add_parser("train-step", help="one training step (fwd+bwd+AdamW) of a flavor per backend")
     step.add_argument("--flavor", required=True, help="flavor to build (python -m torchtitan_ext.flavors)")
     step.add_argument("--toml", action="append", default=[], metavar="FILE", help="TOML overrides (repeatable)")
-    step.add_argument("--backends", nargs="+", choices=COMPUTE_BACKENDS,
+    step.add_argument("--backends", nargs="+", choices=tuple(BACKENDS),
                       help="compute backends (default: every one that runs here)")
     step.add_argument("--batch-size", type=int, help="local batch size (default: the flavor's)")
     step.add_argument("--seq-len", type=int, help="sequence length (default: the flavor's)")
@@ -173,11 +173,12 @@ def measurement_dtype(args, device: torch.device) -> torch.dtype:
     return getattr(torch, args.dtype)
 
 
-def reject_unrunnable(parser, flag: str, names, triton_names) -> None:
-    reason = triton_available_reason()
-    unrunnable = [name for name in names or () if name in triton_names]
-    if unrunnable and reason is not None:
-        parser.error(f"{flag} {' '.join(unrunnable)}: {reason}")
+def reject_unrunnable(parser, flag: str, names, unavailable_reason) -> None:
+    """Exit 2 naming ``flag``'s values that cannot run here, with the reason ``unavailable_reason(name)`` gives."""
+    reasons = {name: unavailable_reason(name) for name in names or ()}
+    unrunnable = [name for name, reason in reasons.items() if reason is not None]
+    if unrunnable:
+        parser.error(f"{flag} {' '.join(unrunnable)}: {reasons[unrunnable[0]]}")
 
 
 def finish(results: dict, rows: list[dict], table, args) -> None:
@@ -189,7 +190,7 @@ def finish(results: dict, rows: list[dict], table, args) -> None:
 
 
 def run_expert(parser, args, device, command) -> None:
-    reject_unrunnable(parser, "--impls", args.impls, TRITON_IMPLS)
+    reject_unrunnable(parser, "--impls", args.impls, expert_block.unavailable_reason)
     shapes = selected_shapes(parser, args, device)
     results = expert_block.run(shapes, args.impls or expert_block.default_impls(), device,
                                measurement_dtype(args, device), command, out=args.json,
@@ -198,7 +199,7 @@ def run_expert(parser, args, device, command) -> None:
 
 
 def run_layer(parser, args, device, command) -> None:
-    reject_unrunnable(parser, "--layers", args.layers, ("triton",))
+    reject_unrunnable(parser, "--layers", args.layers, moe_layer.unavailable_reason)
     shapes = selected_shapes(parser, args, device)
     bad = [s.name for s in shapes if s.tokens % args.batch]
     if args.batch < 1 or bad:
@@ -229,19 +230,19 @@ def run_ep(parser, args, device, command) -> None:
 
 
 def run_train_step(parser, args, device, command) -> None:
-    reject_unrunnable(parser, "--backends", args.backends, ("triton",))
+    reject_unrunnable(parser, "--backends", args.backends, lambda name: BACKENDS[name].unavailable_reason())
     for flag in ("batch_size", "seq_len", "num_layers"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    backends = args.backends or auto_backend.candidate_backends()
+    backends = args.backends or runnable_backends()
     results = train_step.run(args.flavor, args.toml, backends, device, command, batch_size=args.batch_size,
                              seq_len=args.seq_len, num_layers=args.num_layers, out=args.json)
     finish(results, results["rows"], train_step.TABLE, args)
 
 
 def run_auto(parser, args, device, command) -> None:
-    config = train_step.step_config(args.flavor, args.toml, auto_backend.AUTO_BACKEND, batch_size=args.batch_size,
+    config = train_step.step_config(args.flavor, args.toml, AUTO_BACKEND, batch_size=args.batch_size,
                                     seq_len=args.seq_len, num_layers=None)
     refuse_full_size_on_cpu("auto", {f"flavor {args.flavor}": config.model_spec.model.dim}, device,
                             hint=TINY_FLAVORS_HINT)
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join([PROG, *argv])
     try:
         args.handler(args.subparser, args, device, command)
-    except ConfigError as e:
+    except (ConfigError, auto_backend.AutoBackendError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -1,45 +1,20 @@
-"""Shared pieces of the benchmarks: shapes, routing, timing, memory, FLOPs, reporting.
+"""Shared pieces of the benchmarks: named shapes, memory, FLOPs, reporting.
 
-GPU timings are medians from CUDA events (``triton.testing.do_bench``) after warm-up;
-CPU timings are medians of ``torch.utils.benchmark.Timer.blocked_autorange`` blocks after
-warm-up calls, on one thread, in process CPU time: time the process spends computing, not
-time it waits for a core. On a busy 2-core machine, wall-clock timings of the tiny shapes on
-all threads varied up to a thousandfold from run to run; these stay within a few percent.
-Routing and inputs come from seeded generators, so every run measures the same tokens.
+Shapes, seeded routing and inputs, and the timer come from
+``experiments.moe_backends.expert_timing`` (the ``auto`` backend choice measures with them too).
 FLOP rates are reported on GPUs only; CPU runs are for small shapes and report milliseconds.
 """
 
 import datetime
 import json
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
-import torch.utils.benchmark as torch_benchmark
 
+from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, Timer
 from torchtitan_ext.overrides import ConfigError
-
-
-@dataclass(frozen=True)
-class BenchShape:
-    """One MoE layer's dimensions and the tokens it sees per step."""
-
-    name: str
-    tokens: int
-    dim: int
-    hidden_dim: int
-    num_experts: int
-    top_k: int
-
-    @property
-    def routed_rows(self) -> int:
-        return self.tokens * self.top_k
-
-    def layer_kwargs(self) -> dict:
-        return dict(dim=self.dim, hidden_dim=self.hidden_dim, num_experts=self.num_experts,
-                    top_k=self.top_k)
 
 
 SHAPES = {
@@ -54,9 +29,6 @@ SHAPES = {
 TINY_SHAPE = BenchShape("tiny", 32, 48, 40, 6, 2)
 SKEWS = (0.0, 2.0)
 """0: balanced; 2: logits + linspace(2, 0, E), max/mean load about 3.5 at the shapes above."""
-SEED = 0
-"""Seed of every benchmark's routing and inputs."""
-
 FULL_SIZE_MIN_DIM = 1024
 """Shapes and flavors with a model dim at least this large need CUDA (CPU runs are for small ones)."""
 
@@ -81,60 +53,8 @@ def refuse_full_size_on_cpu(command: str, named_dims: dict[str, int], device: to
         )
 
 
-def seeded_generator(device, seed: int = SEED) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
-
-
-def route(num_tokens: int, num_experts: int, top_k: int, skew: float, device,
-          generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids_TK, scores_TK): top-k of random softmax logits, renormalised; skew favours low ids."""
-    logits_TE = torch.randn(num_tokens, num_experts, device=device, generator=generator)
-    if skew:
-        logits_TE = logits_TE + torch.linspace(skew, 0, num_experts, device=device)
-    scores_TK, ids_TK = logits_TE.softmax(dim=-1).topk(top_k, dim=-1)
-    return ids_TK, scores_TK / scores_TK.sum(dim=-1, keepdim=True)
-
-
 def max_over_mean(counts_E: torch.Tensor) -> float:
     return round(float(counts_E.max()) / max(float(counts_E.float().mean()), 1e-9), 2)
-
-
-Timer = Callable[..., float]
-
-
-def make_timer(device: torch.device, *, warmup_ms: int = 25, repeat_ms: int = 100) -> Timer:
-    """``timer(fn, grad_to_none=None) -> median ms``; ``grad_to_none`` tensors lose their grads before each call.
-
-    CUDA: ``triton.testing.do_bench`` (``warmup_ms`` then ``repeat_ms`` of calls). CPU: warm-up calls
-    for ``warmup_ms`` (at least one), then ``blocked_autorange`` on one thread, in process CPU
-    time, for at least ``repeat_ms`` and five calls' time.
-    """
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        def cuda_timer(fn, grad_to_none=None):
-            return do_bench(fn, warmup=warmup_ms, rep=repeat_ms, return_mode="median",
-                            grad_to_none=grad_to_none)
-
-        return cuda_timer
-
-    def cpu_timer(fn, grad_to_none=None):
-        def call():
-            for tensor in grad_to_none or ():
-                tensor.grad = None
-            fn()
-
-        calls, start = 0, time.perf_counter()
-        while calls == 0 or time.perf_counter() - start < warmup_ms / 1e3:
-            call()
-            calls += 1
-        seconds_per_call = (time.perf_counter() - start) / calls
-        timer = torch_benchmark.Timer(stmt="call()", globals={"call": call}, num_threads=1,
-                                      timer=time.process_time)
-        measurement = timer.blocked_autorange(min_run_time=max(repeat_ms / 1e3, 5 * seconds_per_call))
-        return measurement.median * 1e3
-
-    return cpu_timer
 
 
 def dense_ceiling_tflops(timer: Timer, device: torch.device) -> float:

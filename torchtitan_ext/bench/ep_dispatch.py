@@ -1,6 +1,6 @@
 """Expert-parallel dispatch + combine on GPUs: equivalence check and bandwidth benchmark.
 
-    torchrun --nproc_per_node=4 -m torchtitan_ext.bench.ep_dispatch --out results.json
+    torchrun --nproc_per_node=4 -m torchtitan_ext.bench ep --check --json results.json
 
 Per (tokens per rank T, model dim D, top_k 8, balanced or skewed routing), on every rank:
 
@@ -27,7 +27,6 @@ the time, max over ranks; ``fraction_of_raw`` is ``raw_a2a`` time over dispatch 
 backend, both transports and both permute backends) and records the largest errors.
 """
 
-import argparse
 import json
 import os
 import time
@@ -45,10 +44,14 @@ apply_torch_version_fixes()
 from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 
 from torchtitan_ext.experiments.moe_backends.dispatcher import (  # noqa: E402
-    EP_TRANSPORTS, PERMUTE_BACKENDS, RoutingDispatcher, plan_slots,
+    EP_TRANSPORTS, RoutingDispatcher, plan_slots,
 )
 from torchtitan_ext.kernels import ep_exchange as exchange_kernels  # noqa: E402
-from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS  # noqa: E402
+from torchtitan_ext.experiments.moe_backends.experts import (  # noqa: E402
+    backend_names,
+    get_backend,
+    grouped_mm_experts,
+)
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config  # noqa: E402
 
 NUM_EXPERTS, TOP_K = 64, 8
@@ -253,7 +256,8 @@ def check_equivalence(mesh, compute_backends: list[str]) -> list[dict]:
     results = []
     for compute_backend in compute_backends:
         for transport, permute_backend in (("all_to_all", "torch"), ("all_to_all", "triton"), ("symm_mem", "triton")):
-            dtype = torch.bfloat16 if compute_backend == "grouped_mm" else torch.float32
+            # torch._grouped_mm is checked in bf16, the dtype it runs in on GPUs; the rest in fp32.
+            dtype = torch.bfloat16 if get_backend(compute_backend).grouped is grouped_mm_experts else torch.float32
             outs = []
             for ep in (False, True):
                 layer = build_layer(compute_backend, transport, permute_backend).to(dtype)
@@ -292,7 +296,7 @@ def check_equivalence(mesh, compute_backends: list[str]) -> list[dict]:
 
 def run(
     token_counts: list[int], dims: list[int], check: bool, permute_backends: list[str],
-    check_backends: list[str] = COMPUTE_BACKENDS,
+    check_backends: list[str] | None = None,
 ) -> dict:
     """Under torchrun: NCCL process group, optional equivalence check, every case; the report.
 
@@ -311,7 +315,7 @@ def run(
     }
     if check:
         try:
-            report["equivalence"] = check_equivalence(mesh, list(check_backends))
+            report["equivalence"] = check_equivalence(mesh, list(check_backends or backend_names()))
         except Exception as e:  # recorded, so the benchmark still runs
             report["equivalence_error"] = f"{type(e).__name__}: {e}"
     report["bench"] = []
@@ -324,26 +328,3 @@ def run(
                         if rank == 0:
                             print(json.dumps(row), flush=True)
     return report
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="JSON file written by rank 0")
-    parser.add_argument("--check", action="store_true", help="run the EP equivalence check first")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
-    parser.add_argument("--dims", type=int, nargs="+", default=[2048, 7168])
-    parser.add_argument("--check-backends", nargs="+", default=list(COMPUTE_BACKENDS), choices=COMPUTE_BACKENDS,
-                        help="compute backends the equivalence check covers")
-    parser.add_argument("--permute-backends", nargs="+", default=["triton"], choices=PERMUTE_BACKENDS,
-                        help="permute backend(s) of the all_to_all transport")
-    args = parser.parse_args(argv)
-
-    report = run(args.tokens, args.dims, args.check, args.permute_backends, args.check_backends)
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

@@ -2,22 +2,19 @@
 
 Implementations, timed in one process so that ratios compare like with like:
 
-- every ``compute_backend`` (grouped_mm, for_loop, batched_mm_padded, triton) on rows
-  already grouped by expert: the expert block alone;
+- every ``compute_backend`` of the backend table on rows already grouped by expert: the
+  expert block alone (errors against the default backend);
 - ``torch_routed``: tokens in, tokens out the stock way: gather rows by expert,
-  grouped_mm experts, weight by router scores, scatter-add back to tokens;
+  default-backend experts, weight by router scores, scatter-add back to tokens;
 - ``fused_routed``: the fused Triton kernels' routed mode (gather and weighted combine
-  inside the kernels), the single-device path of compute_backend "triton".
+  inside the kernels), the routed path of the Triton backend's spec.
 
 FLOPs (reported on GPUs): 6*N*D*F forward, 18*N*D*F forward+backward, N = T*K routed rows.
 
-    python -m torchtitan_ext.bench.expert_block --out results.json
-    python -m torchtitan_ext.bench.expert_block --tiny        # CPU smoke run
+    python -m torchtitan_ext.bench expert --json results.json
+    python -m torchtitan_ext.bench expert --tiny        # CPU smoke run
 """
 
-import argparse
-import sys
-from typing import NamedTuple
 
 import torch
 
@@ -25,87 +22,56 @@ from torchtitan_ext.bench.common import (
     SHAPES,
     SKEWS,
     TINY_SHAPE,
-    BenchShape,
     dense_ceiling_tflops,
     environment,
     expert_tflops,
-    make_timer,
     max_over_mean,
     memory_mb,
     print_table,
     progress,
     refuse_full_size_on_cpu,
     relative_error,
-    route,
-    seeded_generator,
     write_json,
 )
+from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, expert_inputs, make_timer, seeded_generator
 
 from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes  # noqa: E402
 
 apply_torch_version_fixes()
 
-from torchtitan_ext.experiments.moe_backends.experts import EXPERT_BACKENDS  # noqa: E402
+from torchtitan_ext.experiments.moe_backends.experts import (  # noqa: E402
+    BACKENDS,
+    DEFAULT_BACKEND,
+    get_backend,
+)
 from torchtitan_ext.kernels.fused_moe import fused_moe_routed, triton_available_reason  # noqa: E402
 
 ROUTED_IMPLS = ("torch_routed", "fused_routed")
-IMPLS = (*EXPERT_BACKENDS, *ROUTED_IMPLS)
+IMPLS = (*BACKENDS, *ROUTED_IMPLS)
 
 
 def torch_routed_experts(x_TD, w1_EFD, w2_EDF, w3_EFD, ids_TK, scores_TK):
-    """The stock tokens-in/tokens-out path: permute, grouped_mm experts, weighted combine."""
+    """The stock tokens-in/tokens-out path: permute, default-backend experts, weighted combine."""
     top_k = ids_TK.shape[1]
     slot_N = torch.argsort(ids_TK.reshape(-1), stable=True)
     counts_E = torch.bincount(ids_TK.reshape(-1), minlength=w1_EFD.shape[0])
     token_N = slot_N // top_k
-    y_ND = EXPERT_BACKENDS["grouped_mm"](x_TD[token_N], w1_EFD, w2_EDF, w3_EFD, counts_E)
+    y_ND = get_backend(DEFAULT_BACKEND).grouped(x_TD[token_N], w1_EFD, w2_EDF, w3_EFD, counts_E)
     y_ND = (y_ND.float() * scores_TK.reshape(-1)[slot_N, None]).to(x_TD.dtype)
     return torch.zeros_like(x_TD).index_add_(0, token_N, y_ND)
-
-
-class ExpertInputs(NamedTuple):
-    """Leaf tensors of one expert-block measurement (``weights`` = [w1_EFD, w2_EDF, w3_EFD])."""
-
-    ids_TK: torch.Tensor
-    scores_TK: torch.Tensor
-    counts_E: torch.Tensor
-    x_TD: torch.Tensor
-    x_ND: torch.Tensor
-    weights: list[torch.Tensor]
-
-
-def expert_inputs(shape: BenchShape, skew: float, device, dtype) -> ExpertInputs:
-    """Seeded random routing (see ``route``), tokens, the same tokens grouped by expert, and weights."""
-    generator = seeded_generator(device)
-    ids_TK, scores_TK = route(shape.tokens, shape.num_experts, shape.top_k, skew, device, generator)
-    counts_E = torch.bincount(ids_TK.reshape(-1), minlength=shape.num_experts)
-    slot_N = torch.argsort(ids_TK.reshape(-1), stable=True)
-
-    def randn(*size: int) -> torch.Tensor:
-        return torch.randn(*size, device=device, generator=generator).to(dtype)
-
-    x_TD = randn(shape.tokens, shape.dim).requires_grad_()
-    x_ND = x_TD.detach()[slot_N // shape.top_k].clone().requires_grad_()
-    E, D, F = shape.num_experts, shape.dim, shape.hidden_dim
-    weights = [
-        (randn(E, F, D) * D**-0.5).requires_grad_(),
-        (randn(E, D, F) * F**-0.5).requires_grad_(),
-        (randn(E, F, D) * D**-0.5).requires_grad_(),
-    ]
-    return ExpertInputs(ids_TK, scores_TK.to(dtype).requires_grad_(), counts_E, x_TD, x_ND, weights)
 
 
 def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype) -> list[dict]:
     """One row per implementation: ms, TFLOP/s and memory (GPU), error vs grouped_mm."""
     ids_TK, scores_TK, counts_E, x_TD, x_ND, weights = expert_inputs(shape, skew, device, dtype)
-    calls = {name: (lambda fn=fn: fn(x_ND, *weights, counts_E), [x_ND, *weights])
-             for name, fn in EXPERT_BACKENDS.items()}
+    calls = {name: (lambda fn=spec.grouped: fn(x_ND, *weights, counts_E), [x_ND, *weights])
+             for name, spec in BACKENDS.items()}
     calls["torch_routed"] = (lambda: torch_routed_experts(x_TD, *weights, ids_TK, scores_TK),
                              [x_TD, *weights, scores_TK])
     calls["fused_routed"] = (lambda: fused_moe_routed(x_TD, *weights, ids_TK, scores_TK),
                              [x_TD, *weights, scores_TK])
     with torch.no_grad():
-        references = {"grouped": calls["grouped_mm"][0](), "routed": calls["torch_routed"][0]()}
+        references = {"grouped": calls[DEFAULT_BACKEND][0](), "routed": calls["torch_routed"][0]()}
 
     rows = []
     for name in impls:
@@ -159,28 +125,13 @@ TABLE = [("shape", "shape"), ("skew", "skew"), ("max_over_mean", "max/mean"), ("
          ("fwdbwd_tflops", "fwd+bwd TF/s"), ("fwdbwd_peak_mb", "peak MB"), ("rel_err", "rel err")]
 
 
+def unavailable_reason(impl: str) -> str | None:
+    """Why ``impl`` cannot run here (None: it can): a backend's spec says; ``fused_routed`` is a Triton kernel."""
+    if impl in BACKENDS:
+        return BACKENDS[impl].unavailable_reason()
+    return triton_available_reason() if impl == "fused_routed" else None
+
+
 def default_impls() -> list[str]:
-    """Every implementation that can run here (the Triton ones need CUDA or the interpreter)."""
-    usable = triton_available_reason() is None
-    return [name for name in IMPLS if usable or name not in ("triton", "fused_routed")]
-
-
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="also write the results as JSON here")
-    parser.add_argument("--tiny", action="store_true", help="one tiny shape (CPU smoke run)")
-    parser.add_argument("--shapes", nargs="*", choices=sorted(SHAPES), help="subset of shapes")
-    parser.add_argument("--impls", nargs="*", choices=IMPLS, help="subset of implementations")
-    args = parser.parse_args(argv)
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shapes = [TINY_SHAPE] if args.tiny else [SHAPES[name] for name in (args.shapes or SHAPES)]
-    command = " ".join(["python -m torchtitan_ext.bench.expert_block", *(sys.argv[1:] if argv is None else argv)])
-    results = run(shapes, args.impls or default_impls(), device, dtype, command, out=args.out)
-    print_table(results["rows"], TABLE)
-    return results
-
-
-if __name__ == "__main__":
-    main()
+    """Every implementation that can run here."""
+    return [name for name in IMPLS if unavailable_reason(name) is None]

@@ -12,8 +12,6 @@ TFLOP/s (6*N*D*F / 18*N*D*F) and peak memory of forward+backward above the weigh
     python -m torchtitan_ext.bench.moe_layer --tiny          # CPU smoke run
 """
 
-import argparse
-import sys
 
 import torch
 
@@ -21,30 +19,27 @@ from torchtitan_ext.bench.common import (
     SHAPES,
     SKEWS,
     TINY_SHAPE,
-    BenchShape,
     environment,
     expert_tflops,
-    make_timer,
     max_over_mean,
     memory_mb,
     print_table,
     progress,
     refuse_full_size_on_cpu,
     relative_error,
-    seeded_generator,
     write_json,
 )
+from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, make_timer, seeded_generator
 
 from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes  # noqa: E402
 
 apply_torch_version_fixes()
 
-from torchtitan_ext.experiments.moe_backends.experts import COMPUTE_BACKENDS  # noqa: E402
+from torchtitan_ext.experiments.moe_backends.experts import BACKENDS, runnable_backends  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.layer import (  # noqa: E402
     moe_layer_config,
     stock_moe_config,
 )
-from torchtitan_ext.kernels.fused_moe import triton_available_reason  # noqa: E402
 
 STOCK = "torchtitan"
 TARGET_MAX_OVER_MEAN = 3.5
@@ -134,9 +129,17 @@ def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, bat
     return rows
 
 
+KINDS = (STOCK, *BACKENDS)
+"""Layers measured: torchtitan's own, then one per compute backend."""
+
+
+def unavailable_reason(kind: str) -> str | None:
+    """Why layer ``kind`` cannot run here (None: it can)."""
+    return None if kind == STOCK else BACKENDS[kind].unavailable_reason()
+
+
 def default_kinds() -> list[str]:
-    usable = triton_available_reason() is None
-    return [STOCK, *(b for b in COMPUTE_BACKENDS if usable or b != "triton")]
+    return [STOCK, *runnable_backends()]
 
 
 TABLE = [("shape", "shape"), ("skew", "skew"), ("max_over_mean", "max/mean"), ("layer", "layer"),
@@ -159,26 +162,3 @@ def run(shapes, kinds, device, dtype, batch: int, command: str, out: str | None 
             results["rows"] += bench_shape(shape, skew, kinds, timer, device, dtype, batch)
         write_json(out, results)
     return results
-
-
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="also write the results as JSON here")
-    parser.add_argument("--tiny", action="store_true", help="one tiny shape (CPU smoke run)")
-    parser.add_argument("--shapes", nargs="*", choices=sorted(SHAPES), help="subset of shapes")
-    parser.add_argument("--layers", nargs="*", choices=[STOCK, *COMPUTE_BACKENDS],
-                        help=f"subset of layers ({STOCK} is always measured first)")
-    args = parser.parse_args(argv)
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shapes = [TINY_SHAPE] if args.tiny else [SHAPES[name] for name in (args.shapes or SHAPES)]
-    kinds = [STOCK, *(k for k in (args.layers or default_kinds()) if k != STOCK)]
-    command = " ".join(["python -m torchtitan_ext.bench.moe_layer", *(sys.argv[1:] if argv is None else argv)])
-    results = run(shapes, kinds, device, dtype, batch=2, command=command, out=args.out)
-    print_table(results["rows"], TABLE)
-    return results
-
-
-if __name__ == "__main__":
-    main()

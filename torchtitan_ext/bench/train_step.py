@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from torchtitan_ext.bench.common import (
     TINY_FLAVORS_HINT,
     environment,
-    make_timer,
     progress,
     refuse_full_size_on_cpu,
     write_json,
 )
+from torchtitan_ext.experiments.moe_backends.expert_timing import make_timer
 
 from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes  # noqa: E402
 

@@ -3,43 +3,35 @@
 Resolution happens once at start-up (a config check, before any process group or model is
 built) and writes a concrete backend into every ``BackendGroupedExperts.Config``, so the
 model never sees "auto". The choice is the backend with the smallest forward+backward time
-of the expert block (``expert_block.expert_inputs``, balanced routing) summed over the
+of the expert block (``expert_timing.expert_inputs``, balanced routing) summed over the
 model's MoE layers, at the run's tokens per step (local batch size x sequence length).
 
 Choices are cached in ``$TORCHTITAN_EXT_CACHE/auto_backend.json`` (default
 ``~/.cache/torchtitan_ext/``), keyed by device name, torch version, dtype, the MoE shapes
-and the candidate backends. A single process measures on a cache miss; under torchrun
+and the candidate backends (the backends of the table that run here). A single process measures on a cache miss; under torchrun
 (``WORLD_SIZE > 1``) every rank reads the cache and a miss is an error asking for
 ``python -m torchtitan_ext.bench auto --flavor NAME`` first, so all ranks choose alike.
 """
 
 import json
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from torchtitan_ext.bench.common import BenchShape, make_timer, progress
+from torchtitan.models.common.moe import MoE
+from torchtitan.tools.logging import logger
 
-from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes  # noqa: E402
+from .cache import CACHE_ENV, cache_dir
+from .expert_timing import BenchShape, expert_inputs, make_timer
+from .experts import AUTO_BACKEND, BackendGroupedExperts, backend_names, get_backend, runnable_backends
 
-apply_torch_version_fixes()
+class AutoBackendError(ValueError):
+    """``auto`` cannot be resolved here (a cache miss where measuring is not allowed)."""
 
-from torchtitan.models.common.moe import MoE  # noqa: E402
-from torchtitan.tools.logging import logger  # noqa: E402
-
-from torchtitan_ext.bench.expert_block import expert_inputs  # noqa: E402
-from torchtitan_ext.experiments.moe_backends.experts import (  # noqa: E402
-    AUTO_BACKEND,
-    COMPUTE_BACKENDS,
-    EXPERT_BACKENDS,
-    BackendGroupedExperts,
-)
-from torchtitan_ext.flavors import CACHE_ENV, cache_dir  # noqa: E402
-from torchtitan_ext.kernels.fused_moe import triton_available_reason  # noqa: E402
-from torchtitan_ext.overrides import ConfigError  # noqa: E402
 
 CACHE_FILE_NAME = "auto_backend.json"
 
@@ -58,12 +50,6 @@ class AutoChoice:
 
 def cache_file() -> Path:
     return cache_dir() / CACHE_FILE_NAME
-
-
-def candidate_backends() -> list[str]:
-    """Every compute backend that runs here; ``triton`` only where its kernels can run."""
-    runnable = triton_available_reason() is None
-    return [name for name in COMPUTE_BACKENDS if name != "triton" or runnable]
 
 
 def moe_layer_shapes(model_config, tokens: int) -> dict[BenchShape, int]:
@@ -96,7 +82,7 @@ def expert_block_measure(device: torch.device, dtype: torch.dtype) -> Measure:
 
     def measure(shape: BenchShape, backend: str) -> float:
         inputs = expert_inputs(shape, 0.0, device, dtype)
-        compute = EXPERT_BACKENDS[backend]
+        compute = get_backend(backend).grouped
         grad_ND = torch.randn(inputs.x_ND.shape, device=device, dtype=dtype)
 
         def forward_backward():
@@ -112,7 +98,7 @@ def choose_backend(layer_shapes: dict[BenchShape, int], candidates: list[str],
     """(fastest candidate, ms per step per candidate); ties go to the earlier candidate."""
     ms_per_step = {}
     for backend in candidates:
-        progress(f"  auto backend  measuring {backend}")
+        print(f"  auto backend  measuring {backend}", file=sys.stderr, flush=True)
         ms_per_step[backend] = round(sum(count * measure(shape, backend)
                                          for shape, count in layer_shapes.items()), 4)
     return min(ms_per_step, key=ms_per_step.get), ms_per_step
@@ -128,7 +114,7 @@ def _read_cache(path: Path) -> dict:
 def resolve(layer_shapes: dict[BenchShape, int], device: torch.device, dtype: torch.dtype, *,
             may_measure: bool, remeasure: bool = False, measure: Measure | None = None) -> AutoChoice:
     """The cached choice for these shapes here, or (``may_measure``) a fresh measurement, cached."""
-    candidates = candidate_backends()
+    candidates = runnable_backends()
     key = cache_key(device, dtype, layer_shapes, candidates)
     path = cache_file()
     cache = _read_cache(path)
@@ -136,11 +122,11 @@ def resolve(layer_shapes: dict[BenchShape, int], device: torch.device, dtype: to
         entry = cache[key]
         return AutoChoice(entry["backend"], entry["ms_per_step"], True, key)
     if not may_measure:
-        raise ConfigError(
+        raise AutoBackendError(
             f"moe.compute_backend = 'auto': no cached choice for {key} in {path}, "
             "and several processes would measure apart; run the single-process "
             "`python -m torchtitan_ext.bench auto --flavor NAME [--toml FILE] [--batch-size B --seq-len L]` first "
-            f"(same {CACHE_ENV}), or set a backend: {', '.join(COMPUTE_BACKENDS)}"
+            f"(same {CACHE_ENV}), or set a backend: {', '.join(backend_names())}"
         )
     if len(candidates) == 1:
         backend, ms_per_step = candidates[0], {}

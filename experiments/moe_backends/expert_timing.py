@@ -1,0 +1,125 @@
+"""What the ``auto`` backend choice and the benchmarks measure: expert-block shapes, seeded
+inputs and a timer.
+
+GPU timings are medians from CUDA events (``triton.testing.do_bench``) after warm-up; CPU
+timings are medians of ``torch.utils.benchmark.Timer.blocked_autorange`` blocks after warm-up
+calls, on one thread, in process CPU time: time the process spends computing, not time it
+waits for a core. On a busy 2-core machine, wall-clock timings of the tiny shapes on all
+threads varied up to a thousandfold from run to run; these stay within a few percent.
+Routing and inputs come from seeded generators, so every run measures the same tokens.
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.utils.benchmark as torch_benchmark
+
+SEED = 0
+"""Seed of every measurement's routing and inputs."""
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    """One MoE layer's dimensions and the tokens it sees per step."""
+
+    name: str
+    tokens: int
+    dim: int
+    hidden_dim: int
+    num_experts: int
+    top_k: int
+
+    @property
+    def routed_rows(self) -> int:
+        return self.tokens * self.top_k
+
+    def layer_kwargs(self) -> dict:
+        return dict(dim=self.dim, hidden_dim=self.hidden_dim, num_experts=self.num_experts,
+                    top_k=self.top_k)
+
+
+def seeded_generator(device, seed: int = SEED) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def route(num_tokens: int, num_experts: int, top_k: int, skew: float, device,
+          generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_TK, scores_TK): top-k of random softmax logits, renormalised; skew favours low ids."""
+    logits_TE = torch.randn(num_tokens, num_experts, device=device, generator=generator)
+    if skew:
+        logits_TE = logits_TE + torch.linspace(skew, 0, num_experts, device=device)
+    scores_TK, ids_TK = logits_TE.softmax(dim=-1).topk(top_k, dim=-1)
+    return ids_TK, scores_TK / scores_TK.sum(dim=-1, keepdim=True)
+
+
+class ExpertInputs(NamedTuple):
+    """Leaf tensors of one expert-block measurement (``weights`` = [w1_EFD, w2_EDF, w3_EFD])."""
+
+    ids_TK: torch.Tensor
+    scores_TK: torch.Tensor
+    counts_E: torch.Tensor
+    x_TD: torch.Tensor
+    x_ND: torch.Tensor
+    weights: list[torch.Tensor]
+
+
+def expert_inputs(shape: BenchShape, skew: float, device, dtype) -> ExpertInputs:
+    """Seeded random routing (see ``route``), tokens, the same tokens grouped by expert, and weights."""
+    generator = seeded_generator(device)
+    ids_TK, scores_TK = route(shape.tokens, shape.num_experts, shape.top_k, skew, device, generator)
+    counts_E = torch.bincount(ids_TK.reshape(-1), minlength=shape.num_experts)
+    slot_N = torch.argsort(ids_TK.reshape(-1), stable=True)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, device=device, generator=generator).to(dtype)
+
+    x_TD = randn(shape.tokens, shape.dim).requires_grad_()
+    x_ND = x_TD.detach()[slot_N // shape.top_k].clone().requires_grad_()
+    E, D, F = shape.num_experts, shape.dim, shape.hidden_dim
+    weights = [
+        (randn(E, F, D) * D**-0.5).requires_grad_(),
+        (randn(E, D, F) * F**-0.5).requires_grad_(),
+        (randn(E, F, D) * D**-0.5).requires_grad_(),
+    ]
+    return ExpertInputs(ids_TK, scores_TK.to(dtype).requires_grad_(), counts_E, x_TD, x_ND, weights)
+
+
+Timer = Callable[..., float]
+
+
+def make_timer(device: torch.device, *, warmup_ms: int = 25, repeat_ms: int = 100) -> Timer:
+    """``timer(fn, grad_to_none=None) -> median ms``; ``grad_to_none`` tensors lose their grads before each call.
+
+    CUDA: ``triton.testing.do_bench`` (``warmup_ms`` then ``repeat_ms`` of calls). CPU: warm-up calls
+    for ``warmup_ms`` (at least one), then ``blocked_autorange`` on one thread, in process CPU
+    time, for at least ``repeat_ms`` and five calls' time.
+    """
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        def cuda_timer(fn, grad_to_none=None):
+            return do_bench(fn, warmup=warmup_ms, rep=repeat_ms, return_mode="median",
+                            grad_to_none=grad_to_none)
+
+        return cuda_timer
+
+    def cpu_timer(fn, grad_to_none=None):
+        def call():
+            for tensor in grad_to_none or ():
+                tensor.grad = None
+            fn()
+
+        calls, start = 0, time.perf_counter()
+        while calls == 0 or time.perf_counter() - start < warmup_ms / 1e3:
+            call()
+            calls += 1
+        seconds_per_call = (time.perf_counter() - start) / calls
+        timer = torch_benchmark.Timer(stmt="call()", globals={"call": call}, num_threads=1,
+                                      timer=time.process_time)
+        measurement = timer.blocked_autorange(min_run_time=max(repeat_ms / 1e3, 5 * seconds_per_call))
+        return measurement.median * 1e3
+
+    return cpu_timer

@@ -1,0 +1,26 @@
+"""Helpers shared by the tests: relative error, a free TCP port, a backend made unavailable."""
+
+import dataclasses
+import socket
+
+import torch
+
+from torchtitan_ext.experiments.moe_backends.experts import BACKENDS
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in fp32 (the denominator floored at 1e-12)."""
+    return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12))
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now (for a torchrun rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_backend_unavailable(monkeypatch, name: str, reason: str | None) -> None:
+    """For this test, backend ``name``'s spec reports ``reason`` (None: it runs here)."""
+    spec = dataclasses.replace(BACKENDS[name], unavailable_reason=lambda: reason)
+    monkeypatch.setitem(BACKENDS, name, spec)
