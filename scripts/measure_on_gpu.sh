@@ -22,15 +22,15 @@ for task in "$@"; do
   case $task in
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused_moe_gpu.py tests/test_fused_layer.py 2>&1 | tee "$out/gpu_tests.log" ;;
     bench)
-      python3 -m torchtitan_ext.bench.moe_layer --out "$out/moe_layer.json" 2>&1 | tee "$out/moe_layer.log"
-      python3 -m torchtitan_ext.bench.expert_block --out "$out/expert_block.json" 2>&1 | tee "$out/expert_block.log" ;;
+      python3 -m torchtitan_ext.bench layer --json "$out/moe_layer.json" 2>&1 | tee "$out/moe_layer.log"
+      python3 -m torchtitan_ext.bench expert --json "$out/expert_block.json" 2>&1 | tee "$out/expert_block.log" ;;
     ep[0-9]*)
       ranks=${task#ep}
       # EP_CHECK_BACKENDS narrows the equivalence check (e.g. "grouped_mm for_loop");
       # EP_TIMEOUT_S bounds each run (default 290 s; a cold Triton cache compiles for minutes).
-      timeout "${EP_TIMEOUT_S:-290}" torchrun --nproc_per_node="$ranks" -m torchtitan_ext.bench.ep_dispatch --check \
+      timeout "${EP_TIMEOUT_S:-290}" torchrun --nproc_per_node="$ranks" -m torchtitan_ext.bench ep --check \
           ${EP_CHECK_BACKENDS:+--check-backends $EP_CHECK_BACKENDS} \
-          --out "$out/ep_dispatch_w$ranks.json" 2>&1 | tee "$out/ep_dispatch_w$ranks.log" ;;
+          --json "$out/ep_dispatch_w$ranks.json" 2>&1 | tee "$out/ep_dispatch_w$ranks.log" ;;
     train-tiny|train-full)
       # TRAIN_ONLY narrows the runs (space-separated regular expressions on run names, e.g. "ep2.symm_mem").
       suite=${task#train-}

@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192], help="tokens per rank")
     ep.add_argument("--dims", type=int, nargs="+", default=[2048, 7168], help="model dims")
     ep.add_argument("--check", action="store_true", help="run the EP equivalence check first")
+    ep.add_argument("--check-backends", nargs="+", choices=tuple(BACKENDS),
+                    help="compute backends the equivalence check covers (default: every one)")
     ep.add_argument("--permute-backends", nargs="+", default=["triton"], choices=PERMUTE_BACKENDS,
                     help="permute backend(s) of the all_to_all transport")
     add_output_options(ep)
@@ -220,7 +222,7 @@ def run_ep(parser, args, device, command) -> None:
 
     from torchtitan_ext.bench import ep_dispatch
 
-    report = ep_dispatch.run(args.tokens, args.dims, args.check, args.permute_backends)
+    report = ep_dispatch.run(args.tokens, args.dims, args.check, args.permute_backends, args.check_backends)
     report["command"] = command
     if dist.get_rank() == 0:
         rows = [{**row, **{f"{name}_ms": row["ms"][name] for name in ("dispatch_combine", "raw_a2a", "raw_a2a_unique")}}

@@ -1,0 +1,95 @@
+"""Imports flow one way: kernels <- experiment <- framework <- experiment registration <- CLIs/benchmarks.
+
+Every ``import`` in the project's source (module level or inside a function) is parsed with
+``ast`` and checked against the layer of the importing module; no module imports a layer above
+its own. The experiment's registration modules (its flavors, TOML keys and Trainer-feature
+checks) plug into the framework's registries, so they sit above the framework; the framework
+reaches them only through the registry's package discovery, never by an import.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDER_OF_PACKAGE = {"torchtitan_ext.kernels": "kernels", "torchtitan_ext.experiments": "experiments"}
+REGISTRATION_MODULES = {"flavors", "toml_keys", "torchtitan_features"}
+"""Modules of an experiment that register with the framework (flavors, TOML keys, start-up checks)."""
+
+KERNELS, EXPERIMENT, FRAMEWORK, REGISTRATION, TOP = range(5)
+LAYER_NAMES = ["kernels", "experiment", "framework", "experiment registration", "CLIs and benchmarks"]
+TOP_MODULES = {"torchtitan_ext.train", "torchtitan_ext.launch", "torchtitan_ext.flavors"}
+"""The user-facing CLIs of the framework package."""
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    dotted = ".".join(parts)
+    for package, folder in FOLDER_OF_PACKAGE.items():
+        if dotted == folder or dotted.startswith(folder + "."):
+            return package + dotted[len(folder):]
+    return dotted
+
+
+def layer(module: str) -> int:
+    if module.startswith("torchtitan_ext.kernels"):
+        return KERNELS
+    if module.startswith("torchtitan_ext.experiments"):
+        return REGISTRATION if module.rsplit(".", 1)[-1] in REGISTRATION_MODULES else EXPERIMENT
+    if module.startswith("torchtitan_ext.bench") or module in TOP_MODULES:
+        return TOP
+    return FRAMEWORK
+
+
+def project_imports(path: Path, module: str) -> set[str]:
+    """Every ``torchtitan_ext`` module ``path`` imports, relative imports resolved."""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.startswith("torchtitan_ext")}
+
+
+def known(module: str, modules: set[str]) -> str:
+    """``module`` itself when it is a project module, else the package it names an attribute of."""
+    while module not in modules and "." in module:
+        module = module.rsplit(".", 1)[0]
+    return module
+
+
+SOURCES = sorted(
+    path
+    for folder in ("kernels", "experiments", "torchtitan_ext")
+    for path in (ROOT / folder).rglob("*.py")
+)
+
+
+def test_sources_found():
+    assert {module_name(p) for p in SOURCES} >= {
+        "torchtitan_ext.kernels.fused_moe",
+        "torchtitan_ext.experiments.moe_backends.experts",
+        "torchtitan_ext.bench.__main__",
+    }
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_imports_a_layer_above_its_own(path):
+    modules = {module_name(p) for p in SOURCES}
+    importer = module_name(path)
+    upward = sorted(
+        f"{target} ({LAYER_NAMES[layer(target)]})"
+        for target in {known(name, modules) for name in project_imports(path, importer)}
+        if layer(target) > layer(importer)
+    )
+    assert not upward, f"{importer} ({LAYER_NAMES[layer(importer)]}) imports a layer above it: {upward}"
