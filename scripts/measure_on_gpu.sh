@@ -11,12 +11,10 @@ out=${OUT:-gpu_results}
 mkdir -p "$out"
 site=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
+# The checkout on PYTHONPATH: torchtitan_ext maps kernels/ and experiments/ onto its namespace.
 export PYTHONPATH=$site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # NVLink multicast stays off on the shared measurement hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# The source tree as an importable package (what `pip install -e .` maps).
-ln -sfn ../kernels torchtitan_ext/kernels
-ln -sfn ../experiments torchtitan_ext/experiments
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$out/gpu.txt"
 for task in "$@"; do
   case $task in

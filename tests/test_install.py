@@ -2,8 +2,11 @@
 installed commands, whose README examples parse."""
 
 import importlib
+import os
 import re
 import shlex
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -40,3 +43,26 @@ def test_readme_moe_train_commands_parse(monkeypatch):
         monkeypatch.setenv("WORLD_SIZE", nproc.group(1) if nproc else "1")
         args = shlex.split(line.split("moe-train", 1)[1].split("#")[0])
         FlavorConfigManager().parse_args(args)
+
+
+def test_checkout_imports_without_install_or_symlinks(tmp_path):
+    """PYTHONPATH=<checkout> alone imports kernels/ and experiments/ under torchtitan_ext.
+
+    ``python -S`` skips the site .pth files, so the editable install's finder is not there;
+    the dependencies come from site-packages put on PYTHONPATH by hand.
+    """
+    assert not [p for folder in ("torchtitan_ext", "kernels", "experiments") for p in (ROOT / folder).rglob("*")
+                if p.is_symlink()]
+    site_packages = next(p for p in map(Path, sys.path) if p.name == "site-packages" and (p / "torch").is_dir())
+    code = (
+        "import sys, torchtitan_ext.kernels.fused_moe as k, torchtitan_ext.experiments.moe_backends.flavors as f;"
+        "assert not any('editable' in type(m).__name__.lower() for m in sys.meta_path), sys.meta_path;"
+        "print(k.__file__); print(f.__file__)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{site_packages}"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == [str(ROOT / "kernels" / "fused_moe.py"),
+                                     str(ROOT / "experiments" / "moe_backends" / "flavors.py")]
