@@ -5,7 +5,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -19,6 +18,8 @@ from torchtitan_ext.checkpoint_integrity import (
     CheckpointIntegrityError,
     IntegrityCheckpointManager,
 )
+
+from helpers import free_port
 
 
 class OptimizerState:
@@ -151,12 +152,6 @@ def test_missing_load_step_is_named(saved):
     manager, _ = build_manager(base_folder, seed=1)
     with pytest.raises(CheckpointIntegrityError, match=r"step-7: the step folder does not exist"):
         manager.load(step=7)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ A failure here after a torch or torchtitan upgrade means a fix must be revisited
 
 import inspect
 import os
-import socket
 import subprocess
 import sys
 import typing
@@ -39,6 +38,8 @@ from torchtitan_ext.compat.cpu import (
 from torchtitan_ext.compat import torch_versions
 from torchtitan_ext.registry import get_flavor
 
+from helpers import free_port
+
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo fixes apply only without CUDA")
 
 
@@ -47,12 +48,6 @@ def patched():
     torch_versions.apply_torch_version_fixes()
     if not torch.cuda.is_available():
         patch_torchtitan_for_cpu()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Device type

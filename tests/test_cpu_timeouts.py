@@ -3,7 +3,6 @@
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 
@@ -12,6 +11,8 @@ import torch
 
 from torchtitan_ext.compat.cpu import adapt_config_for_cpu
 from torchtitan_ext.registry import get_flavor
+
+from helpers import free_port
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo adaptation")
 
@@ -24,12 +25,6 @@ def test_cpu_train_timeout_replaces_torchtitan_default_only():
     config.comm.train_timeout_seconds = 7
     adapt_config_for_cpu(config)
     assert config.comm.train_timeout_seconds == 7
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -12,7 +12,6 @@ see the same data.
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan_ext.experiments.moe_backends.experts import runnable_backends
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
+from torchtitan_ext.kernels._runtime import triton_available_reason
+
+from helpers import free_port
 
 NUM_EXPERTS, TOP_K, DIM, HIDDEN = 8, 2, 16, 24
 BATCH_PER_RANK, SEQ_LEN = 2, 6
@@ -39,12 +41,6 @@ LOSS_CASES = [
     dict(aux_loss_coeff=0.1, z_loss_coeff=0.01, aux_loss_type="global"),
     dict(aux_loss_coeff=0.1, z_loss_coeff=0.0, aux_loss_type="seq"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_layer(compute_backend: str, *, aux_loss_coeff, z_loss_coeff, aux_loss_type):

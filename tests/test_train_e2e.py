@@ -2,7 +2,6 @@
 
 import re
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -12,18 +11,14 @@ import torch
 from torchtitan_ext.experiments.moe_backends.experts import backend_names
 from torchtitan_ext.experiments.moe_backends.flavors import tiny_flavor_name
 
+from helpers import free_port
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo end-to-end runs"),
 ]
 
 STEP_LOSS = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train(args: list[str], dump_folder, nproc: int = 1, subcommands: tuple[str, ...] = ()) -> dict[int, float]:
