@@ -137,7 +137,7 @@ def test_parallelism_misconfiguration_is_reported():
     config.parallelism.tensor_parallel_degree = 1
     config.parallelism.context_parallel_degree = 8
     config.parallelism.expert_parallel_degree = 16
-    assert "does not divide the world size" in "\n".join(parallelism_errors(config, moes, world_size=8))
+    assert "needs at least 16 processes" in "\n".join(parallelism_errors(config, moes, world_size=8))
     assert parallelism_errors(get_flavor("tiny-moe-for-loop").build(), moes, world_size=2) == []
 
 

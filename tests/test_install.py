@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from torchtitan_ext.launch import split_launcher_args
 from torchtitan_ext.train import FlavorConfigManager
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ def test_readme_moe_train_commands_parse(monkeypatch):
     for line in commands:
         nproc = re.search(r"--nproc_per_node[= ](\d+)", line)
         monkeypatch.setenv("WORLD_SIZE", nproc.group(1) if nproc else "1")
-        args = shlex.split(line.split("moe-train", 1)[1].split("#")[0])
+        args = split_launcher_args(shlex.split(line.split("moe-train", 1)[1].split("#")[0]))[1]
         FlavorConfigManager().parse_args(args)
 
 
