@@ -43,7 +43,7 @@ def test_every_short_key_is_documented():
 def test_documented_train_commands_parse(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
-    for name in ("my.toml", "base.toml", "sweep.toml"):
+    for name in ("my.toml", "base.toml", "sweep.toml", "my_data.toml"):
         (tmp_path / name).write_text("[training]\nsteps = 3\n")
     commands = documented_commands("torchtitan_ext.train")
     assert commands
