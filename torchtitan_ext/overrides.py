@@ -332,6 +332,11 @@ def _fixed_field_error(key: str) -> str | None:
 _VALUE_SOURCES: dict[str, str] = {}
 
 
+def forget_value_sources() -> None:
+    """Start recording value sources afresh: call before resolving a new run's config."""
+    _VALUE_SOURCES.clear()
+
+
 def value_source(*keys: str) -> str | None:
     """Where the value of the first of ``keys`` that was overridden came from ("file:line", "command line")."""
     for key in keys:

@@ -35,6 +35,7 @@ from torchtitan_ext.overrides import (
     ConfigError,
     apply_overrides,
     apply_toml_files,
+    forget_value_sources,
     run_config_checks,
     split_short_key_args,
 )
@@ -116,6 +117,7 @@ def resolve_config(flavor_name: str, toml_paths: list[str], cli_overrides: dict 
         flavor = get_flavor(flavor_name)
     except UnknownFlavorError as e:
         raise ConfigError(str(e)) from None
+    forget_value_sources()
     config = apply_toml_files(flavor.build(), toml_paths)
     return apply_overrides(config, cli_overrides or {}, source=COMMAND_LINE)
 

@@ -38,7 +38,7 @@ from torchtitan.models.common.attention import FlexAttention  # noqa: E402
 from torchtitan.tools.utils import get_peak_flops  # noqa: E402
 
 from torchtitan_ext.compat.cpu import adapt_config_for_cpu, patch_torchtitan_for_cpu  # noqa: E402
-from torchtitan_ext.overrides import ConfigError, apply_overrides  # noqa: E402
+from torchtitan_ext.overrides import ConfigError, apply_overrides, forget_value_sources  # noqa: E402
 from torchtitan_ext.train import resolve_config  # noqa: E402
 
 TABLE = [("flavor", "flavor"), ("backend", "backend"), ("layers", "layers"), ("tokens", "tokens/step"),
@@ -55,6 +55,7 @@ def step_config(flavor: str, tomls: list[str], backend: str, *, batch_size: int 
         overrides["training.local_batch_size"] = batch_size
     if seq_len:
         overrides["training.seq_len"] = seq_len
+    forget_value_sources()
     config = apply_overrides(config, overrides, source="train-step")
     if num_layers:
         layers = config.model_spec.model.layers
