@@ -51,6 +51,7 @@ def test_documented_train_commands_parse(tmp_path, monkeypatch):
         if not args or "--help" in args or "..." in args:  # help, or a command shown in outline
             continue
         monkeypatch.setenv("WORLD_SIZE", str(nproc))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(nproc))
         if shown_failing:
             with pytest.raises(ConfigError):
                 FlavorConfigManager().parse_args(args)
