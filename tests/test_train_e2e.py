@@ -103,23 +103,19 @@ def test_checkpoint_continues_with_another_backend(tmp_path):
         assert resumed["for_loop"][step] == pytest.approx(resumed["grouped_mm"][step], rel=1e-4)
 
 
-@pytest.mark.parametrize(
-    ("transport", "modes"),
-    # symm_mem's kernels run through Triton's interpreter on CPU: one checkpointing mode.
-    [("all_to_all", ("selective", "full")), ("symm_mem", ("selective",))],
-)
-def test_activation_checkpointing_modes_train_like_no_checkpointing(tmp_path, monkeypatch, transport, modes):
-    """EP=2 training with selective or full checkpointing gives the losses of no checkpointing."""
-    if transport == "symm_mem":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    (tmp_path / "transport.toml").write_text(f'[moe]\nep_transport = "{transport}"\n')
+def test_activation_checkpointing_modes_train_like_no_checkpointing(tmp_path):
+    """EP=2 training with selective or full checkpointing gives the losses of no checkpointing.
+
+    (symm_mem with the flavors' default selective checkpointing is compared with EP=1 in
+    tests/test_ep_equivalence.py.)
+    """
     args = ["--flavor", "tiny-moe-grouped-mm", "--training.steps", "2", *SMALL_BATCH,
-            "--parallelism.expert_parallel_degree", "2", "--toml", str(tmp_path / "transport.toml")]
+            "--parallelism.expert_parallel_degree", "2"]
     losses = {
         mode: train(args, tmp_path / mode, nproc=2, subcommands=(f"activation-checkpoint:{mode}",))
-        for mode in ("none", *modes)
+        for mode in ("none", "selective", "full")
     }
     assert sorted(losses["none"]) == [1, 2]
-    for mode in modes:
+    for mode in ("selective", "full"):
         for step, loss in losses["none"].items():
             assert losses[mode][step] == pytest.approx(loss, rel=1e-5), (mode, step)
