@@ -1,13 +1,40 @@
-"""Routing metadata: the expert-grouped order of routed rows, computed on the device.
+"""MoE permutation on the device: the expert-grouped order of routed rows, and the token
+permute / weighted unpermute of the dispatcher (Triton kernels and plain-torch references).
 
-A routed row is one (token, k) pair; its slot is ``t * top_k + k`` (token-major order).
-The fused kernels read token rows through ``row_slot_N // top_k`` and write each
-routed row back to its slot, so no permuted copy of the activations is made.
+Slots are the routed (token, k) pairs in token-major order, ``s = t * top_k + k``.
+
+Routing metadata, for the fused expert kernels (they read token rows through
+``row_slot_N // top_k`` and write each routed row back to its slot, so no permuted copy of the
+activations is made):
+
+- ``routing_metadata(topk_expert_ids_TK, num_experts)`` -> ``(row_slot_N, group_end_E)``.
+- ``grouped_metadata(num_tokens_per_expert_E)`` -> ``group_end_E``.
+
+Token permute / unpermute, for the dispatcher: a dispatch plan gives every slot its destination
+row in the expert-grouped buffer, ``dest_row_S`` (``-1`` for a dropped slot). Rows of the buffer
+that no slot maps to are padding and are zero.
+
+- ``permute_tokens(x_TD, dest_row_S, top_k, num_rows)`` -> ``rows_PD``:
+  ``rows_PD[dest_row_S[s]] = x_TD[s // top_k]``, every other row zero.
+- ``unpermute_tokens(rows_PD, dest_row_S, scores_S, top_k)`` -> ``y_TD``:
+  ``y_TD[t] = sum_k scores_S[t*K+k] * rows_PD[dest_row_S[t*K+k]]`` (fp32 accumulation,
+  dropped slots contribute nothing), in the dtype of ``rows_PD``.
+
+Both are differentiable in every floating input; gradients never touch padding rows
+(the gradient of a padding row of ``rows_PD`` is zero). The Triton versions need CUDA, or
+CPU tensors under ``TRITON_INTERPRET=1``; they do no host sync.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from torchtitan_ext.kernels._runtime import check_runnable, row_block_d
+
+
+# ---------------------------------------------------------------- routing metadata
 
 
 def routing_metadata(
@@ -47,3 +74,179 @@ def reference_routing_metadata(
         row_slot += [slot for slot, e in enumerate(expert_of_slot_N) if e == expert]
         group_end.append(len(row_slot))
     return torch.tensor(row_slot, dtype=torch.int32), torch.tensor(group_end, dtype=torch.int32)
+
+
+# ---------------------------------------------------------------- token permute: plain torch reference
+
+
+def permute_tokens_reference(
+    x_TD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_rows: int
+) -> torch.Tensor:
+    """One gather: each buffer row reads its slot's token row; padding rows read a zero row."""
+    num_tokens, num_slots = x_TD.shape[0], dest_row_S.shape[0]
+    source_P = torch.full((num_rows + 1,), num_tokens * top_k, dtype=torch.long, device=x_TD.device)
+    source_P.scatter_(0, torch.where(dest_row_S < 0, num_rows, dest_row_S).long(),
+                      torch.arange(num_slots, device=x_TD.device))
+    x_with_zero_row = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
+    return x_with_zero_row[source_P[:num_rows] // top_k]
+
+
+def unpermute_tokens_reference(
+    rows_PD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """Gather each slot's row, weight by its score in fp32 (0 for dropped slots), sum over top_k."""
+    dim = rows_PD.shape[1]
+    kept_S = dest_row_S >= 0
+    weights_S = torch.where(kept_S, scores_S.float(), 0.0)
+    weighted_SD = rows_PD[dest_row_S.clamp(min=0)].float() * weights_S.unsqueeze(1)
+    return weighted_SD.view(-1, top_k, dim).sum(dim=1).to(rows_PD.dtype)
+
+
+# ---------------------------------------------------------------- Triton kernels
+
+
+@triton.jit
+def _permute_kernel(x_ptr, rows_ptr, dest_ptr, dim, top_k, BLOCK_D: tl.constexpr):
+    slot = tl.program_id(0)
+    dest = tl.load(dest_ptr + slot).to(tl.int64)
+    token = (slot // top_k).to(tl.int64)
+    for start in range(0, dim, BLOCK_D):
+        offs = start + tl.arange(0, BLOCK_D)
+        mask = offs < tl.where(dest >= 0, dim, 0)  # dropped slot: nothing
+        row = tl.load(x_ptr + token * dim + offs, mask=mask)
+        tl.store(rows_ptr + dest * dim + offs, row, mask=mask)
+
+
+@triton.jit
+def _sum_slots_kernel(
+    rows_ptr, dest_ptr, scores_ptr, y_ptr, dim, top_k, WEIGHTED: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """y[t] = sum_k rows[dest[t*K+k]], times scores[t*K+k] if ``WEIGHTED`` (fp32; dropped slots skipped).
+
+    Unweighted, it is the backward of the permute; weighted, the unpermute of combine.
+    """
+    token = tl.program_id(0).to(tl.int64)
+    for start in range(0, dim, BLOCK_D):
+        offs = start + tl.arange(0, BLOCK_D)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for k in range(0, top_k):
+            dest = tl.load(dest_ptr + token * top_k + k).to(tl.int64)
+            mask = offs < tl.where(dest >= 0, dim, 0)  # dropped slot: nothing
+            row = tl.load(rows_ptr + dest * dim + offs, mask=mask, other=0.0).to(tl.float32)
+            if WEIGHTED:
+                row = row * tl.load(scores_ptr + token * top_k + k).to(tl.float32)
+            acc += row
+        tl.store(y_ptr + token * dim + offs, acc.to(y_ptr.dtype.element_ty), mask=offs < dim)
+
+
+@triton.jit
+def _unpermute_backward_kernel(
+    rows_ptr, dest_ptr, scores_ptr, grad_y_ptr, grad_rows_ptr, grad_scores_ptr, dim, top_k,
+    BLOCK_D: tl.constexpr,
+):
+    """Per slot: grad_rows[dest] = score * grad_y[t]; grad_score = <rows[dest], grad_y[t]>."""
+    slot = tl.program_id(0).to(tl.int64)
+    token = slot // top_k
+    dest = tl.load(dest_ptr + slot).to(tl.int64)
+    score = tl.load(scores_ptr + slot).to(tl.float32)
+    dot = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, dim, BLOCK_D):
+        offs = start + tl.arange(0, BLOCK_D)
+        mask = offs < tl.where(dest >= 0, dim, 0)  # dropped slot: nothing
+        grad_y = tl.load(grad_y_ptr + token * dim + offs, mask=mask, other=0.0).to(tl.float32)
+        row = tl.load(rows_ptr + dest * dim + offs, mask=mask, other=0.0).to(tl.float32)
+        dot += row * grad_y
+        tl.store(
+            grad_rows_ptr + dest * dim + offs,
+            (grad_y * score).to(grad_rows_ptr.dtype.element_ty),
+            mask=mask,
+        )
+    tl.store(grad_scores_ptr + slot, tl.sum(dot, axis=0).to(grad_scores_ptr.dtype.element_ty))
+
+
+def sum_slots(rows_PD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_tokens: int) -> torch.Tensor:
+    """``(T, D)``: ``y[t] = sum_k rows_PD[dest_row_S[t*K+k]]`` (dropped slots skipped); no autograd."""
+    rows_PD = rows_PD.contiguous()
+    dim = rows_PD.shape[1]
+    y_TD = rows_PD.new_empty(num_tokens, dim)
+    if num_tokens:
+        _sum_slots_kernel[(num_tokens,)](
+            rows_PD, dest_row_S, rows_PD, y_TD, dim, top_k, WEIGHTED=False, BLOCK_D=row_block_d(dim)  # no scores read
+        )
+    return y_TD
+
+
+def weighted_sum_slots(
+    rows_PD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """``(T, D)``: ``y[t] = sum_k scores_S[t*K+k] * rows_PD[dest_row_S[t*K+k]]``; no autograd."""
+    rows_PD = rows_PD.contiguous()
+    dim = rows_PD.shape[1]
+    num_tokens = dest_row_S.shape[0] // top_k
+    y_TD = rows_PD.new_empty(num_tokens, dim)
+    if num_tokens:
+        _sum_slots_kernel[(num_tokens,)](
+            rows_PD, dest_row_S, scores_S.contiguous(), y_TD, dim, top_k, WEIGHTED=True, BLOCK_D=row_block_d(dim)
+        )
+    return y_TD
+
+
+class _PermuteTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, dest_row_S, top_k, num_rows):
+        x_TD = x_TD.contiguous()
+        dim = x_TD.shape[1]
+        rows_PD = x_TD.new_zeros(num_rows, dim)
+        if dest_row_S.numel():
+            _permute_kernel[(dest_row_S.shape[0],)](
+                x_TD, rows_PD, dest_row_S, dim, top_k, BLOCK_D=row_block_d(dim)
+            )
+        ctx.save_for_backward(dest_row_S)
+        ctx.top_k, ctx.num_tokens = top_k, x_TD.shape[0]
+        return rows_PD
+
+    @staticmethod
+    def backward(ctx, grad_rows_PD):
+        (dest_row_S,) = ctx.saved_tensors
+        return sum_slots(grad_rows_PD, dest_row_S, ctx.top_k, ctx.num_tokens), None, None, None
+
+
+class _UnpermuteTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows_PD, dest_row_S, scores_S, top_k):
+        rows_PD = rows_PD.contiguous()
+        scores_S = scores_S.contiguous()
+        y_TD = weighted_sum_slots(rows_PD, dest_row_S, scores_S, top_k)
+        ctx.save_for_backward(rows_PD, dest_row_S, scores_S)
+        ctx.top_k = top_k
+        return y_TD
+
+    @staticmethod
+    def backward(ctx, grad_y_TD):
+        rows_PD, dest_row_S, scores_S = ctx.saved_tensors
+        grad_y_TD = grad_y_TD.contiguous()
+        dim = rows_PD.shape[1]
+        grad_rows_PD = torch.zeros_like(rows_PD)
+        grad_scores_S = torch.empty_like(scores_S)
+        if dest_row_S.numel():
+            _unpermute_backward_kernel[(dest_row_S.shape[0],)](
+                rows_PD, dest_row_S, scores_S, grad_y_TD, grad_rows_PD, grad_scores_S, dim,
+                ctx.top_k, BLOCK_D=row_block_d(dim),
+            )
+        return grad_rows_PD, None, grad_scores_S, None
+
+
+def permute_tokens(
+    x_TD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_rows: int
+) -> torch.Tensor:
+    """Triton version of :func:`permute_tokens_reference`."""
+    check_runnable(x_TD, dest_row_S)
+    return _PermuteTokens.apply(x_TD, dest_row_S, top_k, num_rows)
+
+
+def unpermute_tokens(
+    rows_PD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """Triton version of :func:`unpermute_tokens_reference`."""
+    check_runnable(rows_PD, dest_row_S, scores_S)
+    return _UnpermuteTokens.apply(rows_PD, dest_row_S, scores_S, top_k)

@@ -18,7 +18,7 @@ from torchtitan_ext.experiments.moe_backends.dispatcher import (
     plan_slots,
 )
 from torchtitan_ext.experiments.moe_backends.toml_keys import parallelism_errors
-from torchtitan_ext.kernels import moe_token_permute
+from torchtitan_ext.kernels import moe_permute
 from torchtitan_ext.registry import get_flavor
 
 NUM_EXPERTS, TOP_K, DIM = 6, 2, 5
@@ -107,11 +107,11 @@ def test_dropped_slots_are_not_dispatched():
 def test_reference_permute_matches_definition():
     x_TD, scores_TK, ids_TK, _ = routing(5, seed=3, drop_every=4)
     plan = plan_slots(ids_TK, NUM_EXPERTS, 4)
-    rows = moe_token_permute.permute_tokens_reference(x_TD, plan.dest_row_S, TOP_K, plan.num_rows)
+    rows = moe_permute.permute_tokens_reference(x_TD, plan.dest_row_S, TOP_K, plan.num_rows)
     for slot, dest in enumerate(plan.dest_row_S.tolist()):
         if dest >= 0:
             assert torch.equal(rows[dest], x_TD[slot // TOP_K])
-    out = moe_token_permute.unpermute_tokens_reference(rows, plan.dest_row_S, scores_TK.flatten(), TOP_K)
+    out = moe_permute.unpermute_tokens_reference(rows, plan.dest_row_S, scores_TK.flatten(), TOP_K)
     expected = torch.stack([
         sum((scores_TK[t, k] * x_TD[t] for k in range(TOP_K) if ids_TK[t, k] < NUM_EXPERTS), torch.zeros(DIM))
         for t in range(5)
@@ -159,8 +159,8 @@ def triton_checks() -> None:
             plan = plan_slots(ids_TK, NUM_EXPERTS, align_size)
             grads = []
             for permute, unpermute in (
-                (moe_token_permute.permute_tokens_reference, moe_token_permute.unpermute_tokens_reference),
-                (moe_token_permute.permute_tokens, moe_token_permute.unpermute_tokens),
+                (moe_permute.permute_tokens_reference, moe_permute.unpermute_tokens_reference),
+                (moe_permute.permute_tokens, moe_permute.unpermute_tokens),
             ):
                 x = x_TD.to(dtype).requires_grad_()
                 scores = scores_TK.flatten().clone().requires_grad_()

@@ -10,11 +10,11 @@ and contributes nothing to the output.
 
 Options (``Config``):
 - ``permute_backend``: ``"torch"`` (index_copy / gather) or ``"triton"``
-  (``torchtitan_ext.kernels.moe_token_permute``); used for the token -> expert-grouped
+  (``torchtitan_ext.kernels.moe_permute``); used for the token -> expert-grouped
   permute and for the weighted unpermute + sum over top_k in combine.
 - ``ep_transport``: how rows move between EP ranks. ``"all_to_all"``: torchtitan's count exchange,
   all-to-alls and regroup (any process group backend). ``"symm_mem"``: one pull kernel in
-  dispatch and one push kernel in combine through memory every rank maps (``ep_exchange``:
+  dispatch and one push kernel in combine through memory every rank maps (``ep_symm_mem``:
   CUDA symmetric memory, or shared memory for CPU ranks on one host under ``TRITON_INTERPRET=1``).
 - ``align_size``: pad each local expert's rows with zero rows to a multiple of it (block-aligned
   kernels). The padded buffer has a static size, the sum of the real rows plus
@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torchtitan.distributed.spmd_types import current_spmd_mesh, maybe_set_sparse_mesh
 from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
-from torchtitan_ext.experiments.moe_backends import ep_exchange
-from torchtitan_ext.kernels import moe_token_permute
+from torchtitan_ext.experiments.moe_backends import ep_symm_mem
+from torchtitan_ext.kernels import moe_permute
 
 PermuteBackend = Literal["torch", "triton"]
 PERMUTE_BACKENDS: tuple[str, ...] = get_args(PermuteBackend)
@@ -47,12 +47,12 @@ EPTransport = Literal["all_to_all", "symm_mem"]
 EP_TRANSPORTS: tuple[str, ...] = get_args(EPTransport)
 
 _PERMUTE = {
-    "torch": moe_token_permute.permute_tokens_reference,
-    "triton": moe_token_permute.permute_tokens,
+    "torch": moe_permute.permute_tokens_reference,
+    "triton": moe_permute.permute_tokens,
 }
 _UNPERMUTE = {
-    "torch": moe_token_permute.unpermute_tokens_reference,
-    "triton": moe_token_permute.unpermute_tokens,
+    "torch": moe_permute.unpermute_tokens_reference,
+    "triton": moe_permute.unpermute_tokens,
 }
 
 
@@ -135,7 +135,7 @@ class RoutingDispatchMetadata:
     output_splits: list[int] | None = None
     received_dest_row_R: torch.Tensor | None = None
     """EP with align_size > 1: padded row of each received (expert-major) row"""
-    exchange_route: ep_exchange.Route | None = None
+    exchange_route: ep_symm_mem.Route | None = None
     """EP over ``symm_mem``: where the received rows came from"""
 
 
@@ -200,7 +200,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         if metadata.received_dest_row_R is not None:  # EP with align_size: drop the padding rows
             rows_ND = rows_ND[metadata.received_dest_row_R]
         if metadata.exchange_route is not None:
-            return ep_exchange.combine(rows_ND, metadata.scores_S, metadata.exchange_route).to(x_TD.dtype)
+            return ep_symm_mem.combine(rows_ND, metadata.scores_S, metadata.exchange_route).to(x_TD.dtype)
         if self.ep_mesh is not None:
             rows_ND = self._combine_expert_parallel(rows_ND, metadata)
         return self._unpermute_rows(
@@ -262,10 +262,10 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         return grouped_RD, rows_per_local_expert_e, metadata
 
     def _dispatch_over_exchange(self, x_TD, topk_scores_TK, topk_expert_ids_TK):
-        """EP dispatch through ``ep_exchange``: rows arrive expert-major, no regroup."""
+        """EP dispatch through ``ep_symm_mem``: rows arrive expert-major, no regroup."""
         with maybe_set_sparse_mesh():
             group = self._ep_group()
-        received_RD, rows_per_local_expert_e, route = ep_exchange.dispatch(
+        received_RD, rows_per_local_expert_e, route = ep_symm_mem.dispatch(
             x_TD, topk_scores_TK.reshape(-1), topk_expert_ids_TK.reshape(-1), group,
             self.num_experts, self.top_k,
         )

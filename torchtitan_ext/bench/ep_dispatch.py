@@ -46,7 +46,7 @@ from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.dispatcher import (  # noqa: E402
     EP_TRANSPORTS, RoutingDispatcher, plan_slots,
 )
-from torchtitan_ext.kernels import ep_exchange as exchange_kernels  # noqa: E402
+from torchtitan_ext.kernels import symm_mem_rows as exchange_kernels  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.experts import (  # noqa: E402
     backend_names,
     get_backend,

@@ -1,4 +1,4 @@
-"""The ``symm_mem`` EP transport (``ep_exchange``) moves the same rows as the all-to-all one.
+"""The ``symm_mem`` EP transport (``ep_symm_mem``) moves the same rows as the all-to-all one.
 
 On CPU the workspace is one shared-memory file per rank and the kernels run under Triton's
 interpreter; processes are spawned here with gloo. Dispatch -> per-expert compute -> combine
@@ -19,7 +19,7 @@ from test_ep_equivalence import free_port
 from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.toml_keys import symm_mem_errors
-from torchtitan_ext.kernels.ep_exchange import receive_layout, route_pairs
+from torchtitan_ext.kernels.symm_mem_rows import receive_layout, route_pairs
 from torchtitan_ext.kernels._runtime import triton_available_reason
 
 NUM_EXPERTS, TOP_K, DIM, TOKENS = 8, 3, 12, 10

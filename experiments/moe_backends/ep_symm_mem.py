@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from torchtitan_ext.kernels import ep_exchange as kernels
+from torchtitan_ext.kernels import symm_mem_rows as kernels
 
 _ALIGN_BYTES = 256
 
