@@ -77,11 +77,17 @@ def fused_moe_routed(
 
 
 def _swiglu_expert(x_ND, w1_FD, w2_DF, w3_FD):
+    """One expert's SwiGLU block on its rows: ``(silu(x @ w1.T) * (x @ w3.T)) @ w2.T``, [N, D] -> [N, D]."""
     return (F.silu(x_ND @ w1_FD.T) * (x_ND @ w3_FD.T)) @ w2_DF.T
 
 
 def reference_grouped(x_RD, w1_EFD, w2_EDF, w3_EFD, num_tokens_per_expert_E) -> torch.Tensor:
-    """Per-expert loop version of :func:`fused_moe_grouped` (same dtype contract)."""
+    """The plain-torch reference of the expert block: one matmul chain per expert.
+
+    Same contract as :func:`fused_moe_grouped`. Every compute backend is tested against it,
+    and it is the ``for_loop`` backend (the fallback on any device). Reads the token counts on
+    the host (one sync).
+    """
     w1, w2, w3 = (w.to(x_RD.dtype) for w in (w1_EFD, w2_EDF, w3_EFD))
     outputs, start = [], 0
     for expert, count in enumerate(num_tokens_per_expert_E.tolist()):
@@ -92,7 +98,8 @@ def reference_grouped(x_RD, w1_EFD, w2_EDF, w3_EFD, num_tokens_per_expert_E) -> 
 
 
 def reference_routed(x_TD, w1_EFD, w2_EDF, w3_EFD, topk_expert_ids_TK, topk_scores_TK) -> torch.Tensor:
-    """Per-expert loop version of :func:`fused_moe_routed` (same dtype contract)."""
+    """Per-expert loop version of :func:`fused_moe_routed` (same dtype contract), on the same
+    per-expert block as :func:`reference_grouped`."""
     w1, w2, w3 = (w.to(x_TD.dtype) for w in (w1_EFD, w2_EDF, w3_EFD))
     out_TD = torch.zeros_like(x_TD)
     for expert in range(w1.shape[0]):

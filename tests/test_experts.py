@@ -1,4 +1,4 @@
-"""Every compute backend matches the for_loop reference: forward and all gradients."""
+"""Every compute backend matches the plain-torch reference (``reference_grouped``, the for_loop backend): forward and all gradients."""
 
 import pytest
 import torch
@@ -7,9 +7,9 @@ from torchtitan_ext.experiments.moe_backends.experts import (
     BACKENDS,
     BackendGroupedExperts,
     backend_names,
-    for_loop_experts,
     get_backend,
 )
+from torchtitan_ext.kernels.fused_moe import reference_grouped
 
 BACKENDS_UNDER_TEST = [b for b in backend_names() if b != "for_loop"]
 
@@ -64,7 +64,7 @@ def skip_interpreted_bf16(backend: str, dtype: torch.dtype) -> None:
 def assert_backend_matches_reference(backend, counts, dim, hidden, x_dtype, w_dtype, seed=0):
     skip_interpreted_bf16(backend, x_dtype)
     tensors, counts_E, grad_out = make_inputs(counts, dim, hidden, x_dtype, w_dtype, seed)
-    expected_out, expected_grads = run_backend(for_loop_experts, tensors, counts_E, grad_out)
+    expected_out, expected_grads = run_backend(reference_grouped, tensors, counts_E, grad_out)
     actual_out, actual_grads = run_backend(BACKENDS[backend].grouped, tensors, counts_E, grad_out)
 
     tolerance = TOLERANCE[x_dtype]
@@ -148,7 +148,7 @@ def test_unknown_backend_is_an_error_listing_valid_ones():
 def test_batched_mm_padded_equals_for_loop_up_to_summation_order():
     for dtype, bound in ((torch.float32, 1e-6), (torch.bfloat16, 0.0)):
         tensors, counts_E, grad_out = make_inputs([9, 0, 4, 17, 1], 32, 48, dtype, dtype, 5)
-        expected = run_backend(for_loop_experts, tensors, counts_E, grad_out)
+        expected = run_backend(reference_grouped, tensors, counts_E, grad_out)
         actual = run_backend(BACKENDS["batched_mm_padded"].grouped, tensors, counts_E, grad_out)
         for a, e in zip([actual[0], *actual[1]], [expected[0], *expected[1]]):
             assert relative_error(a, e) <= bound, dtype
@@ -198,7 +198,7 @@ def run_with_layout(fn, tensors, counts_E, layout, gradient_kind):
 
 def assert_same_as_reference_with_layout(backend, counts, dim, hidden, layout, gradient_kind):
     tensors, counts_E, _ = make_inputs(counts, dim, hidden, torch.float32, torch.float32, 11)
-    expected_out, expected_grads = run_with_layout(for_loop_experts, tensors, counts_E, layout, gradient_kind)
+    expected_out, expected_grads = run_with_layout(reference_grouped, tensors, counts_E, layout, gradient_kind)
     actual_out, actual_grads = run_with_layout(BACKENDS[backend].grouped, tensors, counts_E, layout, gradient_kind)
     assert actual_out.shape == expected_out.shape
     assert relative_error(actual_out, expected_out) < TOLERANCE[torch.float32], "output"

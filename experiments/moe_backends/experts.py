@@ -25,6 +25,7 @@ from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan_ext.kernels.fused_moe import (
     fused_moe_grouped,
     fused_moe_routed,
+    reference_grouped,
     triton_available_reason,
 )
 
@@ -102,30 +103,6 @@ def grouped_mm_experts(
     return grouped(h_RF, w2_EDF)[:, :dim]
 
 
-def for_loop_experts(
-    x_RD: torch.Tensor,
-    w1_EFD: torch.Tensor,
-    w2_EDF: torch.Tensor,
-    w3_EFD: torch.Tensor,
-    num_tokens_per_expert_E: torch.Tensor,
-) -> torch.Tensor:
-    """One matmul chain per expert: the reference, and the fallback on any device.
-
-    Reads the token counts on the host (one sync).
-    """
-    dtype = x_RD.dtype
-    counts = num_tokens_per_expert_E.tolist()
-    outputs = []
-    for expert, x_expert in enumerate(torch.split(x_RD, counts, dim=0)):
-        h = F.silu(x_expert @ w1_EFD[expert].to(dtype).T) * (
-            x_expert @ w3_EFD[expert].to(dtype).T
-        )
-        outputs.append(h @ w2_EDF[expert].to(dtype).T)
-    if not outputs:
-        return x_RD.new_zeros(x_RD.shape)
-    return torch.cat(outputs, dim=0)
-
-
 def batched_mm_padded_experts(
     x_RD: torch.Tensor,
     w1_EFD: torch.Tensor,
@@ -191,7 +168,7 @@ def register_backend(spec: ComputeBackendSpec) -> ComputeBackendSpec:
 
 
 DEFAULT_BACKEND = register_backend(ComputeBackendSpec(name="grouped_mm", grouped=grouped_mm_experts)).name
-register_backend(ComputeBackendSpec(name="for_loop", grouped=for_loop_experts, syncs_with_host=True))
+register_backend(ComputeBackendSpec(name="for_loop", grouped=reference_grouped, syncs_with_host=True))
 register_backend(
     ComputeBackendSpec(
         name="batched_mm_padded", grouped=batched_mm_padded_experts, syncs_with_host=True, pads_rows=True
