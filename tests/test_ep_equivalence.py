@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan.distributed.utils import set_spmd_backend
+from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process
 from torchtitan_ext.experiments.moe_backends.experts import runnable_backends
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 from torchtitan_ext.kernels._runtime import triton_available_reason
@@ -72,53 +73,19 @@ def batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x_BLD, grad_BLD
 
 
-def run_layer(layer, x_BLD, grad_BLD):
-    x_BLD = x_BLD.clone().requires_grad_()
-    out_BLD = layer(x_BLD)
-    out_BLD.backward(grad_BLD)
-    grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
-    return out_BLD.detach(), x_BLD.grad, grads
-
-
-def shard_experts(layer, rank: int, world: int) -> None:
-    experts = layer.routed_experts.inner_experts
-    per_rank = NUM_EXPERTS // world
-    for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
-        full = getattr(experts, name)
-        setattr(experts, name, torch.nn.Parameter(full.detach()[rank * per_rank:(rank + 1) * per_rank].clone()))
-
-
-def check_layer_shard(rank: int, world: int, ep_mesh, ep_transport: str = "all_to_all") -> None:
+def check_layer_shard(ep_mesh, ep_transport: str = "all_to_all") -> None:
     """This rank's outputs and gradients equal the single-process run on the whole batch."""
+    world = 1 if ep_mesh is None else ep_mesh.size()
     x_all, grad_all = batch(world)
-    mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
-    per_rank = NUM_EXPERTS // world
-    experts = slice(rank * per_rank, (rank + 1) * per_rank)
     for losses in LOSS_CASES:
-        reference = build_layer("for_loop", **losses)
-        ref_out, ref_x_grad, ref_grads = run_layer(reference, x_all, grad_all)
         for backend in BACKENDS:
             layer = build_layer(backend, **losses)
-            if ep_mesh is not None:
-                shard_experts(layer, rank, world)
-                layer.routed_experts.token_dispatcher.wire_meshes(ep_mesh=ep_mesh)
-                layer.routed_experts.token_dispatcher.ep_transport = ep_transport
-                layer.loss_scale, layer.loss_group = 1.0 / world, dist.group.WORLD
-            out, x_grad, grads = run_layer(layer, x_all[mine], grad_all[mine])
-            what = f"rank {rank}/{world} {ep_transport} {backend} {losses}"
-            torch.testing.assert_close(out, ref_out[mine], msg=lambda m: f"{what} output: {m}")
-            torch.testing.assert_close(x_grad, ref_x_grad[mine], msg=lambda m: f"{what} x grad: {m}")
-            gate_grad = grads["router.gate.weight"]
-            if ep_mesh is not None:
-                dist.all_reduce(gate_grad)
-            torch.testing.assert_close(
-                gate_grad, ref_grads["router.gate.weight"], msg=lambda m: f"{what} gate grad: {m}"
-            )
-            for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
-                key = f"routed_experts.inner_experts.{name}"
-                torch.testing.assert_close(
-                    grads[key], ref_grads[key][experts], msg=lambda m: f"{what} {name} grad: {m}"
-                )
+            layer.routed_experts.token_dispatcher.ep_transport = ep_transport
+            pairs = compare_with_single_process(build_layer("for_loop", **losses), layer, x_all, grad_all, ep_mesh)
+            rank = 0 if ep_mesh is None else ep_mesh.get_local_rank()
+            for quantity, (actual, expected) in pairs.items():
+                what = f"rank {rank}/{world} {ep_transport} {backend} {losses} {quantity}"
+                torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}")
 
 
 def ep_worker(rank: int, world: int, port: int, ep_transport: str) -> None:
@@ -127,13 +94,13 @@ def ep_worker(rank: int, world: int, port: int, ep_transport: str) -> None:
     set_spmd_backend("partial_dtensor")  # the backend CPU training uses
     torch.set_num_threads(1)
     try:
-        check_layer_shard(rank, world, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)), ep_transport)
+        check_layer_shard(init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)), ep_transport)
     finally:
         dist.destroy_process_group()
 
 
 def test_moe_layer_ep1_local_dispatch_equals_reference():
-    check_layer_shard(0, 1, None)
+    check_layer_shard(None)
 
 
 @pytest.mark.slow

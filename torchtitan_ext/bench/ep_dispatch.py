@@ -47,6 +47,7 @@ from torchtitan_ext.experiments.moe_backends.dispatcher import (  # noqa: E402
     EP_TRANSPORTS, RoutingDispatcher, plan_slots,
 )
 from torchtitan_ext.kernels import symm_mem_rows as exchange_kernels  # noqa: E402
+from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.experts import (  # noqa: E402
     backend_names,
     get_backend,
@@ -246,43 +247,21 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def check_equivalence(mesh, compute_backends: list[str]) -> list[dict]:
-    """EP=world vs a single GPU on the whole batch: output and every gradient."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = NUM_EXPERTS // world
+    """EP=world vs a single GPU on the whole batch: output and every gradient (``ep_check``)."""
+    world = dist.get_world_size()
     generator = torch.Generator().manual_seed(1)
     x_all = torch.randn(world * 2, 512, 256, generator=generator).cuda()
     grad_all = torch.randn(x_all.shape, generator=generator).cuda()
-    mine, experts = slice(2 * rank, 2 * rank + 2), slice(rank * per_rank, (rank + 1) * per_rank)
     results = []
     for compute_backend in compute_backends:
         for transport, permute_backend in (("all_to_all", "torch"), ("all_to_all", "triton"), ("symm_mem", "triton")):
             # torch._grouped_mm is checked in bf16, the dtype it runs in on GPUs; the rest in fp32.
             dtype = torch.bfloat16 if get_backend(compute_backend).grouped is grouped_mm_experts else torch.float32
-            outs = []
-            for ep in (False, True):
-                layer = build_layer(compute_backend, transport, permute_backend).to(dtype)
-                if ep:
-                    inner = layer.routed_experts.inner_experts
-                    for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
-                        setattr(inner, name, torch.nn.Parameter(getattr(inner, name).detach()[experts].clone()))
-                    layer.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
-                    layer.loss_scale, layer.loss_group = 1.0 / world, mesh.get_group()
-                x = (x_all[mine] if ep else x_all).to(dtype).clone().requires_grad_()
-                out = layer(x)
-                out.backward((grad_all[mine] if ep else grad_all).to(dtype))
-                grads = {n: p.grad for n, p in layer.named_parameters()}
-                if ep:
-                    dist.all_reduce(grads["router.gate.weight"])
-                outs.append((out.detach(), x.grad, grads))
-            (ref_out, ref_xg, ref_g), (out, xg, g) = outs
-            errors = {
-                "output": rel_err(out, ref_out[mine]),
-                "x_grad": rel_err(xg, ref_xg[mine]),
-                "gate_grad": rel_err(g["router.gate.weight"], ref_g["router.gate.weight"]),
-            }
-            for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
-                key = f"routed_experts.inner_experts.{name}"
-                errors[f"{name}_grad"] = rel_err(g[key], ref_g[key][experts])
+            reference, layer = (
+                build_layer(compute_backend, transport, permute_backend).to(dtype) for _ in range(2)
+            )
+            pairs = compare_with_single_process(reference, layer, x_all.to(dtype), grad_all.to(dtype), mesh)
+            errors = {quantity: rel_err(actual, expected) for quantity, (actual, expected) in pairs.items()}
             worst = torch.tensor(list(errors.values()), device="cuda")
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             results.append({
