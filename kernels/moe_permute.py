@@ -4,24 +4,24 @@ permute / weighted unpermute of the dispatcher (Triton kernels and plain-torch r
 Slots are the routed (token, k) pairs in token-major order, ``s = t * top_k + k``.
 
 Routing metadata, for the fused expert kernels (they read token rows through
-``row_slot_N // top_k`` and write each routed row back to its slot, so no permuted copy of the
+``row_slot_S // top_k`` and write each routed row back to its slot, so no permuted copy of the
 activations is made):
 
-- ``routing_metadata(topk_expert_ids_TK, num_experts)`` -> ``(row_slot_N, group_end_E)``.
+- ``routing_metadata(topk_expert_ids_TK, num_experts)`` -> ``(row_slot_S, group_end_E)``.
 - ``grouped_metadata(num_tokens_per_expert_E)`` -> ``group_end_E``.
 
 Token permute / unpermute, for the dispatcher: a dispatch plan gives every slot its destination
 row in the expert-grouped buffer, ``dest_row_S`` (``-1`` for a dropped slot). Rows of the buffer
 that no slot maps to are padding and are zero.
 
-- ``permute_tokens(x_TD, dest_row_S, top_k, num_rows)`` -> ``rows_PD``:
-  ``rows_PD[dest_row_S[s]] = x_TD[s // top_k]``, every other row zero.
-- ``unpermute_tokens(rows_PD, dest_row_S, scores_S, top_k)`` -> ``y_TD``:
-  ``y_TD[t] = sum_k scores_S[t*K+k] * rows_PD[dest_row_S[t*K+k]]`` (fp32 accumulation,
-  dropped slots contribute nothing), in the dtype of ``rows_PD``.
+- ``permute_tokens(x_TD, dest_row_S, top_k, num_rows)`` -> ``rows_RD``:
+  ``rows_RD[dest_row_S[s]] = x_TD[s // top_k]``, every other row zero.
+- ``unpermute_tokens(rows_RD, dest_row_S, scores_S, top_k)`` -> ``y_TD``:
+  ``y_TD[t] = sum_k scores_S[t*K+k] * rows_RD[dest_row_S[t*K+k]]`` (fp32 accumulation,
+  dropped slots contribute nothing), in the dtype of ``rows_RD``.
 
 Both are differentiable in every floating input; gradients never touch padding rows
-(the gradient of a padding row of ``rows_PD`` is zero). The Triton versions need CUDA, or
+(the gradient of a padding row of ``rows_RD`` is zero). The Triton versions need CUDA, or
 CPU tensors under ``TRITON_INTERPRET=1``; they do no host sync.
 """
 
@@ -46,17 +46,17 @@ def routing_metadata(
         topk_expert_ids_TK: [T, K] integer expert ids in [0, num_experts).
 
     Returns:
-        row_slot_N: [N = T*K] int32; grouped row r holds the routed row of slot row_slot_N[r].
+        row_slot_S: [S = T*K] int32; grouped row r holds the routed row of slot row_slot_S[r].
             Rows are ordered by expert, and by slot within an expert (stable).
         group_end_E: [E] int32; exclusive end row of each expert's segment (inclusive
             cumsum of the per-expert counts).
     """
-    expert_of_slot_N = topk_expert_ids_TK.reshape(-1)
-    row_slot_N = torch.argsort(expert_of_slot_N, stable=True)
-    sorted_experts_N = expert_of_slot_N[row_slot_N]
-    expert_ids_E = torch.arange(num_experts, device=sorted_experts_N.device, dtype=sorted_experts_N.dtype)
-    group_end_E = torch.searchsorted(sorted_experts_N, expert_ids_E, right=True)
-    return row_slot_N.to(torch.int32), group_end_E.to(torch.int32)
+    expert_of_slot_S = topk_expert_ids_TK.reshape(-1)
+    row_slot_S = torch.argsort(expert_of_slot_S, stable=True)
+    sorted_experts_S = expert_of_slot_S[row_slot_S]
+    expert_ids_E = torch.arange(num_experts, device=sorted_experts_S.device, dtype=sorted_experts_S.dtype)
+    group_end_E = torch.searchsorted(sorted_experts_S, expert_ids_E, right=True)
+    return row_slot_S.to(torch.int32), group_end_E.to(torch.int32)
 
 
 def grouped_metadata(num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
@@ -68,10 +68,10 @@ def reference_routing_metadata(
     topk_expert_ids_TK: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-expert loop version of :func:`routing_metadata`, for tests."""
-    expert_of_slot_N = topk_expert_ids_TK.reshape(-1).tolist()
+    expert_of_slot_S = topk_expert_ids_TK.reshape(-1).tolist()
     row_slot, group_end = [], []
     for expert in range(num_experts):
-        row_slot += [slot for slot, e in enumerate(expert_of_slot_N) if e == expert]
+        row_slot += [slot for slot, e in enumerate(expert_of_slot_S) if e == expert]
         group_end.append(len(row_slot))
     return torch.tensor(row_slot, dtype=torch.int32), torch.tensor(group_end, dtype=torch.int32)
 
@@ -84,22 +84,22 @@ def permute_tokens_reference(
 ) -> torch.Tensor:
     """One gather: each buffer row reads its slot's token row; padding rows read a zero row."""
     num_tokens, num_slots = x_TD.shape[0], dest_row_S.shape[0]
-    source_P = torch.full((num_rows + 1,), num_tokens * top_k, dtype=torch.long, device=x_TD.device)
-    source_P.scatter_(0, torch.where(dest_row_S < 0, num_rows, dest_row_S).long(),
+    source_R = torch.full((num_rows + 1,), num_tokens * top_k, dtype=torch.long, device=x_TD.device)
+    source_R.scatter_(0, torch.where(dest_row_S < 0, num_rows, dest_row_S).long(),
                       torch.arange(num_slots, device=x_TD.device))
     x_with_zero_row = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
-    return x_with_zero_row[source_P[:num_rows] // top_k]
+    return x_with_zero_row[source_R[:num_rows] // top_k]
 
 
 def unpermute_tokens_reference(
-    rows_PD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
+    rows_RD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
 ) -> torch.Tensor:
     """Gather each slot's row, weight by its score in fp32 (0 for dropped slots), sum over top_k."""
-    dim = rows_PD.shape[1]
+    dim = rows_RD.shape[1]
     kept_S = dest_row_S >= 0
     weights_S = torch.where(kept_S, scores_S.float(), 0.0)
-    weighted_SD = rows_PD[dest_row_S.clamp(min=0)].float() * weights_S.unsqueeze(1)
-    return weighted_SD.view(-1, top_k, dim).sum(dim=1).to(rows_PD.dtype)
+    weighted_SD = rows_RD[dest_row_S.clamp(min=0)].float() * weights_S.unsqueeze(1)
+    return weighted_SD.view(-1, top_k, dim).sum(dim=1).to(rows_RD.dtype)
 
 
 # ---------------------------------------------------------------- Triton kernels
@@ -164,29 +164,29 @@ def _unpermute_backward_kernel(
     tl.store(grad_scores_ptr + slot, tl.sum(dot, axis=0).to(grad_scores_ptr.dtype.element_ty))
 
 
-def sum_slots(rows_PD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_tokens: int) -> torch.Tensor:
-    """``(T, D)``: ``y[t] = sum_k rows_PD[dest_row_S[t*K+k]]`` (dropped slots skipped); no autograd."""
-    rows_PD = rows_PD.contiguous()
-    dim = rows_PD.shape[1]
-    y_TD = rows_PD.new_empty(num_tokens, dim)
+def sum_slots(rows_RD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_tokens: int) -> torch.Tensor:
+    """``(T, D)``: ``y[t] = sum_k rows_RD[dest_row_S[t*K+k]]`` (dropped slots skipped); no autograd."""
+    rows_RD = rows_RD.contiguous()
+    dim = rows_RD.shape[1]
+    y_TD = rows_RD.new_empty(num_tokens, dim)
     if num_tokens:
         _sum_slots_kernel[(num_tokens,)](
-            rows_PD, dest_row_S, rows_PD, y_TD, dim, top_k, WEIGHTED=False, BLOCK_D=row_block_d(dim)  # no scores read
+            rows_RD, dest_row_S, rows_RD, y_TD, dim, top_k, WEIGHTED=False, BLOCK_D=row_block_d(dim)  # no scores read
         )
     return y_TD
 
 
 def weighted_sum_slots(
-    rows_PD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
+    rows_RD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
 ) -> torch.Tensor:
-    """``(T, D)``: ``y[t] = sum_k scores_S[t*K+k] * rows_PD[dest_row_S[t*K+k]]``; no autograd."""
-    rows_PD = rows_PD.contiguous()
-    dim = rows_PD.shape[1]
+    """``(T, D)``: ``y[t] = sum_k scores_S[t*K+k] * rows_RD[dest_row_S[t*K+k]]``; no autograd."""
+    rows_RD = rows_RD.contiguous()
+    dim = rows_RD.shape[1]
     num_tokens = dest_row_S.shape[0] // top_k
-    y_TD = rows_PD.new_empty(num_tokens, dim)
+    y_TD = rows_RD.new_empty(num_tokens, dim)
     if num_tokens:
         _sum_slots_kernel[(num_tokens,)](
-            rows_PD, dest_row_S, scores_S.contiguous(), y_TD, dim, top_k, WEIGHTED=True, BLOCK_D=row_block_d(dim)
+            rows_RD, dest_row_S, scores_S.contiguous(), y_TD, dim, top_k, WEIGHTED=True, BLOCK_D=row_block_d(dim)
         )
     return y_TD
 
@@ -196,44 +196,44 @@ class _PermuteTokens(torch.autograd.Function):
     def forward(ctx, x_TD, dest_row_S, top_k, num_rows):
         x_TD = x_TD.contiguous()
         dim = x_TD.shape[1]
-        rows_PD = x_TD.new_zeros(num_rows, dim)
+        rows_RD = x_TD.new_zeros(num_rows, dim)
         if dest_row_S.numel():
             _permute_kernel[(dest_row_S.shape[0],)](
-                x_TD, rows_PD, dest_row_S, dim, top_k, BLOCK_D=row_block_d(dim)
+                x_TD, rows_RD, dest_row_S, dim, top_k, BLOCK_D=row_block_d(dim)
             )
         ctx.save_for_backward(dest_row_S)
         ctx.top_k, ctx.num_tokens = top_k, x_TD.shape[0]
-        return rows_PD
+        return rows_RD
 
     @staticmethod
-    def backward(ctx, grad_rows_PD):
+    def backward(ctx, grad_rows_RD):
         (dest_row_S,) = ctx.saved_tensors
-        return sum_slots(grad_rows_PD, dest_row_S, ctx.top_k, ctx.num_tokens), None, None, None
+        return sum_slots(grad_rows_RD, dest_row_S, ctx.top_k, ctx.num_tokens), None, None, None
 
 
 class _UnpermuteTokens(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows_PD, dest_row_S, scores_S, top_k):
-        rows_PD = rows_PD.contiguous()
+    def forward(ctx, rows_RD, dest_row_S, scores_S, top_k):
+        rows_RD = rows_RD.contiguous()
         scores_S = scores_S.contiguous()
-        y_TD = weighted_sum_slots(rows_PD, dest_row_S, scores_S, top_k)
-        ctx.save_for_backward(rows_PD, dest_row_S, scores_S)
+        y_TD = weighted_sum_slots(rows_RD, dest_row_S, scores_S, top_k)
+        ctx.save_for_backward(rows_RD, dest_row_S, scores_S)
         ctx.top_k = top_k
         return y_TD
 
     @staticmethod
     def backward(ctx, grad_y_TD):
-        rows_PD, dest_row_S, scores_S = ctx.saved_tensors
+        rows_RD, dest_row_S, scores_S = ctx.saved_tensors
         grad_y_TD = grad_y_TD.contiguous()
-        dim = rows_PD.shape[1]
-        grad_rows_PD = torch.zeros_like(rows_PD)
+        dim = rows_RD.shape[1]
+        grad_rows_RD = torch.zeros_like(rows_RD)
         grad_scores_S = torch.empty_like(scores_S)
         if dest_row_S.numel():
             _unpermute_backward_kernel[(dest_row_S.shape[0],)](
-                rows_PD, dest_row_S, scores_S, grad_y_TD, grad_rows_PD, grad_scores_S, dim,
+                rows_RD, dest_row_S, scores_S, grad_y_TD, grad_rows_RD, grad_scores_S, dim,
                 ctx.top_k, BLOCK_D=row_block_d(dim),
             )
-        return grad_rows_PD, None, grad_scores_S, None
+        return grad_rows_RD, None, grad_scores_S, None
 
 
 def permute_tokens(
@@ -245,8 +245,8 @@ def permute_tokens(
 
 
 def unpermute_tokens(
-    rows_PD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
+    rows_RD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
 ) -> torch.Tensor:
     """Triton version of :func:`unpermute_tokens_reference`."""
-    check_runnable(rows_PD, dest_row_S, scores_S)
-    return _UnpermuteTokens.apply(rows_PD, dest_row_S, scores_S, top_k)
+    check_runnable(rows_RD, dest_row_S, scores_S)
+    return _UnpermuteTokens.apply(rows_RD, dest_row_S, scores_S, top_k)

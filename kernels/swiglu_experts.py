@@ -13,7 +13,7 @@ Two modes share the kernels:
   first GEMM's loads, and the second GEMM's epilogue multiplies by the router score of slot
   ``row_slot[r]`` and writes the row to that slot of a [T*K, D] buffer, summed over K after.
 
-Forward saves the gate and up pre-activations [N, F]; backward recomputes h from them and
+Forward saves the gate and up pre-activations [R, F]; backward recomputes h from them and
 overwrites them in place with their gradients. Every reduction has a fixed order: results
 are the same from run to run.
 """
@@ -97,7 +97,7 @@ def _gate_up_forward_kernel(
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """gate/up [N, F] = x[src rows] @ w1[e].T / w3[e].T; h = silu(gate) * up."""
+    """gate/up [R, F] = x[src rows] @ w1[e].T / w3[e].T; h = silu(gate) * up."""
     num_m_tiles = tl.cdiv(num_rows, BLOCK_M) + tl.minimum(num_experts, num_rows) + 1
     m_tile, n_tile = swizzle_tile(tl.program_id(0), num_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert, row_start, row_end = locate_row_tile(
@@ -481,65 +481,65 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
     """Differentiable SwiGLU experts over expert-grouped rows (see module docstring)."""
 
     @staticmethod
-    def forward(ctx, x_XD, w1_EFD, w2_EDF, w3_EFD, scores_N, group_end_E, row_slot_N, top_k):
-        routed = row_slot_N is not None
+    def forward(ctx, x_XD, w1_EFD, w2_EDF, w3_EFD, scores_S, group_end_E, row_slot_S, top_k):
+        routed = row_slot_S is not None
         num_experts, hidden, dim = w1_EFD.shape
-        num_rows = row_slot_N.shape[0] if routed else x_XD.shape[0]
+        num_rows = row_slot_S.shape[0] if routed else x_XD.shape[0]
         x_XD = x_XD.contiguous()
         w1, w2, w3 = (w.to(x_XD.dtype).contiguous() for w in (w1_EFD, w2_EDF, w3_EFD))
         save_preact = any(ctx.needs_input_grad[:5])
-        gate_NF = x_XD.new_empty(num_rows, hidden) if save_preact else None
-        up_NF = x_XD.new_empty(num_rows, hidden) if save_preact else None
-        h_NF = x_XD.new_empty(num_rows, hidden)
-        scores = scores_N.contiguous() if routed else None
+        gate_RF = x_XD.new_empty(num_rows, hidden) if save_preact else None
+        up_RF = x_XD.new_empty(num_rows, hidden) if save_preact else None
+        h_RF = x_XD.new_empty(num_rows, hidden)
+        scores = scores_S.contiguous() if routed else None
         common = dict(
             DOT_PRECISION=dot_precision(x_XD.dtype), BLOCK_E=block_experts(num_experts), GROUP_M=GROUP_M
         )
         _gate_up_forward_kernel[_row_tile_grid(num_rows, num_experts, hidden)](
-            x_XD, w1, w3, gate_NF, up_NF, h_NF, row_slot_N, group_end_E,
+            x_XD, w1, w3, gate_RF, up_RF, h_RF, row_slot_S, group_end_E,
             num_rows, num_experts, dim, hidden, top_k,
             HAS_GATHER=routed, SAVE_PREACT=save_preact, **common,
         )
         rows_out = x_XD.new_empty(num_rows, dim)
         _down_forward_kernel[_row_tile_grid(num_rows, num_experts, dim)](
-            h_NF, w2, rows_out, row_slot_N, scores, group_end_E,
+            h_RF, w2, rows_out, row_slot_S, scores, group_end_E,
             num_rows, num_experts, dim, hidden,
             HAS_GATHER=routed, **common,
         )
         out = rows_out.view(-1, top_k, dim).sum(dim=1) if routed and top_k > 1 else rows_out
-        ctx.save_for_backward(x_XD, w1_EFD, w2_EDF, w3_EFD, scores, group_end_E, row_slot_N, gate_NF, up_NF)
+        ctx.save_for_backward(x_XD, w1_EFD, w2_EDF, w3_EFD, scores, group_end_E, row_slot_S, gate_RF, up_RF)
         ctx.top_k = top_k
         ctx.routed = routed
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        x_XD, w1_EFD, w2_EDF, w3_EFD, scores, group_end_E, row_slot_N, gate_NF, up_NF = ctx.saved_tensors
+        x_XD, w1_EFD, w2_EDF, w3_EFD, scores, group_end_E, row_slot_S, gate_RF, up_RF = ctx.saved_tensors
         routed, top_k = ctx.routed, ctx.top_k
         num_experts, hidden, dim = w1_EFD.shape
-        num_rows = gate_NF.shape[0]
+        num_rows = gate_RF.shape[0]
         dout = dout.to(x_XD.dtype).contiguous()
         w1, w2, w3 = (w.to(x_XD.dtype).contiguous() for w in (w1_EFD, w2_EDF, w3_EFD))
         common = dict(DOT_PRECISION=dot_precision(x_XD.dtype), GROUP_M=GROUP_M)
         row_common = dict(BLOCK_E=block_experts(num_experts), **common)
 
-        hs_NF = x_XD.new_empty(num_rows, hidden)
+        hs_RF = x_XD.new_empty(num_rows, hidden)
         dscore_partial = None
         if routed:
             max_col_tiles = triton.cdiv(hidden, _min_block_n(_down_backward_kernel.configs))
             dscore_partial = torch.zeros(max_col_tiles, num_rows, device=x_XD.device, dtype=torch.float32)
         _down_backward_kernel[_row_tile_grid(num_rows, num_experts, hidden)](
-            dout, w2, gate_NF, up_NF, hs_NF, row_slot_N, scores, dscore_partial,
+            dout, w2, gate_RF, up_RF, hs_RF, row_slot_S, scores, dscore_partial,
             group_end_E, num_rows, num_experts, dim, hidden, top_k,
             HAS_GATHER=routed, **row_common,
         )
-        dgate_NF, dup_NF = gate_NF, up_NF
+        dgate_RF, dup_RF = gate_RF, up_RF
 
         dx = None
         if ctx.needs_input_grad[0]:
             dx_rows = x_XD.new_empty(num_rows, dim)
             _gate_up_backward_input_kernel[_row_tile_grid(num_rows, num_experts, dim)](
-                dgate_NF, dup_NF, w1, w3, dx_rows, row_slot_N, group_end_E,
+                dgate_RF, dup_RF, w1, w3, dx_rows, row_slot_S, group_end_E,
                 num_rows, num_experts, dim, hidden,
                 HAS_GATHER=routed, **row_common,
             )
@@ -549,7 +549,7 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             dw2 = torch.empty_like(w2_EDF)
             _down_backward_weight_kernel[_weight_grid(num_experts, dim, hidden)](
-                dout, hs_NF, dw2, row_slot_N, group_end_E, dim, hidden, top_k,
+                dout, hs_RF, dw2, row_slot_S, group_end_E, dim, hidden, top_k,
                 HAS_GATHER=routed, **common,
             )
         dw1 = dw3 = None
@@ -557,7 +557,7 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
             dw1 = torch.empty_like(w1_EFD)
             dw3 = torch.empty_like(w3_EFD)
             _gate_up_backward_weight_kernel[_weight_grid(num_experts, hidden, dim)](
-                dgate_NF, dup_NF, x_XD, dw1, dw3, row_slot_N, group_end_E, dim, hidden, top_k,
+                dgate_RF, dup_RF, x_XD, dw1, dw3, row_slot_S, group_end_E, dim, hidden, top_k,
                 HAS_GATHER=routed, **common,
             )
         dscores = None
@@ -572,27 +572,27 @@ def swiglu_experts(
     w2_EDF: torch.Tensor,
     w3_EFD: torch.Tensor,
     group_end_E: torch.Tensor,
-    row_slot_N: torch.Tensor | None = None,
-    scores_N: torch.Tensor | None = None,
+    row_slot_S: torch.Tensor | None = None,
+    scores_S: torch.Tensor | None = None,
     top_k: int = 1,
 ) -> torch.Tensor:
-    """SwiGLU experts; grouped mode when row_slot_N is None, routed mode otherwise.
+    """SwiGLU experts; grouped mode when row_slot_S is None, routed mode otherwise.
 
     Args:
         x_XD: grouped mode: [R, D] rows grouped by expert; routed mode: [T, D] tokens.
         group_end_E: [E] int32 exclusive end row of each expert's segment.
-        row_slot_N: routed mode: [N = T*K] int32 token-major slot of each grouped row.
-        scores_N: routed mode: [N] router weight of each slot (token-major).
+        row_slot_S: routed mode: [S = T*K] int32 token-major slot of each grouped row.
+        scores_S: routed mode: [S] router weight of each slot (token-major).
         top_k: routed mode: K.
 
     Returns:
         grouped: [R, D]; routed: [T, D] = sum_k scores * expert output. Dtype of x.
     """
     tensors = [x_XD, w1_EFD, w2_EDF, w3_EFD, group_end_E]
-    if row_slot_N is not None:
-        if scores_N is None:
-            raise ValueError("routed mode needs scores_N alongside row_slot_N")
-        tensors += [row_slot_N, scores_N]
+    if row_slot_S is not None:
+        if scores_S is None:
+            raise ValueError("routed mode needs scores_S alongside row_slot_S")
+        tensors += [row_slot_S, scores_S]
     check_runnable(*tensors)
-    _announce_first_use(x_XD, w1_EFD, routed=row_slot_N is not None)
-    return SwiGLUExpertsFunction.apply(x_XD, w1_EFD, w2_EDF, w3_EFD, scores_N, group_end_E, row_slot_N, top_k)
+    _announce_first_use(x_XD, w1_EFD, routed=row_slot_S is not None)
+    return SwiGLUExpertsFunction.apply(x_XD, w1_EFD, w2_EDF, w3_EFD, scores_S, group_end_E, row_slot_S, top_k)

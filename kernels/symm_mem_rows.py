@@ -22,8 +22,8 @@ Regions of a rank's workspace read or written here (``J = min(top_k, world)``):
   the ``j``-th of the token's destination ranks in rank order.
 - ``score_grad`` ``[T*K]`` fp32: router-score gradients sent back to the owner.
 
-Received rows are expert-major: local expert ``l``, then source rank ``s``, then the source's
-slot order. Block ``b = l * world + s`` holds the rows of local expert ``l`` from rank ``s``.
+Received rows are expert-major: local expert ``i``, then source rank ``s``, then the source's
+slot order. Block ``g = i * world + s`` holds the rows of local expert ``i`` from rank ``s``.
 """
 
 from __future__ import annotations
@@ -277,11 +277,11 @@ class ReceiveLayout:
     """Where a rank's received rows come from: views of one int64 buffer (device or host)."""
 
     packed: torch.Tensor
-    block_start_B1: torch.Tensor
+    block_start_G1: torch.Tensor
     """``(L*W + 1,)`` first received row of block ``b = l * W + s``; last entry = rows received"""
-    source_start_B: torch.Tensor
+    source_start_G: torch.Tensor
     """``(L*W,)`` where block ``b``'s entries start in rank ``s``'s sorted slot list"""
-    rows_per_local_expert_L: torch.Tensor
+    rows_per_local_expert_e: torch.Tensor
     """``(L,)`` rows received for each local expert"""
     tokens_per_rank_W: torch.Tensor
     """``(W,)`` every rank's token count"""
@@ -291,9 +291,9 @@ class ReceiveLayout:
         blocks = local * world
         return cls(
             packed=packed,
-            block_start_B1=packed[: blocks + 1],
-            source_start_B=packed[blocks + 1: 2 * blocks + 1],
-            rows_per_local_expert_L=packed[2 * blocks + 1: 2 * blocks + 1 + local],
+            block_start_G1=packed[: blocks + 1],
+            source_start_G=packed[blocks + 1: 2 * blocks + 1],
+            rows_per_local_expert_e=packed[2 * blocks + 1: 2 * blocks + 1 + local],
             tokens_per_rank_W=packed[2 * blocks + 1 + local:],
         )
 
@@ -357,22 +357,22 @@ def route_pairs(
     )
     if num_pairs:
         _route_pairs_kernel[_row_blocks_grid(num_tokens, world)](
-            slot_expert_ptrs_W, slot_position_ptrs_W, slot_score_ptrs_W, layout.block_start_B1,
-            layout.source_start_B, table.recv_row_PK, table.recv_score_PK, table.ordinal_P,
+            slot_expert_ptrs_W, slot_position_ptrs_W, slot_score_ptrs_W, layout.block_start_G1,
+            layout.source_start_G, table.recv_row_PK, table.recv_score_PK, table.ordinal_P,
             num_tokens, num_experts, num_experts // world, world, rank,
             TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), WORLD_P2=triton.next_power_of_2(world), ROWS=64,
         )
     return table
 
 
-def pull_pairs(token_ptrs_W: torch.Tensor, pairs: PairTable, out_ND: torch.Tensor) -> None:
-    """Fill ``out_ND`` (expert-major received rows) from the owners' ``tokens`` regions."""
-    check_runnable(token_ptrs_W, pairs.recv_row_PK, out_ND)
-    if out_ND.shape[0]:
+def pull_pairs(token_ptrs_W: torch.Tensor, pairs: PairTable, out_RD: torch.Tensor) -> None:
+    """Fill ``out_RD`` (expert-major received rows) from the owners' ``tokens`` regions."""
+    check_runnable(token_ptrs_W, pairs.recv_row_PK, out_RD)
+    if out_RD.shape[0]:
         world = token_ptrs_W.shape[0]
         _pull_pairs_kernel[_row_blocks_grid(pairs.num_tokens, world)](
-            token_ptrs_W, pairs.recv_row_PK, pairs.ordinal_P, out_ND, pairs.num_tokens, world, pairs.rank,
-            out_ND.shape[1], TOP_K=pairs.top_k,
+            token_ptrs_W, pairs.recv_row_PK, pairs.ordinal_P, out_RD, pairs.num_tokens, world, pairs.rank,
+            out_RD.shape[1], TOP_K=pairs.top_k,
         )
 
 
@@ -381,15 +381,15 @@ def slots_per_token(top_k: int, world: int) -> int:
     return min(top_k, world)
 
 
-def push_pairs(rows_ND: torch.Tensor, pairs: PairTable, landing_ptrs_W: torch.Tensor, weighted: bool) -> None:
+def push_pairs(rows_RD: torch.Tensor, pairs: PairTable, landing_ptrs_W: torch.Tensor, weighted: bool) -> None:
     """Send each pair's (score-weighted if ``weighted``) row sum to its owner's ``landing``."""
-    check_runnable(rows_ND, pairs.recv_row_PK, landing_ptrs_W)
-    rows_ND = rows_ND.contiguous()
-    if rows_ND.shape[0]:
+    check_runnable(rows_RD, pairs.recv_row_PK, landing_ptrs_W)
+    rows_RD = rows_RD.contiguous()
+    if rows_RD.shape[0]:
         world = landing_ptrs_W.shape[0]
         _push_pairs_kernel[_row_blocks_grid(pairs.num_tokens, world)](
-            rows_ND, pairs.recv_row_PK, pairs.recv_score_PK, pairs.ordinal_P, landing_ptrs_W,
-            pairs.num_tokens, world, pairs.rank, rows_ND.shape[1], TOP_K=pairs.top_k,
+            rows_RD, pairs.recv_row_PK, pairs.recv_score_PK, pairs.ordinal_P, landing_ptrs_W,
+            pairs.num_tokens, world, pairs.rank, rows_RD.shape[1], TOP_K=pairs.top_k,
             SLOTS_PER_TOKEN=slots_per_token(pairs.top_k, world), WEIGHTED=weighted,
         )
 
@@ -410,17 +410,17 @@ def sum_landing(landing_JD: torch.Tensor, expert_S: torch.Tensor, num_experts: i
 
 
 def pull_output_grad(
-    token_ptrs_W: torch.Tensor, pairs: PairTable, rows_ND: torch.Tensor, score_grad_ptrs_W: torch.Tensor
+    token_ptrs_W: torch.Tensor, pairs: PairTable, rows_RD: torch.Tensor, score_grad_ptrs_W: torch.Tensor
 ) -> torch.Tensor:
-    """Return ``grad_rows_ND``; write each row's router-score gradient to its owner's ``score_grad``."""
-    check_runnable(token_ptrs_W, pairs.recv_row_PK, rows_ND, score_grad_ptrs_W)
-    rows_ND = rows_ND.contiguous()
-    grad_rows_ND = torch.empty_like(rows_ND)
-    if rows_ND.shape[0]:
+    """Return ``grad_rows_RD``; write each row's router-score gradient to its owner's ``score_grad``."""
+    check_runnable(token_ptrs_W, pairs.recv_row_PK, rows_RD, score_grad_ptrs_W)
+    rows_RD = rows_RD.contiguous()
+    grad_rows_RD = torch.empty_like(rows_RD)
+    if rows_RD.shape[0]:
         world = token_ptrs_W.shape[0]
         _pull_output_grad_kernel[_row_blocks_grid(pairs.num_tokens, world)](
-            token_ptrs_W, pairs.recv_row_PK, pairs.recv_score_PK, pairs.ordinal_P, rows_ND, grad_rows_ND,
-            score_grad_ptrs_W, pairs.num_tokens, world, pairs.rank, rows_ND.shape[1],
+            token_ptrs_W, pairs.recv_row_PK, pairs.recv_score_PK, pairs.ordinal_P, rows_RD, grad_rows_RD,
+            score_grad_ptrs_W, pairs.num_tokens, world, pairs.rank, rows_RD.shape[1],
             TOP_K=pairs.top_k, K_P2=triton.next_power_of_2(pairs.top_k),
         )
-    return grad_rows_ND
+    return grad_rows_RD

@@ -46,13 +46,13 @@ def test_receive_layout_kernel_matches_a_direct_enumeration():
                     expected += [(source, first + i) for i in range(int(counts_WE[source, expert]))]
             got = []
             for block in range(local * world):
-                start, end = layout.block_start_B1[block:block + 2].tolist()
+                start, end = layout.block_start_G1[block:block + 2].tolist()
                 source = block % world
-                got += [(source, int(layout.source_start_B[block]) + i) for i in range(end - start)]
+                got += [(source, int(layout.source_start_G[block]) + i) for i in range(end - start)]
             assert got == expected
-            assert int(layout.block_start_B1[-1]) == len(expected)
+            assert int(layout.block_start_G1[-1]) == len(expected)
             mine = counts_WE[:, rank * local:(rank + 1) * local]
-            assert layout.rows_per_local_expert_L.tolist() == mine.sum(0).tolist()
+            assert layout.rows_per_local_expert_e.tolist() == mine.sum(0).tolist()
             assert layout.tokens_per_rank_W.tolist() == [7 + s for s in range(world)]
 
 

@@ -186,7 +186,7 @@ HEATMAP_SCALE_MAX = 4.0
 """Top of the heatmap's fixed colour scale: load / layer mean; larger cells take the top colour."""
 
 
-def routing_heatmap_png(tokens_per_expert_LE: np.ndarray, layer_names: list[str], step: int) -> bytes:
+def routing_heatmap_png(tokens_per_layer_expert: np.ndarray, layer_names: list[str], step: int) -> bytes:
     """PNG of the layers x experts load, each cell relative to its layer's mean.
 
     The colour scale is the same at every step: 0 (no token) to ``HEATMAP_SCALE_MAX``,
@@ -196,7 +196,7 @@ def routing_heatmap_png(tokens_per_expert_LE: np.ndarray, layer_names: list[str]
     from matplotlib.colors import TwoSlopeNorm
     from matplotlib.figure import Figure
 
-    counts = np.asarray(tokens_per_expert_LE, dtype=np.float64)
+    counts = np.asarray(tokens_per_layer_expert, dtype=np.float64)
     relative = counts / np.maximum(counts.mean(axis=1, keepdims=True), 1e-12)
     num_layers, num_experts = counts.shape
     figure = Figure(figsize=(max(4.0, 0.25 * num_experts + 2), max(2.5, 0.3 * num_layers + 1.5)))
@@ -739,12 +739,12 @@ class MoEMetricsProcessor(MetricsProcessor):
         whole_model = model_scalars(per_layer, summaries)
         scalars.update({f"{KEY_PREFIX}/{MODEL_SCOPE}/{k}": v for k, v in whole_model.items()})
         histograms = {f"{KEY_PREFIX}/{s.name}/tokens_per_expert": s.tokens_per_expert_E for s in summaries}
-        counts_LE = np.stack([s.tokens_per_expert_E for s in summaries])
-        histograms[f"{KEY_PREFIX}/{MODEL_SCOPE}/tokens_per_expert"] = counts_LE.sum(axis=0)
+        counts_per_layer_expert = np.stack([s.tokens_per_expert_E for s in summaries])
+        histograms[f"{KEY_PREFIX}/{MODEL_SCOPE}/tokens_per_expert"] = counts_per_layer_expert.sum(axis=0)
         rich = {"histograms": histograms}
         if self._heatmap_due(step):
             self._last_heatmap_step = step
-            rich["heatmap"] = (counts_LE, [s.name for s in summaries])
+            rich["heatmap"] = (counts_per_layer_expert, [s.name for s in summaries])
         return scalars, rich
 
     def _heatmap_due(self, step: int) -> bool:

@@ -83,12 +83,12 @@ def expert_block_measure(device: torch.device, dtype: torch.dtype) -> Measure:
     def measure(shape: BenchShape, backend: str) -> float:
         inputs = expert_inputs(shape, 0.0, device, dtype)
         compute = get_backend(backend).grouped
-        grad_ND = torch.randn(inputs.x_ND.shape, device=device, dtype=dtype)
+        grad_RD = torch.randn(inputs.x_RD.shape, device=device, dtype=dtype)
 
         def forward_backward():
-            torch.autograd.backward(compute(inputs.x_ND, *inputs.weights, inputs.counts_E), grad_ND)
+            torch.autograd.backward(compute(inputs.x_RD, *inputs.weights, inputs.counts_E), grad_RD)
 
-        return timer(forward_backward, grad_to_none=[inputs.x_ND, *inputs.weights])
+        return timer(forward_backward, grad_to_none=[inputs.x_RD, *inputs.weights])
 
     return measure
 

@@ -181,10 +181,10 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         """
         if self.ep_mesh is None:
             plan = plan_slots(topk_expert_ids_TK, self.num_experts, self.align_size)
-            rows_PD = self._permute_rows(x_TD, plan.dest_row_S, self.top_k, plan.num_rows)
+            rows_RD = self._permute_rows(x_TD, plan.dest_row_S, self.top_k, plan.num_rows)
             self.last_num_padding_rows = plan.num_padding_rows
             metadata = RoutingDispatchMetadata(plan=plan, scores_S=topk_scores_TK.reshape(-1))
-            return rows_PD, plan.rows_per_expert_E, metadata
+            return rows_RD, plan.rows_per_expert_E, metadata
         return self._dispatch_expert_parallel(
             x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
         )
@@ -196,15 +196,15 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         x_TD: torch.Tensor,
     ) -> torch.Tensor:
         """Weight each slot's expert output by its score and sum over top_k -> ``(T, D)``."""
-        rows_ND = routed_output_RD
+        rows_RD = routed_output_RD
         if metadata.received_dest_row_R is not None:  # EP with align_size: drop the padding rows
-            rows_ND = rows_ND[metadata.received_dest_row_R]
+            rows_RD = rows_RD[metadata.received_dest_row_R]
         if metadata.exchange_route is not None:
-            return ep_symm_mem.combine(rows_ND, metadata.scores_S, metadata.exchange_route).to(x_TD.dtype)
+            return ep_symm_mem.combine(rows_RD, metadata.scores_S, metadata.exchange_route).to(x_TD.dtype)
         if self.ep_mesh is not None:
-            rows_ND = self._combine_expert_parallel(rows_ND, metadata)
+            rows_RD = self._combine_expert_parallel(rows_RD, metadata)
         return self._unpermute_rows(
-            rows_ND, metadata.plan.dest_row_S, metadata.scores_S, self.top_k
+            rows_RD, metadata.plan.dest_row_S, metadata.scores_S, self.top_k
         ).to(x_TD.dtype)
 
     # ------------------------------------------------------------------ expert parallel
@@ -229,7 +229,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         # Rows grouped by global expert = grouped by destination rank; dropped slots are
         # zero rows at the end and are cut off before the all-to-all.
         plan = plan_slots(topk_expert_ids_TK, self.num_experts, 1)
-        rows_ND = self._permute_rows(x_TD, plan.dest_row_S, self.top_k, plan.num_rows)
+        rows_RD = self._permute_rows(x_TD, plan.dest_row_S, self.top_k, plan.num_rows)
         with maybe_set_sparse_mesh():
             group = self._ep_group()
             with torch.no_grad():
@@ -242,7 +242,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
                     )
                 )
             received_RD = self._dispatch_token_exchange(
-                rows_ND[: sum(input_splits)], group, output_splits, input_splits
+                rows_RD[: sum(input_splits)], group, output_splits, input_splits
             )
             input_shape, grouped_RD, permuted_indices, rows_per_local_expert_e = self._permute(
                 received_RD, received_counts_E

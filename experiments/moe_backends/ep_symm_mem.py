@@ -226,7 +226,7 @@ class EPExchange:
     def dispatch_rows(
         self, x_TD: torch.Tensor, scores_S: torch.Tensor, expert_S: torch.Tensor, num_experts: int, top_k: int
     ) -> tuple[torch.Tensor, torch.Tensor, Route]:
-        """Return ``(rows_ND, rows_per_local_expert_L, route)``; expert ``num_experts`` = dropped."""
+        """Return ``(rows_RD, rows_per_local_expert_e, route)``; expert ``num_experts`` = dropped."""
         num_tokens, dim = x_TD.shape
         workspace = self._workspace_for(
             WorkspaceShape(num_tokens, dim, top_k, num_experts, self.world, x_TD.dtype)
@@ -241,11 +241,11 @@ class EPExchange:
             raise RuntimeError(
                 f"ep_transport 'symm_mem' needs the same token count on every EP rank, got {tokens_per_rank}"
             )
-        rows_ND = x_TD.new_empty(int(on_host.block_start_B1[-1]), dim)
-        kernels.pull_pairs(workspace.table("tokens"), pairs, rows_ND)
+        rows_RD = x_TD.new_empty(int(on_host.block_start_G1[-1]), dim)
+        kernels.pull_pairs(workspace.table("tokens"), pairs, rows_RD)
         self._peers_may_read_published = True
         route = Route(exchange=self, workspace=workspace, num_experts=num_experts, pairs=pairs, expert_S=expert_S)
-        return rows_ND, layout.rows_per_local_expert_L, route
+        return rows_RD, layout.rows_per_local_expert_e, route
 
     def publish(self, x_TD: torch.Tensor, scores_S: torch.Tensor, expert_S: torch.Tensor, num_experts: int) -> None:
         """Write this rank's tokens and routing into its workspace (once peers are done reading)."""
@@ -272,74 +272,74 @@ class EPExchange:
         )
         return layout, pairs
 
-    def _push_and_sum(self, rows_ND: torch.Tensor, route: Route, weighted: bool) -> torch.Tensor:
+    def _push_and_sum(self, rows_RD: torch.Tensor, route: Route, weighted: bool) -> torch.Tensor:
         """Push each pair's row sum to its owner's landing region; return this rank's ``(T, D)`` totals."""
         self._before_push()
-        kernels.push_pairs(rows_ND, route.pairs, route.workspace.table("landing"), weighted)
+        kernels.push_pairs(rows_RD, route.pairs, route.workspace.table("landing"), weighted)
         self._barrier()
         self._landing_in_local_use = True
         return kernels.sum_landing(
             route.workspace.local("landing"), route.expert_S, route.num_experts, self.world, route.pairs.top_k
         )
 
-    def combine_rows(self, rows_ND: torch.Tensor, route: Route) -> torch.Tensor:
+    def combine_rows(self, rows_RD: torch.Tensor, route: Route) -> torch.Tensor:
         """``(T, D)``: each token's expert outputs weighted by its scores, summed over top_k."""
-        return self._push_and_sum(rows_ND, route, weighted=True)
+        return self._push_and_sum(rows_RD, route, weighted=True)
 
-    def dispatch_backward(self, grad_rows_ND: torch.Tensor, route: Route) -> torch.Tensor:
+    def dispatch_backward(self, grad_rows_RD: torch.Tensor, route: Route) -> torch.Tensor:
         """``(T, D)`` gradient of the dispatched tokens: each token's row gradients summed."""
-        return self._push_and_sum(grad_rows_ND, route, weighted=False)
+        return self._push_and_sum(grad_rows_RD, route, weighted=False)
 
     def combine_backward(
-        self, grad_out_TD: torch.Tensor, rows_ND: torch.Tensor, route: Route
+        self, grad_out_TD: torch.Tensor, rows_RD: torch.Tensor, route: Route
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(grad_rows_ND, grad_scores_S)`` for ``combine_rows``'s output gradient."""
+        """Return ``(grad_rows_RD, grad_scores_S)`` for ``combine_rows``'s output gradient."""
         workspace = route.workspace
         num_slots = route.expert_S.shape[0]
         self._before_publish()
         workspace.local("tokens")[: route.pairs.num_tokens].copy_(grad_out_TD)
         self._barrier()
-        grad_rows_ND = kernels.pull_output_grad(
-            workspace.table("tokens"), route.pairs, rows_ND, workspace.table("score_grad")
+        grad_rows_RD = kernels.pull_output_grad(
+            workspace.table("tokens"), route.pairs, rows_RD, workspace.table("score_grad")
         )
         self._barrier()
         kept_S = route.expert_S < route.num_experts
         grad_scores_S = torch.where(kept_S, workspace.local("score_grad")[:num_slots], 0.0)
         self._landing_in_local_use = True
-        return grad_rows_ND, grad_scores_S
+        return grad_rows_RD, grad_scores_S
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, scores_S, expert_S, exchange, num_experts, top_k, routes):
-        rows_ND, rows_per_local_expert_L, route = exchange.dispatch_rows(
+        rows_RD, rows_per_local_expert_e, route = exchange.dispatch_rows(
             x_TD, scores_S, expert_S, num_experts, top_k
         )
         routes.append(route)
         ctx.route = route
-        ctx.mark_non_differentiable(rows_per_local_expert_L)
-        return rows_ND, rows_per_local_expert_L
+        ctx.mark_non_differentiable(rows_per_local_expert_e)
+        return rows_RD, rows_per_local_expert_e
 
     @staticmethod
-    def backward(ctx, grad_rows_ND, _):
-        grad_x_TD = ctx.route.exchange.dispatch_backward(grad_rows_ND.contiguous(), ctx.route)
+    def backward(ctx, grad_rows_RD, _):
+        grad_x_TD = ctx.route.exchange.dispatch_backward(grad_rows_RD.contiguous(), ctx.route)
         return grad_x_TD, None, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows_ND, scores_S, route):
-        ctx.save_for_backward(rows_ND)
+    def forward(ctx, rows_RD, scores_S, route):
+        ctx.save_for_backward(rows_RD)
         ctx.route, ctx.scores_dtype = route, scores_S.dtype
-        return route.exchange.combine_rows(rows_ND, route)
+        return route.exchange.combine_rows(rows_RD, route)
 
     @staticmethod
     def backward(ctx, grad_out_TD):
-        (rows_ND,) = ctx.saved_tensors
-        grad_rows_ND, grad_scores_S = ctx.route.exchange.combine_backward(
-            grad_out_TD.to(rows_ND.dtype).contiguous(), rows_ND, ctx.route
+        (rows_RD,) = ctx.saved_tensors
+        grad_rows_RD, grad_scores_S = ctx.route.exchange.combine_backward(
+            grad_out_TD.to(rows_RD.dtype).contiguous(), rows_RD, ctx.route
         )
-        return grad_rows_ND, grad_scores_S.to(ctx.scores_dtype), None
+        return grad_rows_RD, grad_scores_S.to(ctx.scores_dtype), None
 
 
 def dispatch(
@@ -350,22 +350,22 @@ def dispatch(
     num_experts: int,
     top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor, Route]:
-    """Differentiable in ``x_TD``: ``(rows_ND, rows_per_local_expert_L, route)``, rows expert-major.
+    """Differentiable in ``x_TD``: ``(rows_RD, rows_per_local_expert_e, route)``, rows expert-major.
 
     ``expert_S`` (``T*K``, token-major slots) holds global expert ids, ``num_experts`` for a
     slot the router dropped; ``scores_S`` travels with the rows: the combine weights by it.
     """
     exchange = EPExchange.for_group(group, x_TD.device)
     routes: list[Route] = []
-    rows_ND, rows_per_local_expert_L = _Dispatch.apply(
+    rows_RD, rows_per_local_expert_e = _Dispatch.apply(
         x_TD.contiguous(), scores_S.detach(), expert_S, exchange, num_experts, top_k, routes
     )
-    return rows_ND, rows_per_local_expert_L, routes[0]
+    return rows_RD, rows_per_local_expert_e, routes[0]
 
 
-def combine(rows_ND: torch.Tensor, scores_S: torch.Tensor, route: Route) -> torch.Tensor:
-    """Differentiable in ``rows_ND`` and ``scores_S``: ``(T, D)`` weighted sum over top_k.
+def combine(rows_RD: torch.Tensor, scores_S: torch.Tensor, route: Route) -> torch.Tensor:
+    """Differentiable in ``rows_RD`` and ``scores_S``: ``(T, D)`` weighted sum over top_k.
 
     ``scores_S`` must be the scores given to ``dispatch`` (the weights travelled with the rows).
     """
-    return _Combine.apply(rows_ND.contiguous(), scores_S.reshape(-1), route)
+    return _Combine.apply(rows_RD.contiguous(), scores_S.reshape(-1), route)

@@ -62,7 +62,7 @@ class ExpertInputs(NamedTuple):
     scores_TK: torch.Tensor
     counts_E: torch.Tensor
     x_TD: torch.Tensor
-    x_ND: torch.Tensor
+    x_RD: torch.Tensor
     weights: list[torch.Tensor]
 
 
@@ -71,20 +71,20 @@ def expert_inputs(shape: BenchShape, skew: float, device, dtype) -> ExpertInputs
     generator = seeded_generator(device)
     ids_TK, scores_TK = route(shape.tokens, shape.num_experts, shape.top_k, skew, device, generator)
     counts_E = torch.bincount(ids_TK.reshape(-1), minlength=shape.num_experts)
-    slot_N = torch.argsort(ids_TK.reshape(-1), stable=True)
+    slot_S = torch.argsort(ids_TK.reshape(-1), stable=True)
 
     def randn(*size: int) -> torch.Tensor:
         return torch.randn(*size, device=device, generator=generator).to(dtype)
 
     x_TD = randn(shape.tokens, shape.dim).requires_grad_()
-    x_ND = x_TD.detach()[slot_N // shape.top_k].clone().requires_grad_()
+    x_RD = x_TD.detach()[slot_S // shape.top_k].clone().requires_grad_()
     E, D, F = shape.num_experts, shape.dim, shape.hidden_dim
     weights = [
         (randn(E, F, D) * D**-0.5).requires_grad_(),
         (randn(E, D, F) * F**-0.5).requires_grad_(),
         (randn(E, F, D) * D**-0.5).requires_grad_(),
     ]
-    return ExpertInputs(ids_TK, scores_TK.to(dtype).requires_grad_(), counts_E, x_TD, x_ND, weights)
+    return ExpertInputs(ids_TK, scores_TK.to(dtype).requires_grad_(), counts_E, x_TD, x_RD, weights)
 
 
 Timer = Callable[..., float]

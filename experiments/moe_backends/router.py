@@ -41,20 +41,20 @@ class RouterOutput:
 
 
 def capacity_keep_mask(
-    expert_ids_N: torch.Tensor, num_experts: int, capacity: int
+    expert_ids_S: torch.Tensor, num_experts: int, capacity: int
 ) -> torch.Tensor:
     """``(N,)`` bool: slot keeps its expert iff fewer than ``capacity`` earlier slots chose it.
 
     "Earlier" is slot order (token-major), so the first tokens of the batch win. No host sync.
     """
-    order_N = torch.argsort(expert_ids_N, stable=True)
-    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids_N.device)
-    counts_E.scatter_add_(0, expert_ids_N, torch.ones_like(expert_ids_N))
+    order_S = torch.argsort(expert_ids_S, stable=True)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids_S.device)
+    counts_E.scatter_add_(0, expert_ids_S, torch.ones_like(expert_ids_S))
     starts_E = torch.cumsum(counts_E, 0) - counts_E
-    sorted_ids_N = expert_ids_N[order_N]
-    rank_sorted_N = torch.arange(expert_ids_N.shape[0], device=expert_ids_N.device) - starts_E[sorted_ids_N]
-    rank_N = torch.empty_like(rank_sorted_N).scatter_(0, order_N, rank_sorted_N)
-    return rank_N < capacity
+    sorted_ids_S = expert_ids_S[order_S]
+    rank_sorted_S = torch.arange(expert_ids_S.shape[0], device=expert_ids_S.device) - starts_E[sorted_ids_S]
+    rank_S = torch.empty_like(rank_sorted_S).scatter_(0, order_S, rank_sorted_S)
+    return rank_S < capacity
 
 
 class BalancedTopKRouter(TokenChoiceTopKRouter):

@@ -53,18 +53,18 @@ IMPLS = (*BACKENDS, *ROUTED_IMPLS)
 def torch_routed_experts(x_TD, w1_EFD, w2_EDF, w3_EFD, ids_TK, scores_TK):
     """The stock tokens-in/tokens-out path: permute, default-backend experts, weighted combine."""
     top_k = ids_TK.shape[1]
-    slot_N = torch.argsort(ids_TK.reshape(-1), stable=True)
+    slot_S = torch.argsort(ids_TK.reshape(-1), stable=True)
     counts_E = torch.bincount(ids_TK.reshape(-1), minlength=w1_EFD.shape[0])
-    token_N = slot_N // top_k
-    y_ND = get_backend(DEFAULT_BACKEND).grouped(x_TD[token_N], w1_EFD, w2_EDF, w3_EFD, counts_E)
-    y_ND = (y_ND.float() * scores_TK.reshape(-1)[slot_N, None]).to(x_TD.dtype)
-    return torch.zeros_like(x_TD).index_add_(0, token_N, y_ND)
+    token_S = slot_S // top_k
+    y_SD = get_backend(DEFAULT_BACKEND).grouped(x_TD[token_S], w1_EFD, w2_EDF, w3_EFD, counts_E)
+    y_SD = (y_SD.float() * scores_TK.reshape(-1)[slot_S, None]).to(x_TD.dtype)
+    return torch.zeros_like(x_TD).index_add_(0, token_S, y_SD)
 
 
 def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype) -> list[dict]:
     """One row per implementation: ms, TFLOP/s and memory (GPU), error vs grouped_mm."""
-    ids_TK, scores_TK, counts_E, x_TD, x_ND, weights = expert_inputs(shape, skew, device, dtype)
-    calls = {name: (lambda fn=spec.grouped: fn(x_ND, *weights, counts_E), [x_ND, *weights])
+    ids_TK, scores_TK, counts_E, x_TD, x_RD, weights = expert_inputs(shape, skew, device, dtype)
+    calls = {name: (lambda fn=spec.grouped: fn(x_RD, *weights, counts_E), [x_RD, *weights])
              for name, spec in BACKENDS.items()}
     calls["torch_routed"] = (lambda: torch_routed_experts(x_TD, *weights, ids_TK, scores_TK),
                              [x_TD, *weights, scores_TK])
