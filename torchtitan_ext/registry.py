@@ -34,14 +34,29 @@ class Flavor:
     experiment: str
     build: Callable[[], Trainer.Config]
 
+    @property
+    def torchtitan_args(self) -> list[str]:
+        """The same config through torchtitan's own config registry: ``--module M --config F``.
+
+        ``build`` is a function of its experiment's flavors module under its own name.
+        """
+        return ["--module", self.build.__module__, "--config", self.build.__name__]
+
 
 _FLAVORS: dict[str, Flavor] = {}
 
 
 def register_flavor(name: str, description: str):
-    """Decorator registering a zero-argument function returning a ``Trainer.Config``."""
+    """Decorator registering a zero-argument function returning a ``Trainer.Config``.
+
+    The function must be reachable as ``getattr(flavors_module, build.__name__)`` so that the
+    flavors module serves as torchtitan's config registry (``--module``/``--config``): a
+    lambda is refused.
+    """
 
     def decorator(build: Callable[[], Trainer.Config]) -> Callable[[], Trainer.Config]:
+        if build.__name__ == "<lambda>":
+            raise ValueError(f"flavor {name!r}: register a named function, not a lambda")
         if name in _FLAVORS:
             raise ValueError(
                 f"flavor {name!r} is registered twice "

@@ -1,9 +1,16 @@
-"""Flavors of the MoE backends experiment.
+"""Flavors of the MoE backends experiment, and its torchtitan config registry.
 
 Tiny flavors (one per compute backend) train in well under a second per step on
 two CPU cores; full-size flavors carry the dimensions of public MoE models for GPU
 users. Every flavor trains on the shipped offline corpus and tokenizer by default.
+
+Every flavor is a zero-argument function of this module returning its ``Trainer.Config``,
+so this module is a torchtitan config registry: ``--module
+torchtitan_ext.experiments.moe_backends.flavors --config tiny_moe_grouped_mm`` loads the
+flavor ``--flavor tiny-moe-grouped-mm`` loads (``Flavor.torchtitan_args`` gives the pair).
 """
+
+from collections.abc import Callable
 
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
@@ -99,6 +106,11 @@ def tiny_flavor_name(compute_backend: ComputeBackend) -> str:
     return "tiny-moe-" + compute_backend.replace("_", "-")
 
 
+def tiny_config_function_name(compute_backend: ComputeBackend) -> str:
+    """The name of the tiny flavor's config function in this module (``--config``)."""
+    return "tiny_moe_" + compute_backend
+
+
 def tiny_moe(compute_backend: ComputeBackend) -> Trainer.Config:
     config = moe_trainer_config(
         qwen3_style_moe(tiny_flavor_name(compute_backend), TINY_SHAPE, compute_backend=compute_backend),
@@ -127,11 +139,23 @@ def full_size(name: str, shape: MoEShape, compute_backend: ComputeBackend | None
     )
 
 
+def tiny_config_function(compute_backend: ComputeBackend) -> Callable[[], Trainer.Config]:
+    """The tiny flavor's zero-argument config function, named ``tiny_moe_<compute_backend>``."""
+
+    def build() -> Trainer.Config:
+        return tiny_moe(compute_backend)
+
+    build.__name__ = build.__qualname__ = tiny_config_function_name(compute_backend)
+    build.__doc__ = f"The {tiny_flavor_name(compute_backend)} flavor's Trainer.Config."
+    return build
+
+
 for _backend in backend_names():
-    register_flavor(
+    _build = register_flavor(
         tiny_flavor_name(_backend),
         f"2-layer, 8-expert top-2 MoE (dim 64) for CPU smoke runs; {_backend} experts",
-    )(lambda backend=_backend: tiny_moe(backend))
+    )(tiny_config_function(_backend))
+    globals()[_build.__name__] = _build
 
 
 @register_flavor("qwen3-30b-a3b", "Qwen3-30B-A3B dims: 48 layers, dim 2048, 128 experts top-8, F 768")
