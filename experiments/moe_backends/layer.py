@@ -8,12 +8,12 @@ dispatcher configs for ``RoutedMoE`` / ``FusedRoutedExperts`` / ``BalancedTopKRo
 torchtitan's own MoE layer config and ``moe_layer_config`` the same layer with ours.
 """
 
-import dataclasses
 from collections.abc import Callable
 from functools import partial
 
 import torch.nn as nn
 
+from torchtitan.config.override import derive
 from torchtitan.models.common.config_utils import (
     make_moe_config,
     make_routed_experts_config,
@@ -34,21 +34,8 @@ from .router import BalancedTopKRouter
 def use_backend_experts(model_config, compute_backend: ComputeBackend):
     """Replace every ``GroupedExperts.Config`` in ``model_config`` (in place) by ours."""
     for _, experts, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
-        replacement = BackendGroupedExperts.Config(
-            dim=experts.dim,
-            hidden_dim=experts.hidden_dim,
-            num_experts=experts.num_experts,
-            param_init=experts.param_init,
-            sharding_config=experts.sharding_config,
-            compute_backend=compute_backend,
-        )
-        _replace(parent, attr, replacement)
+        _replace(parent, attr, derive(experts, BackendGroupedExperts.Config, compute_backend=compute_backend))
     return model_config
-
-
-def _fields(config) -> dict:
-    """The constructor arguments that rebuild ``config``."""
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
 
 
 def _replace(parent, attr, replacement) -> None:
@@ -62,20 +49,20 @@ def use_routing(model_config):
     """Swap every torchtitan MoE / router / standard dispatcher config (in place) for ours.
 
     Returns ``model_config`` (or the replacement when it is itself an ``MoE.Config``).
-    Field values carry over, so the routing recipe is unchanged; dispatchers of other
-    comm backends (DeepEP, HybridEP, ...) are left alone.
+    Field values carry over through torchtitan's ``derive``, so the routing recipe is
+    unchanged; dispatchers of other comm backends (DeepEP, HybridEP, ...) are left alone.
     """
     for _, moe, parent, attr in list(model_config.traverse(MoE.Config)):
         router = moe.router
         if not isinstance(router, BalancedTopKRouter.Config):
-            router = BalancedTopKRouter.Config(**_fields(router))
+            router = derive(router, BalancedTopKRouter.Config)
         if type(moe.routed_experts) is RoutedExperts.Config:
-            moe.routed_experts = FusedRoutedExperts.Config(**_fields(moe.routed_experts))
+            moe.routed_experts = derive(moe.routed_experts, FusedRoutedExperts.Config)
         dispatcher = moe.routed_experts.token_dispatcher
         if type(dispatcher) in (LocalTokenDispatcher.Config, AllToAllTokenDispatcher.Config):
-            moe.routed_experts.token_dispatcher = RoutingDispatcher.Config(**_fields(dispatcher))
+            moe.routed_experts.token_dispatcher = derive(dispatcher, RoutingDispatcher.Config)
         if not isinstance(moe, RoutedMoE.Config):
-            replacement = RoutedMoE.Config(**{**_fields(moe), "router": router})
+            replacement = derive(moe, RoutedMoE.Config, router=router)
             if parent is None:
                 return replacement
             _replace(parent, attr, replacement)
