@@ -116,7 +116,7 @@ def test_skewed_router_leaves_last_experts_empty():
     layer = build_layer("for_loop", **LOSS_CASES[0])
     x_all, _ = batch(MAX_WORLD)
     layer(x_all)
-    counts_E = layer.last_tokens_per_expert_E
+    counts_E = layer.last_router_statistics.tokens_per_expert_E
     assert counts_E[6:].sum() == 0 and counts_E[:6].min() >= 0
     assert len(set(counts_E[:6].tolist())) > 1, "splits should be uneven"
 

@@ -65,4 +65,4 @@ def test_fused_layer_equals_dispatch_path(capacity_factor, monkeypatch):
     for name, grad in grads.items():
         assert relative_error(grad, expected_grads[name]) < TOLERANCE, name
     if capacity_factor is not None:
-        assert int(fused.last_num_dropped_tokens) > 0
+        assert int(fused.last_router_statistics.num_dropped_slots) > 0

@@ -191,8 +191,9 @@ def test_aux_and_z_loss_gradients_match_autograd(score_func, aux_loss_type):
     ((out_ref * grad_BLD).sum() + aux_coeff * aux + z_coeff * z).backward()
 
     torch.testing.assert_close(out, out_ref)  # forward untouched
-    torch.testing.assert_close(layer.last_aux_loss, aux.detach())
-    torch.testing.assert_close(layer.last_z_loss, z.detach())
+    statistics = layer.last_router_statistics
+    torch.testing.assert_close(statistics.aux_loss, aux.detach())
+    torch.testing.assert_close(statistics.z_loss, z.detach())
     torch.testing.assert_close(x.grad, x_ref.grad)
     for (name, param), (_, ref_param) in zip(layer.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(param.grad, ref_param.grad, msg=name)
@@ -201,10 +202,11 @@ def test_aux_and_z_loss_gradients_match_autograd(score_func, aux_loss_type):
 def test_losses_off_leave_gradients_and_statistics_as_torchtitan():
     layer = build_layer()
     layer(torch.randn(2, 3, DIM)).sum().backward()
-    assert layer.last_aux_loss is None and layer.last_z_loss is None
-    assert layer.last_num_dropped_tokens.item() == 0
-    assert layer.last_num_padding_rows.item() == 0
-    assert layer.last_tokens_per_expert_E.sum().item() == 2 * 3 * 2
+    statistics = layer.last_router_statistics
+    assert statistics.aux_loss is None and statistics.z_loss is None
+    assert statistics.num_dropped_slots.item() == 0
+    assert statistics.num_padding_rows.item() == 0
+    assert statistics.tokens_per_expert_E.sum().item() == 2 * 3 * 2
 
 
 def test_dropped_tokens_pass_through_as_zeros():
@@ -212,8 +214,9 @@ def test_dropped_tokens_pass_through_as_zeros():
     unlimited = build_layer()
     limited = build_layer(capacity_factor=0.5)  # 4 slots per expert of 32 routed slots
     out_all, out_limited = unlimited(x_BLD), limited(x_BLD)
-    dropped = limited.last_num_dropped_tokens.item()
-    assert dropped == (limited.last_tokens_per_expert_E - 4).clamp(min=0).sum().item() > 0
+    statistics = limited.last_router_statistics
+    dropped = statistics.num_dropped_slots.item()
+    assert dropped == (statistics.tokens_per_expert_E - 4).clamp(min=0).sum().item() > 0
     routed = limited.router.route(x_BLD)
     kept_scores = routed.topk_scores_BLK.squeeze(0)
     # Tokens with both slots dropped get exactly zero; the others only their kept slots.

@@ -18,9 +18,9 @@ Reading contract with the MoE modules (``torchtitan.models.common.moe.MoE`` and
 its subclasses): each training forward adds its routed counts to the module's
 ``tokens_per_expert_E`` buffer ``(E,)``; ``router.gate`` outputs the logits
 ``(..., E)`` that ``router.score_func`` turns into scores; ``expert_bias_E`` is
-present when aux-loss-free balancing is on. Any module inside a MoE layer may
-expose, after its forward, the detached statistics named in
-``OPTIONAL_LAYER_STATS`` (absent ones are skipped). Forwards in eval mode and
+present when aux-loss-free balancing is on. A layer may publish, after its forward,
+a ``RouterStatistics`` as ``last_router_statistics`` (losses, dropped slots, padding
+rows; None fields are skipped). Forwards in eval mode and
 activation-checkpoint recomputations are not counted.
 """
 
@@ -59,20 +59,12 @@ from torchtitan.tools.utils import NoColor
 import torchtitan_ext.metrics_toml_keys  # noqa: F401  (registers the TOML keys)
 from torchtitan_ext.compat.cpu import cpu_training
 from torchtitan_ext.experiments.moe_backends.experts import DEFAULT_BACKEND, BackendGroupedExperts
+from torchtitan_ext.experiments.moe_backends.moe import RouterStatistics
 from torchtitan_ext.overrides import load_toml
 
 KEY_PREFIX = "moe"
 MODEL_SCOPE = "model"
 
-# Statistic name -> attribute names looked up (also with a ``last_`` prefix) on a MoE
-# module and its submodules after each training forward; value: a 0-d tensor or a number.
-OPTIONAL_LAYER_STATS: dict[str, tuple[str, ...]] = {
-    "aux_loss": ("aux_loss",),
-    "z_loss": ("z_loss",),
-    "dropped_tokens": ("num_dropped_slots", "num_dropped_tokens"),
-    "padding_rows": ("num_padding_rows",),
-    "a2a_bytes": ("all_to_all_bytes", "num_all_to_all_bytes"),
-}
 # Statistics averaged per forward (losses); the others are summed and reported per step.
 AVERAGED_STATS = ("aux_loss", "z_loss")
 
@@ -349,7 +341,7 @@ class MoERoutingObserver:
                 layer.tokens_per_expert_E += counts_E
                 if self.expert_parallel is not None:
                     self._add_a2a_bytes(layer, counts_E, _local(args[0]))
-                for stat, value in _optional_stats(moe).items():
+                for stat, value in _router_statistics(moe).items():
                     total = layer.optional_sums.get(stat)
                     if total is None:
                         total = layer.optional_sums[stat] = torch.zeros_like(layer.entropy_sum)
@@ -407,26 +399,21 @@ class MoERoutingObserver:
             handle.remove()
 
 
-def _attribute_names(attributes: tuple[str, ...]) -> list[str]:
-    return [name for attribute in attributes for name in (f"last_{attribute}", attribute)]
+def _router_statistics(moe: torch.nn.Module) -> dict[str, Any]:
+    """Per-forward statistics of ``moe``'s ``RouterStatistics`` by metric name (None fields left out).
 
-
-def _optional_stats(moe: torch.nn.Module) -> dict[str, Any]:
-    """The ``OPTIONAL_LAYER_STATS`` found on ``moe`` or its submodules (first match wins)."""
-    found: dict[str, Any] = {}
-    for module in moe.modules():
-        for stat, attributes in OPTIONAL_LAYER_STATS.items():
-            if stat in found:
-                continue
-            for attribute in _attribute_names(attributes):
-                value = getattr(module, attribute, None)
-                if torch.is_tensor(value) and value.numel() == 1:
-                    found[stat] = _local(value)
-                    break
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    found[stat] = value
-                    break
-    return found
+    A layer that publishes no ``last_router_statistics`` gives none.
+    """
+    statistics = getattr(moe, "last_router_statistics", None)
+    if not isinstance(statistics, RouterStatistics):
+        return {}
+    found = {
+        "aux_loss": statistics.aux_loss,
+        "z_loss": statistics.z_loss,
+        "dropped_tokens": statistics.num_dropped_slots,
+        "padding_rows": statistics.num_padding_rows,
+    }
+    return {stat: _local(value) for stat, value in found.items() if value is not None}
 
 
 # ---------------------------------------------------------------------------

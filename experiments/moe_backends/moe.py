@@ -22,14 +22,8 @@ Trainer and loss function are untouched (the logged loss stays the language-mode
 sums gradients over ranks and micro-batches, so the objective becomes
 ``LM loss + coeff * mean over micro-batches and ranks of the loss``, the same for every EP degree.
 
-Router statistics, set on the module after every forward (detached tensors on the tokens'
-device, read without a host sync; for issue-5 metrics):
-
-- ``last_aux_loss``: 0-d fp32, this rank's aux loss (unscaled, without coeff); None when off.
-- ``last_z_loss``: 0-d fp32, this rank's z-loss (unscaled, without coeff); None when off.
-- ``last_num_dropped_tokens``: 0-d int64, routed slots dropped by the capacity limit.
-- ``last_num_padding_rows``: 0-d int64, zero rows the experts computed (align_size padding).
-- ``last_tokens_per_expert_E``: ``(E,)`` int64, slots routed to each expert (before dropping).
+After every forward, ``last_router_statistics`` holds that forward's ``RouterStatistics``
+(detached tensors on the tokens' device, read without a host sync by the metrics observer).
 """
 
 import functools
@@ -109,6 +103,25 @@ def router_z_loss(logits_BLE: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits_BLE.float(), dim=-1).square().mean()
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RouterStatistics:
+    """What one forward of a ``RoutedMoE`` routed, as detached tensors on the tokens' device.
+
+    ``tokens_per_expert_E``: ``(E,)`` int64, slots routed to each expert (before dropping).
+    ``num_dropped_slots``: 0-d int64, routed slots dropped by the capacity limit.
+    ``num_padding_rows``: 0-d int64, zero rows the experts computed (align_size padding);
+    None when the layer's token dispatcher has not reported any.
+    ``aux_loss`` / ``z_loss``: 0-d fp32, this rank's load-balancing / router z-loss
+    (unscaled, without coeff); None when that loss is off.
+    """
+
+    tokens_per_expert_E: torch.Tensor
+    num_dropped_slots: torch.Tensor
+    num_padding_rows: torch.Tensor | None
+    aux_loss: torch.Tensor | None
+    z_loss: torch.Tensor | None
+
+
 class RoutedMoE(MoE):
     """torchtitan's MoE plus aux/z losses and router statistics; see the module docstring."""
 
@@ -132,11 +145,7 @@ class RoutedMoE(MoE):
         self.z_loss_coeff = config.z_loss_coeff
         self.loss_scale = 1.0
         self.loss_group = None
-        self.last_aux_loss: torch.Tensor | None = None
-        self.last_z_loss: torch.Tensor | None = None
-        self.last_num_dropped_tokens: torch.Tensor | None = None
-        self.last_num_padding_rows: torch.Tensor | None = None
-        self.last_tokens_per_expert_E: torch.Tensor | None = None
+        self.last_router_statistics: RouterStatistics | None = None
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         """``(B, L, D)`` -> ``(B, L, D)``."""
@@ -159,18 +168,25 @@ class RoutedMoE(MoE):
         if self.shared_experts is not None:
             out_BLD = out_BLD + self.shared_experts(x_BLD)
 
-        out_BLD = self._add_router_losses(out_BLD, routed, routing_map_BLE)
-        self.last_num_dropped_tokens = routed.num_dropped_slots.detach()
-        self.last_num_padding_rows = getattr(
-            self.routed_experts.token_dispatcher, "last_num_padding_rows", None
+        out_BLD, aux_loss, z_loss = self._add_router_losses(out_BLD, routed, routing_map_BLE)
+        self.last_router_statistics = RouterStatistics(
+            tokens_per_expert_E=num_routed_per_expert_E.detach(),
+            num_dropped_slots=routed.num_dropped_slots.detach(),
+            num_padding_rows=getattr(self.routed_experts.token_dispatcher, "last_num_padding_rows", None),
+            aux_loss=aux_loss,
+            z_loss=z_loss,
         )
-        self.last_tokens_per_expert_E = num_routed_per_expert_E.detach()
         return out_BLD
 
     def _add_router_losses(
         self, out_BLD: torch.Tensor, routed: RouterOutput, routing_map_BLE: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(out_BLD with the weighted losses' gradient injected, aux loss, z loss)``.
+
+        The returned losses are detached; each is None when its coefficient is 0.
+        """
         weighted_losses = []
+        aux_loss_value = z_loss_value = None
         if self.aux_loss_coeff > 0:
             aux_loss = load_balancing_loss(
                 normalized_probs(routed.scores_BLE, self.router.score_func),
@@ -179,15 +195,15 @@ class RoutedMoE(MoE):
                 self.aux_loss_type,
                 self.loss_group,
             )
-            self.last_aux_loss = aux_loss.detach()
+            aux_loss_value = aux_loss.detach()
             weighted_losses.append(self.aux_loss_coeff * aux_loss)
         if self.z_loss_coeff > 0:
             z_loss = router_z_loss(routed.logits_BLE)
-            self.last_z_loss = z_loss.detach()
+            z_loss_value = z_loss.detach()
             weighted_losses.append(self.z_loss_coeff * z_loss)
         if weighted_losses and torch.is_grad_enabled():
             out_BLD = inject_loss_gradient(out_BLD, self.loss_scale * sum(weighted_losses))
-        return out_BLD
+        return out_BLD, aux_loss_value, z_loss_value
 
 
 def configure_router_losses(model: torch.nn.Module, *, parallel_dims, training, parallelism) -> None:
