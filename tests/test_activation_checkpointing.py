@@ -18,7 +18,7 @@ from torch.utils.checkpoint import (
 
 from torchtitan_ext.experiments.moe_backends.experts import BACKENDS, backend_names
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
-from torchtitan_ext.moe_metrics import MoERoutingObserver
+from torchtitan_ext.metrics.observer import MoERoutingObserver
 
 SHAPE = dict(dim=16, hidden_dim=24, num_experts=6, top_k=2)
 SAVED_OPS = {torch.ops.aten._to_copy.default, torch.ops.aten.max.default, torch.ops.aten.mm.default}

@@ -12,7 +12,7 @@ from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, ex
 from torchtitan_ext.bench.plot import chart_of
 from torchtitan_ext.experiments.moe_backends import auto_backend
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts, runnable_backends
-from torchtitan_ext.moe_metrics import run_metadata
+from torchtitan_ext.metrics.metadata import run_metadata
 from torchtitan_ext.train import FlavorConfigManager
 
 from helpers import make_backend_unavailable

@@ -17,18 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from torchtitan_ext.moe_metrics import (
+from torchtitan_ext.metrics.observer import MoERoutingObserver, summarize
+from torchtitan_ext.metrics.processor import RunProgress, heatmap_due, run_summary_lines
+from torchtitan_ext.metrics.statistics import (
     HEATMAP_SCALE_MAX,
-    MoERoutingObserver,
-    RunProgress,
-    WandbRunLocation,
-    configure_wandb_environment,
-    heatmap_due,
     layer_scalars,
     routing_heatmap_png,
     routing_scalars,
-    run_summary_lines,
-    summarize,
+)
+from torchtitan_ext.metrics.wandb_setup import (
+    WandbRunLocation,
+    configure_wandb_environment,
     wandb_run_location,
 )
 from torchtitan_ext.overrides import ConfigError, apply_overrides

@@ -29,7 +29,7 @@ from torchtitan_ext.compat.cpu import (
 from torchtitan_ext.compat.quiet_cpu import quiet_cpu_warnings
 from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
 from torchtitan_ext.launch import launch, report_startup_error, wants_launcher
-from torchtitan_ext.moe_metrics import record_run_metadata, run_metadata
+from torchtitan_ext.metrics.metadata import record_run_metadata, run_metadata
 from torchtitan_ext.overrides import (
     COMMAND_LINE,
     ConfigError,

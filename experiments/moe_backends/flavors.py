@@ -24,7 +24,7 @@ from torchtitan.trainer import Trainer
 
 from torchtitan_ext.checkpoint_integrity import IntegrityCheckpointManager
 from torchtitan_ext.data import TINY_STORIES, TOKENIZER_DIR
-from torchtitan_ext.moe_metrics import MoEMetricsProcessor
+from torchtitan_ext.metrics.processor import MoEMetricsProcessor
 from torchtitan_ext.registry import register_flavor
 
 from . import toml_keys, torchtitan_features  # noqa: F401  (register the [moe] TOML keys and start-up checks)

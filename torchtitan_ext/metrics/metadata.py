@@ -1,0 +1,38 @@
+"""What identifies a training run: recorded at start-up, added to the wandb config as ``run_metadata``."""
+
+from typing import Any
+
+from torchtitan.models.common.moe import GroupedExperts
+
+from torchtitan_ext.experiments.moe_backends.experts import DEFAULT_BACKEND, BackendGroupedExperts
+from torchtitan_ext.overrides import load_toml
+
+
+_run_metadata: dict[str, Any] = {}
+
+
+def record_run_metadata(*, flavor: str, toml_files: list[str], cli_args: list[str], config) -> None:
+    """Remember what identifies this run; added to the wandb config as ``run_metadata``.
+
+    ``config`` is the resolved ``Trainer.Config``; the TOML files are stored as paths
+    and as their ``{dotted_key: value}`` overrides.
+    """
+    backends = []
+    if config.model_spec is not None:
+        backends = sorted({
+            experts.compute_backend if isinstance(experts, BackendGroupedExperts.Config) else DEFAULT_BACKEND
+            for _, experts, _, _ in config.model_spec.model.traverse(GroupedExperts.Config)
+        })
+    _run_metadata.clear()
+    _run_metadata.update(
+        flavor=flavor,
+        compute_backend=backends[0] if len(backends) == 1 else backends,
+        expert_parallel_degree=config.parallelism.expert_parallel_degree,
+        toml_files=list(toml_files),
+        toml_overrides={path: load_toml(path) for path in toml_files},
+        cli_args=list(cli_args),
+    )
+
+
+def run_metadata() -> dict[str, Any]:
+    return dict(_run_metadata)

@@ -1,0 +1,293 @@
+"""Per-layer observer: forward hooks on every MoE layer accumulate routing statistics on device.
+
+Reading contract with the MoE modules (``torchtitan.models.common.moe.MoE`` and
+its subclasses): each training forward adds its routed counts to the module's
+``tokens_per_expert_E`` buffer ``(E,)``; ``router.gate`` outputs the logits
+``(..., E)`` that ``router.score_func`` turns into scores; ``expert_bias_E`` is
+present when aux-loss-free balancing is on. A layer may publish, after its forward,
+a ``RouterStatistics`` as ``last_router_statistics`` (losses, dropped slots, padding
+rows; None fields are skipped). Forwards in eval mode and activation-checkpoint
+recomputations are not counted.
+
+Cost: the hooks add device-side counters only; ``summarize`` reads them (one
+all-reduce per group, one device-to-host copy) when the processor logs.
+"""
+
+import functools
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._python_dispatch import _disable_current_modes
+
+from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
+from torchtitan_ext.experiments.moe_backends.moe import RouterStatistics
+from torchtitan_ext.metrics.statistics import AVERAGED_STATS, LayerSummary
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _outside_dispatch_modes(hook: Callable) -> Callable:
+    """``hook`` run with the active torch dispatch modes switched off.
+
+    The hooks run tensor ops in a forward but skip them in an activation-checkpoint
+    recomputation. Selective checkpointing matches saved op outputs to the recomputation by
+    each op's call count, so ops it could see in one pass and not the other would shift that
+    match (a saved device-to-host copy of split sizes would come back as another op's output).
+    Hidden from the modes, the hooks leave the call counts of the layer's own ops unchanged.
+    """
+
+    @functools.wraps(hook)
+    def run(*args):
+        with _disable_current_modes():
+            return hook(*args)
+
+    return run
+
+
+def _in_backward_recompute() -> bool:
+    """True while autograd runs a backward (activation-checkpoint recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass(kw_only=True, slots=True)
+class ExpertParallelPlacement:
+    """Which experts this rank owns: ``[rank * per_rank, (rank + 1) * per_rank)``."""
+
+    rank: int
+    degree: int
+
+
+@dataclass(kw_only=True, slots=True)
+class LayerAccumulator:
+    """One MoE layer's statistics since the last log, on the layer's device.
+
+    ``tokens_per_expert_E`` counts routed (token, expert) pairs of this rank's tokens;
+    ``entropy_sum`` sums the per-token router entropy (nats).
+    """
+
+    name: str
+    moe: torch.nn.Module
+    num_experts: int
+    tokens_per_expert_E: torch.Tensor
+    entropy_sum: torch.Tensor
+    num_tokens: int = 0
+    padding_rows: torch.Tensor
+    computed_a2a_bytes: torch.Tensor
+    optional_sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    optional_counts: dict[str, int] = field(default_factory=dict)
+    sharded_tokens: bool = False
+
+    def reset(self) -> None:
+        for t in (self.tokens_per_expert_E, self.entropy_sum, self.padding_rows,
+                  self.computed_a2a_bytes, *self.optional_sums.values()):
+            t.zero_()
+        self.num_tokens = 0
+        self.optional_counts = dict.fromkeys(self.optional_counts, 0)
+
+
+def _is_moe(module: torch.nn.Module) -> bool:
+    return hasattr(module, "router") and hasattr(module, "tokens_per_expert_E")
+
+
+def _layer_name(qualified_name: str) -> str:
+    match = re.search(r"layers\.(\w+)", qualified_name)
+    return f"layer_{match.group(1)}" if match else qualified_name.replace(".", "_")
+
+
+class MoERoutingObserver:
+    """Hooks every MoE layer of ``model_parts`` and accumulates routing statistics on device."""
+
+    def __init__(self, model_parts: list[torch.nn.Module], expert_parallel: ExpertParallelPlacement | None):
+        self.expert_parallel = expert_parallel
+        self.layers: list[LayerAccumulator] = []
+        self._handles = []
+        for part in model_parts:
+            for qualified_name, module in part.named_modules():
+                if _is_moe(module):
+                    self._watch(_layer_name(qualified_name), module)
+
+    def _watch(self, name: str, moe: torch.nn.Module) -> None:
+        num_experts = moe.tokens_per_expert_E.shape[0]
+        device = _local(moe.tokens_per_expert_E).device
+        layer = LayerAccumulator(
+            name=name,
+            moe=moe,
+            num_experts=num_experts,
+            tokens_per_expert_E=torch.zeros(num_experts, dtype=torch.float64, device=device),
+            entropy_sum=torch.zeros((), dtype=torch.float64, device=device),
+            padding_rows=torch.zeros((), dtype=torch.float64, device=device),
+            computed_a2a_bytes=torch.zeros((), dtype=torch.float64, device=device),
+        )
+        self.layers.append(layer)
+        counts_before: list[torch.Tensor] = []
+        self._handles += [
+            moe.register_forward_pre_hook(_outside_dispatch_modes(self._moe_pre_hook(layer, counts_before))),
+            moe.register_forward_hook(_outside_dispatch_modes(self._moe_hook(layer, counts_before))),
+            moe.router.gate.register_forward_hook(
+                _outside_dispatch_modes(self._gate_hook(layer, moe.router.score_func))
+            ),
+        ]
+        for module in moe.modules():
+            if isinstance(module, BackendGroupedExperts) and module.backend.pads_rows:
+                self._handles.append(
+                    module.register_forward_pre_hook(_outside_dispatch_modes(self._padded_experts_hook(layer)))
+                )
+
+    def _moe_pre_hook(self, layer: LayerAccumulator, counts_before: list) -> Callable:
+        def hook(moe, args) -> None:
+            if moe.training and not _in_backward_recompute():
+                counts_before.append(_local(moe.tokens_per_expert_E).detach().clone())
+
+        return hook
+
+    def _moe_hook(self, layer: LayerAccumulator, counts_before: list) -> Callable:
+        """Routed counts of this forward (growth of the MoE's ``tokens_per_expert_E``), optional stats."""
+
+        def hook(moe, args, output) -> None:
+            if not moe.training or _in_backward_recompute():
+                return
+            with torch.no_grad():
+                counts_E = _local(moe.tokens_per_expert_E).double() - counts_before.pop().double()
+                layer.tokens_per_expert_E += counts_E
+                if self.expert_parallel is not None:
+                    self._add_a2a_bytes(layer, counts_E, _local(args[0]))
+                for stat, value in _router_statistics(moe).items():
+                    total = layer.optional_sums.get(stat)
+                    if total is None:
+                        total = layer.optional_sums[stat] = torch.zeros_like(layer.entropy_sum)
+                        layer.optional_counts[stat] = 0
+                    total += value.detach().double() if torch.is_tensor(value) else float(value)
+                    layer.optional_counts[stat] += 1
+
+        return hook
+
+    def _gate_hook(self, layer: LayerAccumulator, score_func: str) -> Callable:
+        """Router entropy from the gate logits ``(..., E)``, scored like the router does."""
+
+        def hook(gate, args, logits) -> None:
+            if not gate.training or _in_backward_recompute():
+                return
+            with torch.no_grad():
+                logits_TE = _local(logits).reshape(-1, layer.num_experts).double()
+                if score_func == "softmax":
+                    probs_TE = torch.softmax(logits_TE, dim=-1)
+                else:
+                    scores_TE = torch.sigmoid(logits_TE)
+                    probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+                layer.entropy_sum -= torch.special.xlogy(probs_TE, probs_TE).sum()
+                layer.num_tokens += logits_TE.shape[0]
+            layer.sharded_tokens = isinstance(logits, DTensor) and any(
+                isinstance(p, Shard) for p in logits.placements
+            )
+
+        return hook
+
+    def _add_a2a_bytes(self, layer: LayerAccumulator, counts_E: torch.Tensor, x: torch.Tensor) -> None:
+        """Dispatch + combine bytes of the rows routed to experts owned by other EP ranks."""
+        per_rank = layer.num_experts // self.expert_parallel.degree
+        first = self.expert_parallel.rank * per_rank
+        remote_rows = counts_E.sum() - counts_E[first:first + per_rank].sum()
+        layer.computed_a2a_bytes += 2 * remote_rows * x.shape[-1] * x.element_size()
+
+    def _padded_experts_hook(self, layer: LayerAccumulator) -> Callable:
+        """Rows a backend with ``pads_rows`` adds: every expert padded to the largest one."""
+
+        def hook(experts, args) -> None:
+            if not experts.training or _in_backward_recompute():
+                return
+            counts_E = args[1]
+            layer.padding_rows += counts_E.numel() * counts_E.max() - counts_E.sum()
+
+        return hook
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _router_statistics(moe: torch.nn.Module) -> dict[str, Any]:
+    """Per-forward statistics of ``moe``'s ``RouterStatistics`` by metric name (None fields left out).
+
+    A layer that publishes no ``last_router_statistics`` gives none.
+    """
+    statistics = getattr(moe, "last_router_statistics", None)
+    if not isinstance(statistics, RouterStatistics):
+        return {}
+    found = {
+        "aux_loss": statistics.aux_loss,
+        "z_loss": statistics.z_loss,
+        "dropped_tokens": statistics.num_dropped_slots,
+        "padding_rows": statistics.num_padding_rows,
+    }
+    return {stat: _local(value) for stat, value in found.items() if value is not None}
+
+
+def summarize(observer: MoERoutingObserver, *, num_steps: int, reduce_groups: list) -> list[LayerSummary]:
+    """Reduce every layer's accumulators over ``reduce_groups`` (sum), read them once, reset."""
+    optional_names = sorted({s for layer in observer.layers for s in layer.optional_sums})
+    rows = []
+    for layer in observer.layers:
+        device = layer.entropy_sum.device
+        sums = [layer.optional_sums.get(s, torch.zeros((), dtype=torch.float64, device=device))
+                for s in optional_names]
+        counts = [float(layer.optional_counts.get(s, 0)) for s in optional_names]
+        rows.append(torch.cat([
+            layer.tokens_per_expert_E,
+            torch.stack([layer.entropy_sum, layer.padding_rows, layer.computed_a2a_bytes, *sums]),
+            torch.tensor([float(layer.num_tokens), *counts], dtype=torch.float64, device=device),
+        ]))
+    if not rows:
+        return []
+    packed = torch.cat(rows)
+    for group in reduce_groups:
+        dist.all_reduce(packed, group=group)
+    bias_norms = [
+        torch.linalg.vector_norm(_local(layer.moe.expert_bias_E).double()).reshape(1)
+        if getattr(layer.moe, "expert_bias_E", None) is not None
+        else torch.full((1,), math.nan, dtype=torch.float64, device=packed.device)
+        for layer in observer.layers
+    ]
+    values = torch.cat([packed, *(b.to(packed.device) for b in bias_norms)]).cpu().numpy()
+    observer.reset()
+
+    summaries, offset = [], 0
+    for index, layer in enumerate(observer.layers):
+        num_experts, num_optional = layer.num_experts, len(optional_names)
+        tokens_per_expert = values[offset:offset + num_experts]
+        offset += num_experts
+        entropy_sum, padding_rows, computed_a2a = values[offset:offset + 3]
+        optional_sums = values[offset + 3:offset + 3 + num_optional]
+        offset += 3 + num_optional
+        num_tokens = values[offset]
+        optional_counts = values[offset + 1:offset + 1 + num_optional]
+        offset += 1 + num_optional
+        per_step = {}
+        for name, total, count in zip(optional_names, optional_sums, optional_counts):
+            if count > 0:
+                per_step[name] = total / count if name in AVERAGED_STATS else total / num_steps
+        if padding_rows > 0:
+            per_step["padding_rows"] = per_step.get("padding_rows", 0.0) + padding_rows / num_steps
+        if computed_a2a > 0:
+            per_step["a2a_bytes"] = computed_a2a / num_steps
+        bias_norm = values[len(packed) + index]
+        summaries.append(LayerSummary(
+            name=layer.name,
+            tokens_per_expert_E=tokens_per_expert,
+            router_entropy=entropy_sum / num_tokens if num_tokens else 0.0,
+            num_tokens=int(num_tokens),
+            optional_per_step={k: float(v) for k, v in per_step.items()},
+            expert_bias_norm=None if math.isnan(bias_norm) else float(bias_norm),
+        ))
+    return summaries
