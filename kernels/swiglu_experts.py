@@ -48,11 +48,11 @@ _shapes_seen: set[tuple] = set()
 
 def _announce_first_use(x: torch.Tensor, w1_EFD: torch.Tensor, routed: bool) -> None:
     """One log line the first time a shape and dtype reach the kernels in this process."""
-    num_experts, hidden, dim = w1_EFD.shape
-    shape = (str(x.device), x.dtype, dim, hidden, num_experts, routed)
+    shape = (x.device, x.dtype, w1_EFD.shape, routed)
     if shape in _shapes_seen:
         return
     _shapes_seen.add(shape)
+    num_experts, hidden, dim = w1_EFD.shape
     _logger.info(
         f"Triton MoE kernels: first use of D={dim} F={hidden} E={num_experts} {str(x.dtype).removeprefix('torch.')} "
         "on this device: compiling and tuning, or loading both from Triton's disk cache "

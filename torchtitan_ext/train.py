@@ -160,10 +160,6 @@ class FlavorConfigManager(ConfigManager):
         config = resolve_config(flavor, tomls, cli_overrides)
         if errors := unknown_option_errors(config, rest):
             raise ConfigError("\n".join(errors))
-        if cpu_training():
-            # Before tyro builds the config: Trainer.Config.__post_init__ validates
-            # CUDA-graph settings against the parallelism from the command line.
-            adapt_config_for_cpu(config)
         return config, rest
 
     def parse_args(self, args: list[str] | None = None):

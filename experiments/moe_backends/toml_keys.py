@@ -10,7 +10,7 @@ from typing import Literal
 
 from torchtitan_ext.kernels._runtime import triton_available_reason
 from torchtitan_ext.overrides import ConfigError, register_config_check, register_short_key
-from torchtitan_ext.validation import launch_command
+from torchtitan_ext.validation import launch_command, world_size as current_world_size
 
 from .auto_backend import AutoBackendError, resolve_auto_compute_backend
 from .dispatcher import EPTransport, PermuteBackend, RoutingDispatcher, validate_dispatch_options
@@ -159,10 +159,6 @@ def set_top_k(config, top_k: int) -> None:
         moe.routed_experts.token_dispatcher.top_k = top_k
 
 
-def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 @register_config_check
 def check_moe_config(config) -> None:
     """Router/dispatcher/loss options and EP degree vs experts, world and the other degrees."""
@@ -222,7 +218,7 @@ def symm_mem_errors(expert_parallel_degree: int) -> list[str]:
     reason = triton_available_reason()
     if reason is not None:
         errors.append(f"moe.ep_transport = 'symm_mem': {reason}")
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", _world_size()))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", current_world_size()))
     if local_world < expert_parallel_degree:
         errors.append(
             f"moe.ep_transport = 'symm_mem' needs every rank of an EP group on one host, but "
@@ -235,7 +231,7 @@ def symm_mem_errors(expert_parallel_degree: int) -> list[str]:
 def parallelism_errors(config, moes: list[RoutedMoE.Config], world_size: int | None = None) -> list[str]:
     """Why this parallel layout cannot run the MoE layers (empty list: it can)."""
     p = config.parallelism
-    world = _world_size() if world_size is None else world_size
+    world = current_world_size() if world_size is None else world_size
     ep, tp, cp, pp = p.expert_parallel_degree, p.tensor_parallel_degree, p.context_parallel_degree, p.pipeline_parallel_degree
     dp_replicate, dp_shard = p.data_parallel_replicate_degree, p.data_parallel_shard_degree
     errors = []
