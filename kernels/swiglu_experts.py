@@ -27,8 +27,11 @@ import triton
 import triton.language as tl
 
 from torchtitan_ext.kernels._runtime import (
-    DUAL_ACCUMULATOR_CONFIGS,
-    SINGLE_ACCUMULATOR_CONFIGS,
+    DOWN_BACKWARD_WEIGHT_CONFIGS,
+    GATE_UP_BACKWARD_INPUT_CONFIGS,
+    GATE_UP_BACKWARD_WEIGHT_CONFIGS,
+    GATE_UP_FORWARD_CONFIGS,
+    PLAIN_GEMM_CONFIGS,
     block_experts,
     check_runnable,
     dot_precision,
@@ -85,7 +88,7 @@ def _divides(**flag_to_dim_and_block):
 
 
 @tuned(
-    gemm_configs(DUAL_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER", "SAVE_PREACT"],
+    gemm_configs(GATE_UP_FORWARD_CONFIGS), key=["dim", "hidden", "HAS_GATHER", "SAVE_PREACT"],
     prune=prune_for_shape(m=None, n="hidden", k="dim", b_tiles=2),
 )
 @triton.heuristics(_divides(EVEN_K=("dim", "BLOCK_K")))
@@ -143,7 +146,7 @@ def _gate_up_forward_kernel(
 
 
 @tuned(
-    gemm_configs(SINGLE_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
+    gemm_configs(PLAIN_GEMM_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
     prune=prune_for_shape(m=None, n="dim", k="hidden"),
 )
 @triton.heuristics(_divides(EVEN_K=("hidden", "BLOCK_K")))
@@ -194,24 +197,19 @@ def _down_forward_kernel(
 
 
 @tuned(
-    gemm_configs(SINGLE_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
+    gemm_configs(PLAIN_GEMM_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
     prune=prune_for_shape(m=None, n="hidden", k="dim"),
-    restore_value=["gate_ptr", "up_ptr"],
 )
 @triton.heuristics(_divides(EVEN_K=("dim", "BLOCK_K"), EVEN_N=("hidden", "BLOCK_N")))
 @triton.jit
 def _down_backward_kernel(
-    dy_ptr, w2_ptr, gate_ptr, up_ptr, h_ptr, row_slot_ptr, scores_ptr, dscore_partial_ptr,
-    group_end_ptr, num_rows, num_experts, dim, hidden, top_k,
+    dy_ptr, w2_ptr, dh_ptr, row_slot_ptr, group_end_ptr,
+    num_rows, num_experts, dim, hidden, top_k,
     HAS_GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """dh = dy[src rows] @ w2[e]; then, in place, gate <- d gate and up <- d up; h <- (score *) h.
-
-    Routed mode also writes the partial router-score gradient sum_f dh * h of this column
-    tile to dscore_partial[n_tile, slot].
-    """
+    """dh [R, F] = dy[src rows] @ w2[e] (rows of no expert are not written)."""
     num_m_tiles = tl.cdiv(num_rows, BLOCK_M) + tl.minimum(num_experts, num_rows) + 1
     m_tile, n_tile = swizzle_tile(tl.program_id(0), num_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert, row_start, row_end = locate_row_tile(
@@ -242,31 +240,51 @@ def _down_backward_kernel(
         dy_ptrs += BLOCK_K
         w2_ptrs += BLOCK_K * hidden
     offsets = rows.to(tl.int64)[:, None] * hidden + cols[None, :]
-    mask = row_mask[:, None] & col_mask[None, :]
-    gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    silu = gate * sig
-    h = silu * up
+    tl.store(dh_ptr + offsets, dh.to(dh_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _swiglu_backward_kernel(
+    dh_ptr, gate_ptr, up_ptr, row_slot_ptr, scores_ptr, dscores_ptr, group_end_ptr,
+    num_experts, hidden,
+    HAS_GATHER: tl.constexpr, ROWS: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    """In place over the rows of every expert: gate <- d gate, up <- d up, dh <- (score *) h.
+
+    Routed mode also writes each slot's router-score gradient sum_f dh * h to dscores[slot],
+    summed over F in a fixed order inside one program.
+    """
+    num_assigned = tl.load(group_end_ptr + num_experts - 1)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < num_assigned
     if HAS_GATHER:
         slots = tl.load(row_slot_ptr + rows, mask=row_mask, other=0)
         score = tl.load(scores_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
-        tl.store(
-            dscore_partial_ptr + n_tile.to(tl.int64) * num_rows + slots,
-            tl.sum(dh * h, axis=1),
-            mask=row_mask,
-        )
-        dh = dh * score[:, None]
-        h = h * score[:, None]
-    dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))
-    dup = dh * silu
-    tl.store(gate_ptr + offsets, dgate.to(gate_ptr.dtype.element_ty), mask=mask)
-    tl.store(up_ptr + offsets, dup.to(up_ptr.dtype.element_ty), mask=mask)
-    tl.store(h_ptr + offsets, h.to(h_ptr.dtype.element_ty), mask=mask)
+        dscore = tl.zeros((ROWS,), dtype=tl.float32)
+    row_offsets = rows.to(tl.int64)[:, None] * hidden
+    for col_start in range(0, hidden, BLOCK_F):
+        cols = col_start + tl.arange(0, BLOCK_F)
+        mask = row_mask[:, None] & (cols < hidden)[None, :]
+        offsets = row_offsets + cols[None, :]
+        dh = tl.load(dh_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        h = silu * up
+        if HAS_GATHER:
+            dscore += tl.sum(dh * h, axis=1)
+            dh = dh * score[:, None]
+            h = h * score[:, None]
+        tl.store(gate_ptr + offsets, (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(gate_ptr.dtype.element_ty), mask=mask)
+        tl.store(up_ptr + offsets, (dh * silu).to(up_ptr.dtype.element_ty), mask=mask)
+        tl.store(dh_ptr + offsets, h.to(dh_ptr.dtype.element_ty), mask=mask)
+    if HAS_GATHER:
+        tl.store(dscores_ptr + slots, dscore, mask=row_mask)
 
 
 @tuned(
-    gemm_configs(SINGLE_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
+    gemm_configs(GATE_UP_BACKWARD_INPUT_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
     prune=prune_for_shape(m=None, n="dim", k="hidden", a_tiles=2, b_tiles=2),
 )
 @triton.heuristics(_divides(EVEN_K=("hidden", "BLOCK_K"), EVEN_N=("dim", "BLOCK_N")))
@@ -340,7 +358,7 @@ def _expert_rows(group_end_ptr, expert):
 
 
 @tuned(
-    gemm_configs(SINGLE_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
+    gemm_configs(DOWN_BACKWARD_WEIGHT_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
     prune=prune_for_shape(m="dim", n="hidden", k=None),
 )
 @triton.heuristics(_divides(EVEN_M=("dim", "BLOCK_M"), EVEN_N=("hidden", "BLOCK_N")))
@@ -397,7 +415,7 @@ def _down_backward_weight_kernel(
 
 
 @tuned(
-    gemm_configs(DUAL_ACCUMULATOR_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
+    gemm_configs(GATE_UP_BACKWARD_WEIGHT_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
     prune=prune_for_shape(m="hidden", n="dim", k=None, a_tiles=2),
 )
 @triton.heuristics(_divides(EVEN_M=("hidden", "BLOCK_M"), EVEN_N=("dim", "BLOCK_N")))
@@ -473,8 +491,10 @@ def _weight_grid(num_experts: int, rows_of_out: int, cols_of_out: int):
     return grid
 
 
-def _min_block_n(configs) -> int:
-    return min(config.kwargs["BLOCK_N"] for config in configs)
+def _elementwise_tile(hidden: int) -> tuple[int, int]:
+    """(rows, columns) of the [R, F] tile each program of the SwiGLU backward handles per step."""
+    block_f = min(1024, triton.next_power_of_2(hidden))
+    return max(1, 4096 // block_f), block_f
 
 
 class SwiGLUExpertsFunction(torch.autograd.Function):
@@ -523,16 +543,19 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
         common = dict(DOT_PRECISION=dot_precision(x_XD.dtype), GROUP_M=GROUP_M)
         row_common = dict(BLOCK_E=block_experts(num_experts), **common)
 
-        hs_RF = x_XD.new_empty(num_rows, hidden)
-        dscore_partial = None
-        if routed:
-            max_col_tiles = triton.cdiv(hidden, _min_block_n(_down_backward_kernel.configs))
-            dscore_partial = torch.zeros(max_col_tiles, num_rows, device=x_XD.device, dtype=torch.float32)
+        dh_RF = x_XD.new_empty(num_rows, hidden)
         _down_backward_kernel[_row_tile_grid(num_rows, num_experts, hidden)](
-            dout, w2, gate_RF, up_RF, hs_RF, row_slot_S, scores, dscore_partial,
-            group_end_E, num_rows, num_experts, dim, hidden, top_k,
+            dout, w2, dh_RF, row_slot_S, group_end_E,
+            num_rows, num_experts, dim, hidden, top_k,
             HAS_GATHER=routed, **row_common,
         )
+        dscores_S = torch.zeros(num_rows, device=x_XD.device, dtype=torch.float32) if routed else None
+        rows_per_program, block_f = _elementwise_tile(hidden)
+        _swiglu_backward_kernel[(max(1, triton.cdiv(num_rows, rows_per_program)),)](
+            dh_RF, gate_RF, up_RF, row_slot_S, scores, dscores_S, group_end_E, num_experts, hidden,
+            HAS_GATHER=routed, ROWS=rows_per_program, BLOCK_F=block_f,
+        )
+        hs_RF = dh_RF
         dgate_RF, dup_RF = gate_RF, up_RF
 
         dx = None
@@ -562,7 +585,7 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
             )
         dscores = None
         if routed and ctx.needs_input_grad[4]:
-            dscores = dscore_partial.sum(dim=0).to(scores.dtype)
+            dscores = dscores_S.to(scores.dtype)
         return dx, dw1, dw2, dw3, dscores, None, None, None
 
 
