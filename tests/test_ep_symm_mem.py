@@ -177,5 +177,5 @@ def test_symm_mem_start_up_errors(monkeypatch):
 
 
 def test_unknown_ep_transport_is_rejected():
-    with pytest.raises(ValueError, match="unknown ep_transport 'nvlink'; valid: all_to_all, symm_mem"):
+    with pytest.raises(ValueError, match="ep_transport = 'nvlink': not one of the valid choices: all_to_all, symm_mem"):
         RoutingDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K, ep_transport="nvlink")

@@ -16,6 +16,7 @@ from torchtitan.models.common.moe import TokenChoiceTopKRouter
 from torchtitan_ext.experiments.moe_backends.layer import use_backend_experts, use_routing
 from torchtitan_ext.experiments.moe_backends.moe import load_balancing_loss, router_z_loss
 from torchtitan_ext.experiments.moe_backends.router import BalancedTopKRouter, capacity_keep_mask
+from torchtitan_ext.experiments.moe_backends.toml_keys import check_moe_config
 from torchtitan_ext.overrides import ConfigError, apply_overrides
 from torchtitan_ext.registry import get_flavor
 
@@ -251,16 +252,47 @@ def test_toml_keys_set_every_layer():
     "overrides, message",
     [
         ({"moe.aux_loss_type": "sequence"}, "valid choices: 'seq', 'batch', 'global'"),
-        ({"moe.aux_loss_coeff": -1.0}, "moe.aux_loss_coeff must be >= 0"),
+        ({"moe.aux_loss_coeff": -1.0}, "moe.aux_loss_coeff = -1.0: must be a finite number >= 0"),
         ({"moe.z_loss_coeff": "high"}, "expected float"),
-        ({"moe.top_k": 9}, "moe.top_k must be in [1, 8]"),
-        ({"moe.capacity_factor": -0.5}, "moe.capacity_factor must be > 0"),
-        ({"moe.route_scale": 0.0}, "moe.route_scale must be > 0"),
+        ({"moe.top_k": 9}, "moe.top_k = 9: must be in [1, 8]"),
+        ({"moe.capacity_factor": -0.5}, "moe.capacity_factor = -0.5: must be > 0"),
+        ({"moe.route_scale": 0.0}, "moe.route_scale = 0.0: must be > 0"),
+        ({"moe.load_balance_coeff": -1.0}, "moe.load_balance_coeff = -1.0: must be > 0"),
+        ({"moe.num_expert_groups": 3, "moe.num_limited_groups": 1}, "moe.num_expert_groups = 3: must divide the number of experts (8)"),
+        ({"moe.num_expert_groups": 4}, "moe.num_expert_groups = 4: needs num_limited_groups too"),
+        ({"moe.align_size": 0}, "moe.align_size = 0: must be an integer >= 1"),
         ({"moe.score_func": "relu"}, "'softmax', 'sigmoid'"),
         ({"moe.permute_backend": "cuda"}, "'torch', 'triton'"),
     ],
 )
 def test_bad_toml_values_name_the_key(overrides, message):
+    """Types are refused when the keys are applied; ranges by the start-up check of the final config."""
     with pytest.raises(ConfigError, match=None) as error:
-        apply_overrides(tiny_config(), overrides)
+        check_moe_config(apply_overrides(tiny_config(), overrides))
     assert message in str(error.value)
+
+
+def test_short_keys_convert_and_the_configs_check_once_reporting_every_problem():
+    config = apply_overrides(tiny_config(), {
+        "moe.route_scale": -1.0, "moe.capacity_factor": 0, "moe.aux_loss_coeff": -2.0, "moe.align_size": 0,
+    })
+    assert config.model_spec.model.layers[0].moe.router.capacity_factor is None  # 0 = off
+    with pytest.raises(ConfigError) as error:
+        check_moe_config(config)
+    assert str(error.value).splitlines() == [  # named by key and where the value came from
+        "TOML: moe.aux_loss_coeff = -2.0: must be a finite number >= 0 (0 = off)",
+        "TOML: moe.route_scale = -1.0: must be > 0",
+        "TOML: moe.align_size = 0: must be an integer >= 1 (1 = off)",
+    ]
+
+
+def test_a_config_built_in_python_reports_every_bad_option():
+    with pytest.raises(ValueError) as error:
+        BalancedTopKRouter.Config(
+            num_experts=8, gate=make_router_config(dim=1, num_experts=8, gate_param_init={}).gate,
+            top_k=9, route_scale=0.0, capacity_factor=-1.0,
+        )
+    assert str(error.value) == (
+        "top_k = 9: must be in [1, 8] (the number of experts); route_scale = 0.0: must be > 0; "
+        "capacity_factor = -1.0: must be > 0, or off (None; 0 in TOML)"
+    )

@@ -45,7 +45,8 @@ def assert_refused(capsys, args, *fragments):
         # Class 3: values that used to end in tracebacks.
         ("[moe]\ncapacity_factor = inf\n", ["capacity_factor = inf: must be a finite number"]),
         ("[moe]\nroute_scale = nan\n", ["route_scale = nan: must be a finite number"]),
-        ("[moe]\nalign_size = 100000000000\n", ["moe.align_size must be in [1, 4096]"]),
+        ("[moe]\nalign_size = 100000000000\n", ["bad.toml:2: moe.align_size = 100000000000: must be in [1, 2048]"]),
+        ("[moe]\nroute_scale = 0\ntop_k = 9\n", ["bad.toml:2: moe.route_scale = 0.0: must be > 0", "bad.toml:3: moe.top_k = 9: must be in [1, 8]"]),
         ("[moe]\nalign_size = 4096\n[training]\nbatch_size = 1\nseq_len = 64\n", ["moe.align_size = 4096: must be in [1, 128]"]),
         ("[training]\nbatch_size = 0\n", ["training.local_batch_size = 0: must be >= 1"]),
         ("[training]\nseq_len = -8\n", ["training.seq_len = -8: must be >= 1"]),

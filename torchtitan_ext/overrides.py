@@ -9,13 +9,14 @@ the ``Trainer.Config`` (``training.local_batch_size``, ``parallelism.expert_para
 Values are checked against the field's type annotation (``Literal`` choices,
 int/float/bool/str, optionals, lists). Every file is checked completely before
 anything is applied, and overrides are applied to a copy: a bad file changes
-nothing. Errors are ``ConfigError`` with one line per problem.
+nothing. Errors are ``ConfigError`` with one line per problem. Ranges and rules
+between values are not checked here: the config checks (``run_config_checks``)
+check each once, on the final config.
 """
 
 import copy
 import dataclasses
 import difflib
-import math
 import re
 import sys
 import types
@@ -124,8 +125,6 @@ _field_alias("data.tokenizer", "hf_assets_path", str, "folder with tokenizer.jso
 
 @register_short_key("training.lr", float, "learning rate of every optimizer parameter group")
 def _set_learning_rate(config, lr: float) -> None:
-    if not (math.isfinite(lr) and lr > 0):
-        raise ConfigError(f"training.lr = {lr}: must be a finite number > 0")
     for group in config.optimizer.param_groups:
         group.optimizer_kwargs["lr"] = lr
 

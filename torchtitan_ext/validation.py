@@ -19,8 +19,8 @@ from torchtitan_ext.overrides import ConfigError, register_config_check, value_s
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model")
 
 
-def _named(key: str, *aliases: str) -> str:
-    """``key``, prefixed with the file/line or "command line" its value came from."""
+def named(key: str, *aliases: str) -> str:
+    """``key``, prefixed with the file/line or "command line" its value came from (how errors name a key)."""
     source = value_source(key, *aliases)
     return f"{source}: {key}" if source else key
 
@@ -58,7 +58,7 @@ def non_finite_errors(config) -> list[str]:
     if config.model_spec is not None:
         trees["model"] = config.model_spec.model
     return [
-        f"{_named(path)} = {value}: must be a finite number"
+        f"{named(path)} = {value}: must be a finite number"
         for name, tree in trees.items()
         for path, value in _walk_floats(tree, name)
         if not math.isfinite(value)
@@ -78,22 +78,22 @@ def training_errors(config, world: int) -> list[str]:
     t = config.training
     errors = []
     if t.steps < 1:
-        errors.append(f"{_named('training.steps')} = {t.steps}: must be >= 1")
+        errors.append(f"{named('training.steps')} = {t.steps}: must be >= 1")
     if t.local_batch_size < 1:
-        errors.append(f"{_named('training.local_batch_size', 'training.batch_size')} = {t.local_batch_size}: must be >= 1")
+        errors.append(f"{named('training.local_batch_size', 'training.batch_size')} = {t.local_batch_size}: must be >= 1")
     dp = _data_parallel_degree(config.parallelism, world)
     if t.global_batch_size != -1 and t.local_batch_size >= 1 and dp >= 1:
         per_step = t.local_batch_size * dp
         if t.global_batch_size < 1 or t.global_batch_size % per_step:
             errors.append(
-                f"{_named('training.global_batch_size')} = {t.global_batch_size}: must be -1 (= local batch x "
+                f"{named('training.global_batch_size')} = {t.global_batch_size}: must be -1 (= local batch x "
                 f"data-parallel degree) or a positive multiple of local_batch_size ({t.local_batch_size}) x "
                 f"data-parallel degree ({dp}) = {per_step}"
             )
     for group in config.optimizer.param_groups:
         lr = group.optimizer_kwargs.get("lr")
         if isinstance(lr, (int, float)) and not (math.isfinite(lr) and lr > 0):
-            errors.append(f"{_named('training.lr')} = {lr}: must be a finite number > 0")
+            errors.append(f"{named('training.lr')} = {lr}: must be a finite number > 0")
             break
     errors.extend(sequence_length_errors(config))
     return errors
@@ -102,7 +102,7 @@ def training_errors(config, world: int) -> list[str]:
 def sequence_length_errors(config) -> list[str]:
     """``training.seq_len`` > 0, within every RoPE cache and divisible by the loss chunk count."""
     seq_len = config.training.seq_len
-    key = _named("training.seq_len")
+    key = named("training.seq_len")
     if seq_len < 1:
         return [f"{key} = {seq_len}: must be >= 1"]
     errors = []
@@ -140,22 +140,22 @@ def data_errors(config) -> list[str]:
     loader = config.dataloader
     name = getattr(loader, "dataset", None)
     if name is not None and name not in DATASETS:
-        errors.append(f"{_named('dataloader.dataset', 'data.dataset')} = {name!r}: unknown dataset; known: {', '.join(sorted(DATASETS))}")
+        errors.append(f"{named('dataloader.dataset', 'data.dataset')} = {name!r}: unknown dataset; known: {', '.join(sorted(DATASETS))}")
     elif name == torchtitan_ext.data.JSONL_TEXT and not getattr(loader, "dataset_path", None):
         errors.append(
-            f"{_named('dataloader.dataset', 'data.dataset')} = {name!r} needs "
-            f"{_named('dataloader.dataset_path', 'data.path')}: a folder of *.jsonl files with a 'text' field"
+            f"{named('dataloader.dataset', 'data.dataset')} = {name!r} needs "
+            f"{named('dataloader.dataset_path', 'data.path')}: a folder of *.jsonl files with a 'text' field"
         )
     elif name is not None:
         path = getattr(loader, "dataset_path", None) or DATASETS[name].path
-        key = _named("dataloader.dataset_path", "data.path")
+        key = named("dataloader.dataset_path", "data.path")
         local = Path(path).expanduser()
         if local.is_dir() and not any(p.is_file() and not p.name.startswith(".") for p in local.rglob("*")):
             errors.append(f"{key} = {path!r}: the folder holds no data files")
         elif not local.exists() and (local.is_absolute() or path.startswith(".")):
             errors.append(f"{key} = {path!r}: no such file or folder")
     tokenizer = Path(config.hf_assets_path).expanduser()
-    tokenizer_key = _named("hf_assets_path", "data.tokenizer")
+    tokenizer_key = named("hf_assets_path", "data.tokenizer")
     if not tokenizer.is_dir():
         errors.append(f"{tokenizer_key} = {str(config.hf_assets_path)!r}: no such folder (a folder with {' or '.join(TOKENIZER_FILES)})")
     elif not any((tokenizer / f).is_file() for f in TOKENIZER_FILES):
@@ -190,7 +190,7 @@ def output_errors(config) -> list[str]:
     folder = Path(config.dump_folder).expanduser()
     for path in (folder, *folder.parents):
         if path.exists() and not path.is_dir():
-            return [f"{_named('dump_folder')} = {str(config.dump_folder)!r}: {path} is a file; dump_folder must be a folder"]
+            return [f"{named('dump_folder')} = {str(config.dump_folder)!r}: {path} is a file; dump_folder must be a folder"]
     return []
 
 

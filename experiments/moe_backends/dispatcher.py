@@ -28,6 +28,7 @@ the zero rows the experts computed on top of the real routed rows.
 No host sync on the local path; the EP path has one (split sizes / received row count).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -152,7 +153,22 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         """``"all_to_all"`` or ``"symm_mem"``: how rows move between EP ranks."""
 
         def __post_init__(self):
-            validate_dispatch_options(self.permute_backend, self.align_size, self.ep_transport)
+            if errors := self.validation_errors():
+                raise ValueError("; ".join(errors))
+
+        def validation_errors(self, key: Callable[[str], str] = str) -> list[str]:
+            """Every invalid option, one message each; ``key(field)`` is how a message names a field."""
+            errors = [
+                f"{key(name)} = {value!r}: not one of the valid choices: {', '.join(choices)}"
+                for name, value, choices in (
+                    ("permute_backend", self.permute_backend, PERMUTE_BACKENDS),
+                    ("ep_transport", self.ep_transport, EP_TRANSPORTS),
+                )
+                if value not in choices
+            ]
+            if isinstance(self.align_size, bool) or not isinstance(self.align_size, int) or self.align_size < 1:
+                errors.append(f"{key('align_size')} = {self.align_size!r}: must be an integer >= 1 (1 = off)")
+            return errors
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -329,14 +345,3 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
             return F.pad(returned_KD, (0, 0, 0, num_dropped))
         return torch.ops._c10d_functional.wait_tensor(returned_KD)
 
-
-def validate_dispatch_options(permute_backend: str, align_size: int, ep_transport: str = "all_to_all") -> None:
-    """Raise ``ValueError`` naming the bad dispatcher option and what would be valid."""
-    if ep_transport not in EP_TRANSPORTS:
-        raise ValueError(f"unknown ep_transport {ep_transport!r}; valid: {', '.join(EP_TRANSPORTS)}")
-    if permute_backend not in PERMUTE_BACKENDS:
-        raise ValueError(
-            f"unknown permute_backend {permute_backend!r}; valid: {', '.join(PERMUTE_BACKENDS)}"
-        )
-    if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size < 1:
-        raise ValueError(f"align_size must be an integer >= 1, got {align_size!r}")

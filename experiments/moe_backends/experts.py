@@ -194,15 +194,22 @@ def backend_names() -> tuple[str, ...]:
     return tuple(BACKENDS)
 
 
-def get_backend(name: str) -> ComputeBackendSpec:
-    """The spec of backend ``name``; ValueError listing the valid names otherwise."""
+def backend_name_error(name: str) -> str | None:
+    """Why ``name`` is not a backend of the table (None: it is one)."""
     if name == AUTO_BACKEND:
-        raise ValueError(
-            "compute_backend 'auto' is resolved to a backend at start-up "
+        return (
+            "'auto' is resolved to a backend at start-up "
             "(experiments.moe_backends.auto_backend.resolve_auto_compute_backend); resolve it before building"
         )
     if name not in BACKENDS:
-        raise ValueError(f"unknown compute_backend {name!r}; valid backends: " + ", ".join(BACKENDS))
+        return "unknown backend; valid backends: " + ", ".join(BACKENDS)
+    return None
+
+
+def get_backend(name: str) -> ComputeBackendSpec:
+    """The spec of backend ``name``; ValueError listing the valid names otherwise."""
+    if (error := backend_name_error(name)) is not None:
+        raise ValueError(f"compute_backend = {name!r}: {error}")
     return BACKENDS[name]
 
 
@@ -229,7 +236,13 @@ class BackendGroupedExperts(GroupedExperts):
         """How the expert block is computed: a name of the backend table ``BACKENDS``."""
 
         def __post_init__(self):
-            get_backend(self.compute_backend)
+            if errors := self.validation_errors():
+                raise ValueError("; ".join(errors))
+
+        def validation_errors(self, key: Callable[[str], str] = str) -> list[str]:
+            """Every invalid option, one message each; ``key(field)`` is how a message names a field."""
+            error = backend_name_error(self.compute_backend)
+            return [] if error is None else [f"{key('compute_backend')} = {self.compute_backend!r}: {error}"]
 
     def __init__(self, config: Config):
         super().__init__(config)

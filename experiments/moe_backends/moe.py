@@ -28,6 +28,7 @@ After every forward, ``last_router_statistics`` holds that forward's ``RouterSta
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -136,7 +137,23 @@ class RoutedMoE(MoE):
         """Weight of the router z-loss in the objective (0: off)."""
 
         def __post_init__(self):
-            validate_loss_options(self.aux_loss_coeff, self.aux_loss_type, self.z_loss_coeff)
+            if errors := self.validation_errors():
+                raise ValueError("; ".join(errors))
+
+        def validation_errors(self, key: Callable[[str], str] = str) -> list[str]:
+            """Every invalid option, one message each; ``key(field)`` is how a message names a field."""
+            errors = [
+                f"{key(name)} = {value!r}: must be a finite number >= 0 (0 = off)"
+                for name, value in (("aux_loss_coeff", self.aux_loss_coeff), ("z_loss_coeff", self.z_loss_coeff))
+                if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0)
+            ]
+            if self.aux_loss_type not in AUX_LOSS_TYPES:
+                errors.append(
+                    f"{key('aux_loss_type')} = {self.aux_loss_type!r}: not one of the valid choices: {', '.join(AUX_LOSS_TYPES)}"
+                )
+            if self.load_balance_coeff is not None and self.load_balance_coeff <= 0:
+                errors.append(f"{key('load_balance_coeff')} = {self.load_balance_coeff}: must be > 0, or off (None; 0 in TOML)")
+            return errors
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -240,13 +257,3 @@ def with_router_loss_configuration(parallelize_fn):
 
     return parallelize
 
-
-def validate_loss_options(aux_loss_coeff: float, aux_loss_type: str, z_loss_coeff: float) -> None:
-    """Raise ``ValueError`` naming the bad loss option and what would be valid."""
-    for name, value in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff)):
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-            raise ValueError(f"{name} must be a finite number >= 0 (0 = off), got {value!r}")
-    if aux_loss_type not in AUX_LOSS_TYPES:
-        raise ValueError(
-            f"unknown aux_loss_type {aux_loss_type!r}; valid: {', '.join(AUX_LOSS_TYPES)}"
-        )

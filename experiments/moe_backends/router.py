@@ -15,6 +15,7 @@ With every extra option off, ``forward`` returns exactly what torchtitan's route
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,13 +67,33 @@ class BalancedTopKRouter(TokenChoiceTopKRouter):
         """Per-expert slot limit as a multiple of the balanced load; None: no limit."""
 
         def __post_init__(self):
-            validate_router_options(
-                num_experts=self.num_experts,
-                top_k=self.top_k,
-                num_expert_groups=self.num_expert_groups,
-                num_limited_groups=self.num_limited_groups,
-                capacity_factor=self.capacity_factor,
-            )
+            if errors := self.validation_errors():
+                raise ValueError("; ".join(errors))
+
+        def validation_errors(self, key: Callable[[str], str] = str) -> list[str]:
+            """Every invalid option, one message each; ``key(field)`` is how a message names a field."""
+            errors = []
+            if not 1 <= self.top_k <= self.num_experts:
+                errors.append(f"{key('top_k')} = {self.top_k}: must be in [1, {self.num_experts}] (the number of experts)")
+            if self.route_scale <= 0:
+                errors.append(f"{key('route_scale')} = {self.route_scale}: must be > 0")
+            groups, limited = self.num_expert_groups, self.num_limited_groups
+            if groups is None and limited is not None:
+                errors.append(f"{key('num_limited_groups')} = {limited}: needs num_expert_groups too (group-limited routing)")
+            elif groups is not None and limited is None:
+                errors.append(f"{key('num_expert_groups')} = {groups}: needs num_limited_groups too (group-limited routing)")
+            elif groups is not None:
+                if groups < 1 or self.num_experts % groups:
+                    errors.append(f"{key('num_expert_groups')} = {groups}: must divide the number of experts ({self.num_experts})")
+                elif self.num_experts // groups < 2:
+                    errors.append(f"{key('num_expert_groups')} = {groups}: leaves fewer than 2 experts per group")
+                elif not 1 <= limited <= groups:
+                    errors.append(f"{key('num_limited_groups')} = {limited}: must be in [1, {groups}] (num_expert_groups)")
+                elif self.top_k > limited * (self.num_experts // groups):
+                    errors.append(f"{key('top_k')} = {self.top_k}: exceeds the experts in {limited} limited groups")
+            if self.capacity_factor is not None and self.capacity_factor <= 0:
+                errors.append(f"{key('capacity_factor')} = {self.capacity_factor}: must be > 0, or off (None; 0 in TOML)")
+            return errors
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -125,41 +146,3 @@ class BalancedTopKRouter(TokenChoiceTopKRouter):
             f"route_scale={self.route_scale}, capacity_factor={self.capacity_factor}"
         )
 
-
-def validate_router_options(
-    *,
-    num_experts: int,
-    top_k: int,
-    num_expert_groups: int | None,
-    num_limited_groups: int | None,
-    capacity_factor: float | None,
-) -> None:
-    """Raise ``ValueError`` naming the bad router option and what would be valid."""
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
-    if (num_expert_groups is None) != (num_limited_groups is None):
-        raise ValueError(
-            "num_expert_groups and num_limited_groups must be set together "
-            f"(got {num_expert_groups} and {num_limited_groups})"
-        )
-    if num_expert_groups is not None:
-        assert num_limited_groups is not None
-        if num_expert_groups < 1 or num_experts % num_expert_groups:
-            raise ValueError(
-                f"num_expert_groups ({num_expert_groups}) must divide num_experts ({num_experts})"
-            )
-        if num_experts // num_expert_groups < 2:
-            raise ValueError(
-                f"num_expert_groups ({num_expert_groups}) leaves fewer than 2 experts per group"
-            )
-        if not 1 <= num_limited_groups <= num_expert_groups:
-            raise ValueError(
-                f"num_limited_groups must be in [1, num_expert_groups={num_expert_groups}], "
-                f"got {num_limited_groups}"
-            )
-        if top_k > num_limited_groups * (num_experts // num_expert_groups):
-            raise ValueError(
-                f"top_k ({top_k}) exceeds the experts in {num_limited_groups} limited groups"
-            )
-    if capacity_factor is not None and capacity_factor <= 0:
-        raise ValueError(f"capacity_factor must be > 0 or unset, got {capacity_factor}")

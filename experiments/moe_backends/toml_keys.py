@@ -1,8 +1,10 @@
 """Short TOML keys of the MoE backends experiment (``[moe]`` table) and its start-up checks.
 
 Every ``moe.*`` key sets one option on every MoE layer of the flavor's model; see
-docs/routing_and_ep.md. ``check_moe_config`` runs on the final config (after TOML and CLI)
-and rejects combinations that cannot train, before any process group is built.
+docs/routing_and_ep.md. A key only converts the TOML spelling (0 = off becomes None); each
+option is checked once, by its config's ``validation_errors``. ``check_moe_config`` runs those
+on the final config (after TOML and CLI), with the rules that need several configs, the parallel
+layout or this machine, before any process group is built.
 """
 
 import os
@@ -10,13 +12,14 @@ from typing import Literal
 
 from torchtitan_ext.kernels._runtime import triton_available_reason
 from torchtitan_ext.overrides import ConfigError, register_config_check, register_short_key
-from torchtitan_ext.validation import launch_command, world_size as current_world_size
+from torchtitan_ext.validation import launch_command, named
+from torchtitan_ext.validation import world_size as current_world_size
 
 from .auto_backend import AutoBackendError, resolve_auto_compute_backend
-from .dispatcher import EPTransport, PermuteBackend, RoutingDispatcher, validate_dispatch_options
+from .dispatcher import EPTransport, PermuteBackend, RoutingDispatcher
 from .experts import AUTO_BACKEND, BackendGroupedExperts, ComputeBackendChoice, get_backend
-from .moe import AuxLossType, RoutedMoE, validate_loss_options
-from .router import validate_router_options
+from .moe import AuxLossType, RoutedMoE
+from .router import BalancedTopKRouter
 
 
 @register_short_key("moe.compute_backend", ComputeBackendChoice,
@@ -27,6 +30,122 @@ def set_compute_backend(config, backend: str) -> None:
         raise ConfigError("moe.compute_backend: this flavor's model has no backend-switchable experts")
     for _, experts_config, _, _ in experts:
         experts_config.compute_backend = backend
+
+
+def moe_configs(config, key: str) -> list[RoutedMoE.Config]:
+    """Every ``RoutedMoE.Config`` of the model; ConfigError naming ``key`` when there is none."""
+    moes = [moe for _, moe, _, _ in config.model_spec.model.traverse(RoutedMoE.Config)]
+    if not moes:
+        raise ConfigError(f"{key}: this flavor's model has no configurable MoE layers")
+    return moes
+
+
+def dispatcher_configs(config, key: str) -> list[RoutingDispatcher.Config]:
+    dispatchers = [moe.routed_experts.token_dispatcher for moe in moe_configs(config, key)]
+    if not all(isinstance(d, RoutingDispatcher.Config) for d in dispatchers):
+        raise ConfigError(f"{key}: this flavor's token dispatcher ({type(dispatchers[0]).__qualname__}) has no such option")
+    return dispatchers
+
+
+def routers(config, key: str) -> list:
+    return [moe.router for moe in moe_configs(config, key)]
+
+
+def _as_is(value):
+    return value
+
+
+def _zero_is_off(value):
+    """The TOML spelling of off (0) as the config's (None)."""
+    return None if value == 0 else value
+
+
+def _option_key(name: str, annotation, help: str, owners, convert=_as_is) -> None:
+    """Register ``moe.<name>``: sets ``<name>`` on every object ``owners(config, key)`` returns.
+
+    ``convert`` only changes the TOML spelling of a value; its range is checked once, with every
+    other option, by the owner config's ``validation_errors`` (``check_moe_config``).
+    """
+    key = f"moe.{name}"
+
+    @register_short_key(key, annotation, help)
+    def apply(config, value) -> None:
+        value = convert(value)
+        for owner in owners(config, key):
+            setattr(owner, name, value)
+
+
+_option_key("score_func", Literal["softmax", "sigmoid"], "router score function", routers)
+_option_key("route_norm", bool, "renormalize the top-k scores to sum 1", routers)
+_option_key("route_scale", float, "multiply the gating weights by this", routers)
+_option_key("num_expert_groups", int, "group-limited routing: expert groups (0 = off)", routers, _zero_is_off)
+_option_key("num_limited_groups", int, "group-limited routing: groups each token may use (0 = off)",
+            routers, _zero_is_off)
+_option_key("capacity_factor", float,
+            "per-expert token capacity as a multiple of the balanced load (0 = no limit)", routers, _zero_is_off)
+_option_key("load_balance_coeff", float, "aux-loss-free expert bias update rate (0 = off)",
+            moe_configs, _zero_is_off)
+_option_key("aux_loss_coeff", float, "load-balancing loss weight (0 = off)", moe_configs)
+_option_key("aux_loss_type", AuxLossType, "load-balancing loss variant: seq, batch or global", moe_configs)
+_option_key("z_loss_coeff", float, "router z-loss weight (0 = off)", moe_configs)
+_option_key("permute_backend", PermuteBackend, "token permute/unpermute: torch or triton",
+            dispatcher_configs)
+_option_key("align_size", int, "pad each expert's rows to a multiple of this (1 = off)", dispatcher_configs)
+_option_key("ep_transport", EPTransport,
+            "how rows move between EP ranks: all_to_all (collectives) or symm_mem (one kernel each way)",
+            dispatcher_configs)
+
+
+@register_short_key("moe.top_k", int, "experts per token (router and dispatcher)")
+def set_top_k(config, top_k: int) -> None:
+    for moe in moe_configs(config, "moe.top_k"):
+        moe.router.top_k = top_k
+        moe.routed_experts.token_dispatcher.top_k = top_k
+
+
+VALIDATED_CONFIGS = (RoutedMoE.Config, BalancedTopKRouter.Config, RoutingDispatcher.Config, BackendGroupedExperts.Config)
+"""The experiment's configs with a ``validation_errors`` method: every option's own check lives there."""
+
+
+def option_key(field: str) -> str:
+    """How the start-up checks name an option of a MoE layer: its ``moe.*`` key and where its value came from."""
+    return named(f"moe.{field}")
+
+
+@register_config_check
+def check_moe_config(config) -> None:
+    """The options of every MoE layer, checked once on the final config, then what they need together:
+    top_k shared by router and dispatcher, Triton or one host where chosen, EP degree vs experts,
+    world and the other degrees, align_size vs the routed rows of a step. One ``ConfigError`` lists all.
+
+    Registered before ``resolve_auto_backend``: a ``compute_backend`` still "auto" here is resolved
+    there, so it is not an error yet.
+    """
+    if config.model_spec is None:
+        return
+    model = config.model_spec.model
+    errors = [
+        error
+        for config_class in VALIDATED_CONFIGS
+        for _, node, _, _ in model.traverse(config_class)
+        if getattr(node, "compute_backend", None) != AUTO_BACKEND
+        for error in node.validation_errors(option_key)
+    ]
+    moes = [moe for _, moe, _, _ in model.traverse(RoutedMoE.Config)]
+    for moe in moes:
+        router, dispatcher = moe.router, moe.routed_experts.token_dispatcher
+        if isinstance(dispatcher, RoutingDispatcher.Config):
+            reason = triton_available_reason()
+            if dispatcher.permute_backend == "triton" and reason is not None:
+                errors.append(f"moe.permute_backend = 'triton': {reason}")
+            if dispatcher.ep_transport == "symm_mem":
+                errors.extend(symm_mem_errors(config.parallelism.expert_parallel_degree))
+        if router.top_k != dispatcher.top_k:
+            errors.append(f"moe: router top_k ({router.top_k}) differs from the dispatcher's ({dispatcher.top_k}); set moe.top_k")
+    errors.extend(parallelism_errors(config, moes))
+    errors.extend(align_size_errors(config, moes))
+    if errors:
+        raise ConfigError("\n".join(dict.fromkeys(errors)))
 
 
 @register_config_check
@@ -55,146 +174,12 @@ def resolve_auto_backend(config) -> None:
         raise ConfigError(str(e)) from None
 
 
-def moe_configs(config, key: str) -> list[RoutedMoE.Config]:
-    """Every ``RoutedMoE.Config`` of the model; ConfigError naming ``key`` when there is none."""
-    moes = [moe for _, moe, _, _ in config.model_spec.model.traverse(RoutedMoE.Config)]
-    if not moes:
-        raise ConfigError(f"{key}: this flavor's model has no configurable MoE layers")
-    return moes
-
-
-def dispatcher_configs(config, key: str) -> list[RoutingDispatcher.Config]:
-    dispatchers = [moe.routed_experts.token_dispatcher for moe in moe_configs(config, key)]
-    if not all(isinstance(d, RoutingDispatcher.Config) for d in dispatchers):
-        raise ConfigError(f"{key}: this flavor's token dispatcher ({type(dispatchers[0]).__qualname__}) has no such option")
-    return dispatchers
-
-
-def routers(config, key: str) -> list:
-    return [moe.router for moe in moe_configs(config, key)]
-
-
-def _as_is(key: str, value):
-    return value
-
-
-def _non_negative(key: str, value: float) -> float:
-    if value < 0:
-        raise ConfigError(f"{key} must be >= 0 (0 = off), got {value}")
-    return value
-
-
-def _positive(key: str, value: float) -> float:
-    if value <= 0:
-        raise ConfigError(f"{key} must be > 0, got {value}")
-    return value
-
-
-def _positive_or_off(key: str, value):
-    """0 means off (None); otherwise the value must be positive."""
-    if value == 0:
-        return None
-    if value < 0:
-        raise ConfigError(f"{key} must be > 0, or 0 to turn it off; got {value}")
-    return value
-
-
 MAX_ALIGN_SIZE = 4096
 """Largest ``moe.align_size``: every expert's rows are padded to a multiple of it."""
 
 
-def _at_least_one(key: str, value: int) -> int:
-    if value < 1:
-        raise ConfigError(f"{key} must be >= 1 (1 = off), got {value}")
-    return value
-
-
-def _align_size(key: str, value: int) -> int:
-    if not 1 <= value <= MAX_ALIGN_SIZE:
-        raise ConfigError(f"{key} must be in [1, {MAX_ALIGN_SIZE}] (1 = off), got {value}")
-    return value
-
-
-def _option_key(name: str, annotation, help: str, owners, convert=_as_is) -> None:
-    """Register ``moe.<name>``: sets ``<name>`` on every object ``owners(config, key)`` returns."""
-    key = f"moe.{name}"
-
-    @register_short_key(key, annotation, help)
-    def apply(config, value) -> None:
-        value = convert(key, value)
-        for owner in owners(config, key):
-            setattr(owner, name, value)
-
-
-_option_key("score_func", Literal["softmax", "sigmoid"], "router score function", routers)
-_option_key("route_norm", bool, "renormalize the top-k scores to sum 1", routers)
-_option_key("route_scale", float, "multiply the gating weights by this", routers, _positive)
-_option_key("num_expert_groups", int, "group-limited routing: expert groups (0 = off)", routers,
-            _positive_or_off)
-_option_key("num_limited_groups", int, "group-limited routing: groups each token may use (0 = off)",
-            routers, _positive_or_off)
-_option_key("capacity_factor", float,
-            "per-expert token capacity as a multiple of the balanced load (0 = no limit)", routers,
-            _positive_or_off)
-_option_key("load_balance_coeff", float, "aux-loss-free expert bias update rate (0 = off)",
-            moe_configs, _positive_or_off)
-_option_key("aux_loss_coeff", float, "load-balancing loss weight (0 = off)", moe_configs, _non_negative)
-_option_key("aux_loss_type", AuxLossType, "load-balancing loss variant: seq, batch or global", moe_configs)
-_option_key("z_loss_coeff", float, "router z-loss weight (0 = off)", moe_configs, _non_negative)
-_option_key("permute_backend", PermuteBackend, "token permute/unpermute: torch or triton",
-            dispatcher_configs)
-_option_key("align_size", int, "pad each expert's rows to a multiple of this (1 = off)",
-            dispatcher_configs, _align_size)
-_option_key("ep_transport", EPTransport,
-            "how rows move between EP ranks: all_to_all (collectives) or symm_mem (one kernel each way)",
-            dispatcher_configs)
-
-
-@register_short_key("moe.top_k", int, "experts per token (router and dispatcher)")
-def set_top_k(config, top_k: int) -> None:
-    for moe in moe_configs(config, "moe.top_k"):
-        if not 1 <= top_k <= moe.num_experts:
-            raise ConfigError(f"moe.top_k must be in [1, {moe.num_experts}] (the number of experts), got {top_k}")
-        moe.router.top_k = top_k
-        moe.routed_experts.token_dispatcher.top_k = top_k
-
-
-@register_config_check
-def check_moe_config(config) -> None:
-    """Router/dispatcher/loss options and EP degree vs experts, world and the other degrees."""
-    if config.model_spec is None:
-        return
-    moes = [moe for _, moe, _, _ in config.model_spec.model.traverse(RoutedMoE.Config)]
-    errors = []
-    for moe in moes:
-        router, dispatcher = moe.router, moe.routed_experts.token_dispatcher
-        try:
-            validate_router_options(
-                num_experts=router.num_experts, top_k=router.top_k,
-                num_expert_groups=router.num_expert_groups,
-                num_limited_groups=router.num_limited_groups,
-                capacity_factor=router.capacity_factor,
-            )
-            validate_loss_options(moe.aux_loss_coeff, moe.aux_loss_type, moe.z_loss_coeff)
-            if isinstance(dispatcher, RoutingDispatcher.Config):
-                validate_dispatch_options(dispatcher.permute_backend, dispatcher.align_size, dispatcher.ep_transport)
-                reason = triton_available_reason()
-                if dispatcher.permute_backend == "triton" and reason is not None:
-                    errors.append(f"moe.permute_backend = 'triton': {reason}")
-                if dispatcher.ep_transport == "symm_mem":
-                    errors.extend(symm_mem_errors(config.parallelism.expert_parallel_degree))
-        except ValueError as e:
-            errors.append(f"moe: {e}")
-        if router.top_k != dispatcher.top_k:
-            errors.append(f"moe: router top_k ({router.top_k}) differs from the dispatcher's ({dispatcher.top_k}); set moe.top_k")
-    errors.extend(parallelism_errors(config, moes))
-    errors.extend(align_size_errors(config, moes))
-    if errors:
-        raise ConfigError("\n".join(dict.fromkeys(errors)))
-
-
 def align_size_errors(config, moes: list[RoutedMoE.Config]) -> list[str]:
-    """``align_size`` within [1, MAX_ALIGN_SIZE] and no larger than the routed rows of a step."""
+    """``align_size`` at most MAX_ALIGN_SIZE and the routed rows of a step (its lower bound is the dispatcher's)."""
     routed_rows = config.training.local_batch_size * config.training.seq_len
     errors = []
     for moe in moes:
@@ -202,9 +187,9 @@ def align_size_errors(config, moes: list[RoutedMoE.Config]) -> list[str]:
         if not isinstance(dispatcher, RoutingDispatcher.Config):
             continue
         limit = min(MAX_ALIGN_SIZE, max(1, routed_rows * dispatcher.top_k))
-        if not 1 <= dispatcher.align_size <= limit:
+        if dispatcher.align_size > limit:
             errors.append(
-                f"moe.align_size = {dispatcher.align_size}: must be in [1, {limit}] (at most {MAX_ALIGN_SIZE} "
+                f"{option_key('align_size')} = {dispatcher.align_size}: must be in [1, {limit}] (at most {MAX_ALIGN_SIZE} "
                 f"and the routed rows per step, batch x seq_len x top_k = {routed_rows * dispatcher.top_k})"
             )
     return errors
