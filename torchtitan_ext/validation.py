@@ -65,12 +65,14 @@ def non_finite_errors(config) -> list[str]:
     ]
 
 
-def _data_parallel_degree(parallelism, world: int) -> int:
+def data_parallel_shard_degree(parallelism, world: int) -> int:
+    """``data_parallel_shard_degree`` with -1 resolved as torchtitan does: the ranks of ``world`` left
+    over by dp_replicate x cp x tp x pp (rounded down; 0 when that product is not positive)."""
     p = parallelism
     if p.data_parallel_shard_degree != -1:
-        return p.data_parallel_replicate_degree * p.data_parallel_shard_degree
+        return p.data_parallel_shard_degree
     others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
-    return world // others * p.data_parallel_replicate_degree if others > 0 else 0
+    return world // others if others > 0 else 0
 
 
 def training_errors(config, world: int) -> list[str]:
@@ -81,7 +83,7 @@ def training_errors(config, world: int) -> list[str]:
         errors.append(f"{named('training.steps')} = {t.steps}: must be >= 1")
     if t.local_batch_size < 1:
         errors.append(f"{named('training.local_batch_size', 'training.batch_size')} = {t.local_batch_size}: must be >= 1")
-    dp = _data_parallel_degree(config.parallelism, world)
+    dp = config.parallelism.data_parallel_replicate_degree * data_parallel_shard_degree(config.parallelism, world)
     if t.global_batch_size != -1 and t.local_batch_size >= 1 and dp >= 1:
         per_step = t.local_batch_size * dp
         if t.global_batch_size < 1 or t.global_batch_size % per_step:

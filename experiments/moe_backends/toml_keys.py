@@ -12,7 +12,7 @@ from typing import Literal
 
 from torchtitan_ext.kernels._runtime import triton_available_reason
 from torchtitan_ext.overrides import ConfigError, register_config_check, register_short_key
-from torchtitan_ext.validation import launch_command, named
+from torchtitan_ext.validation import data_parallel_shard_degree, launch_command, named
 from torchtitan_ext.validation import world_size as current_world_size
 
 from .auto_backend import AutoBackendError, resolve_auto_compute_backend
@@ -222,10 +222,9 @@ def parallelism_errors(config, moes: list[RoutedMoE.Config], world_size: int | N
     errors = []
     if min(ep, tp, cp, pp, dp_replicate) < 1 or (dp_shard < 1 and dp_shard != -1):
         return [f"parallelism: degrees must be >= 1 (data_parallel_shard_degree may be -1); got ep={ep}, tp={tp}, cp={cp}, pp={pp}, dp_replicate={dp_replicate}, dp_shard={dp_shard}"]
-    if dp_shard == -1:
-        if world % (dp_replicate * cp * tp * pp):
-            return [f"parallelism: world size {world} is not divisible by dp_replicate*cp*tp*pp = {dp_replicate * cp * tp * pp}"]
-        dp_shard = world // (dp_replicate * cp * tp * pp)
+    if dp_shard == -1 and world % (dp_replicate * cp * tp * pp):
+        return [f"parallelism: world size {world} is not divisible by dp_replicate*cp*tp*pp = {dp_replicate * cp * tp * pp}"]
+    dp_shard = data_parallel_shard_degree(p, world)
     if dp_replicate * dp_shard * cp * tp * pp != world:
         errors.append(f"parallelism: dp_replicate({dp_replicate}) * dp_shard({dp_shard}) * cp({cp}) * tp({tp}) * pp({pp}) != world size {world}")
     if ep > 1:
