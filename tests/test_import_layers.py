@@ -4,7 +4,10 @@ Every ``import`` in the project's source (module level or inside a function) is 
 ``ast`` and checked against the layer of the importing module; no module imports a layer above
 its own. The experiment's registration modules (its flavors, TOML keys and Trainer-feature
 checks) plug into the framework's registries, so they sit above the framework; the framework
-reaches them only through the registry's package discovery, never by an import.
+reaches them only through the registry's package discovery, never by an import. The framework
+imports no experiment module at all (the metrics read layers by duck type and torchtitan's
+classes, and ask the registry what describes a run); only the registry names the experiments
+package, to discover it.
 """
 
 import ast
@@ -93,3 +96,26 @@ def test_no_module_imports_a_layer_above_its_own(path):
         if layer(target) > layer(importer)
     )
     assert not upward, f"{importer} ({LAYER_NAMES[layer(importer)]}) imports a layer above it: {upward}"
+
+
+REGISTRY = "torchtitan_ext.registry"
+"""The one framework module that names the experiments package: it discovers the experiments."""
+FRAMEWORK_SOURCES = [path for path in SOURCES if layer(module_name(path)) == FRAMEWORK]
+
+
+def experiment_imports(path: Path) -> list[str]:
+    return sorted(name for name in project_imports(path, module_name(path)) if name.startswith("torchtitan_ext.experiments"))
+
+
+def test_framework_sources_found():
+    names = {module_name(p) for p in FRAMEWORK_SOURCES}
+    assert {REGISTRY, "torchtitan_ext.metrics.observer", "torchtitan_ext.metrics.metadata", "torchtitan_ext.validation"} <= names
+
+
+@pytest.mark.parametrize("path", FRAMEWORK_SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_framework_reaches_the_experiments_only_through_the_registry(path):
+    imported = experiment_imports(path)
+    if module_name(path) == REGISTRY:
+        assert imported == ["torchtitan_ext.experiments"], imported  # the package, for discovery
+    else:
+        assert not imported, f"{module_name(path)} imports experiment modules {imported}; use the registry or duck types"

@@ -5,6 +5,10 @@ An experiment is a sub-package of ``torchtitan_ext.experiments`` (the repository
 ``@register_flavor``. ``load_experiments`` imports every experiment's ``flavors``, so
 adding an experiment folder is all it takes for its flavors to appear. The package's
 own ``__init__`` stays light, so its layers import without torchtitan's Trainer.
+
+The framework reaches an experiment only through this registry: besides its flavors, an
+experiment may register ``@register_run_description`` functions saying what identifies a
+run of a config (e.g. its compute backend); the metrics record them as run metadata.
 """
 
 import difflib
@@ -12,6 +16,7 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from torchtitan.trainer import Trainer
 
@@ -91,3 +96,18 @@ def get_flavor(name: str) -> Flavor:
         f"unknown flavor {name!r}{hint} "
         "(run `python -m torchtitan_ext.flavors` to list all flavors)"
     )
+
+
+_RUN_DESCRIPTIONS: list[Callable[[Trainer.Config], dict[str, Any]]] = []
+
+
+def register_run_description(describe: Callable[[Trainer.Config], dict[str, Any]]):
+    """Decorator registering ``describe(config) -> {name: value}``: what identifies a run of ``config``."""
+    _RUN_DESCRIPTIONS.append(describe)
+    return describe
+
+
+def describe_run(config: Trainer.Config) -> dict[str, Any]:
+    """What every experiment's ``register_run_description`` functions say about a run of ``config``."""
+    load_experiments()
+    return {name: value for describe in _RUN_DESCRIPTIONS for name, value in describe(config).items()}

@@ -1,4 +1,4 @@
-"""Short TOML keys of the MoE backends experiment (``[moe]`` table) and its start-up checks.
+"""Short TOML keys of the MoE backends experiment (``[moe]`` table), its start-up checks and run description.
 
 Every ``moe.*`` key sets one option on every MoE layer of the flavor's model; see
 docs/routing_and_ep.md. A key only converts the TOML spelling (0 = off becomes None); each
@@ -10,14 +10,16 @@ layout or this machine, before any process group is built.
 import os
 from typing import Literal
 
+from torchtitan.models.common.moe import GroupedExperts
 from torchtitan_ext.kernels._runtime import triton_available_reason
 from torchtitan_ext.overrides import ConfigError, register_config_check, register_short_key
+from torchtitan_ext.registry import register_run_description
 from torchtitan_ext.validation import data_parallel_shard_degree, launch_command, named
 from torchtitan_ext.validation import world_size as current_world_size
 
 from .auto_backend import AutoBackendError, resolve_auto_compute_backend
 from .dispatcher import EPTransport, PermuteBackend, RoutingDispatcher
-from .experts import AUTO_BACKEND, BackendGroupedExperts, ComputeBackendChoice, get_backend
+from .experts import AUTO_BACKEND, DEFAULT_BACKEND, BackendGroupedExperts, ComputeBackendChoice, get_backend
 from .moe import AuxLossType, RoutedMoE
 from .router import BalancedTopKRouter
 
@@ -30,6 +32,19 @@ def set_compute_backend(config, backend: str) -> None:
         raise ConfigError("moe.compute_backend: this flavor's model has no backend-switchable experts")
     for _, experts_config, _, _ in experts:
         experts_config.compute_backend = backend
+
+
+@register_run_description
+def compute_backend_of_run(config) -> dict:
+    """``compute_backend`` of the run metadata: the backend of every experts module (torchtitan's own
+    computes as the default backend), one name when they agree."""
+    backends = []
+    if config.model_spec is not None:
+        backends = sorted({
+            experts.compute_backend if isinstance(experts, BackendGroupedExperts.Config) else DEFAULT_BACKEND
+            for _, experts, _, _ in config.model_spec.model.traverse(GroupedExperts.Config)
+        })
+    return {"compute_backend": backends[0] if len(backends) == 1 else backends}
 
 
 def moe_configs(config, key: str) -> list[RoutedMoE.Config]:

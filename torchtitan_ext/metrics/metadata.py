@@ -2,10 +2,8 @@
 
 from typing import Any
 
-from torchtitan.models.common.moe import GroupedExperts
-
-from torchtitan_ext.experiments.moe_backends.experts import DEFAULT_BACKEND, BackendGroupedExperts
 from torchtitan_ext.overrides import load_toml
+from torchtitan_ext.registry import describe_run
 
 
 _run_metadata: dict[str, Any] = {}
@@ -15,18 +13,13 @@ def record_run_metadata(*, flavor: str, toml_files: list[str], cli_args: list[st
     """Remember what identifies this run; added to the wandb config as ``run_metadata``.
 
     ``config`` is the resolved ``Trainer.Config``; the TOML files are stored as paths
-    and as their ``{dotted_key: value}`` overrides.
+    and as their ``{dotted_key: value}`` overrides. The experiments describe the config
+    (``registry.describe_run``: e.g. ``compute_backend``).
     """
-    backends = []
-    if config.model_spec is not None:
-        backends = sorted({
-            experts.compute_backend if isinstance(experts, BackendGroupedExperts.Config) else DEFAULT_BACKEND
-            for _, experts, _, _ in config.model_spec.model.traverse(GroupedExperts.Config)
-        })
     _run_metadata.clear()
     _run_metadata.update(
         flavor=flavor,
-        compute_backend=backends[0] if len(backends) == 1 else backends,
+        **describe_run(config),
         expert_parallel_degree=config.parallelism.expert_parallel_degree,
         toml_files=list(toml_files),
         toml_overrides={path: load_toml(path) for path in toml_files},

@@ -5,9 +5,12 @@ its subclasses): each training forward adds its routed counts to the module's
 ``tokens_per_expert_E`` buffer ``(E,)``; ``router.gate`` outputs the logits
 ``(..., E)`` that ``router.score_func`` turns into scores; ``expert_bias_E`` is
 present when aux-loss-free balancing is on. A layer may publish, after its forward,
-a ``RouterStatistics`` as ``last_router_statistics`` (losses, dropped slots, padding
-rows; None fields are skipped). Forwards in eval mode and activation-checkpoint
-recomputations are not counted.
+an object with the fields of ``PublishedRouterStatistics`` as ``last_router_statistics``
+(losses, dropped slots, padding rows; None fields are skipped). An experts module
+(torchtitan's ``GroupedExperts`` or a subclass) whose ``backend.pads_rows`` is true pads
+every expert to the largest one. Forwards in eval mode and activation-checkpoint
+recomputations are not counted. Layers are recognized by these attributes, not by class:
+the metrics import no experiment.
 
 Cost: the hooks add device-side counters only; ``summarize`` reads them (one
 all-reduce per group, one device-to-host copy) when the processor logs.
@@ -18,15 +21,14 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import _disable_current_modes
 
-from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
-from torchtitan_ext.experiments.moe_backends.moe import RouterStatistics
+from torchtitan.models.common.moe import GroupedExperts
 from torchtitan_ext.metrics.statistics import AVERAGED_STATS, LayerSummary
 
 
@@ -93,8 +95,23 @@ class LayerAccumulator:
         self.optional_counts = dict.fromkeys(self.optional_counts, 0)
 
 
+@runtime_checkable
+class PublishedRouterStatistics(Protocol):
+    """What the observer reads from a layer's ``last_router_statistics`` (0-d tensors; None: not computed)."""
+
+    num_dropped_slots: torch.Tensor | None
+    num_padding_rows: torch.Tensor | None
+    aux_loss: torch.Tensor | None
+    z_loss: torch.Tensor | None
+
+
 def _is_moe(module: torch.nn.Module) -> bool:
     return hasattr(module, "router") and hasattr(module, "tokens_per_expert_E")
+
+
+def _pads_rows(module: torch.nn.Module) -> bool:
+    """An experts module whose compute backend pads every expert's rows to the largest expert's."""
+    return isinstance(module, GroupedExperts) and bool(getattr(getattr(module, "backend", None), "pads_rows", False))
 
 
 def _layer_name(qualified_name: str) -> str:
@@ -136,7 +153,7 @@ class MoERoutingObserver:
             ),
         ]
         for module in moe.modules():
-            if isinstance(module, BackendGroupedExperts) and module.backend.pads_rows:
+            if _pads_rows(module):
                 self._handles.append(
                     module.register_forward_pre_hook(_outside_dispatch_modes(self._padded_experts_hook(layer)))
                 )
@@ -218,12 +235,12 @@ class MoERoutingObserver:
 
 
 def _router_statistics(moe: torch.nn.Module) -> dict[str, Any]:
-    """Per-forward statistics of ``moe``'s ``RouterStatistics`` by metric name (None fields left out).
+    """Per-forward statistics of ``moe``'s ``last_router_statistics`` by metric name (None fields left out).
 
-    A layer that publishes no ``last_router_statistics`` gives none.
+    A layer that publishes no ``PublishedRouterStatistics`` gives none.
     """
     statistics = getattr(moe, "last_router_statistics", None)
-    if not isinstance(statistics, RouterStatistics):
+    if not isinstance(statistics, PublishedRouterStatistics):
         return {}
     found = {
         "aux_loss": statistics.aux_loss,
