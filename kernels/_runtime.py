@@ -82,11 +82,12 @@ def _shared_memory_limit() -> int:
 
 def prune_for_shape(m: str | None, n: str | None, k: str | None, a_tiles: int = 1, b_tiles: int = 1):
     """``early_config_prune`` for a GEMM kernel whose M/N/K sizes are the named kernel arguments
-    (None: the row count, which varies), reading ``a_tiles`` A and ``b_tiles`` B operands.
+    (None: the row count, which varies), reading ``a_tiles`` A and ``b_tiles`` B operands per stage.
 
-    Drops configs with a tile larger than its dimension needs, or whose pipeline does not fit
-    in shared memory for the operands' dtype; keeps the smallest config when none is left.
-    Fewer candidates means fewer compilations on the first step.
+    Configs are listed best first; this keeps the first one whose tiles are no larger than
+    their dimensions need and whose pipeline fits in shared memory for the operands' dtype
+    (the smallest config when none fits). One candidate means nothing to benchmark on the
+    first step, and the same choice on every run.
     """
 
     def prune(configs, named_args, **kwargs):
@@ -100,50 +101,49 @@ def prune_for_shape(m: str | None, n: str | None, k: str | None, a_tiles: int = 
             if arg is not None
         }
         limit = _shared_memory_limit()
-        kept = [
+        fitting = (
             config for config in configs
             if all(config.kwargs[block] <= cap for block, cap in caps.items())
             and _shared_memory_bytes(config, a_tiles, b_tiles, element_size) <= limit
-        ]
-        if not kept:
-            kept = [min(configs, key=lambda c: _shared_memory_bytes(c, a_tiles, b_tiles, element_size))]
-        return kept
+        )
+        first = next(fitting, None)
+        if first is None:
+            first = min(configs, key=lambda c: _shared_memory_bytes(c, a_tiles, b_tiles, element_size))
+        return [first]
 
     return prune
 
 
-def tuned(configs: list[triton.Config], key: list[str], prune=None, **autotune_kwargs):
-    """``triton.autotune`` whose choices persist in Triton's on-disk cache, optionally pruned.
+def tuned(configs: list[triton.Config], key: list[str], prune=None):
+    """``triton.autotune`` over ``configs``, per value of the ``key`` arguments.
 
-    The cache key covers the kernel source, the ``key`` arguments and the tensors' dtypes,
-    and the cache folder is per machine (``TRITON_CACHE_DIR``, default ``~/.triton/cache``):
-    a second launch with the same GPU, shapes and dtypes benchmarks nothing.
+    Without ``prune`` every config is benchmarked on first use; with a ``prune_for_shape``
+    the first fitting config is taken. The choice persists in Triton's on-disk cache
+    (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), keyed by the kernel source, the
+    ``key`` arguments and the dtypes.
     """
-    if prune is not None:
-        autotune_kwargs["prune_configs_by"] = {"early_config_prune": prune}
-    return triton.autotune(configs=configs, key=key, cache_results=True, **autotune_kwargs)
+    prune_configs_by = None if prune is None else {"early_config_prune": prune}
+    return triton.autotune(configs=configs, key=key, cache_results=True, prune_configs_by=prune_configs_by)
 
 
-# Hopper (H100/H200), bf16/fp16: wgmma-sized tiles, cp.async pipelines. Each list holds the
-# configs that were fastest for its kernel inside a whole forward+backward at the Qwen3-30B-A3B
-# and Mixtral-8x7B shapes; a 64x64 fallback serves small dimensions. Short lists keep the
-# first-step tuning short.
+# Hopper (H100/H200), bf16/fp16: wgmma-sized tiles, cp.async pipelines. Each list is ordered by
+# the kernel's time inside a whole MoE layer forward+backward on an H100 at the Qwen3-30B-A3B,
+# DeepSeek-V2-Lite and Mixtral-8x7B shapes (the first entry was fastest at all three); later
+# entries serve smaller dimensions and GPUs with less shared memory.
 PLAIN_GEMM_CONFIGS = [
-    (128, 128, 64, 8, 4),
-    (128, 256, 64, 8, 3),
     (128, 256, 64, 8, 4),
-    (128, 128, 64, 4, 4),
+    (128, 256, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 4, 3),
     (64, 128, 64, 4, 4),
+    (64, 64, 64, 4, 4),
 ]
-"""One accumulator, operand loads only: the down projection forward and d h = d y @ w2."""
+"""One accumulator fed by one A and one B tile per step: the down projection forward, d h = d y @ w2,
+and d x = d gate @ w1 + d up @ w3 (two K loops in sequence)."""
 GATE_UP_FORWARD_CONFIGS = [
     (128, 128, 64, 8, 4),
     (128, 128, 64, 8, 3),
-    (64, 64, 64, 4, 4),
-]
-GATE_UP_BACKWARD_INPUT_CONFIGS = [
-    (128, 128, 64, 4, 4),
-    (128, 128, 64, 8, 4),
+    (64, 128, 64, 4, 4),
     (64, 64, 64, 4, 4),
 ]
 DOWN_BACKWARD_WEIGHT_CONFIGS = [
@@ -152,9 +152,9 @@ DOWN_BACKWARD_WEIGHT_CONFIGS = [
     (64, 64, 64, 4, 4),
 ]
 GATE_UP_BACKWARD_WEIGHT_CONFIGS = [
+    (128, 128, 32, 8, 5),
     (64, 128, 64, 4, 4),
     (64, 64, 64, 4, 4),
-    (128, 64, 64, 4, 4),
 ]
 
 

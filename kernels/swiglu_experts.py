@@ -28,7 +28,6 @@ import triton.language as tl
 
 from torchtitan_ext.kernels._runtime import (
     DOWN_BACKWARD_WEIGHT_CONFIGS,
-    GATE_UP_BACKWARD_INPUT_CONFIGS,
     GATE_UP_BACKWARD_WEIGHT_CONFIGS,
     GATE_UP_FORWARD_CONFIGS,
     PLAIN_GEMM_CONFIGS,
@@ -284,8 +283,8 @@ def _swiglu_backward_kernel(
 
 
 @tuned(
-    gemm_configs(GATE_UP_BACKWARD_INPUT_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
-    prune=prune_for_shape(m=None, n="dim", k="hidden", a_tiles=2, b_tiles=2),
+    gemm_configs(PLAIN_GEMM_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
+    prune=prune_for_shape(m=None, n="dim", k="hidden"),
 )
 @triton.heuristics(_divides(EVEN_K=("hidden", "BLOCK_K"), EVEN_N=("dim", "BLOCK_N")))
 @triton.jit
@@ -493,7 +492,7 @@ def _weight_grid(num_experts: int, rows_of_out: int, cols_of_out: int):
 
 def _elementwise_tile(hidden: int) -> tuple[int, int]:
     """(rows, columns) of the [R, F] tile each program of the SwiGLU backward handles per step."""
-    block_f = min(1024, triton.next_power_of_2(hidden))
+    block_f = min(1024, max(16, triton.next_power_of_2(hidden)))
     return max(1, 4096 // block_f), block_f
 
 

@@ -1,0 +1,61 @@
+"""The GEMM kernels' config choice: configs are listed best first, and the first one whose
+tiles fit the shape and whose pipeline fits in shared memory is taken."""
+
+import torch
+import triton
+
+from torchtitan_ext.kernels._runtime import (
+    DOWN_BACKWARD_WEIGHT_CONFIGS,
+    GATE_UP_BACKWARD_WEIGHT_CONFIGS,
+    GATE_UP_FORWARD_CONFIGS,
+    PLAIN_GEMM_CONFIGS,
+    prune_for_shape,
+)
+
+
+def config(bm, bn, bk, warps, stages):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+
+
+def choose(configs, *, dim, hidden, dtype=torch.bfloat16, **operands):
+    prune = prune_for_shape(m=None, n="hidden", k="dim", **operands)
+    args = {"x_ptr": torch.empty(1, dtype=dtype), "dim": dim, "hidden": hidden}
+    return prune([config(*c) for c in configs], args)
+
+
+def blocks(chosen):
+    [only] = chosen
+    return (only.kwargs["BLOCK_M"], only.kwargs["BLOCK_N"], only.kwargs["BLOCK_K"], only.num_warps, only.num_stages)
+
+
+def test_full_size_shapes_take_the_first_config():
+    assert blocks(choose(PLAIN_GEMM_CONFIGS, dim=2048, hidden=768)) == PLAIN_GEMM_CONFIGS[0]
+
+
+def test_tiles_larger_than_the_dimension_are_skipped():
+    assert blocks(choose(PLAIN_GEMM_CONFIGS, dim=2048, hidden=100)) == (128, 128, 64, 8, 4)
+    assert blocks(choose(PLAIN_GEMM_CONFIGS, dim=40, hidden=40)) == (64, 64, 64, 4, 4)
+
+
+def test_pipelines_over_the_shared_memory_limit_are_skipped():
+    # fp32 operands double the bytes of every stage: only the 3-stage 128x128 pipeline still fits.
+    assert blocks(choose(PLAIN_GEMM_CONFIGS, dim=2048, hidden=768, dtype=torch.float32)) == (128, 128, 64, 4, 3)
+    # Two B operands per stage (gate and up share the x tile).
+    assert blocks(choose(GATE_UP_FORWARD_CONFIGS, dim=2048, hidden=768, b_tiles=2)) == GATE_UP_FORWARD_CONFIGS[0]
+
+
+def test_smallest_config_when_none_fits():
+    huge = [(256, 256, 256, 8, 8), (256, 256, 128, 8, 8)]
+    assert blocks(choose(huge, dim=4096, hidden=4096)) == (256, 256, 128, 8, 8)
+
+
+def test_every_listed_first_choice_fits_hopper_shared_memory():
+    hopper_limit = 227 * 1024
+    for configs, a_tiles, b_tiles in (
+        (PLAIN_GEMM_CONFIGS, 1, 1),
+        (GATE_UP_FORWARD_CONFIGS, 1, 2),
+        (DOWN_BACKWARD_WEIGHT_CONFIGS, 1, 1),
+        (GATE_UP_BACKWARD_WEIGHT_CONFIGS, 2, 1),
+    ):
+        bm, bn, bk, _, stages = configs[0]
+        assert (a_tiles * bm * bk + b_tiles * bk * bn) * 2 * stages <= hopper_limit
