@@ -75,8 +75,7 @@ def padded_groups(
     """
     padded_G = (counts_G + align_size - 1) // align_size * align_size
     starts_G = torch.cumsum(padded_G, 0) - padded_G
-    slack = num_rows - padded_G.sum()
-    padded_G = padded_G.index_add(0, padded_G.new_tensor([padded_G.shape[0] - 1]), slack.view(1))
+    padded_G[-1] += num_rows - padded_G.sum()
     return starts_G, padded_G
 
 
