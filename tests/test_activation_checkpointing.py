@@ -21,6 +21,7 @@ from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 from torchtitan_ext.metrics.observer import MoERoutingObserver
 
 SHAPE = dict(dim=16, hidden_dim=24, num_experts=6, top_k=2)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SAVED_OPS = {torch.ops.aten._to_copy.default, torch.ops.aten.max.default, torch.ops.aten.mm.default}
 
 
@@ -34,7 +35,7 @@ def build_layer(compute_backend: str) -> torch.nn.Module:
     with torch.no_grad():
         for _, param in sorted(layer.named_parameters()):
             param.copy_(torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5)
-    return layer.to(torch.bfloat16).train()
+    return layer.to(DEVICE, torch.bfloat16).train()
 
 
 def gradients(layer, x, grad_out, selective: bool) -> dict[str, torch.Tensor]:
@@ -61,8 +62,8 @@ def test_selective_recompute_with_metrics_hooks_matches_plain_backward(compute_b
     layer = build_layer(compute_backend)
     observer = MoERoutingObserver([torch.nn.ModuleList([layer])], expert_parallel=None)
     generator = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 7, SHAPE["dim"], generator=generator).bfloat16()
-    grad_out = torch.randn(2, 7, SHAPE["dim"], generator=generator).bfloat16()
+    x = torch.randn(2, 7, SHAPE["dim"], generator=generator).to(DEVICE, torch.bfloat16)
+    grad_out = torch.randn(2, 7, SHAPE["dim"], generator=generator).to(DEVICE, torch.bfloat16)
     expected = gradients(layer, x, grad_out, selective=False)
     actual = gradients(layer, x, grad_out, selective=True)
     observer.remove()
