@@ -119,3 +119,18 @@ def test_the_framework_reaches_the_experiments_only_through_the_registry(path):
         assert imported == ["torchtitan_ext.experiments"], imported  # the package, for discovery
     else:
         assert not imported, f"{module_name(path)} imports experiment modules {imported}; use the registry or duck types"
+
+
+def test_layer_expert_and_ep_benchmarks_do_not_load_the_trainer_stack():
+    """``python -m torchtitan_ext.bench layer|expert|ep`` run on torch releases older than the one
+    torchtitan's Trainer needs: the CLI loads the Trainer stack only for ``train-step``/``auto``."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, torchtitan_ext.bench.__main__\n"
+        "print(sorted(m for m in ('torchtitan.distributed.fsdp', 'torchtitan.trainer', 'torchtitan_ext.train', "
+        "'torchtitan_ext.compat.cpu') if m in sys.modules))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert loaded.stdout.strip() == "[]", loaded.stdout

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from torchtitan_ext.bench import expert_block, moe_layer, plot, train_step
+from torchtitan_ext.bench import expert_block, moe_layer, plot
 from torchtitan_ext.bench.common import (
     SHAPES,
     TINY_FLAVORS_HINT,
@@ -36,9 +36,17 @@ from torchtitan_ext.experiments.moe_backends import auto_backend
 from torchtitan_ext.experiments.moe_backends.dispatcher import PERMUTE_BACKENDS
 from torchtitan_ext.experiments.moe_backends.experts import AUTO_BACKEND, BACKENDS, runnable_backends
 from torchtitan_ext.overrides import ConfigError
-from torchtitan_ext.train import resolve_config
 
 PROG = "python -m torchtitan_ext.bench"
+
+
+def _trainer_stack():
+    """The modules that build torchtitan Trainer configs (torch >= 2.13), imported on first use so
+    that the expert, layer and EP benchmarks also run on older torch."""
+    from torchtitan_ext.bench import train_step
+    from torchtitan_ext.train import resolve_config
+
+    return train_step, resolve_config
 SKEW_CHOICES = {"balanced": (0.0,), "skewed": (2.0,), "both": (0.0, 2.0)}
 EP_TABLE = [("world", "world"), ("tokens_per_rank", "T/rank"), ("dim", "D"), ("routing", "routing"),
             ("transport", "transport"), ("permute_backend", "permute"), ("dispatch_combine_ms", "d+c ms"), ("raw_a2a_ms", "raw a2a ms"),
@@ -127,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def flavor_shapes(flavor: str, tomls: list[str], tokens: int | None) -> list[BenchShape]:
     """The distinct MoE shapes of a flavor, at ``tokens`` (default: local batch x seq_len)."""
+    _, resolve_config = _trainer_stack()
     config = resolve_config(flavor, tomls)
     tokens = tokens or config.training.local_batch_size * config.training.seq_len
     layer_shapes = auto_backend.moe_layer_shapes(config.model_spec.model, tokens)
@@ -238,12 +247,14 @@ def run_train_step(parser, args, device, command) -> None:
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     backends = args.backends or runnable_backends()
+    train_step, _ = _trainer_stack()
     results = train_step.run(args.flavor, args.toml, backends, device, command, batch_size=args.batch_size,
                              seq_len=args.seq_len, num_layers=args.num_layers, out=args.json)
     finish(results, results["rows"], train_step.TABLE, args)
 
 
 def run_auto(parser, args, device, command) -> None:
+    train_step, _ = _trainer_stack()
     config = train_step.step_config(args.flavor, args.toml, AUTO_BACKEND, batch_size=args.batch_size,
                                     seq_len=args.seq_len, num_layers=None)
     refuse_full_size_on_cpu("auto", {f"flavor {args.flavor}": config.model_spec.model.dim}, device,

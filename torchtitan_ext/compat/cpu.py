@@ -29,13 +29,9 @@ from torchtitan.config.configs import CommConfig
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.tools.logging import logger
+from torchtitan_ext.compat import cpu_training
 
 _patched = False
-
-
-def cpu_training() -> bool:
-    """True when training must run on CPU (no CUDA device visible)."""
-    return not torch.cuda.is_available()
 
 
 class CPUDeviceModule:

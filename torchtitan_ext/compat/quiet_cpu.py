@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.compat.cpu import cpu_training
+from torchtitan_ext.compat import cpu_training
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import NoColor
 
 import torchtitan_ext.metrics.toml_keys  # noqa: F401  (registers the TOML keys)
-from torchtitan_ext.compat.cpu import cpu_training
+from torchtitan_ext.compat import cpu_training
 from torchtitan_ext.metrics.metadata import run_metadata
 from torchtitan_ext.metrics.observer import ExpertParallelPlacement, MoERoutingObserver, summarize
 from torchtitan_ext.metrics.statistics import layer_scalars, model_scalars, routing_heatmap_png
