@@ -32,6 +32,8 @@ from datetime import date
 import torch
 import triton
 
+from torchtitan_ext.bench.common import source_commit
+
 TINY_BACKENDS = ("for_loop", "grouped_mm", "batched_mm_padded", "triton")
 STEP_LINE = re.compile(
     r"step:\s+(?P<step>\d+)\s+loss:\s+(?P<loss>[0-9.]+).*?memory:\s+(?P<memory>[0-9.]+)GiB"
@@ -144,16 +146,13 @@ def same_layout_for_loop(runs: list[Run]):
 
 
 def environment() -> dict:
-    commit = os.environ.get("SOURCE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
     return {
         "device": torch.cuda.get_device_name(0),
         "gpus": torch.cuda.device_count(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-        "commit": commit or None,
+        "commit": source_commit(),
         "date": date.today().isoformat(),
     }
 

@@ -6,6 +6,8 @@
 #   scripts/measure_on_gpu.sh ep4 ep2 # EP equivalence + dispatch/combine benchmark on 4 and 2 GPUs
 #   scripts/measure_on_gpu.sh train-tiny train-full   # training through the Trainer on 2 GPUs
 #     (torch >= 2.13: see ../shared/gpu for bringing it to the measurement machines)
+# Results record SOURCE_COMMIT when set (e.g. SOURCE_COMMIT=$(git rev-parse --short HEAD) taken
+# where the checkout was copied from), else the copy's own git HEAD.
 set -uo pipefail
 out=${OUT:-gpu_results}
 mkdir -p "$out"

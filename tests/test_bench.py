@@ -130,7 +130,7 @@ def test_full_size_shapes_are_refused_on_cpu(argv, refused, capsys):
     assert refused in err and "needs a CUDA GPU" in err
 
 
-@pytest.mark.parametrize("name", ["expert_block_h100.json", "moe_layer_h200.json", "ep_dispatch_h200_2026-11-21.json"])
+@pytest.mark.parametrize("name", ["expert_block_h100.json", "moe_layer_h100.json", "ep_dispatch_h200_2026-11-21.json", "ep_dispatch_h200x2_2026-11-23.json"])
 def test_plot_measured_results(tmp_path, name):
     out = tmp_path / "plot.png"
     assert main(["plot", "--from", str(RESULTS / name), "--out", str(out)]) == 0

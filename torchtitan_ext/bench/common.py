@@ -7,6 +7,8 @@ FLOP rates are reported on GPUs only; CPU runs are for small shapes and report m
 
 import datetime
 import json
+import os
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -93,10 +95,20 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12))
 
 
+def source_commit() -> str | None:
+    """The measured code's commit: ``SOURCE_COMMIT`` when set (a copied checkout's ``.git`` may lag
+    its files), else ``git rev-parse --short HEAD``; None outside a git checkout."""
+    commit = os.environ.get("SOURCE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    return commit or None
+
+
 def environment(command: str, device: torch.device, dtype: torch.dtype) -> dict:
     import triton
 
     return {
+        "commit": source_commit(),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
