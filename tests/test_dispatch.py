@@ -181,6 +181,24 @@ def triton_checks() -> None:
         torch.testing.assert_close(actual, expected)
 
 
+def test_auto_permute_takes_the_kernels_for_cuda_tokens_only(monkeypatch):
+    from torchtitan_ext.experiments.moe_backends import dispatcher as dispatcher_module
+
+    calls = []
+    for name in ("torch", "triton"):
+        monkeypatch.setitem(dispatcher_module._PERMUTE, name, lambda *args, name=name: calls.append(name))
+
+    class CudaRows:
+        is_cuda = True
+
+    auto = dispatcher(permute_backend="auto")
+    assert RoutingDispatcher.Config(num_experts=2, top_k=1).permute_backend == "auto"
+    auto._permute_rows(torch.zeros(2, 4), None, 1, 2)
+    auto._permute_rows(CudaRows(), None, 1, 2)
+    dispatcher(permute_backend="torch")._permute_rows(CudaRows(), None, 1, 2)
+    assert calls == ["torch", "triton", "torch"]
+
+
 def test_triton_permute_matches_torch_under_interpreter():
     result = subprocess.run(
         [sys.executable, __file__], capture_output=True, text=True, timeout=300,

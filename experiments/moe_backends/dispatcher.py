@@ -9,9 +9,11 @@ Slots are the routed (token, k) pairs in token-major order (``s = t * top_k + k`
 and contributes nothing to the output.
 
 Options (``Config``):
-- ``permute_backend``: ``"torch"`` (index_copy / gather) or ``"triton"``
-  (``torchtitan_ext.kernels.moe_permute``); used for the token -> expert-grouped
-  permute and for the weighted unpermute + sum over top_k in combine.
+- ``permute_backend``: ``"torch"`` (gathers and an fp32 weighted sum), ``"triton"``
+  (``torchtitan_ext.kernels.moe_permute``: one row-copy kernel each way, gather-only
+  gradients) or ``"auto"`` (the default: ``"triton"`` for CUDA tokens, ``"torch"`` otherwise);
+  used for the token -> expert-grouped permute and for the weighted unpermute + sum over
+  top_k in combine.
 - ``ep_transport``: how rows move between EP ranks. ``"all_to_all"``: torchtitan's count exchange,
   all-to-alls and regroup (any process group backend). ``"symm_mem"``: one pull kernel in
   dispatch and one push kernel in combine through memory every rank maps (``ep_symm_mem``:
@@ -42,7 +44,7 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 from torchtitan_ext.experiments.moe_backends import ep_symm_mem
 from torchtitan_ext.kernels import moe_permute
 
-PermuteBackend = Literal["torch", "triton"]
+PermuteBackend = Literal["auto", "torch", "triton"]
 PERMUTE_BACKENDS: tuple[str, ...] = get_args(PermuteBackend)
 EPTransport = Literal["all_to_all", "symm_mem"]
 EP_TRANSPORTS: tuple[str, ...] = get_args(EPTransport)
@@ -144,8 +146,8 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
 
     @dataclass(kw_only=True, slots=True)
     class Config(AllToAllTokenDispatcher.Config):
-        permute_backend: PermuteBackend = "torch"
-        """``"torch"`` or ``"triton"``: how rows are permuted and combined."""
+        permute_backend: PermuteBackend = "auto"
+        """``"auto"``, ``"torch"`` or ``"triton"``: how rows are permuted and combined."""
         align_size: int = 1
         """Pad each expert's rows to a multiple of this (1: no padding)."""
         ep_transport: EPTransport = "all_to_all"
@@ -174,9 +176,19 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         self.permute_backend = config.permute_backend
         self.align_size = config.align_size
         self.ep_transport = config.ep_transport
-        self._permute_rows = _PERMUTE[config.permute_backend]
-        self._unpermute_rows = _UNPERMUTE[config.permute_backend]
         self.last_num_padding_rows: torch.Tensor | None = None
+
+    def _row_ops_for(self, x: torch.Tensor) -> str:
+        """The permute backend for rows on ``x``'s device (``"auto"``: the kernels on CUDA)."""
+        if self.permute_backend != "auto":
+            return self.permute_backend
+        return "triton" if x.is_cuda else "torch"
+
+    def _permute_rows(self, x_TD, dest_row_S, top_k: int, num_rows: int) -> torch.Tensor:
+        return _PERMUTE[self._row_ops_for(x_TD)](x_TD, dest_row_S, top_k, num_rows)
+
+    def _unpermute_rows(self, rows_RD, dest_row_S, scores_S, top_k: int) -> torch.Tensor:
+        return _UNPERMUTE[self._row_ops_for(rows_RD)](rows_RD, dest_row_S, scores_S, top_k)
 
     @property
     def single_device(self) -> bool:

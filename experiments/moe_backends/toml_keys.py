@@ -103,7 +103,7 @@ _option_key("load_balance_coeff", float, "aux-loss-free expert bias update rate 
 _option_key("aux_loss_coeff", float, "load-balancing loss weight (0 = off)", moe_configs)
 _option_key("aux_loss_type", AuxLossType, "load-balancing loss variant: seq, batch or global", moe_configs)
 _option_key("z_loss_coeff", float, "router z-loss weight (0 = off)", moe_configs)
-_option_key("permute_backend", PermuteBackend, "token permute/unpermute: torch or triton",
+_option_key("permute_backend", PermuteBackend, "token permute/unpermute: auto (triton on CUDA), torch or triton",
             dispatcher_configs)
 _option_key("align_size", int, "pad each expert's rows to a multiple of this (1 = off)", dispatcher_configs)
 _option_key("ep_transport", EPTransport,
