@@ -237,3 +237,20 @@ def test_real_tiny_measurement(monkeypatch, capsys):
     assert all(ms > 0 for ms in choice.ms_per_step.values())
     assert main(["auto", "--flavor", "tiny-moe-for-loop", "--batch-size", "2", "--seq-len", "16"]) == 0
     assert "auto ->" in capsys.readouterr().out
+
+
+def test_layer_profile_lists_the_slowest_operators(tmp_path, capsys):
+    results = run_main(["layer", "--tiny", "--skew", "balanced", "--layers", "for_loop", "--profile", "3"], tmp_path)
+    out = capsys.readouterr().out
+    slowest = "slowest operators (self CPU time)" if ON_CPU else "slowest GPU kernels"
+    assert f"torchtitan: {slowest}, ms per call" in out and f"for_loop: {slowest}" in out
+    for row in results["rows"]:
+        times = [kernel["ms"] for kernel in row["kernels"]]
+        assert len(times) == 3 and times == sorted(times, reverse=True) and times[0] > 0
+
+
+def test_layer_profile_must_not_be_negative(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(["layer", "--tiny", "--profile", "-1"], tmp_path)
+    assert exit_info.value.code == 2
+    assert "--profile must be >= 0" in capsys.readouterr().err

@@ -25,6 +25,7 @@ from torchtitan_ext.bench.common import (
     SHAPES,
     TINY_FLAVORS_HINT,
     TINY_SHAPE,
+    print_kernel_profiles,
     print_table,
     progress,
     refuse_full_size_on_cpu,
@@ -93,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     layer.add_argument("--layers", nargs="+", choices=moe_layer.KINDS,
                        help=f"layers (default: every one that runs here; {moe_layer.STOCK} always runs first)")
     layer.add_argument("--batch", type=int, default=2, help="batch B of the (B, tokens/B, D) input")
+    layer.add_argument("--profile", type=int, default=0, metavar="N",
+                       help="also list each layer's N slowest GPU kernels (CPU: operators) in one forward+backward")
     add_output_options(layer)
 
     ep = commands.add_parser("ep", help="EP dispatch+combine vs raw NCCL all-to-all (torchrun, >= 2 GPUs)")
@@ -215,10 +218,13 @@ def run_layer(parser, args, device, command) -> None:
     bad = [s.name for s in shapes if s.tokens % args.batch]
     if args.batch < 1 or bad:
         parser.error(f"--batch {args.batch} must be >= 1 and divide the tokens of every shape ({', '.join(bad)})")
+    if args.profile < 0:
+        parser.error(f"--profile must be >= 0 (0: off), got {args.profile}")
     kinds = [moe_layer.STOCK, *(k for k in (args.layers or moe_layer.default_kinds()) if k != moe_layer.STOCK)]
     results = moe_layer.run(shapes, kinds, device, measurement_dtype(args, device), args.batch, command,
-                            out=args.json, skews=SKEW_CHOICES[args.skew])
+                            out=args.json, skews=SKEW_CHOICES[args.skew], profile_top=args.profile)
     finish(results, results["rows"], moe_layer.TABLE, args)
+    print_kernel_profiles(results["rows"], ("shape", "skew", "layer"), device)
 
 
 def run_ep(parser, args, device, command) -> None:

@@ -91,6 +91,41 @@ def memory_mb(forward: Callable[[], torch.Tensor], grad_out: torch.Tensor, devic
     return round(held / 2**20, 1), round(peak / 2**20, 1)
 
 
+def kernel_profile(step: Callable[[], None], device: torch.device, top: int, steps: int = 3) -> list[dict]:
+    """The ``top`` GPU kernels (on CPU: operators, by self time) of ``step``, in ms per call.
+
+    One warm-up call, then ``steps`` calls under ``torch.profiler``; kernels of the same name
+    are summed. Returns ``[{"kernel": name, "ms": ms per call}]``, slowest first.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    step()
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as profiler:
+        for _ in range(steps):
+            step()
+        if on_gpu:
+            torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in profiler.key_averages():
+        total_us = event.device_time_total if on_gpu else event.self_cpu_time_total
+        if total_us > 0:
+            times[event.key] = times.get(event.key, 0.0) + total_us / steps / 1000
+    slowest = sorted(times.items(), key=lambda item: -item[1])[:top]
+    return [{"kernel": name, "ms": round(ms, 4)} for name, ms in slowest]
+
+
+def print_kernel_profiles(rows: list[dict], label_keys: tuple[str, ...], device: torch.device) -> None:
+    """Each row's ``kernels`` (from :func:`kernel_profile`) under a heading made of ``label_keys``."""
+    what = "slowest GPU kernels" if device.type == "cuda" else "slowest operators (self CPU time)"
+    for row in rows:
+        if not row.get("kernels"):
+            continue
+        print("\n" + " ".join(str(row[key]) for key in label_keys) + f": {what}, ms per call")
+        for kernel in row["kernels"]:
+            print(f"  {kernel['ms']:9.3f}  {kernel['kernel'][:100]}")
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12))
 

@@ -21,6 +21,7 @@ from torchtitan_ext.bench.common import (
     TINY_SHAPE,
     environment,
     expert_tflops,
+    kernel_profile,
     max_over_mean,
     memory_mb,
     print_table,
@@ -76,7 +77,8 @@ def calibrate_skew(stock_layer, x_BLD: torch.Tensor, target: float) -> torch.Ten
     return high * ramp_E
 
 
-def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, batch: int) -> list[dict]:
+def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, batch: int,
+                profile_top: int = 0) -> list[dict]:
     seq_len = shape.tokens // batch
     generator = seeded_generator(device)
     x_BLD = torch.randn(batch, seq_len, shape.dim, device=device, dtype=dtype, generator=generator)
@@ -109,6 +111,7 @@ def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, bat
         fwd_ms = timer(lambda: layer(x_BLD))
         fwdbwd_ms = timer(forward_backward, grad_to_none=[x_BLD, *params])
         _, peak_mb = memory_mb(lambda: layer(x_BLD), grad_BLD, device)
+        kernels = kernel_profile(forward_backward, device, profile_top) if profile_top else None
         for tensor in [x_BLD, *params]:
             tensor.grad = None
         rows.append({
@@ -117,6 +120,7 @@ def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, bat
             "fwd_tflops": expert_tflops(shape, fwd_ms, device, backward=False),
             "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, device, backward=True),
             "fwdbwd_peak_mb": peak_mb, "rel_err_vs_stock": f"{error:.1e}",
+            **({"kernels": kernels} if kernels else {}),
         })
         if layer is not stock:
             del layer
@@ -149,8 +153,9 @@ TABLE = [("shape", "shape"), ("skew", "skew"), ("max_over_mean", "max/mean"), ("
 
 
 def run(shapes, kinds, device, dtype, batch: int, command: str, out: str | None = None,
-        skews=SKEWS) -> dict:
-    """Measure every shape and skew; ``out`` is rewritten after each shape.
+        skews=SKEWS, profile_top: int = 0) -> dict:
+    """Measure every shape and skew; ``out`` is rewritten after each shape. ``profile_top > 0``
+    adds each layer's slowest kernels in one forward+backward to its row (``kernels``).
 
     Raises ``ConfigError`` for full-size shapes on CPU.
     """
@@ -159,6 +164,6 @@ def run(shapes, kinds, device, dtype, batch: int, command: str, out: str | None 
     results = {"meta": environment(command, device, dtype), "rows": []}
     for shape in shapes:
         for skew in skews:
-            results["rows"] += bench_shape(shape, skew, kinds, timer, device, dtype, batch)
+            results["rows"] += bench_shape(shape, skew, kinds, timer, device, dtype, batch, profile_top)
         write_json(out, results)
     return results
