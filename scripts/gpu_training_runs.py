@@ -33,8 +33,10 @@ import torch
 import triton
 
 from torchtitan_ext.bench.common import source_commit
+from torchtitan_ext.experiments.moe_backends.experts import backend_names
+from torchtitan_ext.experiments.moe_backends.flavors import tiny_flavor_name
 
-TINY_BACKENDS = ("for_loop", "grouped_mm", "batched_mm_padded", "triton")
+TINY_BACKENDS = backend_names()
 STEP_LINE = re.compile(
     r"step:\s+(?P<step>\d+)\s+loss:\s+(?P<loss>[0-9.]+).*?memory:\s+(?P<memory>[0-9.]+)GiB"
     r".*?tps:\s+(?P<tps>[0-9,]+)(?:.*?mfu:\s+(?P<mfu>[0-9.]+)%)?"
@@ -94,13 +96,13 @@ def launch(run: Run, device_ids: str, port: int, env: dict[str, str]) -> Run:
 def tiny_runs() -> list[list[Run]]:
     """Batches of runs that share the host: EP 1 pairs side by side, then each EP 2 run alone."""
     steps = ["--training.steps", "30"]
-    ep1 = [Run(f"{b} ep1 1gpu", f"tiny-moe-{b.replace('_', '-')}", 1, steps) for b in TINY_BACKENDS]
+    ep1 = [Run(f"{b} ep1 1gpu", tiny_flavor_name(b), 1, steps) for b in TINY_BACKENDS]
     batches = [ep1[i:i + 2] for i in range(0, len(ep1), 2)]
     batches.append([Run("triton ep1 1gpu warm cache", "tiny-moe-triton", 1, steps)])
     for transport in ("all_to_all", "symm_mem"):
         for backend in TINY_BACKENDS:
             batches.append([Run(
-                f"{backend} ep2 {transport}", f"tiny-moe-{backend.replace('_', '-')}", 2,
+                f"{backend} ep2 {transport}", tiny_flavor_name(backend), 2,
                 [*steps, "--parallelism.expert_parallel_degree", "2",
                  *(["--toml", "examples/ep_symm_mem.toml"] if transport == "symm_mem" else [])],
             )])
