@@ -57,7 +57,7 @@ def _announce_first_use(x: torch.Tensor, w1_EFD: torch.Tensor, routed: bool) -> 
     num_experts, hidden, dim = w1_EFD.shape
     _logger.info(
         f"Triton MoE kernels: first use of D={dim} F={hidden} E={num_experts} {str(x.dtype).removeprefix('torch.')} "
-        "on this device: compiling and tuning, or loading both from Triton's disk cache "
+        "on this device: compiling, or loading from Triton's disk cache "
         "(a cold cache makes this step slow; later launches reuse it)"
     )
 
