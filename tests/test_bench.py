@@ -13,6 +13,7 @@ from torchtitan_ext.bench.plot import chart_of
 from torchtitan_ext.experiments.moe_backends import auto_backend
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts, runnable_backends
 from torchtitan_ext.metrics.metadata import run_metadata
+from torchtitan_ext.overrides import ConfigError
 from torchtitan_ext.train import FlavorConfigManager
 
 from helpers import make_backend_unavailable
@@ -195,34 +196,48 @@ def test_choice_is_cached_per_device_shape_and_dtype(monkeypatch):
     calls = []
     measure = fake_measure(ms, calls)
     cpu = torch.device("cpu")
-    first = auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, may_measure=True, measure=measure)
+    first = auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, expert_parallel=False, may_measure=True,
+                                 measure=measure)
     assert (first.backend, first.cached, len(calls)) == ("batched_mm_padded", False, 3)
     assert first.ms_per_step == {"grouped_mm": 6.0, "for_loop": 4.0, "batched_mm_padded": 2.0}
-    again = auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, may_measure=False, measure=measure)
+    again = auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, expert_parallel=False, may_measure=False,
+                                 measure=measure)
     assert (again.backend, again.cached, len(calls)) == ("batched_mm_padded", True, 3)
     cache = json.loads(auto_backend.cache_file().read_text())
     assert list(cache) == [first.cache_key] and "cpu|" in first.cache_key and "float32" in first.cache_key
+    assert first.measured == auto_backend.MEASURED_ON_ONE_DEVICE
     with pytest.raises(auto_backend.AutoBackendError, match="no cached choice"):  # another dtype: a miss, and no measuring allowed
-        auto_backend.resolve({SHAPE_A: 2}, cpu, torch.bfloat16, may_measure=False, measure=measure)
-    auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, may_measure=True, remeasure=True, measure=measure)
+        auto_backend.resolve({SHAPE_A: 2}, cpu, torch.bfloat16, expert_parallel=False, may_measure=False, measure=measure)
+    with pytest.raises(auto_backend.AutoBackendError, match="no cached choice"):  # under EP another thing is measured
+        auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, expert_parallel=True, may_measure=False, measure=measure)
+    auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, expert_parallel=False, may_measure=True, remeasure=True,
+                         measure=measure)
     assert len(calls) == 6
 
 
 def test_auto_in_toml_resolves_at_startup_and_is_recorded(tmp_path, monkeypatch):
     make_backend_unavailable(monkeypatch, "triton", "needs CUDA")
-    ms = {"grouped_mm": 3.0, "for_loop": 1.0, "batched_mm_padded": 2.0}
-    monkeypatch.setattr(auto_backend, "expert_block_measure", lambda device, dtype: lambda shape, backend: ms[backend])
+    one_device_ms = {"grouped_mm": 3.0, "for_loop": 1.0, "batched_mm_padded": 2.0}
+    expert_parallel_ms = {"grouped_mm": 1.0, "for_loop": 3.0, "batched_mm_padded": 2.0}
+    monkeypatch.setattr(auto_backend, "layer_measure", lambda device, dtype: lambda shape, backend: one_device_ms[backend])
+    monkeypatch.setattr(auto_backend, "expert_block_measure",
+                        lambda device, dtype: lambda shape, backend: expert_parallel_ms[backend])
     toml = tmp_path / "auto.toml"
     toml.write_text('[moe]\ncompute_backend = "auto"\n')
     config = FlavorConfigManager().parse_args(["--flavor", "tiny-moe-grouped-mm", "--toml", str(toml)])
     backends = {e.compute_backend for _, e, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)}
-    assert backends == {"for_loop"}
+    assert backends == {"for_loop"}  # one device: the fastest whole layer
     assert run_metadata()["compute_backend"] == "for_loop"
     assert run_metadata()["toml_overrides"][str(toml)] == {"moe.compute_backend": "auto"}
+    ep2 = ["--flavor", "tiny-moe-grouped-mm", "--toml", str(toml), "--parallelism.expert_parallel_degree", "2"]
+    monkeypatch.setenv("WORLD_SIZE", "2")  # ranks only read the cache: EP 2 was never measured
+    with pytest.raises(ConfigError, match="no cached choice"):
+        FlavorConfigManager().parse_args(ep2)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # the documented single-process step measures it
+    assert main(["auto", "--flavor", "tiny-moe-grouped-mm", "--toml", str(toml), "--expert-parallel-degree", "2"]) == 0
     monkeypatch.setenv("WORLD_SIZE", "2")  # every rank now reads the same cached choice
-    config = FlavorConfigManager().parse_args(["--flavor", "tiny-moe-grouped-mm", "--toml", str(toml),
-                                               "--parallelism.expert_parallel_degree", "2"])
-    assert run_metadata()["compute_backend"] == "for_loop"
+    FlavorConfigManager().parse_args(ep2)
+    assert run_metadata()["compute_backend"] == "grouped_mm"  # under EP: the fastest expert block
 
 
 def test_unresolved_auto_cannot_build():
@@ -232,11 +247,16 @@ def test_unresolved_auto_cannot_build():
 
 def test_real_tiny_measurement(monkeypatch, capsys):
     make_backend_unavailable(monkeypatch, "triton", "needs CUDA")
-    choice = auto_backend.resolve({TINY_SHAPE: 2}, torch.device("cpu"), torch.float32, may_measure=True)
-    assert choice.backend in TORCH_BACKENDS and set(choice.ms_per_step) == set(TORCH_BACKENDS)
-    assert all(ms > 0 for ms in choice.ms_per_step.values())
+    for expert_parallel in (False, True):
+        choice = auto_backend.resolve({TINY_SHAPE: 2}, torch.device("cpu"), torch.float32,
+                                      expert_parallel=expert_parallel, may_measure=True)
+        assert choice.backend in TORCH_BACKENDS and set(choice.ms_per_step) == set(TORCH_BACKENDS)
+        assert all(ms > 0 for ms in choice.ms_per_step.values())
     assert main(["auto", "--flavor", "tiny-moe-for-loop", "--batch-size", "2", "--seq-len", "16"]) == 0
-    assert "auto ->" in capsys.readouterr().out
+    assert "MoE layer forward+backward" in capsys.readouterr().out
+    assert main(["auto", "--flavor", "tiny-moe-for-loop", "--batch-size", "2", "--seq-len", "16",
+                 "--expert-parallel-degree", "2"]) == 0
+    assert "expert block forward+backward" in capsys.readouterr().out
 
 
 def test_layer_profile_lists_the_slowest_operators(tmp_path, capsys):

@@ -3,12 +3,17 @@
 Resolution happens once at start-up (a config check, before any process group or model is
 built) and writes a concrete backend into every ``BackendGroupedExperts.Config``, so the
 model never sees "auto". The choice is the backend with the smallest forward+backward time
-of the expert block (``expert_timing.expert_inputs``, balanced routing) summed over the
-model's MoE layers, at the run's tokens per step (local batch size x sequence length).
+summed over the model's MoE layers, at the run's tokens per step (local batch size x sequence
+length), balanced routing, of what the run will execute:
+
+- one device (expert parallel degree 1): the whole MoE layer (router, then the dispatcher and
+  combine, or a backend's fused routed path that skips them);
+- expert parallelism: the expert block on rows already grouped by expert
+  (``expert_timing.expert_inputs``), which is what every backend computes after the all-to-all.
 
 Choices are cached in ``$TORCHTITAN_EXT_CACHE/auto_backend.json`` (default
 ``~/.cache/torchtitan_ext/``), keyed by device name, torch version, dtype, the MoE shapes
-and the candidate backends (the backends of the table that run here). A single process measures on a cache miss; under torchrun
+what is measured and the candidate backends (the backends of the table that run here). A single process measures on a cache miss; under torchrun
 (``WORLD_SIZE > 1``) every rank reads the cache and a miss is an error asking for
 ``python -m torchtitan_ext.bench auto --flavor NAME`` first, so all ranks choose alike.
 """
@@ -26,8 +31,9 @@ from torchtitan.models.common.moe import MoE
 from torchtitan.tools.logging import logger
 
 from .cache import CACHE_ENV, cache_dir
-from .expert_timing import BenchShape, expert_inputs, make_timer
+from .expert_timing import BenchShape, expert_inputs, make_timer, seeded_generator
 from .experts import AUTO_BACKEND, BackendGroupedExperts, backend_names, get_backend, runnable_backends
+from .layer import moe_layer_config
 
 class AutoBackendError(ValueError):
     """``auto`` cannot be resolved here (a cache miss where measuring is not allowed)."""
@@ -36,16 +42,21 @@ class AutoBackendError(ValueError):
 CACHE_FILE_NAME = "auto_backend.json"
 
 Measure = Callable[[BenchShape, str], float]
-"""``measure(shape, backend) -> forward+backward ms`` of one expert block."""
+"""``measure(shape, backend) -> forward+backward ms`` of one MoE layer or expert block."""
+
+MEASURED_ON_ONE_DEVICE = "MoE layer"
+MEASURED_UNDER_EP = "expert block"
 
 
 @dataclass(frozen=True)
 class AutoChoice:
     backend: str
     ms_per_step: dict[str, float]
-    """Expert-block forward+backward ms per training step (all MoE layers), per candidate."""
+    """Forward+backward ms per training step (all MoE layers) of ``measured``, per candidate."""
     cached: bool
     cache_key: str
+    measured: str
+    """``MEASURED_ON_ONE_DEVICE`` or ``MEASURED_UNDER_EP``."""
 
 
 def cache_file() -> Path:
@@ -70,10 +81,10 @@ def device_name(device: torch.device) -> str:
 
 
 def cache_key(device: torch.device, dtype: torch.dtype, layer_shapes: dict[BenchShape, int],
-              candidates: list[str]) -> str:
+              candidates: list[str], measured: str) -> str:
     shapes = ",".join(f"{s.name}-T{s.tokens}x{n}" for s, n in sorted(layer_shapes.items(), key=lambda i: i[0].name))
     return "|".join([device_name(device), f"torch {torch.__version__}", str(dtype).removeprefix("torch."),
-                     shapes, "+".join(candidates)])
+                     shapes, measured, "+".join(candidates)])
 
 
 def expert_block_measure(device: torch.device, dtype: torch.dtype) -> Measure:
@@ -89,6 +100,33 @@ def expert_block_measure(device: torch.device, dtype: torch.dtype) -> Measure:
             torch.autograd.backward(compute(inputs.x_RD, *inputs.weights, inputs.counts_E), grad_RD)
 
         return timer(forward_backward, grad_to_none=[inputs.x_RD, *inputs.weights])
+
+    return measure
+
+
+def layer_measure(device: torch.device, dtype: torch.dtype) -> Measure:
+    """The whole single-device MoE layer per backend (``moe_layer_config``), seeded weights and tokens."""
+    timer = make_timer(device, warmup_ms=10, repeat_ms=40)
+
+    def measure(shape: BenchShape, backend: str) -> float:
+        with torch.device(device):
+            layer = moe_layer_config(compute_backend=backend, **shape.layer_kwargs()).build()
+        layer = layer.to(dtype).train()
+        generator = seeded_generator(device)
+
+        def randn(*size: int) -> torch.Tensor:
+            return torch.randn(*size, device=device, generator=generator).to(dtype)
+
+        with torch.no_grad():
+            for _, param in sorted(layer.named_parameters()):
+                param.copy_(randn(*param.shape) * param.shape[-1] ** -0.5)
+        x_BLD = randn(1, shape.tokens, shape.dim).requires_grad_()
+        grad_BLD = randn(*x_BLD.shape)
+
+        def forward_backward():
+            torch.autograd.backward(layer(x_BLD), grad_BLD)
+
+        return timer(forward_backward, grad_to_none=[x_BLD, *layer.parameters()])
 
     return measure
 
@@ -112,32 +150,39 @@ def _read_cache(path: Path) -> dict:
 
 
 def resolve(layer_shapes: dict[BenchShape, int], device: torch.device, dtype: torch.dtype, *,
-            may_measure: bool, remeasure: bool = False, measure: Measure | None = None) -> AutoChoice:
-    """The cached choice for these shapes here, or (``may_measure``) a fresh measurement, cached."""
+            expert_parallel: bool, may_measure: bool, remeasure: bool = False,
+            measure: Measure | None = None) -> AutoChoice:
+    """The cached choice for these shapes here, or (``may_measure``) a fresh measurement, cached.
+
+    ``expert_parallel`` selects what is measured (see the module docstring).
+    """
     candidates = runnable_backends()
-    key = cache_key(device, dtype, layer_shapes, candidates)
+    measured = MEASURED_UNDER_EP if expert_parallel else MEASURED_ON_ONE_DEVICE
+    key = cache_key(device, dtype, layer_shapes, candidates, measured)
     path = cache_file()
     cache = _read_cache(path)
     if key in cache and not remeasure:
         entry = cache[key]
-        return AutoChoice(entry["backend"], entry["ms_per_step"], True, key)
+        return AutoChoice(entry["backend"], entry["ms_per_step"], True, key, measured)
     if not may_measure:
         raise AutoBackendError(
             f"moe.compute_backend = 'auto': no cached choice for {key} in {path}, "
             "and several processes would measure apart; run the single-process "
-            "`python -m torchtitan_ext.bench auto --flavor NAME [--toml FILE] [--batch-size B --seq-len L]` first "
+            "`python -m torchtitan_ext.bench auto --flavor NAME [--toml FILE] [--batch-size B --seq-len L] "
+            "[--expert-parallel-degree N]` with the run's settings first "
             f"(same {CACHE_ENV}), or set a backend: {', '.join(backend_names())}"
         )
     if len(candidates) == 1:
         backend, ms_per_step = candidates[0], {}
     else:
-        backend, ms_per_step = choose_backend(layer_shapes, candidates, measure or expert_block_measure(device, dtype))
+        default_measure = expert_block_measure if expert_parallel else layer_measure
+        backend, ms_per_step = choose_backend(layer_shapes, candidates, measure or default_measure(device, dtype))
     cache[key] = {"backend": backend, "ms_per_step": ms_per_step}
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(f".{os.getpid()}.tmp")
     temporary.write_text(json.dumps(cache, indent=1, sort_keys=True))
     temporary.replace(path)
-    return AutoChoice(backend, ms_per_step, False, key)
+    return AutoChoice(backend, ms_per_step, False, key, measured)
 
 
 def training_device_and_dtype(config) -> tuple[torch.device, torch.dtype]:
@@ -153,7 +198,8 @@ def resolve_for_config(config, *, remeasure: bool = False, measure: Measure | No
     tokens = config.training.local_batch_size * config.training.seq_len
     layer_shapes = moe_layer_shapes(config.model_spec.model, tokens)
     may_measure = int(os.environ.get("WORLD_SIZE", "1")) == 1
-    return resolve(layer_shapes, device, dtype, may_measure=may_measure, remeasure=remeasure, measure=measure)
+    return resolve(layer_shapes, device, dtype, expert_parallel=config.parallelism.expert_parallel_degree > 1,
+                   may_measure=may_measure, remeasure=remeasure, measure=measure)
 
 
 def resolve_auto_compute_backend(config, *, measure: Measure | None = None) -> AutoChoice | None:
@@ -170,6 +216,6 @@ def resolve_auto_compute_backend(config, *, measure: Measure | None = None) -> A
         experts_config.compute_backend = choice.backend
     if os.environ.get("RANK", "0") == "0":
         source = "cached" if choice.cached else "measured"
-        logger.info(f"moe.compute_backend = 'auto' -> {choice.backend!r} ({source}: expert-block fwd+bwd "
+        logger.info(f"moe.compute_backend = 'auto' -> {choice.backend!r} ({source}: {choice.measured} fwd+bwd "
                     f"ms per step {choice.ms_per_step}; key {choice.cache_key}; cache {cache_file()})")
     return choice

@@ -53,7 +53,7 @@ EP_TABLE = [("world", "world"), ("tokens_per_rank", "T/rank"), ("dim", "D"), ("r
             ("transport", "transport"), ("permute_backend", "permute"), ("dispatch_combine_ms", "d+c ms"), ("raw_a2a_ms", "raw a2a ms"),
             ("raw_a2a_unique_ms", "raw a2a unique ms"), ("dispatch_combine_GBps", "d+c GB/s"),
             ("raw_a2a_GBps", "raw GB/s"), ("fraction_of_raw", "fraction"), ("fraction_of_raw_unique", "fraction unique")]
-AUTO_TABLE = [("backend", "backend"), ("ms_per_step", "expert fwd+bwd ms per step"), ("chosen", "chosen")]
+AUTO_TABLE = [("backend", "backend"), ("ms_per_step", "fwd+bwd ms per step"), ("chosen", "chosen")]
 
 
 def add_output_options(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     auto.add_argument("--toml", action="append", default=[], metavar="FILE", help="TOML overrides (repeatable)")
     auto.add_argument("--batch-size", type=int, help="local batch size of the run (default: the flavor's)")
     auto.add_argument("--seq-len", type=int, help="sequence length of the run (default: the flavor's)")
+    auto.add_argument("--expert-parallel-degree", type=int, metavar="N",
+                      help="the run's expert parallel degree (default: the flavor's); above 1 the expert block "
+                           "is measured, at 1 the whole single-device MoE layer")
     auto.add_argument("--remeasure", action="store_true", help="measure again even if the cache has a choice")
     auto.add_argument("--json", metavar="PATH", help="write the choice as JSON")
 
@@ -261,17 +264,23 @@ def run_train_step(parser, args, device, command) -> None:
 
 def run_auto(parser, args, device, command) -> None:
     train_step, _ = _trainer_stack()
+    if args.expert_parallel_degree is not None and args.expert_parallel_degree < 1:
+        parser.error(f"--expert-parallel-degree must be >= 1, got {args.expert_parallel_degree}")
     config = train_step.step_config(args.flavor, args.toml, AUTO_BACKEND, batch_size=args.batch_size,
                                     seq_len=args.seq_len, num_layers=None)
+    if args.expert_parallel_degree is not None:
+        config.parallelism.expert_parallel_degree = args.expert_parallel_degree
     refuse_full_size_on_cpu("auto", {f"flavor {args.flavor}": config.model_spec.model.dim}, device,
                             hint=TINY_FLAVORS_HINT)
     choice = auto_backend.resolve_for_config(config, remeasure=args.remeasure)
     rows = [{"backend": name, "ms_per_step": ms, "chosen": "*" if name == choice.backend else ""}
             for name, ms in choice.ms_per_step.items()]
     print_table(rows, AUTO_TABLE)
-    print(f"auto -> {choice.backend} ({'cached' if choice.cached else 'measured'}; {auto_backend.cache_file()})")
+    print(f"auto -> {choice.backend} ({'cached' if choice.cached else 'measured'}: {choice.measured} forward+backward "
+          f"over the flavor's MoE layers; {auto_backend.cache_file()})")
     write_json(args.json, {"flavor": args.flavor, "backend": choice.backend, "ms_per_step": choice.ms_per_step,
-                           "cached": choice.cached, "cache_key": choice.cache_key, "command": command})
+                           "measured": choice.measured, "cached": choice.cached, "cache_key": choice.cache_key,
+                           "command": command})
 
 
 def run_plot(parser, args, device, command) -> None:
