@@ -1,6 +1,7 @@
 """CPU runs drop the torchtitan log lines and Python warnings that mean nothing there,
 triggered from their real sources where that is cheap, and keep every other message."""
 
+import contextlib
 import logging
 import types
 import warnings
@@ -15,16 +16,24 @@ from torchtitan_ext.compat import quiet_cpu
 from torchtitan_ext.compat.quiet_cpu import quiet_cpu_warnings
 
 
-@pytest.fixture
-def quiet(monkeypatch, caplog):
-    """``quiet_cpu_warnings()`` as on a CPU machine; every other warning recorded."""
-    monkeypatch.setattr(quiet_cpu, "cpu_training", lambda: True)
+@contextlib.contextmanager
+def quieted(monkeypatch, caplog, *, on_cpu: bool):
+    """``quiet_cpu_warnings()`` (called twice: idempotent) on a machine with or without CUDA;
+    yields the Python warnings recorded after it."""
+    monkeypatch.setattr(quiet_cpu, "cpu_training", lambda: on_cpu)
     monkeypatch.setattr(logger, "filters", [])
     caplog.set_level(logging.INFO)
     with warnings.catch_warnings(record=True) as recorded:
         warnings.simplefilter("always")
         quiet_cpu_warnings()
-        quiet_cpu_warnings()  # idempotent
+        quiet_cpu_warnings()
+        yield recorded
+
+
+@pytest.fixture
+def quiet(monkeypatch, caplog):
+    """As on a CPU machine; every other warning recorded."""
+    with quieted(monkeypatch, caplog, on_cpu=True) as recorded:
         yield recorded
 
 
@@ -56,13 +65,7 @@ def test_python_warnings_are_ignored(quiet):
 
 
 def test_nothing_is_silenced_with_cuda(monkeypatch, caplog):
-    monkeypatch.setattr(quiet_cpu, "cpu_training", lambda: False)
-    monkeypatch.setattr(logger, "filters", [])
-    caplog.set_level(logging.INFO)
-    with warnings.catch_warnings(record=True) as recorded:
-        warnings.simplefilter("always")
-        quiet_cpu_warnings()
+    with quieted(monkeypatch, caplog, on_cpu=False) as recorded:
         torch.set_vital("Dataloader", "enabled", "True")
         logger.info("Peak FLOPS used for computing MFU: 9.890e+14")
     assert len(recorded) == 1 and len(caplog.records) == 1
-
