@@ -19,6 +19,9 @@ that no slot maps to are padding and are zero.
 - ``unpermute_tokens(rows_RD, dest_row_S, scores_S, top_k)`` -> ``y_TD``:
   ``y_TD[t] = sum_k scores_S[t*K+k] * rows_RD[dest_row_S[t*K+k]]`` (fp32 accumulation,
   dropped slots contribute nothing), in the dtype of ``rows_RD``.
+- ``gather_rows(rows_RD, index_N)`` -> ``rows_RD[index_N]`` for an index without repeats: the
+  inverse of ``permute_tokens`` with ``top_k = 1``; its gradient scatters back into zeros (the
+  expert-parallel regroup's combine side).
 
 Both are differentiable in every floating input; gradients never touch padding rows
 (the gradient of a padding row of ``rows_RD`` is zero). The Triton versions need CUDA, or
@@ -100,6 +103,11 @@ def unpermute_tokens_reference(
     weights_S = torch.where(kept_S, scores_S.float(), 0.0)
     weighted_SD = rows_RD[dest_row_S.clamp(min=0)].float() * weights_S.unsqueeze(1)
     return weighted_SD.view(-1, top_k, dim).sum(dim=1).to(rows_RD.dtype)
+
+
+def gather_rows_reference(rows_RD: torch.Tensor, index_N: torch.Tensor) -> torch.Tensor:
+    """``rows_RD[index_N]`` (index without repeats)."""
+    return rows_RD[index_N.long()]
 
 
 # ---------------------------------------------------------------- Triton kernels
@@ -236,6 +244,19 @@ class _UnpermuteTokens(torch.autograd.Function):
         return grad_rows_RD, None, grad_scores_S, None
 
 
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows_RD, index_N):
+        ctx.save_for_backward(index_N)
+        ctx.num_rows = rows_RD.shape[0]
+        return sum_slots(rows_RD, index_N, 1, index_N.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        (index_N,) = ctx.saved_tensors
+        return _PermuteTokens.apply(grad_ND, index_N, 1, ctx.num_rows), None
+
+
 def permute_tokens(
     x_TD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_rows: int
 ) -> torch.Tensor:
@@ -250,3 +271,9 @@ def unpermute_tokens(
     """Triton version of :func:`unpermute_tokens_reference`."""
     check_runnable(rows_RD, dest_row_S, scores_S)
     return _UnpermuteTokens.apply(rows_RD, dest_row_S, scores_S, top_k)
+
+
+def gather_rows(rows_RD: torch.Tensor, index_N: torch.Tensor) -> torch.Tensor:
+    """Triton version of :func:`gather_rows_reference`: one row-copy kernel each way."""
+    check_runnable(rows_RD, index_N)
+    return _GatherRows.apply(rows_RD, index_N)

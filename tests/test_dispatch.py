@@ -14,6 +14,7 @@ import torch
 from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
 from torchtitan_ext.experiments.moe_backends.dispatcher import (
     RoutingDispatcher,
+    expert_major_rows,
     padded_num_rows,
     plan_slots,
 )
@@ -119,6 +120,25 @@ def test_reference_permute_matches_definition():
     torch.testing.assert_close(out, expected)
 
 
+@pytest.mark.parametrize("align_size", [1, 4])
+def test_received_rows_regroup_expert_major_in_source_order(align_size):
+    counts_Ge = torch.tensor([[2, 0, 3], [1, 4, 0], [0, 2, 2]])
+    arrivals = [(g, e, i) for g in range(3) for e in range(3) for i in range(int(counts_Ge[g, e]))]
+    dest_row_N, rows_per_expert_e, num_rows = expert_major_rows(counts_Ge, len(arrivals), align_size)
+    assert num_rows == padded_num_rows(len(arrivals), 3, align_size) == int(rows_per_expert_e.sum())
+    assert len(set(dest_row_N.tolist())) == len(arrivals)
+    buffer = [None] * num_rows
+    for arrival, dest in zip(arrivals, dest_row_N.tolist()):
+        buffer[dest] = arrival
+    start = 0
+    for expert, size in enumerate(rows_per_expert_e.tolist()):
+        group = [row for row in buffer[start:start + size] if row is not None]
+        assert group == sorted(row for row in arrivals if row[1] == expert)  # source order, then arrival
+        assert buffer[start:start + len(group)] == group  # real rows first, padding after
+        assert size % align_size == 0 or expert == 2
+        start += size
+
+
 def test_parallelism_misconfiguration_is_reported():
     config = get_flavor("tiny-moe-for-loop").build()
     moes = [layer.moe for layer in config.model_spec.model.layers]
@@ -152,7 +172,7 @@ def test_ep_misconfiguration_exits_before_training():
 
 
 def triton_checks() -> None:
-    """Triton permute / unpermute vs the torch reference, and the dispatcher with each backend."""
+    """Triton permute / unpermute / row gather vs the torch references, and the dispatcher with each backend."""
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         for align_size, drop_every in ((1, 0), (4, 3)):
             x_TD, scores_TK, ids_TK, counts_E = routing(7, seed=5, drop_every=drop_every)
@@ -171,6 +191,17 @@ def triton_checks() -> None:
                 grads.append((rows, out, x.grad, scores.grad))
             for expected, actual in zip(*grads):
                 torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+        rows_RD = torch.randn(9, DIM, generator=torch.Generator().manual_seed(7)).to(dtype)
+        index_N = torch.tensor([4, 0, 8, 2, 7, 1])  # rows 3, 5 and 6 are never read
+        grads = []
+        for gather in (moe_permute.gather_rows_reference, moe_permute.gather_rows):
+            rows = rows_RD.clone().requires_grad_()
+            out = gather(rows, index_N)
+            out.backward(torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype))
+            grads.append((out, rows.grad))
+        for expected, actual in zip(*grads):
+            torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
 
     x_TD, scores_TK, ids_TK, counts_E = routing(8, seed=6, drop_every=5)
     results = [

@@ -1,8 +1,9 @@
 """Token dispatcher: local (EP=1) and expert-parallel all-to-all, with a permute backend choice.
 
 ``RoutingDispatcher`` subclasses torchtitan's ``AllToAllTokenDispatcher``; without an EP mesh it
-dispatches locally, with one it uses torchtitan's count exchange, token all-to-all (autograd)
-and rank-major -> expert-major regroup, and the exact reverse on combine.
+dispatches locally, with one it uses torchtitan's count exchange and token all-to-all (autograd),
+then regroups the received rows from rank-major to expert-major order (``align_size`` padding
+included) with one row copy, and does the exact reverse on combine.
 
 Slots are the routed (token, k) pairs in token-major order (``s = t * top_k + k``). Expert id
 ``num_experts`` marks a slot dropped by the router's capacity limit: it is not sent anywhere
@@ -12,8 +13,8 @@ Options (``Config``):
 - ``permute_backend``: ``"torch"`` (gathers and an fp32 weighted sum), ``"triton"``
   (``torchtitan_ext.kernels.moe_permute``: one row-copy kernel each way, gather-only
   gradients) or ``"auto"`` (the default: ``"triton"`` for CUDA tokens, ``"torch"`` otherwise);
-  used for the token -> expert-grouped permute and for the weighted unpermute + sum over
-  top_k in combine.
+  used for the token -> expert-grouped permute, for the weighted unpermute + sum over
+  top_k in combine, and for the EP regroup of received rows and its inverse.
 - ``ep_transport``: how rows move between EP ranks. ``"all_to_all"``: torchtitan's count exchange,
   all-to-alls and regroup (any process group backend). ``"symm_mem"``: one pull kernel in
   dispatch and one push kernel in combine through memory every rank maps (``ep_symm_mem``:
@@ -57,6 +58,10 @@ _UNPERMUTE = {
     "torch": moe_permute.unpermute_tokens_reference,
     "triton": moe_permute.unpermute_tokens,
 }
+_GATHER = {
+    "torch": moe_permute.gather_rows_reference,
+    "triton": moe_permute.gather_rows,
+}
 
 
 def padded_num_rows(num_real_rows: int, num_groups: int, align_size: int) -> int:
@@ -79,6 +84,33 @@ def padded_groups(
     starts_G = torch.cumsum(padded_G, 0) - padded_G
     padded_G[-1] += num_rows - padded_G.sum()
     return starts_G, padded_G
+
+
+def expert_major_rows(
+    counts_Ge: torch.Tensor, num_received: int, align_size: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each received row goes when rows are regrouped by local expert and padded.
+
+    Args:
+        counts_Ge: ``(G, e)`` rows that source ``g`` sent for local expert ``e``. The
+            ``num_received`` rows arrive source-major: ``(g0, e0), (g0, e1), ..., (g1, e0), ...``.
+        align_size: each expert's group is padded to a multiple of it (``padded_groups``).
+
+    Returns ``(dest_row_N, rows_per_local_expert_e, num_rows)``: the buffer row of each received
+    row (within an expert, rows keep source order), each expert's padded group size, and the
+    static row count of the buffer. No host sync.
+    """
+    num_rows = padded_num_rows(num_received, counts_Ge.shape[1], align_size)
+    starts_e, rows_per_local_expert_e = padded_groups(counts_Ge.sum(0), num_rows, align_size)
+    dest_start_Ge = starts_e + torch.cumsum(counts_Ge, 0) - counts_Ge
+    counts_S = counts_Ge.reshape(-1)
+    source_start_S = torch.cumsum(counts_S, 0) - counts_S
+    segment_N = torch.repeat_interleave(
+        torch.arange(counts_S.shape[0], device=counts_S.device), counts_S, output_size=num_received
+    )
+    shift_S = dest_start_Ge.reshape(-1) - source_start_S
+    dest_row_N = shift_S[segment_N] + torch.arange(num_received, device=counts_S.device)
+    return dest_row_N, rows_per_local_expert_e, num_rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,12 +163,10 @@ class RoutingDispatchMetadata:
     """local slot plan (None over ``symm_mem``, whose route replaces it)"""
     scores_S: torch.Tensor
     """``(T*K,)`` gating weight of each slot"""
-    ep_input_shape: torch.Size | None = None
-    ep_permuted_indices: torch.Tensor | None = None
     input_splits: list[int] | None = None
     output_splits: list[int] | None = None
     received_dest_row_R: torch.Tensor | None = None
-    """EP with align_size > 1: padded row of each received (expert-major) row"""
+    """EP: the expert-major (padded) row of each received row; None when they arrived in place"""
     exchange_route: ep_symm_mem.Route | None = None
     """EP over ``symm_mem``: where the received rows came from"""
 
@@ -190,6 +220,9 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
     def _unpermute_rows(self, rows_RD, dest_row_S, scores_S, top_k: int) -> torch.Tensor:
         return _UNPERMUTE[self._row_ops_for(rows_RD)](rows_RD, dest_row_S, scores_S, top_k)
 
+    def _gather_rows(self, rows_RD, index_N) -> torch.Tensor:
+        return _GATHER[self._row_ops_for(rows_RD)](rows_RD, index_N)
+
     @property
     def single_device(self) -> bool:
         """True without expert parallelism: every expert is local and no rows leave the device."""
@@ -224,8 +257,8 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
     ) -> torch.Tensor:
         """Weight each slot's expert output by its score and sum over top_k -> ``(T, D)``."""
         rows_RD = routed_output_RD
-        if metadata.received_dest_row_R is not None:  # EP with align_size: drop the padding rows
-            rows_RD = rows_RD[metadata.received_dest_row_R]
+        if metadata.received_dest_row_R is not None:  # EP: back to arrival order, padding dropped
+            rows_RD = self._gather_rows(rows_RD, metadata.received_dest_row_R)
         if metadata.exchange_route is not None:
             return ep_symm_mem.combine(rows_RD, metadata.scores_S, metadata.exchange_route).to(x_TD.dtype)
         if self.ep_mesh is not None:
@@ -271,17 +304,13 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
             received_RD = self._dispatch_token_exchange(
                 rows_RD[: sum(input_splits)], group, output_splits, input_splits
             )
-            input_shape, grouped_RD, permuted_indices, rows_per_local_expert_e = self._permute(
-                received_RD, received_counts_E
-            )
-        grouped_RD, rows_per_local_expert_e, received_dest_row_R = self._pad_received_groups(
-            grouped_RD, rows_per_local_expert_e
+            received_RD = torch.ops._c10d_functional.wait_tensor(received_RD)  # before a kernel reads it
+        grouped_RD, rows_per_local_expert_e, received_dest_row_R = self._group_received_rows(
+            received_RD, received_counts_E.view(ep_size, -1)
         )
         metadata = RoutingDispatchMetadata(
             plan=plan,
             scores_S=topk_scores_TK.reshape(-1),
-            ep_input_shape=input_shape,
-            ep_permuted_indices=permuted_indices,
             input_splits=input_splits,
             output_splits=output_splits,
             received_dest_row_R=received_dest_row_R,
@@ -296,8 +325,8 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
             x_TD, topk_scores_TK.reshape(-1), topk_expert_ids_TK.reshape(-1), group,
             self.num_experts, self.top_k,
         )
-        grouped_RD, rows_per_local_expert_e, received_dest_row_R = self._pad_received_groups(
-            received_RD, rows_per_local_expert_e
+        grouped_RD, rows_per_local_expert_e, received_dest_row_R = self._group_received_rows(
+            received_RD, rows_per_local_expert_e.view(1, -1)
         )
         metadata = RoutingDispatchMetadata(
             plan=None,
@@ -307,49 +336,33 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         )
         return grouped_RD, rows_per_local_expert_e, metadata
 
-    def _pad_received_groups(self, grouped_RD, rows_per_local_expert_e):
-        """Apply ``align_size`` to expert-major received rows; sets ``last_num_padding_rows``.
+    def _group_received_rows(self, received_RD, counts_Ge):
+        """Received rows (source-major, ``counts_Ge`` rows per source and local expert) ->
+        expert-major rows with ``align_size`` padding; sets ``last_num_padding_rows``.
 
-        Returns ``(rows, rows_per_local_expert, received_dest_row_R)``; the last is the padded
-        row of each received row, None without padding.
+        Returns ``(rows, rows_per_local_expert_e, received_dest_row_R)``; the last is the buffer
+        row of each received row, None when the rows are already in place (one source, no padding).
         """
-        received_dest_row_R = None
-        num_padding_rows = 0
-        if self.align_size > 1:
-            num_received = grouped_RD.shape[0]
-            num_rows = padded_num_rows(num_received, rows_per_local_expert_e.shape[0], self.align_size)
-            starts_e, padded_counts_e = padded_groups(rows_per_local_expert_e, num_rows, self.align_size)
-            local_expert_R = torch.repeat_interleave(
-                torch.arange(starts_e.shape[0], device=starts_e.device),
-                rows_per_local_expert_e,
-                output_size=num_received,
-            )
-            real_starts_e = torch.cumsum(rows_per_local_expert_e, 0) - rows_per_local_expert_e
-            received_dest_row_R = (
-                starts_e[local_expert_R]
-                + torch.arange(num_received, device=starts_e.device)
-                - real_starts_e[local_expert_R]
-            )
-            grouped_RD = grouped_RD.new_zeros(num_rows, grouped_RD.shape[1]).index_copy(
-                0, received_dest_row_R, grouped_RD
-            )
-            rows_per_local_expert_e = padded_counts_e
-            num_padding_rows = num_rows - num_received
-        self.last_num_padding_rows = rows_per_local_expert_e.new_full((), num_padding_rows)
-        return grouped_RD, rows_per_local_expert_e, received_dest_row_R
+        num_received = received_RD.shape[0]
+        if counts_Ge.shape[0] == 1 and self.align_size == 1:
+            self.last_num_padding_rows = counts_Ge.new_zeros((), dtype=torch.int64)
+            return received_RD, counts_Ge[0], None
+        dest_row_R, rows_per_local_expert_e, num_rows = expert_major_rows(
+            counts_Ge, num_received, self.align_size
+        )
+        grouped_RD = self._permute_rows(received_RD, dest_row_R, 1, num_rows)
+        self.last_num_padding_rows = counts_Ge.new_full((), num_rows - num_received, dtype=torch.int64)
+        return grouped_RD, rows_per_local_expert_e, dest_row_R
 
     def _combine_expert_parallel(
         self, routed_output_RD: torch.Tensor, metadata: RoutingDispatchMetadata
     ) -> torch.Tensor:
-        """Expert-major -> rank-major, all-to-all back, re-add dropped rows."""
+        """Rank-major rows, all-to-all back, re-add dropped rows."""
         assert metadata.input_splits is not None and metadata.output_splits is not None
         with maybe_set_sparse_mesh():
             group = self._ep_group()
-            rank_major_RD = self._unpermute(
-                routed_output_RD, metadata.ep_input_shape, metadata.ep_permuted_indices
-            )
             returned_KD = self._combine_token_exchange(
-                rank_major_RD, group, metadata.input_splits, metadata.output_splits
+                routed_output_RD, group, metadata.input_splits, metadata.output_splits
             )
         num_dropped = metadata.plan.num_rows - sum(metadata.input_splits)
         if num_dropped:
