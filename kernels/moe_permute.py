@@ -19,6 +19,9 @@ that no slot maps to are padding and are zero.
 - ``unpermute_tokens(rows_RD, dest_row_S, scores_S, top_k)`` -> ``y_TD``:
   ``y_TD[t] = sum_k scores_S[t*K+k] * rows_RD[dest_row_S[t*K+k]]`` (fp32 accumulation,
   dropped slots contribute nothing), in the dtype of ``rows_RD``.
+- ``sum_token_rows(rows_RD, dest_row_S, top_k)`` -> ``y_TD``: ``y_TD[t] = sum_k rows_RD[dest_row_S[t*K+k]]``
+  (fp32 accumulation, dropped slots skipped): the adjoint of ``permute_tokens``; its gradient
+  copies ``grad_y[t]`` to every row of token ``t`` (the expert-parallel sender's sum over ranks).
 - ``gather_rows(rows_RD, index_N)`` -> ``rows_RD[index_N]`` for an index without repeats: the
   inverse of ``permute_tokens`` with ``top_k = 1``; its gradient scatters back into zeros (the
   expert-parallel regroup's combine side).
@@ -103,6 +106,11 @@ def unpermute_tokens_reference(
     weights_S = torch.where(kept_S, scores_S.float(), 0.0)
     weighted_SD = rows_RD[dest_row_S.clamp(min=0)].float() * weights_S.unsqueeze(1)
     return weighted_SD.view(-1, top_k, dim).sum(dim=1).to(rows_RD.dtype)
+
+
+def sum_token_rows_reference(rows_RD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Gather each slot's row and sum over top_k in fp32 (dropped slots contribute nothing)."""
+    return unpermute_tokens_reference(rows_RD, dest_row_S, torch.ones_like(dest_row_S, dtype=torch.float32), top_k)
 
 
 def gather_rows_reference(rows_RD: torch.Tensor, index_N: torch.Tensor) -> torch.Tensor:
@@ -244,6 +252,19 @@ class _UnpermuteTokens(torch.autograd.Function):
         return grad_rows_RD, None, grad_scores_S, None
 
 
+class _SumTokenRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows_RD, dest_row_S, top_k):
+        ctx.save_for_backward(dest_row_S)
+        ctx.top_k, ctx.num_rows = top_k, rows_RD.shape[0]
+        return sum_slots(rows_RD, dest_row_S, top_k, dest_row_S.shape[0] // top_k)
+
+    @staticmethod
+    def backward(ctx, grad_y_TD):
+        (dest_row_S,) = ctx.saved_tensors
+        return _PermuteTokens.apply(grad_y_TD, dest_row_S, ctx.top_k, ctx.num_rows), None, None
+
+
 class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows_RD, index_N):
@@ -277,3 +298,9 @@ def gather_rows(rows_RD: torch.Tensor, index_N: torch.Tensor) -> torch.Tensor:
     """Triton version of :func:`gather_rows_reference`: one row-copy kernel each way."""
     check_runnable(rows_RD, index_N)
     return _GatherRows.apply(rows_RD, index_N)
+
+
+def sum_token_rows(rows_RD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Triton version of :func:`sum_token_rows_reference`: one row kernel each way."""
+    check_runnable(rows_RD, dest_row_S)
+    return _SumTokenRows.apply(rows_RD, dest_row_S, top_k)

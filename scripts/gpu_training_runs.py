@@ -8,9 +8,12 @@
 GPU) and on two GPUs with EP 2 over each EP transport; tiny-moe-triton once more on one GPU with
 the Triton cache the first run filled (warm start). Every backend's losses must equal for_loop's
 of the same layout to rel 1e-4.
-``full``: olmoe-1b-7b on two GPUs (FSDP 2, EP 2, bf16), 20 steps, with grouped_mm, triton and
-torchtitan's own MoE layers, and grouped_mm a second time (the run-to-run spread of bf16 training);
-every loss must be within 2% of grouped_mm's at the same step.
+``full``: olmoe-1b-7b on two GPUs (FSDP 2, EP 2, bf16), 20 steps of ``--local-batch-size`` x 2048
+tokens per GPU (default 8: at 2 the H200's step is bound by the host's kernel launches, for every
+backend alike), with grouped_mm, triton and torchtitan's own MoE layers, and grouped_mm a second
+time (the run-to-run spread of bf16 training); every loss must be within 2% of grouped_mm's at
+the same step. Printed per run: the median tokens/s over steps 5-20 (after warm-up and the
+first compilations) and its ratio to torchtitan's MoE layers.
 
 Per run: losses, tokens/s, MFU, peak memory (rank 0's log) and the seconds from launch to the
 first step's log line. The JSON carries the device, torch, triton and NCCL versions and the commit
@@ -89,8 +92,18 @@ def launch(run: Run, device_ids: str, port: int, env: dict[str, str]) -> Run:
     if run.returncode != 0 or not run.losses:
         run.error_tail = "".join(lines[-60:])
     print(f"{run.name}: rc {run.returncode}, first step after {run.seconds_to_first_step} s, "
-          f"{len(run.losses)} steps, last loss {run.losses.get(max(run.losses, default=0))}", flush=True)
+          f"{len(run.losses)} steps, last loss {run.losses.get(max(run.losses, default=0))}, "
+          f"median tokens/s {median_tokens_per_second(run)}", flush=True)
     return run
+
+
+def median_tokens_per_second(run: Run, first_step: int = 5) -> float | None:
+    """Median tokens/s (per GPU, as torchtitan logs it) over the steps from ``first_step`` on."""
+    values = sorted(tps for step, tps in run.tokens_per_second.items() if step >= first_step)
+    if not values:
+        return None
+    middle = len(values) // 2
+    return float(values[middle]) if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
 
 def tiny_runs() -> list[list[Run]]:
@@ -109,8 +122,8 @@ def tiny_runs() -> list[list[Run]]:
     return batches
 
 
-def full_runs() -> list[list[Run]]:
-    args = ["--training.steps", "20", "--training.local_batch_size", "2", "--training.seq_len", "2048",
+def full_runs(local_batch_size: int) -> list[list[Run]]:
+    args = ["--training.steps", "20", "--training.local_batch_size", str(local_batch_size), "--training.seq_len", "2048",
             "--parallelism.expert_parallel_degree", "2", "--metrics.log_freq", "1"]
     return [
         [Run("olmoe grouped_mm fsdp2 ep2", "olmoe-1b-7b", 2, args)],
@@ -118,6 +131,16 @@ def full_runs() -> list[list[Run]]:
         [Run("olmoe triton fsdp2 ep2", "olmoe-1b-7b", 2, [*args, "--toml", "examples/triton.toml"])],
         [Run("olmoe torchtitan-moe fsdp2 ep2", "olmoe-1b-7b-torchtitan-moe", 2, args)],
     ]
+
+
+def print_throughput_ratios(runs: list[Run]) -> None:
+    """Each run's median tokens/s over torchtitan's MoE layers' (the run whose flavor names them)."""
+    stock = next((run for run in runs if run.flavor.endswith("torchtitan-moe")), None)
+    stock_tps = median_tokens_per_second(stock) if stock else None
+    for run in runs:
+        tps = median_tokens_per_second(run)
+        ratio = f"{tps / stock_tps:.2f}x torchtitan's MoE" if tps and stock_tps else "no ratio"
+        print(f"  {run.name}: median {tps} tokens/s per GPU, {ratio}")
 
 
 def compare_losses(runs: list[Run], reference_of, rel: float) -> list[str]:
@@ -207,11 +230,15 @@ def main() -> int:
     parser.add_argument("suite", choices=("tiny", "full"))
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--only", nargs="+", metavar="REGEX", help="run only the runs whose name matches one of these")
+    parser.add_argument("--local-batch-size", type=int, default=8, metavar="N",
+                        help="full suite: sequences of 2048 tokens per GPU per step (default 8)")
     args = parser.parse_args()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.suite == "tiny":
         env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
-    batches = tiny_runs() if args.suite == "tiny" else full_runs()
+    if args.local_batch_size < 1:
+        parser.error(f"--local-batch-size must be >= 1, got {args.local_batch_size}")
+    batches = tiny_runs() if args.suite == "tiny" else full_runs(args.local_batch_size)
     if args.only:
         batches = [[r for r in batch if any(re.search(p, r.name) for p in args.only)] for batch in batches]
         batches = [batch for batch in batches if batch]
@@ -230,6 +257,8 @@ def main() -> int:
     else:
         problems = compare_losses(runs, lambda run: runs[0], 0.02)
     problems += [f"{run.name}: exit code {run.returncode}" for run in runs if run.returncode != 0]
+    if args.suite == "full":
+        print_throughput_ratios(runs)
     result = {"environment": environment(), "suite": args.suite, "runs": [asdict(r) for r in runs],
               "problems": problems}
     with open(args.out, "w") as f:

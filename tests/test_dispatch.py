@@ -172,7 +172,7 @@ def test_ep_misconfiguration_exits_before_training():
 
 
 def triton_checks() -> None:
-    """Triton permute / unpermute / row gather vs the torch references, and the dispatcher with each backend."""
+    """Triton permute / unpermute / token sum / row gather vs the torch references, and the dispatcher with each backend."""
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         for align_size, drop_every in ((1, 0), (4, 3)):
             x_TD, scores_TK, ids_TK, counts_E = routing(7, seed=5, drop_every=drop_every)
@@ -189,6 +189,16 @@ def triton_checks() -> None:
                 out = unpermute(rows, plan.dest_row_S, scores, TOP_K)
                 out.backward(torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype))
                 grads.append((rows, out, x.grad, scores.grad))
+            for expected, actual in zip(*grads):
+                torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+            grads = []
+            for sum_rows in (moe_permute.sum_token_rows_reference, moe_permute.sum_token_rows):
+                rows = (torch.arange(plan.num_rows * DIM, dtype=torch.float32).view(-1, DIM) / 7).to(dtype)
+                rows.requires_grad_()
+                out = sum_rows(rows, plan.dest_row_S, TOP_K)
+                out.backward(torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype))
+                grads.append((out, rows.grad))
             for expected, actual in zip(*grads):
                 torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
 

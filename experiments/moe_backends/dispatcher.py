@@ -1,9 +1,14 @@
 """Token dispatcher: local (EP=1) and expert-parallel all-to-all, with a permute backend choice.
 
 ``RoutingDispatcher`` subclasses torchtitan's ``AllToAllTokenDispatcher``; without an EP mesh it
-dispatches locally, with one it uses torchtitan's count exchange and token all-to-all (autograd),
-then regroups the received rows from rank-major to expert-major order (``align_size`` padding
-included) with one row copy, and does the exact reverse on combine.
+dispatches locally. With one, over ``all_to_all``, a token is sent to each EP rank once, however
+many of that rank's experts it is routed to (not once per routed slot): the sender copies each
+(token, destination rank) pair to one row, and with the rows sends each row's local expert ids and
+gating weights. The receiver groups the received rows by local expert as the local dispatch does,
+and in combine weights and sums each row's expert outputs before sending one row back per pair;
+the sender adds the rows that come back for each token. Counts go first, in one all-to-all
+through torchtitan's count exchange; the rows, ids and weights go through its token all-to-all
+(autograd).
 
 Slots are the routed (token, k) pairs in token-major order (``s = t * top_k + k``). Expert id
 ``num_experts`` marks a slot dropped by the router's capacity limit: it is not sent anywhere
@@ -13,10 +18,9 @@ Options (``Config``):
 - ``permute_backend``: ``"torch"`` (gathers and an fp32 weighted sum), ``"triton"``
   (``torchtitan_ext.kernels.moe_permute``: one row-copy kernel each way, gather-only
   gradients) or ``"auto"`` (the default: ``"triton"`` for CUDA tokens, ``"torch"`` otherwise);
-  used for the token -> expert-grouped permute, for the weighted unpermute + sum over
-  top_k in combine, and for the EP regroup of received rows and its inverse.
-- ``ep_transport``: how rows move between EP ranks. ``"all_to_all"``: torchtitan's count exchange,
-  all-to-alls and regroup (any process group backend). ``"symm_mem"``: one pull kernel in
+  used for every row copy and sum of the local and expert-parallel paths.
+- ``ep_transport``: how rows move between EP ranks. ``"all_to_all"``: NCCL (or gloo) all-to-alls of
+  one row per (token, destination rank), as above (any process group backend). ``"symm_mem"``: one pull kernel in
   dispatch and one push kernel in combine through memory every rank maps (``ep_symm_mem``:
   CUDA symmetric memory, or shared memory for CPU ranks on one host under ``TRITON_INTERPRET=1``).
 - ``align_size``: pad each local expert's rows with zero rows to a multiple of it (block-aligned
@@ -61,6 +65,10 @@ _UNPERMUTE = {
 _GATHER = {
     "torch": moe_permute.gather_rows_reference,
     "triton": moe_permute.gather_rows,
+}
+_SUM_TOKEN_ROWS = {
+    "torch": moe_permute.sum_token_rows_reference,
+    "triton": moe_permute.sum_token_rows,
 }
 
 
@@ -127,15 +135,21 @@ class SlotPlan:
     """0-d int64: rows of the buffer that hold no slot"""
 
 
-def plan_slots(topk_expert_ids_TK: torch.Tensor, num_experts: int, align_size: int) -> SlotPlan:
-    """Group slots by expert (stable: token order within an expert), dropped slots excluded."""
+def plan_slots(
+    topk_expert_ids_TK: torch.Tensor, num_experts: int, align_size: int, num_kept: int | None = None
+) -> SlotPlan:
+    """Group slots by expert (stable: token order within an expert), dropped slots excluded.
+
+    The buffer is sized for every slot, or for ``num_kept`` rows when the caller knows how many
+    slots are kept (it must be exact).
+    """
     expert_of_slot_S = topk_expert_ids_TK.reshape(-1).long()
     num_slots = expert_of_slot_S.shape[0]
     device = expert_of_slot_S.device
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, expert_of_slot_S, torch.ones_like(expert_of_slot_S))
     kept_counts_E = counts[:num_experts]
-    num_rows = padded_num_rows(num_slots, num_experts, align_size)
+    num_rows = padded_num_rows(num_slots if num_kept is None else num_kept, num_experts, align_size)
     group_starts_E, rows_per_expert_E = padded_groups(kept_counts_E, num_rows, align_size)
 
     order_S = torch.argsort(expert_of_slot_S, stable=True)
@@ -156,17 +170,31 @@ def plan_slots(topk_expert_ids_TK: torch.Tensor, num_experts: int, align_size: i
 
 
 @dataclass(frozen=True, kw_only=True)
+class TokenExchange:
+    """EP over ``all_to_all``: what combine needs on both sides of the exchange."""
+
+    pair_row_S: torch.Tensor
+    """``(T*W,)`` sender: send row of each (token, rank) pair, ``s = t * W + rank``; -1 when not sent"""
+    received_plan: SlotPlan
+    """receiver: where each received row's slots (``row * top_k + k``) went in the grouped buffer"""
+    received_scores_S: torch.Tensor
+    """``(U*K,)`` receiver: gating weight of each received slot (0 for slots of other ranks)"""
+    input_splits: list[int]
+    output_splits: list[int]
+
+
+@dataclass(frozen=True, kw_only=True)
 class RoutingDispatchMetadata:
     """What ``combine`` needs to undo ``dispatch``."""
 
     plan: SlotPlan | None
-    """local slot plan (None over ``symm_mem``, whose route replaces it)"""
+    """local slot plan (None under EP)"""
     scores_S: torch.Tensor
     """``(T*K,)`` gating weight of each slot"""
-    input_splits: list[int] | None = None
-    output_splits: list[int] | None = None
+    token_exchange: TokenExchange | None = None
+    """EP over ``all_to_all``"""
     received_dest_row_R: torch.Tensor | None = None
-    """EP: the expert-major (padded) row of each received row; None when they arrived in place"""
+    """EP over ``symm_mem``: the expert-major (padded) row of each received row; None when in place"""
     exchange_route: ep_symm_mem.Route | None = None
     """EP over ``symm_mem``: where the received rows came from"""
 
@@ -220,6 +248,9 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
     def _unpermute_rows(self, rows_RD, dest_row_S, scores_S, top_k: int) -> torch.Tensor:
         return _UNPERMUTE[self._row_ops_for(rows_RD)](rows_RD, dest_row_S, scores_S, top_k)
 
+    def _sum_token_rows(self, rows_RD, dest_row_S, top_k: int) -> torch.Tensor:
+        return _SUM_TOKEN_ROWS[self._row_ops_for(rows_RD)](rows_RD, dest_row_S, top_k)
+
     def _gather_rows(self, rows_RD, index_N) -> torch.Tensor:
         return _GATHER[self._row_ops_for(rows_RD)](rows_RD, index_N)
 
@@ -237,7 +268,8 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
     ) -> tuple[torch.Tensor, torch.Tensor, RoutingDispatchMetadata]:
         """Return ``(rows_RD, rows_per_local_expert_e, metadata)``, rows grouped by local expert.
 
-        ``num_local_tokens_per_expert_E`` counts the kept (not dropped) slots per expert.
+        ``num_local_tokens_per_expert_E`` is part of torchtitan's interface and is not read: the
+        counts are derived from ``topk_expert_ids_TK``.
         """
         if self.ep_mesh is None:
             plan = plan_slots(topk_expert_ids_TK, self.num_experts, self.align_size)
@@ -245,9 +277,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
             self.last_num_padding_rows = plan.num_padding_rows
             metadata = RoutingDispatchMetadata(plan=plan, scores_S=topk_scores_TK.reshape(-1))
             return rows_RD, plan.rows_per_expert_E, metadata
-        return self._dispatch_expert_parallel(
-            x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
-        )
+        return self._dispatch_expert_parallel(x_TD, topk_scores_TK, topk_expert_ids_TK)
 
     def combine(
         self,
@@ -261,8 +291,8 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
             rows_RD = self._gather_rows(rows_RD, metadata.received_dest_row_R)
         if metadata.exchange_route is not None:
             return ep_symm_mem.combine(rows_RD, metadata.scores_S, metadata.exchange_route).to(x_TD.dtype)
-        if self.ep_mesh is not None:
-            rows_RD = self._combine_expert_parallel(rows_RD, metadata)
+        if metadata.token_exchange is not None:
+            return self._combine_expert_parallel(rows_RD, metadata.token_exchange).to(x_TD.dtype)
         return self._unpermute_rows(
             rows_RD, metadata.plan.dest_row_S, metadata.scores_S, self.top_k
         ).to(x_TD.dtype)
@@ -277,45 +307,77 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         assert self.ep_mesh is not None
         return self.ep_mesh.get_group()
 
-    def _dispatch_expert_parallel(
-        self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
-    ):
+    def _dispatch_expert_parallel(self, x_TD, topk_scores_TK, topk_expert_ids_TK):
         if get_spmd_backend() == "spmd_types" and spmd.is_type_checking():
             raise NotImplementedError("RoutingDispatcher does not support SPMD type checking")
         assert self.ep_mesh is not None
         if self.ep_transport == "symm_mem":
             return self._dispatch_over_exchange(x_TD, topk_scores_TK, topk_expert_ids_TK)
+        return self._dispatch_over_all_to_all(x_TD, topk_scores_TK, topk_expert_ids_TK)
+
+    def _dispatch_over_all_to_all(self, x_TD, topk_scores_TK, topk_expert_ids_TK):
+        """One row per (token, destination rank) out; received rows grouped by local expert."""
         ep_size = self.ep_mesh.size()
-        # Rows grouped by global expert = grouped by destination rank; dropped slots are
-        # zero rows at the end and are cut off before the all-to-all.
-        plan = plan_slots(topk_expert_ids_TK, self.num_experts, 1)
-        rows_RD = self._permute_rows(x_TD, plan.dest_row_S, self.top_k, plan.num_rows)
+        num_local = self.num_experts // ep_size
+        num_tokens, top_k = topk_expert_ids_TK.shape
+        device = topk_expert_ids_TK.device
+        expert_TK = topk_expert_ids_TK.long()
+        rank_TK = expert_TK // num_local  # a dropped slot (id num_experts) has rank ep_size: sent nowhere
+        owned_TWK = rank_TK.unsqueeze(1) == torch.arange(ep_size, device=device).view(1, -1, 1)
+        sent_TW = owned_TWK.any(dim=2)
+        sent_rows_W = sent_TW.sum(dim=0)
+        # Pair (t, rank) goes to send row (rows of earlier ranks) + (earlier tokens sent to rank).
+        rank_major_pair_WT = sent_TW.t().reshape(-1)
+        pair_row_WT = torch.cumsum(rank_major_pair_WT, 0) - 1
+        pair_row_S = torch.where(rank_major_pair_WT, pair_row_WT, -1).view(ep_size, num_tokens).t().reshape(-1)
+
+        kept_per_expert_E = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=device).scatter_add_(
+            0, expert_TK.reshape(-1), torch.ones_like(expert_TK.reshape(-1))
+        )[: self.num_experts]
+        kept_per_expert_We = kept_per_expert_E.view(ep_size, num_local)
+        send_counts_Wc = torch.cat([kept_per_expert_We, sent_rows_W.unsqueeze(1)], dim=1)
         with maybe_set_sparse_mesh():
             group = self._ep_group()
             with torch.no_grad():
-                counts_exchanged = self._token_count_exchange(
-                    num_local_tokens_per_expert_E, group, ep_size
+                received_counts_Wc = torch.ops._c10d_functional.wait_tensor(
+                    self._token_count_exchange(send_counts_Wc.reshape(-1), group, ep_size)
+                ).view(ep_size, num_local + 1)
+                send_counts, received_counts = torch.stack([send_counts_Wc, received_counts_Wc]).tolist()
+            input_splits = [row[-1] for row in send_counts]
+            output_splits = [row[-1] for row in received_counts]
+            num_received_slots = sum(sum(row[:-1]) for row in received_counts)
+
+            # Per pair: the token's local expert ids on that rank (num_local: not there) and weights.
+            local_expert_SK = torch.where(
+                owned_TWK, expert_TK.unsqueeze(1) - num_local * torch.arange(ep_size, device=device).view(1, -1, 1),
+                num_local,
+            ).to(torch.int32).view(-1, top_k)
+            pair_scores_SK = torch.where(owned_TWK, topk_scores_TK.unsqueeze(1), 0.0).view(-1, top_k)
+            num_sent = sum(input_splits)
+            sent_rows_UD = self._permute_rows(x_TD, pair_row_S, ep_size, num_sent)
+            sent_experts_UK = self._permute_rows(local_expert_SK, pair_row_S, 1, num_sent)
+            sent_scores_UK = self._permute_rows(pair_scores_SK, pair_row_S, 1, num_sent)
+            received_UD, received_experts_UK, received_scores_UK = (
+                torch.ops._c10d_functional.wait_tensor(  # before a kernel reads it
+                    self._dispatch_token_exchange(sent, group, output_splits, input_splits)
                 )
-                received_counts_E, input_splits, output_splits = (
-                    self._sync_token_count_exchange(
-                        num_local_tokens_per_expert_E, counts_exchanged, ep_size
-                    )
-                )
-            received_RD = self._dispatch_token_exchange(
-                rows_RD[: sum(input_splits)], group, output_splits, input_splits
+                for sent in (sent_rows_UD, sent_experts_UK, sent_scores_UK)
             )
-            received_RD = torch.ops._c10d_functional.wait_tensor(received_RD)  # before a kernel reads it
-        grouped_RD, rows_per_local_expert_e, received_dest_row_R = self._group_received_rows(
-            received_RD, received_counts_E.view(ep_size, -1)
-        )
+        received_plan = plan_slots(received_experts_UK, num_local, self.align_size, num_kept=num_received_slots)
+        grouped_RD = self._permute_rows(received_UD, received_plan.dest_row_S, top_k, received_plan.num_rows)
+        self.last_num_padding_rows = received_plan.num_padding_rows
         metadata = RoutingDispatchMetadata(
-            plan=plan,
+            plan=None,
             scores_S=topk_scores_TK.reshape(-1),
-            input_splits=input_splits,
-            output_splits=output_splits,
-            received_dest_row_R=received_dest_row_R,
+            token_exchange=TokenExchange(
+                pair_row_S=pair_row_S,
+                received_plan=received_plan,
+                received_scores_S=received_scores_UK.reshape(-1),
+                input_splits=input_splits,
+                output_splits=output_splits,
+            ),
         )
-        return grouped_RD, rows_per_local_expert_e, metadata
+        return grouped_RD, received_plan.rows_per_expert_E, metadata
 
     def _dispatch_over_exchange(self, x_TD, topk_scores_TK, topk_expert_ids_TK):
         """EP dispatch through ``ep_symm_mem``: rows arrive expert-major, no regroup."""
@@ -354,18 +416,16 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         self.last_num_padding_rows = counts_Ge.new_full((), num_rows - num_received, dtype=torch.int64)
         return grouped_RD, rows_per_local_expert_e, dest_row_R
 
-    def _combine_expert_parallel(
-        self, routed_output_RD: torch.Tensor, metadata: RoutingDispatchMetadata
-    ) -> torch.Tensor:
-        """Rank-major rows, all-to-all back, re-add dropped rows."""
-        assert metadata.input_splits is not None and metadata.output_splits is not None
+    def _combine_expert_parallel(self, routed_output_RD: torch.Tensor, exchange: TokenExchange) -> torch.Tensor:
+        """Weighted sum per received row, one row back per (token, rank) pair, sum over ranks."""
+        received_plan = exchange.received_plan
+        partial_UD = self._unpermute_rows(
+            routed_output_RD, received_plan.dest_row_S, exchange.received_scores_S, self.top_k
+        )
         with maybe_set_sparse_mesh():
             group = self._ep_group()
-            returned_KD = self._combine_token_exchange(
-                routed_output_RD, group, metadata.input_splits, metadata.output_splits
+            returned_UD = torch.ops._c10d_functional.wait_tensor(
+                self._combine_token_exchange(partial_UD, group, exchange.input_splits, exchange.output_splits)
             )
-        num_dropped = metadata.plan.num_rows - sum(metadata.input_splits)
-        if num_dropped:
-            return F.pad(returned_KD, (0, 0, 0, num_dropped))
-        return torch.ops._c10d_functional.wait_tensor(returned_KD)
-
+        ep_size = len(exchange.input_splits)
+        return self._sum_token_rows(returned_UD, exchange.pair_row_S, ep_size)

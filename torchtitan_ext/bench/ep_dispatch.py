@@ -4,24 +4,26 @@
 
 Per (tokens per rank T, model dim D, top_k 8, balanced or skewed routing), on every rank:
 
-- ``raw_a2a``: two NCCL ``all_to_all_single`` calls with the same split sizes and bytes
-  (dispatch and combine: one row per routed slot), in the same run: the reference.
-- ``raw_a2a_unique``: the same, with one row per (token, destination rank): the bytes the
-  ``symm_mem`` transport moves between GPUs, which sends a token to a rank once however many
-  of its experts there the token is routed to.
+- ``raw_a2a``: two NCCL ``all_to_all_single`` calls (dispatch and combine) with one row per
+  routed slot, the bytes a dispatcher that sends every slot moves (torchtitan's does), in the
+  same run: the reference.
+- ``raw_a2a_unique``: the same with one row per (token, destination rank): the bytes both EP
+  transports move, since each sends a token to a rank once however many of its experts there
+  the token is routed to.
 - ``dispatch_combine``: ``RoutingDispatcher.dispatch`` + ``combine`` (no expert compute),
   forward, once per EP transport.
-- parts, each timed alone. ``all_to_all``: ``count_exchange`` (all-to-all of the per-expert
-  counts), ``host_sync`` (split sizes to the host), ``local_permute`` (tokens -> expert-grouped
-  rows and the weighted unpermute + sum over top_k), ``regroup`` (rank-major <-> expert-major on
-  the receiver). ``symm_mem``: ``dispatch`` (publish, barrier, layout, pair table, host
+- parts, each timed alone. ``all_to_all``: ``dispatch`` and ``combine`` alone,
+  ``counts_and_host_sync`` (all-to-all of the per-expert and per-rank counts, read on the host),
+  ``sender_rows`` (tokens -> one row per (token, rank) pair, and the sum of the returned rows per
+  token), ``receiver_rows`` (received rows -> expert-grouped rows, and the weighted sum per
+  received row). ``symm_mem``: ``dispatch`` (publish, barrier, layout, pair table, host
   sync, pull) and ``combine`` (push, barrier, owner's sum) alone, ``publish`` (token copy,
   sort, routing kernel), ``barrier``, ``layout_pairs_and_host_sync`` (the receive layout
   from every rank's counts, the pair table from every rank's routing, the layout copied to the
   host), ``owner_sum`` (the owner adding its tokens' partial sums), and the ``pull_kernel``
   and ``push_kernel`` alone (every rank running them at once, as inside dispatch and combine).
 
-Bandwidth is the bytes of the routed slots a rank sends to other ranks (both directions) over
+Bandwidth is the bytes of the routed slots a rank would send to other ranks (both directions) over
 the time, max over ranks; ``fraction_of_raw`` is ``raw_a2a`` time over dispatch + combine time,
 ``fraction_of_raw_unique`` the same against ``raw_a2a_unique``. ``--check`` first runs the EP layer equivalence (EP = world vs one GPU, every compute
 backend, both transports and both permute backends) and records the largest errors.
@@ -44,7 +46,7 @@ apply_torch_version_fixes()
 from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 
 from torchtitan_ext.experiments.moe_backends.dispatcher import (  # noqa: E402
-    EP_TRANSPORTS, RoutingDispatcher, plan_slots,
+    EP_TRANSPORTS, RoutingDispatcher,
 )
 from torchtitan_ext.kernels import symm_mem_rows as exchange_kernels  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process  # noqa: E402
@@ -101,8 +103,12 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
         dispatcher.wire_meshes(ep_mesh=mesh)
     dispatcher = dispatchers["all_to_all"]
 
-    _, _, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
-    input_splits, output_splits = metadata.input_splits, metadata.output_splits
+    grouped_RD, _, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    exchange = metadata.token_exchange
+    routed_in = counts_E.view(world, -1).sum(1)
+    routed_out = torch.empty_like(routed_in)
+    dist.all_to_all_single(routed_out, routed_in)
+    input_splits, output_splits = routed_in.tolist(), routed_out.tolist()
     send = torch.empty(sum(input_splits), dim, device="cuda", dtype=torch.bfloat16)
     receive = torch.empty(sum(output_splits), dim, device="cuda", dtype=torch.bfloat16)
 
@@ -124,23 +130,31 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
         dist.all_to_all_single(send_unique, receive_unique, unique_in_splits, unique_out_splits)
 
     group = mesh.get_group()
-    exchanged = dispatcher._token_count_exchange(counts_E, group, world)
-    received_counts_E, _, _ = dispatcher._sync_token_count_exchange(counts_E, exchanged, world)
+    counts_Wc = torch.zeros(world, NUM_EXPERTS // world + 1, dtype=torch.int64, device="cuda")
 
-    def count_exchange():
-        torch.ops._c10d_functional.wait_tensor(dispatcher._token_count_exchange(counts_E, group, world))
+    def counts_and_host_sync():
+        received = torch.ops._c10d_functional.wait_tensor(
+            dispatcher._token_count_exchange(counts_Wc.reshape(-1), group, world)
+        )
+        torch.stack([counts_Wc.reshape(-1), received]).tolist()
 
-    def host_sync():
-        dispatcher._sync_token_count_exchange(counts_E, exchanged, world)
+    num_sent = sum(exchange.input_splits)
+    received_UD = torch.randn(sum(exchange.output_splits), dim, device="cuda", dtype=torch.bfloat16)
+    received_plan = exchange.received_plan
 
-    def local_permute():
-        plan = plan_slots(ids_TK, NUM_EXPERTS, 1)
-        rows = dispatcher._permute_rows(x_TD, plan.dest_row_S, TOP_K, plan.num_rows)
-        dispatcher._unpermute_rows(rows, plan.dest_row_S, scores_TK.reshape(-1), TOP_K)
+    def sender_rows():
+        rows_UD = dispatcher._permute_rows(x_TD, exchange.pair_row_S, world, num_sent)
+        dispatcher._sum_token_rows(rows_UD, exchange.pair_row_S, world)
 
-    def regroup():
-        shape, grouped, indices, _ = dispatcher._permute(receive, received_counts_E)
-        dispatcher._unpermute(grouped, shape, indices)
+    def receiver_rows():
+        rows_RD = dispatcher._permute_rows(received_UD, received_plan.dest_row_S, TOP_K, received_plan.num_rows)
+        dispatcher._unpermute_rows(rows_RD, received_plan.dest_row_S, exchange.received_scores_S, TOP_K)
+
+    def a2a_dispatch():
+        dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+
+    def a2a_combine():
+        dispatcher.combine(grouped_RD, metadata, x_TD)
 
     symm = dispatchers["symm_mem"]
     rows_RD, _, symm_metadata = symm.dispatch(x_TD, scores_TK, ids_TK, counts_E)
@@ -181,8 +195,8 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
 
     parts = {
         "all_to_all": {
-            "count_exchange": count_exchange, "host_sync": host_sync,
-            "local_permute": local_permute, "regroup": regroup,
+            "dispatch": a2a_dispatch, "combine": a2a_combine, "counts_and_host_sync": counts_and_host_sync,
+            "sender_rows": sender_rows, "receiver_rows": receiver_rows,
         },
         "symm_mem": {
             "dispatch": symm_dispatch, "combine": symm_combine, "publish": symm_publish, "barrier": symm_barrier,
