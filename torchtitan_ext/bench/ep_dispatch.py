@@ -136,7 +136,7 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
         received = torch.ops._c10d_functional.wait_tensor(
             dispatcher._token_count_exchange(counts_Wc.reshape(-1), group, world)
         )
-        torch.stack([counts_Wc.reshape(-1), received]).tolist()
+        torch.stack([counts_Wc.reshape(-1), received.reshape(-1)]).tolist()
 
     num_sent = sum(exchange.input_splits)
     received_UD = torch.randn(sum(exchange.output_splits), dim, device="cuda", dtype=torch.bfloat16)
