@@ -104,7 +104,7 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
     dispatcher = dispatchers["all_to_all"]
 
     grouped_RD, _, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
-    exchange = metadata.token_exchange
+    token_exchange = metadata.token_exchange
     routed_in = counts_E.view(world, -1).sum(1)
     routed_out = torch.empty_like(routed_in)
     dist.all_to_all_single(routed_out, routed_in)
@@ -138,17 +138,17 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
         )
         torch.stack([counts_Wc.reshape(-1), received.reshape(-1)]).tolist()
 
-    num_sent = sum(exchange.input_splits)
-    received_UD = torch.randn(sum(exchange.output_splits), dim, device="cuda", dtype=torch.bfloat16)
-    received_plan = exchange.received_plan
+    num_sent = sum(token_exchange.input_splits)
+    received_UD = torch.randn(sum(token_exchange.output_splits), dim, device="cuda", dtype=torch.bfloat16)
+    received_plan = token_exchange.received_plan
 
     def sender_rows():
-        rows_UD = dispatcher._permute_rows(x_TD, exchange.pair_row_S, world, num_sent)
-        dispatcher._sum_token_rows(rows_UD, exchange.pair_row_S, world)
+        rows_UD = dispatcher._permute_rows(x_TD, token_exchange.pair_row_S, world, num_sent)
+        dispatcher._sum_token_rows(rows_UD, token_exchange.pair_row_S, world)
 
     def receiver_rows():
         rows_RD = dispatcher._permute_rows(received_UD, received_plan.dest_row_S, TOP_K, received_plan.num_rows)
-        dispatcher._unpermute_rows(rows_RD, received_plan.dest_row_S, exchange.received_scores_S, TOP_K)
+        dispatcher._unpermute_rows(rows_RD, received_plan.dest_row_S, token_exchange.received_scores_S, TOP_K)
 
     def a2a_dispatch():
         dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
