@@ -323,7 +323,8 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         device = topk_expert_ids_TK.device
         expert_TK = topk_expert_ids_TK.long()
         rank_TK = expert_TK // num_local  # a dropped slot (id num_experts) has rank ep_size: sent nowhere
-        owned_TWK = rank_TK.unsqueeze(1) == torch.arange(ep_size, device=device).view(1, -1, 1)
+        ranks_1W1 = torch.arange(ep_size, device=device).view(1, -1, 1)
+        owned_TWK = rank_TK.unsqueeze(1) == ranks_1W1
         sent_TW = owned_TWK.any(dim=2)
         sent_rows_W = sent_TW.sum(dim=0)
         # Pair (t, rank) goes to send row (rows of earlier ranks) + (earlier tokens sent to rank).
@@ -347,22 +348,23 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
             output_splits = [row[-1] for row in received_counts]
             num_received_slots = sum(sum(row[:-1]) for row in received_counts)
 
-            # Per pair: the token's local expert ids on that rank (num_local: not there) and weights.
-            local_expert_SK = torch.where(
-                owned_TWK, expert_TK.unsqueeze(1) - num_local * torch.arange(ep_size, device=device).view(1, -1, 1),
-                num_local,
-            ).to(torch.int32).view(-1, top_k)
-            pair_scores_SK = torch.where(owned_TWK, topk_scores_TK.unsqueeze(1), 0.0).view(-1, top_k)
+            # Per pair: the token's gating weights and local expert ids on that rank (num_local: the
+            # slot is not there), in one fp32 row (ids are exact in fp32) so that one all-to-all
+            # carries both; the weights keep their autograd graph.
+            pair_scores_TWK = torch.where(owned_TWK, topk_scores_TK.float().unsqueeze(1), 0.0)
+            pair_experts_TWK = torch.where(owned_TWK, expert_TK.unsqueeze(1) - num_local * ranks_1W1, num_local)
+            pair_meta_SM = torch.cat([pair_scores_TWK, pair_experts_TWK.float()], dim=2).view(-1, 2 * top_k)
             num_sent = sum(input_splits)
             sent_rows_UD = self._permute_rows(x_TD, pair_row_S, ep_size, num_sent)
-            sent_experts_UK = self._permute_rows(local_expert_SK, pair_row_S, 1, num_sent)
-            sent_scores_UK = self._permute_rows(pair_scores_SK, pair_row_S, 1, num_sent)
-            received_UD, received_experts_UK, received_scores_UK = (
+            sent_meta_UM = self._permute_rows(pair_meta_SM, pair_row_S, 1, num_sent)
+            received_UD, received_meta_UM = (
                 torch.ops._c10d_functional.wait_tensor(  # before a kernel reads it
                     self._dispatch_token_exchange(sent, group, output_splits, input_splits)
                 )
-                for sent in (sent_rows_UD, sent_experts_UK, sent_scores_UK)
+                for sent in (sent_rows_UD, sent_meta_UM)
             )
+        received_scores_UK = received_meta_UM[:, :top_k]
+        received_experts_UK = received_meta_UM[:, top_k:].detach().long()
         received_plan = plan_slots(received_experts_UK, num_local, self.align_size, num_kept=num_received_slots)
         grouped_RD = self._permute_rows(received_UD, received_plan.dest_row_S, top_k, received_plan.num_rows)
         self.last_num_padding_rows = received_plan.num_padding_rows
