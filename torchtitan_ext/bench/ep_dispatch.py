@@ -35,6 +35,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import triton
 from torch.distributed import _symmetric_memory as symm_mem
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -45,6 +46,7 @@ apply_torch_version_fixes()
 
 from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 
+from torchtitan_ext.bench.common import source_commit  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.dispatcher import (  # noqa: E402
     EP_TRANSPORTS, RoutingDispatcher,
 )
@@ -301,8 +303,8 @@ def run(
     set_spmd_backend("partial_dtensor")
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("ep",))
     report = {
-        "device": torch.cuda.get_device_name(), "world": world,
-        "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "commit": source_commit(), "device": torch.cuda.get_device_name(), "world": world,
+        "torch": torch.__version__, "triton": triton.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
         "symm_mem_backend": symm_mem.get_backend("cuda"),
         "date": time.strftime("%Y-%m-%d"),
     }
