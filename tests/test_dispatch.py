@@ -227,7 +227,7 @@ def test_auto_permute_takes_the_kernels_for_cuda_tokens_only(monkeypatch):
 
     calls = []
     for name in ("torch", "triton"):
-        monkeypatch.setitem(dispatcher_module._PERMUTE, name, lambda *args, name=name: calls.append(name))
+        monkeypatch.setitem(dispatcher_module._ROW_OPS[name], "permute_tokens", lambda *args, name=name: calls.append(name))
 
     class CudaRows:
         is_cuda = True

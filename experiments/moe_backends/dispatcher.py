@@ -54,22 +54,12 @@ PERMUTE_BACKENDS: tuple[str, ...] = get_args(PermuteBackend)
 EPTransport = Literal["all_to_all", "symm_mem"]
 EP_TRANSPORTS: tuple[str, ...] = get_args(EPTransport)
 
-_PERMUTE = {
-    "torch": moe_permute.permute_tokens_reference,
-    "triton": moe_permute.permute_tokens,
+_ROW_OPS_NAMES = ("permute_tokens", "unpermute_tokens", "gather_rows", "sum_token_rows")
+_ROW_OPS = {
+    "torch": {name: getattr(moe_permute, f"{name}_reference") for name in _ROW_OPS_NAMES},
+    "triton": {name: getattr(moe_permute, name) for name in _ROW_OPS_NAMES},
 }
-_UNPERMUTE = {
-    "torch": moe_permute.unpermute_tokens_reference,
-    "triton": moe_permute.unpermute_tokens,
-}
-_GATHER = {
-    "torch": moe_permute.gather_rows_reference,
-    "triton": moe_permute.gather_rows,
-}
-_SUM_TOKEN_ROWS = {
-    "torch": moe_permute.sum_token_rows_reference,
-    "triton": moe_permute.sum_token_rows,
-}
+"""Row copies and sums by permute backend: ``_ROW_OPS[backend][name]`` (``kernels.moe_permute``)."""
 
 
 def padded_num_rows(num_real_rows: int, num_groups: int, align_size: int) -> int:
@@ -236,23 +226,23 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         self.ep_transport = config.ep_transport
         self.last_num_padding_rows: torch.Tensor | None = None
 
-    def _row_ops_for(self, x: torch.Tensor) -> str:
-        """The permute backend for rows on ``x``'s device (``"auto"``: the kernels on CUDA)."""
+    def _row_ops(self, x: torch.Tensor) -> dict:
+        """The row ops of the permute backend for rows on ``x``'s device (``"auto"``: the kernels on CUDA)."""
         if self.permute_backend != "auto":
-            return self.permute_backend
-        return "triton" if x.is_cuda else "torch"
+            return _ROW_OPS[self.permute_backend]
+        return _ROW_OPS["triton" if x.is_cuda else "torch"]
 
     def _permute_rows(self, x_TD, dest_row_S, top_k: int, num_rows: int) -> torch.Tensor:
-        return _PERMUTE[self._row_ops_for(x_TD)](x_TD, dest_row_S, top_k, num_rows)
+        return self._row_ops(x_TD)["permute_tokens"](x_TD, dest_row_S, top_k, num_rows)
 
     def _unpermute_rows(self, rows_RD, dest_row_S, scores_S, top_k: int) -> torch.Tensor:
-        return _UNPERMUTE[self._row_ops_for(rows_RD)](rows_RD, dest_row_S, scores_S, top_k)
+        return self._row_ops(rows_RD)["unpermute_tokens"](rows_RD, dest_row_S, scores_S, top_k)
 
     def _sum_token_rows(self, rows_RD, dest_row_S, top_k: int) -> torch.Tensor:
-        return _SUM_TOKEN_ROWS[self._row_ops_for(rows_RD)](rows_RD, dest_row_S, top_k)
+        return self._row_ops(rows_RD)["sum_token_rows"](rows_RD, dest_row_S, top_k)
 
     def _gather_rows(self, rows_RD, index_N) -> torch.Tensor:
-        return _GATHER[self._row_ops_for(rows_RD)](rows_RD, index_N)
+        return self._row_ops(rows_RD)["gather_rows"](rows_RD, index_N)
 
     @property
     def single_device(self) -> bool:
