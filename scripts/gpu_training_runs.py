@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -93,17 +94,21 @@ def launch(run: Run, device_ids: str, port: int, env: dict[str, str]) -> Run:
         run.error_tail = "".join(lines[-60:])
     print(f"{run.name}: rc {run.returncode}, first step after {run.seconds_to_first_step} s, "
           f"{len(run.losses)} steps, last loss {run.losses.get(max(run.losses, default=0))}, "
-          f"median tokens/s {median_tokens_per_second(run)}", flush=True)
+          f"median tokens/s {median_tokens_per_second(run.tokens_per_second)}", flush=True)
     return run
 
 
-def median_tokens_per_second(run: Run, first_step: int = 5) -> float | None:
-    """Median tokens/s (per GPU, as torchtitan logs it) over the steps from ``first_step`` on."""
-    values = sorted(tps for step, tps in run.tokens_per_second.items() if step >= first_step)
-    if not values:
-        return None
-    middle = len(values) // 2
-    return float(values[middle]) if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+def median_tokens_per_second(tokens_per_second: dict, first_step: int = 5) -> float | None:
+    """Median tokens/s (per GPU, as torchtitan logs it) over the steps from ``first_step`` on;
+    ``tokens_per_second`` maps each step (int, or str as read from JSON) to its tokens/s."""
+    values = [tps for step, tps in tokens_per_second.items() if int(step) >= first_step]
+    return float(statistics.median(values)) if values else None
+
+
+def local_batch_size(run_args: list[str]) -> str:
+    """The ``--training.local_batch_size`` a run was launched with ("flavor's" when not given)."""
+    flag = "--training.local_batch_size"
+    return run_args[run_args.index(flag) + 1] if flag in run_args else "flavor's"
 
 
 def tiny_runs() -> list[list[Run]]:
@@ -136,9 +141,9 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
 def print_throughput_ratios(runs: list[Run]) -> None:
     """Each run's median tokens/s over torchtitan's MoE layers' (the run whose flavor names them)."""
     stock = next((run for run in runs if run.flavor.endswith("torchtitan-moe")), None)
-    stock_tps = median_tokens_per_second(stock) if stock else None
+    stock_tps = median_tokens_per_second(stock.tokens_per_second) if stock else None
     for run in runs:
-        tps = median_tokens_per_second(run)
+        tps = median_tokens_per_second(run.tokens_per_second)
         ratio = f"{tps / stock_tps:.2f}x torchtitan's MoE" if tps and stock_tps else "no ratio"
         print(f"  {run.name}: median {tps} tokens/s per GPU, {ratio}")
 
@@ -197,15 +202,15 @@ def plot(result_files: list[str], out: str) -> None:
                                 gridspec_kw={"width_ratios": [3, 2]})
     for (loss_axis, speed_axis), result in zip(axes, results):
         env = result["environment"]
-        title = f"{env['device']} x{env['gpus']}, torch {env['torch']}, triton {env['triton']}"
+        title = (f"{env['device']} x{env['gpus']}, torch {env['torch']}, triton {env['triton']}, "
+                 f"batch {local_batch_size(result['runs'][0]['args'])}")
         names, speeds = [], []
         for run in result["runs"]:
             steps = sorted(run["losses"], key=int)
             loss_axis.plot([int(s) for s in steps], [run["losses"][s] for s in steps], label=run["name"],
                            linestyle="--" if "repeat" in run["name"] else "-")
-            later = [run["tokens_per_second"][s] for s in steps if int(s) >= 5]
             names.append(run["name"])
-            speeds.append(sorted(later)[len(later) // 2] if later else 0)
+            speeds.append(round(median_tokens_per_second(run["tokens_per_second"]) or 0))
         loss_axis.set(title=f"loss per step ({title})", xlabel="step", ylabel="loss")
         loss_axis.legend(fontsize=7)
         bars = speed_axis.barh(names, speeds, color="tab:blue")

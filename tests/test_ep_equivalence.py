@@ -3,7 +3,8 @@
 Layer level: EP = 1, 2 and 4 processes (spawned here), over either EP transport, each run
 their share of one batch through the MoE layer; outputs and every gradient (input, router
 gate, each expert's weights) equal a single-process run on the whole batch, for every
-compute backend, with uneven splits and a rank whose experts receive no token, and with the aux / z losses on.
+compute backend, with uneven splits and a rank whose experts receive no token, and with the aux / z losses on;
+over ``all_to_all`` each token is sent once to each rank that owns one of its experts.
 
 Training level: a tiny flavor trained for a few steps with torchrun on 2 processes gives the
 same loss curve with EP=2 (over each EP transport) as with EP=1 (data parallel only), so all
@@ -23,6 +24,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan.distributed.utils import set_spmd_backend
+from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process
 from torchtitan_ext.experiments.moe_backends.experts import runnable_backends
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
@@ -88,13 +90,36 @@ def check_layer_shard(ep_mesh, ep_transport: str = "all_to_all") -> None:
                 torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}")
 
 
+def check_one_row_per_token_and_rank(ep_mesh) -> None:
+    """Over ``all_to_all`` a rank sends each token once to each rank that owns one of its
+    experts, however many of them (dropped slots go nowhere)."""
+    rank, world = ep_mesh.get_local_rank(), ep_mesh.size()
+    generator = torch.Generator().manual_seed(20 + rank)
+    num_tokens = 9
+    ids_TK = torch.stack([torch.randperm(NUM_EXPERTS, generator=generator)[:TOP_K] for _ in range(num_tokens)])
+    ids_TK[::3, 0] = NUM_EXPERTS  # dropped by a capacity limit
+    dispatcher = RoutingDispatcher(RoutingDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K))
+    dispatcher.wire_meshes(ep_mesh=ep_mesh)
+    counts_E = torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS + 1)[:NUM_EXPERTS]
+    _, _, metadata = dispatcher.dispatch(torch.randn(num_tokens, DIM), torch.rand(num_tokens, TOP_K), ids_TK, counts_E)
+    local = NUM_EXPERTS // world
+    expected = [
+        sum(any(e < NUM_EXPERTS and e // local == owner for e in ids_TK[t].tolist()) for t in range(num_tokens))
+        for owner in range(world)
+    ]
+    assert metadata.token_exchange.input_splits == expected, (metadata.token_exchange.input_splits, expected)
+
+
 def ep_worker(rank: int, world: int, port: int, ep_transport: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     set_spmd_backend("partial_dtensor")  # the backend CPU training uses
     torch.set_num_threads(1)
     try:
-        check_layer_shard(init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)), ep_transport)
+        ep_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        check_layer_shard(ep_mesh, ep_transport)
+        if ep_transport == "all_to_all":
+            check_one_row_per_token_and_rank(ep_mesh)
     finally:
         dist.destroy_process_group()
 
