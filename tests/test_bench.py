@@ -274,3 +274,61 @@ def test_layer_profile_must_not_be_negative(tmp_path, capsys):
         run_main(["layer", "--tiny", "--profile", "-1"], tmp_path)
     assert exit_info.value.code == 2
     assert "--profile must be >= 0" in capsys.readouterr().err
+
+
+def synthetic_gpu_trace(path: Path) -> None:
+    """One 1 ms profiler step: overlapping kernels on two streams, a copy, host syncs and launches."""
+    def event(name, cat, ts, dur, tid=7):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+    events = [
+        event("ProfilerStep#3", "user_annotation", 0, 1000, tid=1),
+        event("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "kernel", 100, 300),
+        event("_permute_kernel", "kernel", 300, 200, tid=9),  # overlaps the all-to-all
+        event("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "kernel", 600, 100),
+        event("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 800, 50),
+        event("_permute_kernel", "kernel", 2000, 100),  # after the step: not counted
+        event("cudaStreamSynchronize", "cuda_runtime", 450, 50, tid=1),
+        event("cudaStreamSynchronize", "cuda_runtime", 900, 50, tid=1),
+        *(event("cudaLaunchKernel", "cuda_runtime", 10 * i, 5, tid=1) for i in range(3)),
+    ]
+    path.write_text(json.dumps({"traceEvents": events}))
+
+
+def test_trace_summary_of_a_gpu_step(tmp_path, capsys):
+    path = tmp_path / "rank0_trace.json"
+    synthetic_gpu_trace(path)
+    out = tmp_path / "summary.json"
+    assert main(["trace", str(path), "--top", "2", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["traces"][0]
+    assert summary["steps"] == 1 and summary["wall_ms"] == 1.0
+    assert summary["gpu_busy_ms"] == 0.55  # 100-500 (two streams), 600-700, 800-850
+    assert summary["kinds"] == {"communication": 0.3, "project Triton": 0.2, "matmul": 0.1, "copy/fill": 0.05}
+    assert summary["host"] == {"sync_calls": 2, "sync_ms": 0.1, "kernel_launches": 3}
+    assert [k["name"][:4] for k in summary["top_kernels"]] == ["nccl", "_per"]
+    printed = capsys.readouterr().out
+    assert "GPU busy 0.6 ms (55% of the time)" in printed and "2 syncs (0.1 ms waiting for the GPU)" in printed
+
+
+def test_trace_summary_of_a_cpu_run(tmp_path, capsys):
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        for _ in range(3):
+            a = torch.mm(a, a).tanh()
+    path = tmp_path / "cpu_trace.json"
+    profiler.export_chrome_trace(str(path))
+    assert main(["trace", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "no GPU kernels in this trace" in printed and "aten::mm" in printed
+
+
+@pytest.mark.parametrize("content", ["not json", json.dumps({"traceEvents": []})])
+def test_unreadable_trace_exits_2(tmp_path, content, capsys):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["trace", str(path)])
+    assert exit_info.value.code == 2
+    assert f"trace {path}: cannot read a torch.profiler trace" in capsys.readouterr().err

@@ -6,6 +6,7 @@
     python -m torchtitan_ext.bench train-step --flavor tiny-moe-for-loop    # one training step per backend
     python -m torchtitan_ext.bench auto --flavor tiny-moe-for-loop          # fill the "auto" backend cache
     python -m torchtitan_ext.bench plot --from result.json --out result.png
+    python -m torchtitan_ext.bench trace rank0_trace.json.gz                # where a profiled step's time went
 
 Progress goes to stderr, the table to stdout; ``--json`` and ``--plot`` write the results.
 Without CUDA everything runs on CPU in fp32, timed with torch.utils.benchmark and reported
@@ -20,7 +21,7 @@ import sys
 
 import torch
 
-from torchtitan_ext.bench import expert_block, moe_layer, plot
+from torchtitan_ext.bench import expert_block, moe_layer, plot, trace
 from torchtitan_ext.bench.common import (
     SHAPES,
     TINY_FLAVORS_HINT,
@@ -80,7 +81,7 @@ def add_shape_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:8]))
+                                     epilog="\n".join(__doc__.splitlines()[2:9]))
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     expert = commands.add_parser("expert", help="the expert block (3 GEMMs) per compute backend, fwd and fwd+bwd")
@@ -133,8 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
     plot_command.add_argument("--from", dest="source", required=True, metavar="FILE.json", help="result JSON")
     plot_command.add_argument("--out", required=True, metavar="FILE.png", help="PNG to write")
     plot_command.add_argument("--only", nargs="+", metavar="NAME", help="plot only these series (backends)")
+    trace_command = commands.add_parser(
+        "trace", help="where a profiled step's time went (GPU busy, kernels by kind, host syncs), from torch.profiler traces")
+    trace_command.add_argument("traces", nargs="+", metavar="TRACE.json[.gz]",
+                               help="Chrome traces, e.g. torchtitan's profiling/traces/iteration_N/rank0_trace.json.gz")
+    trace_command.add_argument("--top", type=int, default=15, metavar="N", help="list the N slowest kernels (default 15)")
+    trace_command.add_argument("--json", metavar="PATH", help="write the summaries as JSON")
     for subparser, handler in ((expert, run_expert), (layer, run_layer), (ep, run_ep), (step, run_train_step),
-                               (auto, run_auto), (plot_command, run_plot)):
+                               (auto, run_auto), (plot_command, run_plot), (trace_command, run_trace)):
         subparser.set_defaults(handler=handler, subparser=subparser)
     return parser
 
@@ -289,6 +296,20 @@ def run_plot(parser, args, device, command) -> None:
     except (OSError, ValueError, KeyError) as e:
         parser.error(f"plot --from {args.source}: {e}")
     progress(f"plot written to {args.out}")
+
+
+def run_trace(parser, args, device, command) -> None:
+    if args.top < 1:
+        parser.error(f"--top must be >= 1, got {args.top}")
+    summaries = []
+    for path in args.traces:
+        try:
+            summaries.append(trace.summarize(path, args.top))
+        except (OSError, ValueError, KeyError, EOFError) as e:
+            parser.error(f"trace {path}: cannot read a torch.profiler trace: {e}")
+    for summary in summaries:
+        trace.print_summary(summary)
+    write_json(args.json, {"command": command, "traces": summaries})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,142 @@
+"""Where a profiled step's time went, read from a ``torch.profiler`` Chrome trace.
+
+torchtitan writes one trace per rank when training runs with ``--profiler.enable_profiling``
+(``<dump_folder>/profiling/traces/iteration_N/rankR_trace.json.gz``). The summary answers the
+first question of a slow run: is the GPU busy (then the kernels decide) or waiting for the host
+(then launches, Python and host syncs decide)?
+
+- ``wall_ms``: the profiled steps (torch.profiler's ``ProfilerStep#N`` events; the whole trace
+  when it has none).
+- ``gpu_busy_ms``: the union over streams of the kernels, copies and fills inside those steps.
+- ``kinds``: kernel time by kind (communication, matmul, attention, this project's Triton
+  kernels, optimizer, index/sort/scatter, copy/fill, elementwise/reduce, other); kernels on
+  different streams overlap, so the kinds can add up to more than ``gpu_busy_ms``.
+- ``host``: host syncs (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, blocking
+  ``cudaMemcpy``: the host waits there for the GPU) and kernel launches.
+- ``top_kernels`` (GPU traces) or ``top_operators`` (CPU traces: operators by inclusive time).
+"""
+
+import gzip
+import json
+from collections import Counter
+
+from torchtitan_ext.kernels import moe_permute, swiglu_experts, symm_mem_rows
+
+KINDS = (
+    ("communication", ("nccl",)),
+    ("matmul", ("gemm", "cutlass", "nvjet", "cublas", "xmma")),
+    ("attention", ("flash", "fmha", "attention")),
+    ("optimizer", ("multi_tensor_apply", "adam")),
+    ("index/sort/scatter", ("index", "scatter", "gather", "sort", "radix")),
+    ("copy/fill", ("memcpy", "memset", "copy", "fill")),
+    ("elementwise/reduce", ("elementwise", "reduce")),
+)
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def project_kernel_names() -> frozenset[str]:
+    """Names of this project's Triton kernels (as they appear in traces)."""
+    names = set()
+    for module in (moe_permute, swiglu_experts, symm_mem_rows):
+        for value in vars(module).values():
+            function = getattr(value, "fn", value)  # autotuned kernels wrap the JIT function
+            function = getattr(function, "fn", function)
+            name = getattr(function, "__name__", "")
+            if name.startswith("_") and name.endswith("_kernel"):
+                names.add(name)
+    return frozenset(names)
+
+
+def kernel_kind(name: str, project_kernels: frozenset[str]) -> str:
+    if name in project_kernels:
+        return "project Triton"
+    lowered = name.lower()
+    return next((kind for kind, fragments in KINDS if any(f in lowered for f in fragments)), "other")
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by ``(start, end)`` intervals (overlaps counted once)."""
+    total, covered_to = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > covered_to:
+            total += end - max(start, covered_to)
+            covered_to = end
+    return total
+
+
+def load_events(path: str) -> list[dict]:
+    """The complete ("X") events of a Chrome trace file (``.json`` or ``.json.gz``)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
+
+
+def summarize(path: str, top: int = 15) -> dict:
+    """The summary of one trace file (see the module docstring); durations in ms."""
+    events = load_events(path)
+    if not events:
+        raise ValueError("no timed events in the trace")
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
+    window = steps or events
+    start = min(e["ts"] for e in window)
+    end = max(e["ts"] + e["dur"] for e in window)
+    inside = [e for e in events if start <= e["ts"] < end]
+
+    gpu = [e for e in inside if e.get("cat") in GPU_CATEGORIES]
+    project_kernels = project_kernel_names()
+    kinds, kernel_ms, kernel_calls = Counter(), Counter(), Counter()
+    for e in gpu:
+        kinds[kernel_kind(e["name"], project_kernels)] += e["dur"] / 1e3
+        kernel_ms[e["name"]] += e["dur"] / 1e3
+        kernel_calls[e["name"]] += 1
+    runtime = [e for e in inside if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    syncs = [e for e in runtime if e["name"] in SYNC_CALLS]
+    summary = {
+        "trace": path,
+        "steps": len(steps),
+        "wall_ms": round((end - start) / 1e3, 3),
+        "gpu_busy_ms": round(union_length([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) / 1e3, 3),
+        "kinds": {kind: round(ms, 3) for kind, ms in kinds.most_common()},
+        "host": {
+            "sync_calls": len(syncs),
+            "sync_ms": round(sum(e["dur"] for e in syncs) / 1e3, 3),
+            "kernel_launches": sum(e["name"] in LAUNCH_CALLS for e in runtime),
+        },
+    }
+    if gpu:
+        summary["top_kernels"] = [
+            {"name": name, "ms": round(ms, 3), "calls": kernel_calls[name]} for name, ms in kernel_ms.most_common(top)
+        ]
+    else:
+        operators, calls = Counter(), Counter()
+        for e in inside:
+            if e.get("cat") == "cpu_op":
+                operators[e["name"]] += e["dur"] / 1e3
+                calls[e["name"]] += 1
+        summary["top_operators"] = [
+            {"name": name, "ms": round(ms, 3), "calls": calls[name]} for name, ms in operators.most_common(top)
+        ]
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    steps = f"{summary['steps']} profiled step(s)" if summary["steps"] else "the whole trace (no profiler steps)"
+    print(f"{summary['trace']}: {steps}, {summary['wall_ms']:.1f} ms")
+    wall, busy = summary["wall_ms"], summary["gpu_busy_ms"]
+    if "top_kernels" in summary:
+        print(f"GPU busy {busy:.1f} ms ({busy / wall:.0%} of the time); the GPU waited for the host the rest")
+        print("kernel time by kind (ms): " + ", ".join(f"{kind} {ms:.1f}" for kind, ms in summary["kinds"].items()))
+        host = summary["host"]
+        print(f"host: {host['sync_calls']} syncs ({host['sync_ms']:.1f} ms waiting for the GPU), "
+              f"{host['kernel_launches']:,} kernel launches")
+        rows, heading = summary["top_kernels"], "slowest kernels (total ms, calls)"
+    else:
+        print("no GPU kernels in this trace (a CPU run): operators by inclusive time instead")
+        rows, heading = summary["top_operators"], "operators (inclusive ms, calls)"
+    print(f"{heading}:")
+    for row in rows:
+        print(f"  {row['ms']:9.2f} {row['calls']:6d}  {row['name'][:100]}")
