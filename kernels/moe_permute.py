@@ -22,9 +22,8 @@ that no slot maps to are padding and are zero.
 - ``sum_token_rows(rows_RD, dest_row_S, top_k)`` -> ``y_TD``: ``y_TD[t] = sum_k rows_RD[dest_row_S[t*K+k]]``
   (fp32 accumulation, dropped slots skipped): the adjoint of ``permute_tokens``; its gradient
   copies ``grad_y[t]`` to every row of token ``t`` (the expert-parallel sender's sum over ranks).
-- ``gather_rows(rows_RD, index_N)`` -> ``rows_RD[index_N]`` for an index without repeats: the
-  inverse of ``permute_tokens`` with ``top_k = 1``; its gradient scatters back into zeros (the
-  expert-parallel regroup's combine side).
+  With ``top_k = 1`` and an index without repeats it is the gather ``rows_RD[dest_row_S]``, the
+  inverse of ``permute_tokens``.
 
 Both are differentiable in every floating input; gradients never touch padding rows
 (the gradient of a padding row of ``rows_RD`` is zero). The Triton versions need CUDA, or
@@ -111,11 +110,6 @@ def unpermute_tokens_reference(
 def sum_token_rows_reference(rows_RD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int) -> torch.Tensor:
     """Gather each slot's row and sum over top_k in fp32 (dropped slots contribute nothing)."""
     return unpermute_tokens_reference(rows_RD, dest_row_S, torch.ones_like(dest_row_S, dtype=torch.float32), top_k)
-
-
-def gather_rows_reference(rows_RD: torch.Tensor, index_N: torch.Tensor) -> torch.Tensor:
-    """``rows_RD[index_N]`` (index without repeats)."""
-    return rows_RD[index_N.long()]
 
 
 # ---------------------------------------------------------------- Triton kernels
@@ -265,19 +259,6 @@ class _SumTokenRows(torch.autograd.Function):
         return _PermuteTokens.apply(grad_y_TD, dest_row_S, ctx.top_k, ctx.num_rows), None, None
 
 
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows_RD, index_N):
-        ctx.save_for_backward(index_N)
-        ctx.num_rows = rows_RD.shape[0]
-        return sum_slots(rows_RD, index_N, 1, index_N.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad_ND):
-        (index_N,) = ctx.saved_tensors
-        return _PermuteTokens.apply(grad_ND, index_N, 1, ctx.num_rows), None
-
-
 def permute_tokens(
     x_TD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_rows: int
 ) -> torch.Tensor:
@@ -292,12 +273,6 @@ def unpermute_tokens(
     """Triton version of :func:`unpermute_tokens_reference`."""
     check_runnable(rows_RD, dest_row_S, scores_S)
     return _UnpermuteTokens.apply(rows_RD, dest_row_S, scores_S, top_k)
-
-
-def gather_rows(rows_RD: torch.Tensor, index_N: torch.Tensor) -> torch.Tensor:
-    """Triton version of :func:`gather_rows_reference`: one row-copy kernel each way."""
-    check_runnable(rows_RD, index_N)
-    return _GatherRows.apply(rows_RD, index_N)
 
 
 def sum_token_rows(rows_RD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -172,7 +172,7 @@ def test_ep_misconfiguration_exits_before_training():
 
 
 def triton_checks() -> None:
-    """Triton permute / unpermute / token sum / row gather vs the torch references, and the dispatcher with each backend."""
+    """Triton permute / unpermute / token sum (and as a gather) vs the torch references, and the dispatcher with each backend."""
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         for align_size, drop_every in ((1, 0), (4, 3)):
             x_TD, scores_TK, ids_TK, counts_E = routing(7, seed=5, drop_every=drop_every)
@@ -202,16 +202,13 @@ def triton_checks() -> None:
             for expected, actual in zip(*grads):
                 torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
 
-        rows_RD = torch.randn(9, DIM, generator=torch.Generator().manual_seed(7)).to(dtype)
-        index_N = torch.tensor([4, 0, 8, 2, 7, 1])  # rows 3, 5 and 6 are never read
-        grads = []
-        for gather in (moe_permute.gather_rows_reference, moe_permute.gather_rows):
-            rows = rows_RD.clone().requires_grad_()
-            out = gather(rows, index_N)
-            out.backward(torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype))
-            grads.append((out, rows.grad))
-        for expected, actual in zip(*grads):
-            torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+        rows_RD = torch.randn(9, DIM, generator=torch.Generator().manual_seed(7)).to(dtype).requires_grad_()
+        index_N = torch.tensor([4, 0, 8, 2, 7, 1])  # one row each, no repeats: a gather; rows 3, 5, 6 unread
+        out = moe_permute.sum_token_rows(rows_RD, index_N, 1)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype))
+        assert torch.equal(out, rows_RD[index_N])
+        expected_grad = torch.zeros_like(rows_RD).index_copy(0, index_N, torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype))
+        assert torch.equal(rows_RD.grad, expected_grad)
 
     x_TD, scores_TK, ids_TK, counts_E = routing(8, seed=6, drop_every=5)
     results = [

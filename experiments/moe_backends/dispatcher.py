@@ -54,7 +54,7 @@ PERMUTE_BACKENDS: tuple[str, ...] = get_args(PermuteBackend)
 EPTransport = Literal["all_to_all", "symm_mem"]
 EP_TRANSPORTS: tuple[str, ...] = get_args(EPTransport)
 
-_ROW_OPS_NAMES = ("permute_tokens", "unpermute_tokens", "gather_rows", "sum_token_rows")
+_ROW_OPS_NAMES = ("permute_tokens", "unpermute_tokens", "sum_token_rows")
 _ROW_OPS = {
     "torch": {name: getattr(moe_permute, f"{name}_reference") for name in _ROW_OPS_NAMES},
     "triton": {name: getattr(moe_permute, name) for name in _ROW_OPS_NAMES},
@@ -241,8 +241,6 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
     def _sum_token_rows(self, rows_RD, dest_row_S, top_k: int) -> torch.Tensor:
         return self._row_ops(rows_RD)["sum_token_rows"](rows_RD, dest_row_S, top_k)
 
-    def _gather_rows(self, rows_RD, index_N) -> torch.Tensor:
-        return self._row_ops(rows_RD)["gather_rows"](rows_RD, index_N)
 
     @property
     def single_device(self) -> bool:
@@ -278,7 +276,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         """Weight each slot's expert output by its score and sum over top_k -> ``(T, D)``."""
         rows_RD = routed_output_RD
         if metadata.received_dest_row_R is not None:  # EP: back to arrival order, padding dropped
-            rows_RD = self._gather_rows(rows_RD, metadata.received_dest_row_R)
+            rows_RD = self._sum_token_rows(rows_RD, metadata.received_dest_row_R, 1)  # a gather
         if metadata.exchange_route is not None:
             return ep_symm_mem.combine(rows_RD, metadata.scores_S, metadata.exchange_route).to(x_TD.dtype)
         if metadata.token_exchange is not None:
