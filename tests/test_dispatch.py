@@ -14,7 +14,7 @@ import torch
 from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
 from torchtitan_ext.experiments.moe_backends.dispatcher import (
     RoutingDispatcher,
-    expert_major_rows,
+    padded_group_rows,
     padded_num_rows,
     plan_slots,
 )
@@ -121,10 +121,10 @@ def test_reference_permute_matches_definition():
 
 
 @pytest.mark.parametrize("align_size", [1, 4])
-def test_received_rows_regroup_expert_major_in_source_order(align_size):
-    counts_Ge = torch.tensor([[2, 0, 3], [1, 4, 0], [0, 2, 2]])
-    arrivals = [(g, e, i) for g in range(3) for e in range(3) for i in range(int(counts_Ge[g, e]))]
-    dest_row_N, rows_per_expert_e, num_rows = expert_major_rows(counts_Ge, len(arrivals), align_size)
+def test_padded_group_rows_keep_each_group_in_order(align_size):
+    counts_e = torch.tensor([3, 6, 5])
+    arrivals = [(e, i) for e in range(3) for i in range(int(counts_e[e]))]
+    dest_row_N, rows_per_expert_e, num_rows = padded_group_rows(counts_e, len(arrivals), align_size)
     assert num_rows == padded_num_rows(len(arrivals), 3, align_size) == int(rows_per_expert_e.sum())
     assert len(set(dest_row_N.tolist())) == len(arrivals)
     buffer = [None] * num_rows
@@ -133,7 +133,7 @@ def test_received_rows_regroup_expert_major_in_source_order(align_size):
     start = 0
     for expert, size in enumerate(rows_per_expert_e.tolist()):
         group = [row for row in buffer[start:start + size] if row is not None]
-        assert group == sorted(row for row in arrivals if row[1] == expert)  # source order, then arrival
+        assert group == [row for row in arrivals if row[0] == expert]  # arrival order
         assert buffer[start:start + len(group)] == group  # real rows first, padding after
         assert size % align_size == 0 or expert == 2
         start += size

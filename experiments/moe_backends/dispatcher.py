@@ -84,31 +84,24 @@ def padded_groups(
     return starts_G, padded_G
 
 
-def expert_major_rows(
-    counts_Ge: torch.Tensor, num_received: int, align_size: int
+def padded_group_rows(
+    counts_e: torch.Tensor, num_real_rows: int, align_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Where each received row goes when rows are regrouped by local expert and padded.
+    """Where each of ``num_real_rows`` rows grouped by expert (``counts_e`` per group) goes when
+    every group is padded to a multiple of ``align_size`` (``padded_groups``).
 
-    Args:
-        counts_Ge: ``(G, e)`` rows that source ``g`` sent for local expert ``e``. The
-            ``num_received`` rows arrive source-major: ``(g0, e0), (g0, e1), ..., (g1, e0), ...``.
-        align_size: each expert's group is padded to a multiple of it (``padded_groups``).
-
-    Returns ``(dest_row_N, rows_per_local_expert_e, num_rows)``: the buffer row of each received
-    row (within an expert, rows keep source order), each expert's padded group size, and the
-    static row count of the buffer. No host sync.
+    Returns ``(dest_row_N, padded_counts_e, num_rows)``: the padded buffer row of each row (real
+    rows first in their group, in order), each group's padded size and the buffer's static row
+    count. No host sync.
     """
-    num_rows = padded_num_rows(num_received, counts_Ge.shape[1], align_size)
-    starts_e, rows_per_local_expert_e = padded_groups(counts_Ge.sum(0), num_rows, align_size)
-    dest_start_Ge = starts_e + torch.cumsum(counts_Ge, 0) - counts_Ge
-    counts_S = counts_Ge.reshape(-1)
-    source_start_S = torch.cumsum(counts_S, 0) - counts_S
-    segment_N = torch.repeat_interleave(
-        torch.arange(counts_S.shape[0], device=counts_S.device), counts_S, output_size=num_received
+    num_rows = padded_num_rows(num_real_rows, counts_e.shape[0], align_size)
+    starts_e, padded_counts_e = padded_groups(counts_e, num_rows, align_size)
+    real_starts_e = torch.cumsum(counts_e, 0) - counts_e
+    group_N = torch.repeat_interleave(
+        torch.arange(counts_e.shape[0], device=counts_e.device), counts_e, output_size=num_real_rows
     )
-    shift_S = dest_start_Ge.reshape(-1) - source_start_S
-    dest_row_N = shift_S[segment_N] + torch.arange(num_received, device=counts_S.device)
-    return dest_row_N, rows_per_local_expert_e, num_rows
+    dest_row_N = (starts_e - real_starts_e)[group_N] + torch.arange(num_real_rows, device=counts_e.device)
+    return dest_row_N, padded_counts_e, num_rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,8 +249,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
     ) -> tuple[torch.Tensor, torch.Tensor, RoutingDispatchMetadata]:
         """Return ``(rows_RD, rows_per_local_expert_e, metadata)``, rows grouped by local expert.
 
-        ``num_local_tokens_per_expert_E`` is part of torchtitan's interface and is not read: the
-        counts are derived from ``topk_expert_ids_TK``.
+        ``num_local_tokens_per_expert_E`` counts the kept (not dropped) slots per expert.
         """
         if self.ep_mesh is None:
             plan = plan_slots(topk_expert_ids_TK, self.num_experts, self.align_size)
@@ -265,7 +257,9 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
             self.last_num_padding_rows = plan.num_padding_rows
             metadata = RoutingDispatchMetadata(plan=plan, scores_S=topk_scores_TK.reshape(-1))
             return rows_RD, plan.rows_per_expert_E, metadata
-        return self._dispatch_expert_parallel(x_TD, topk_scores_TK, topk_expert_ids_TK)
+        return self._dispatch_expert_parallel(
+            x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
+        )
 
     def combine(
         self,
@@ -295,15 +289,17 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         assert self.ep_mesh is not None
         return self.ep_mesh.get_group()
 
-    def _dispatch_expert_parallel(self, x_TD, topk_scores_TK, topk_expert_ids_TK):
+    def _dispatch_expert_parallel(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         if get_spmd_backend() == "spmd_types" and spmd.is_type_checking():
             raise NotImplementedError("RoutingDispatcher does not support SPMD type checking")
         assert self.ep_mesh is not None
         if self.ep_transport == "symm_mem":
             return self._dispatch_over_exchange(x_TD, topk_scores_TK, topk_expert_ids_TK)
-        return self._dispatch_over_all_to_all(x_TD, topk_scores_TK, topk_expert_ids_TK)
+        return self._dispatch_over_all_to_all(
+            x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
+        )
 
-    def _dispatch_over_all_to_all(self, x_TD, topk_scores_TK, topk_expert_ids_TK):
+    def _dispatch_over_all_to_all(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         """One row per (token, destination rank) out; received rows grouped by local expert."""
         ep_size = self.ep_mesh.size()
         num_local = self.num_experts // ep_size
@@ -320,10 +316,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         pair_row_WT = torch.cumsum(rank_major_pair_WT, 0) - 1
         pair_row_S = torch.where(rank_major_pair_WT, pair_row_WT, -1).view(ep_size, num_tokens).t().reshape(-1)
 
-        kept_per_expert_E = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=device).scatter_add_(
-            0, expert_TK.reshape(-1), torch.ones_like(expert_TK.reshape(-1))
-        )[: self.num_experts]
-        kept_per_expert_We = kept_per_expert_E.view(ep_size, num_local)
+        kept_per_expert_We = num_local_tokens_per_expert_E.long().view(ep_size, num_local)
         send_counts_Wc = torch.cat([kept_per_expert_We, sent_rows_W.unsqueeze(1)], dim=1)
         with maybe_set_sparse_mesh():
             group = self._ep_group()
@@ -377,8 +370,8 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
             x_TD, topk_scores_TK.reshape(-1), topk_expert_ids_TK.reshape(-1), group,
             self.num_experts, self.top_k,
         )
-        grouped_RD, rows_per_local_expert_e, received_dest_row_R = self._group_received_rows(
-            received_RD, rows_per_local_expert_e.view(1, -1)
+        grouped_RD, rows_per_local_expert_e, received_dest_row_R = self._pad_received_groups(
+            received_RD, rows_per_local_expert_e
         )
         metadata = RoutingDispatchMetadata(
             plan=None,
@@ -388,23 +381,22 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         )
         return grouped_RD, rows_per_local_expert_e, metadata
 
-    def _group_received_rows(self, received_RD, counts_Ge):
-        """Received rows (source-major, ``counts_Ge`` rows per source and local expert) ->
-        expert-major rows with ``align_size`` padding; sets ``last_num_padding_rows``.
+    def _pad_received_groups(self, received_RD, rows_per_local_expert_e):
+        """Expert-major received rows -> ``align_size``-padded groups; sets ``last_num_padding_rows``.
 
-        Returns ``(rows, rows_per_local_expert_e, received_dest_row_R)``; the last is the buffer
-        row of each received row, None when the rows are already in place (one source, no padding).
+        Returns ``(rows, rows_per_local_expert_e, received_dest_row_R)``; the last is the padded
+        row of each received row, None without padding (the rows stay in place).
         """
+        if self.align_size == 1:
+            self.last_num_padding_rows = rows_per_local_expert_e.new_zeros((), dtype=torch.int64)
+            return received_RD, rows_per_local_expert_e, None
         num_received = received_RD.shape[0]
-        if counts_Ge.shape[0] == 1 and self.align_size == 1:
-            self.last_num_padding_rows = counts_Ge.new_zeros((), dtype=torch.int64)
-            return received_RD, counts_Ge[0], None
-        dest_row_R, rows_per_local_expert_e, num_rows = expert_major_rows(
-            counts_Ge, num_received, self.align_size
+        dest_row_R, padded_counts_e, num_rows = padded_group_rows(
+            rows_per_local_expert_e, num_received, self.align_size
         )
         grouped_RD = self._permute_rows(received_RD, dest_row_R, 1, num_rows)
-        self.last_num_padding_rows = counts_Ge.new_full((), num_rows - num_received, dtype=torch.int64)
-        return grouped_RD, rows_per_local_expert_e, dest_row_R
+        self.last_num_padding_rows = padded_counts_e.new_full((), num_rows - num_received, dtype=torch.int64)
+        return grouped_RD, padded_counts_e, dest_row_R
 
     def _combine_expert_parallel(self, routed_output_RD: torch.Tensor, exchange: TokenExchange) -> torch.Tensor:
         """Weighted sum per received row, one row back per (token, rank) pair, sum over ranks."""
