@@ -247,8 +247,7 @@ def run_ep(parser, args, device, command) -> None:
 
     from torchtitan_ext.bench import ep_dispatch
 
-    report = ep_dispatch.run(args.tokens, args.dims, args.check, args.permute_backends, args.check_backends)
-    report["command"] = command
+    report = ep_dispatch.run(args.tokens, args.dims, args.check, args.permute_backends, command, args.check_backends)
     if dist.get_rank() == 0:
         rows = [{**row, **{f"{name}_ms": row["ms"][name] for name in ("dispatch_combine", "raw_a2a", "raw_a2a_unique")}}
                 for row in report["bench"]]

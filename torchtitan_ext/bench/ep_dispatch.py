@@ -31,11 +31,9 @@ backend, both transports and both permute backends) and records the largest erro
 
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
-import triton
 from torch.distributed import _symmetric_memory as symm_mem
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -46,7 +44,7 @@ apply_torch_version_fixes()
 
 from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 
-from torchtitan_ext.bench.common import source_commit  # noqa: E402
+from torchtitan_ext.bench.common import environment  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.dispatcher import (  # noqa: E402
     EP_TRANSPORTS, RoutingDispatcher,
 )
@@ -290,10 +288,11 @@ def check_equivalence(mesh, compute_backends: list[str]) -> list[dict]:
 
 
 def run(
-    token_counts: list[int], dims: list[int], check: bool, permute_backends: list[str],
+    token_counts: list[int], dims: list[int], check: bool, permute_backends: list[str], command: str,
     check_backends: list[str] | None = None,
 ) -> dict:
-    """Under torchrun: NCCL process group, optional equivalence check, every case; the report.
+    """Under torchrun: NCCL process group, optional equivalence check, every case; the report
+    (``common.environment`` with the world size, NCCL version and symmetric-memory backend).
 
     Every rank returns the same report; the caller destroys the process group.
     """
@@ -303,10 +302,8 @@ def run(
     set_spmd_backend("partial_dtensor")
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("ep",))
     report = {
-        "commit": source_commit(), "device": torch.cuda.get_device_name(), "world": world,
-        "torch": torch.__version__, "triton": triton.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-        "symm_mem_backend": symm_mem.get_backend("cuda"),
-        "date": time.strftime("%Y-%m-%d"),
+        **environment(command, torch.device("cuda"), torch.bfloat16), "world": world,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())), "symm_mem_backend": symm_mem.get_backend("cuda"),
     }
     if check:
         try:
