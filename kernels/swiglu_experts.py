@@ -27,18 +27,21 @@ import triton
 import triton.language as tl
 
 from torchtitan_ext.kernels._runtime import (
-    DOWN_BACKWARD_WEIGHT_CONFIGS,
-    GATE_UP_BACKWARD_WEIGHT_CONFIGS,
     GATE_UP_FORWARD_CONFIGS,
     PLAIN_GEMM_CONFIGS,
+    WEIGHT_GRADIENT_CONFIGS,
     block_experts,
     check_runnable,
+    descriptor_blocks,
     dot_precision,
     gemm_configs,
     locate_row_tile,
     num_row_tiles_upper_bound,
+    persistent_programs,
     prune_for_shape,
     swizzle_tile,
+    tensor_descriptor,
+    tensor_descriptors_usable,
     tuned,
 )
 
@@ -145,19 +148,24 @@ def _gate_up_forward_kernel(
 
 
 @tuned(
-    gemm_configs(PLAIN_GEMM_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
+    gemm_configs(PLAIN_GEMM_CONFIGS, pre_hook=descriptor_blocks(h_desc=("BLOCK_M", "BLOCK_K"), w2_desc=(1, "BLOCK_N", "BLOCK_K"))),
+    key=["dim", "hidden", "HAS_GATHER", "USE_TMA"],
     prune=prune_for_shape(m=None, n="dim", k="hidden"),
 )
 @triton.heuristics(_divides(EVEN_K=("hidden", "BLOCK_K")))
 @triton.jit
 def _down_forward_kernel(
-    h_ptr, w2_ptr, out_ptr, row_slot_ptr, scores_ptr, group_end_ptr,
+    h_desc, w2_desc, h_ptr, w2_ptr, out_ptr, row_slot_ptr, scores_ptr, group_end_ptr,
     num_rows, num_experts, dim, hidden,
-    HAS_GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_GATHER: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[dest rows] = (score *) h @ w2[e].T; unassigned trailing rows get zeros."""
+    """out[dest rows] = (score *) h @ w2[e].T; unassigned trailing rows get zeros.
+
+    With USE_TMA, h [R, F] and w2 [E, D, F] load through tensor descriptors: a row tile may
+    read rows past its expert's segment, whose outputs are masked at the store.
+    """
     num_m_tiles = tl.cdiv(num_rows, BLOCK_M) + tl.minimum(num_experts, num_rows) + 1
     m_tile, n_tile = swizzle_tile(tl.program_id(0), num_m_tiles, tl.cdiv(dim, BLOCK_N), GROUP_M)
     expert, row_start, row_end = locate_row_tile(
@@ -169,22 +177,28 @@ def _down_forward_kernel(
     col_mask = cols < dim
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if expert < num_experts:
-        ks = tl.arange(0, BLOCK_K)
-        load_rows = tl.minimum(rows, row_end - 1).to(tl.int64)
-        load_cols = tl.minimum(cols, dim - 1).to(tl.int64)
-        h_ptrs = h_ptr + load_rows[:, None] * hidden + ks[None, :]
-        w2_ptrs = w2_ptr + expert.to(tl.int64) * dim * hidden + load_cols[None, :] * hidden + ks[:, None]
-        for k_tile in range(0, tl.cdiv(hidden, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(h_ptrs)
-                b = tl.load(w2_ptrs)
-            else:
-                k_mask = ks < hidden - k_tile * BLOCK_K
-                a = tl.load(h_ptrs, mask=k_mask[None, :], other=0.0)
-                b = tl.load(w2_ptrs, mask=k_mask[:, None], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            h_ptrs += BLOCK_K
-            w2_ptrs += BLOCK_K
+        if USE_TMA:
+            for k_tile in range(0, tl.cdiv(hidden, BLOCK_K)):
+                a = h_desc.load([row_start, k_tile * BLOCK_K])
+                b = w2_desc.load([expert, n_tile * BLOCK_N, k_tile * BLOCK_K]).reshape(BLOCK_N, BLOCK_K)
+                acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
+        else:
+            ks = tl.arange(0, BLOCK_K)
+            load_rows = tl.minimum(rows, row_end - 1).to(tl.int64)
+            load_cols = tl.minimum(cols, dim - 1).to(tl.int64)
+            h_ptrs = h_ptr + load_rows[:, None] * hidden + ks[None, :]
+            w2_ptrs = w2_ptr + expert.to(tl.int64) * dim * hidden + load_cols[None, :] * hidden + ks[:, None]
+            for k_tile in range(0, tl.cdiv(hidden, BLOCK_K)):
+                if EVEN_K:
+                    a = tl.load(h_ptrs)
+                    b = tl.load(w2_ptrs)
+                else:
+                    k_mask = ks < hidden - k_tile * BLOCK_K
+                    a = tl.load(h_ptrs, mask=k_mask[None, :], other=0.0)
+                    b = tl.load(w2_ptrs, mask=k_mask[:, None], other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                h_ptrs += BLOCK_K
+                w2_ptrs += BLOCK_K
     dest = _destination_rows(rows, row_mask, row_slot_ptr, HAS_GATHER)
     if HAS_GATHER:
         acc = acc * tl.load(scores_ptr + dest, mask=row_mask, other=0.0).to(tl.float32)[:, None]
@@ -196,19 +210,21 @@ def _down_forward_kernel(
 
 
 @tuned(
-    gemm_configs(PLAIN_GEMM_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
+    gemm_configs(PLAIN_GEMM_CONFIGS, pre_hook=descriptor_blocks(w2_desc=(1, "BLOCK_K", "BLOCK_N"))),
+    key=["dim", "hidden", "HAS_GATHER", "USE_TMA"],
     prune=prune_for_shape(m=None, n="hidden", k="dim"),
 )
 @triton.heuristics(_divides(EVEN_K=("dim", "BLOCK_K"), EVEN_N=("hidden", "BLOCK_N")))
 @triton.jit
 def _down_backward_kernel(
-    dy_ptr, w2_ptr, dh_ptr, row_slot_ptr, group_end_ptr,
+    w2_desc, dy_ptr, w2_ptr, dh_ptr, row_slot_ptr, group_end_ptr,
     num_rows, num_experts, dim, hidden, top_k,
-    HAS_GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_GATHER: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """dh [R, F] = dy[src rows] @ w2[e] (rows of no expert are not written)."""
+    """dh [R, F] = dy[src rows] @ w2[e] (rows of no expert are not written); w2 [E, D, F] through a
+    tensor descriptor when USE_TMA."""
     num_m_tiles = tl.cdiv(num_rows, BLOCK_M) + tl.minimum(num_experts, num_rows) + 1
     m_tile, n_tile = swizzle_tile(tl.program_id(0), num_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert, row_start, row_end = locate_row_tile(
@@ -231,7 +247,9 @@ def _down_backward_kernel(
             a = tl.load(dy_ptrs)
         else:
             a = tl.load(dy_ptrs, mask=k_mask[None, :], other=0.0)
-        if EVEN_K and EVEN_N:
+        if USE_TMA:
+            b = w2_desc.load([expert, k_tile * BLOCK_K, n_tile * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+        elif EVEN_K and EVEN_N:
             b = tl.load(w2_ptrs)
         else:
             b = tl.load(w2_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
@@ -282,16 +300,62 @@ def _swiglu_backward_kernel(
         tl.store(dscores_ptr + slots, dscore, mask=row_mask)
 
 
+@triton.jit
+def _accumulate_rows_times_weight(
+    acc, a_desc, w_desc, a_ptr, w_ptr, expert, row_start, row_end, col_start, dim, hidden,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """acc += a[rows] @ w[e] over K = F, for a [R, F] grouped rows and w [E, F, D].
+
+    With USE_TMA both load through tensor descriptors (a row tile may read rows past its
+    expert's segment, whose outputs the caller masks); otherwise through masked pointers.
+    """
+    if USE_TMA:
+        for k_tile in range(0, tl.cdiv(hidden, BLOCK_K)):
+            a = a_desc.load([row_start, k_tile * BLOCK_K])
+            b = w_desc.load([expert, k_tile * BLOCK_K, col_start]).reshape(BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        cols = col_start + tl.arange(0, BLOCK_N)
+        col_mask = cols < dim
+        load_rows = tl.minimum(row_start + tl.arange(0, BLOCK_M), row_end - 1).to(tl.int64)
+        a_ptrs = a_ptr + load_rows[:, None] * hidden + ks[None, :]
+        w_ptrs = w_ptr + expert.to(tl.int64) * hidden * dim + ks[:, None].to(tl.int64) * dim + cols[None, :]
+        for k_tile in range(0, tl.cdiv(hidden, BLOCK_K)):
+            k_mask = ks < hidden - k_tile * BLOCK_K
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            if EVEN_K and EVEN_N:
+                b = tl.load(w_ptrs)
+            else:
+                b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * dim
+    return acc
+
+
 @tuned(
-    gemm_configs(PLAIN_GEMM_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
+    gemm_configs(
+        PLAIN_GEMM_CONFIGS,
+        pre_hook=descriptor_blocks(
+            dgate_desc=("BLOCK_M", "BLOCK_K"), dup_desc=("BLOCK_M", "BLOCK_K"),
+            w1_desc=(1, "BLOCK_K", "BLOCK_N"), w3_desc=(1, "BLOCK_K", "BLOCK_N"),
+        ),
+    ),
+    key=["dim", "hidden", "HAS_GATHER", "USE_TMA"],
     prune=prune_for_shape(m=None, n="dim", k="hidden"),
 )
 @triton.heuristics(_divides(EVEN_K=("hidden", "BLOCK_K"), EVEN_N=("dim", "BLOCK_N")))
 @triton.jit
 def _gate_up_backward_input_kernel(
-    dgate_ptr, dup_ptr, w1_ptr, w3_ptr, dx_ptr, row_slot_ptr, group_end_ptr,
+    dgate_desc, dup_desc, w1_desc, w3_desc, dgate_ptr, dup_ptr, w1_ptr, w3_ptr, dx_ptr, row_slot_ptr, group_end_ptr,
     num_rows, num_experts, dim, hidden,
-    HAS_GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_GATHER: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -307,40 +371,15 @@ def _gate_up_backward_input_kernel(
     col_mask = cols < dim
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if expert < num_experts:
-        ks = tl.arange(0, BLOCK_K)
-        load_rows = tl.minimum(rows, row_end - 1).to(tl.int64)
-        a_offsets = load_rows[:, None] * hidden + ks[None, :]
-        w_offsets = expert.to(tl.int64) * hidden * dim + ks[:, None].to(tl.int64) * dim + cols[None, :]
-        dgate_ptrs = dgate_ptr + a_offsets
-        w1_ptrs = w1_ptr + w_offsets
-        for k_tile in range(0, tl.cdiv(hidden, BLOCK_K)):
-            k_mask = ks < hidden - k_tile * BLOCK_K
-            if EVEN_K:
-                a = tl.load(dgate_ptrs)
-            else:
-                a = tl.load(dgate_ptrs, mask=k_mask[None, :], other=0.0)
-            if EVEN_K and EVEN_N:
-                b = tl.load(w1_ptrs)
-            else:
-                b = tl.load(w1_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            dgate_ptrs += BLOCK_K
-            w1_ptrs += BLOCK_K * dim
-        dup_ptrs = dup_ptr + a_offsets
-        w3_ptrs = w3_ptr + w_offsets
-        for k_tile in range(0, tl.cdiv(hidden, BLOCK_K)):
-            k_mask = ks < hidden - k_tile * BLOCK_K
-            if EVEN_K:
-                a = tl.load(dup_ptrs)
-            else:
-                a = tl.load(dup_ptrs, mask=k_mask[None, :], other=0.0)
-            if EVEN_K and EVEN_N:
-                b = tl.load(w3_ptrs)
-            else:
-                b = tl.load(w3_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            dup_ptrs += BLOCK_K
-            w3_ptrs += BLOCK_K * dim
+        col_start = n_tile * BLOCK_N
+        acc = _accumulate_rows_times_weight(
+            acc, dgate_desc, w1_desc, dgate_ptr, w1_ptr, expert, row_start, row_end, col_start, dim, hidden,
+            USE_TMA, DOT_PRECISION, EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K,
+        )
+        acc = _accumulate_rows_times_weight(
+            acc, dup_desc, w3_desc, dup_ptr, w3_ptr, expert, row_start, row_end, col_start, dim, hidden,
+            USE_TMA, DOT_PRECISION, EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K,
+        )
     dest = _destination_rows(rows, row_mask, row_slot_ptr, HAS_GATHER)
     tl.store(
         dx_ptr + dest[:, None] * dim + cols[None, :],
@@ -357,122 +396,69 @@ def _expert_rows(group_end_ptr, expert):
 
 
 @tuned(
-    gemm_configs(DOWN_BACKWARD_WEIGHT_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
-    prune=prune_for_shape(m="dim", n="hidden", k=None),
+    gemm_configs(WEIGHT_GRADIENT_CONFIGS, pre_hook=descriptor_blocks(a_desc=("BLOCK_K", "BLOCK_M"), b_desc=("BLOCK_K", "BLOCK_N"))),
+    key=["size_m", "size_n", "USE_TMA"],
+    prune=prune_for_shape(m="size_m", n="size_n", k=None),
 )
-@triton.heuristics(_divides(EVEN_M=("dim", "BLOCK_M"), EVEN_N=("hidden", "BLOCK_N")))
+@triton.heuristics(_divides(EVEN_M=("size_m", "BLOCK_M"), EVEN_N=("size_n", "BLOCK_N")))
 @triton.jit
-def _down_backward_weight_kernel(
-    dy_ptr, hs_ptr, dw2_ptr, row_slot_ptr, group_end_ptr,
-    dim, hidden, top_k,
-    HAS_GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
+def _weight_gradient_kernel(
+    a_desc, b_desc, a_ptr, b_ptr, c_ptr, group_end_ptr,
+    num_experts, size_m, size_n, num_programs,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """dw2[e] [D, F] = dy[src rows of e].T @ hs[rows of e] (hs = score-weighted h)."""
-    num_m_tiles = tl.cdiv(dim, BLOCK_M)
-    num_n_tiles = tl.cdiv(hidden, BLOCK_N)
-    pid = tl.program_id(0)
-    expert = pid // (num_m_tiles * num_n_tiles)
-    m_tile, n_tile = swizzle_tile(pid % (num_m_tiles * num_n_tiles), num_m_tiles, num_n_tiles, GROUP_M)
-    row_start, row_end = _expert_rows(group_end_ptr, expert)
-    d_cols = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    f_cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    d_mask = d_cols < dim
-    f_mask = f_cols < hidden
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
-    ks = tl.arange(0, BLOCK_K)
-    for row0 in range(row_start, full_end, BLOCK_K):
-        rows = row0 + ks
-        src = _source_rows(rows, row_slot_ptr, top_k, HAS_GATHER)
-        a_ptrs = dy_ptr + src[None, :] * dim + d_cols[:, None]
-        b_ptrs = hs_ptr + rows.to(tl.int64)[:, None] * hidden + f_cols[None, :]
-        if EVEN_M:
-            a = tl.load(a_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=d_mask[:, None], other=0.0)
-        if EVEN_N:
-            b = tl.load(b_ptrs)
-        else:
-            b = tl.load(b_ptrs, mask=f_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    if full_end < row_end:
-        rows = full_end + ks
-        rows_mask = rows < row_end
-        src = _source_rows(tl.minimum(rows, row_end - 1), row_slot_ptr, top_k, HAS_GATHER)
-        a = tl.load(dy_ptr + src[None, :] * dim + d_cols[:, None], mask=rows_mask[None, :] & d_mask[:, None], other=0.0)
-        b = tl.load(
-            hs_ptr + rows.to(tl.int64)[:, None] * hidden + f_cols[None, :],
-            mask=rows_mask[:, None] & f_mask[None, :],
-            other=0.0,
-        )
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    out_offsets = expert.to(tl.int64) * dim * hidden + d_cols.to(tl.int64)[:, None] * hidden + f_cols[None, :]
-    out_mask = d_mask[:, None] & f_mask[None, :]
-    tl.store(dw2_ptr + out_offsets, acc.to(dw2_ptr.dtype.element_ty), mask=out_mask)
+    """c[e] [M, N] = a[rows of e].T @ b[rows of e] for every expert e; a [R, M], b [R, N] grouped rows.
 
-
-@tuned(
-    gemm_configs(GATE_UP_BACKWARD_WEIGHT_CONFIGS), key=["dim", "hidden", "HAS_GATHER"],
-    prune=prune_for_shape(m="hidden", n="dim", k=None, a_tiles=2),
-)
-@triton.heuristics(_divides(EVEN_M=("hidden", "BLOCK_M"), EVEN_N=("dim", "BLOCK_N")))
-@triton.jit
-def _gate_up_backward_weight_kernel(
-    dgate_ptr, dup_ptr, x_ptr, dw1_ptr, dw3_ptr, row_slot_ptr, group_end_ptr,
-    dim, hidden, top_k,
-    HAS_GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """dw1[e] / dw3[e] [F, D] = dgate / dup [rows of e].T @ x[src rows of e]."""
-    num_m_tiles = tl.cdiv(hidden, BLOCK_M)
-    num_n_tiles = tl.cdiv(dim, BLOCK_N)
-    pid = tl.program_id(0)
-    expert = pid // (num_m_tiles * num_n_tiles)
-    m_tile, n_tile = swizzle_tile(pid % (num_m_tiles * num_n_tiles), num_m_tiles, num_n_tiles, GROUP_M)
-    row_start, row_end = _expert_rows(group_end_ptr, expert)
-    f_cols = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    d_cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    f_mask = f_cols < hidden
-    d_mask = d_cols < dim
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
+    Persistent: each program walks output tiles (expert, m, n) with stride num_programs. The
+    expert's full BLOCK_K-row steps load through tensor descriptors (TMA) when USE_TMA; its
+    last partial step, and every step without TMA, uses masked pointer loads.
+    """
+    num_m_tiles = tl.cdiv(size_m, BLOCK_M)
+    num_n_tiles = tl.cdiv(size_n, BLOCK_N)
+    tiles_per_expert = num_m_tiles * num_n_tiles
     ks = tl.arange(0, BLOCK_K)
-    for row0 in range(row_start, full_end, BLOCK_K):
-        rows = row0 + ks
-        src = _source_rows(rows, row_slot_ptr, top_k, HAS_GATHER)
-        a_offsets = rows.to(tl.int64)[None, :] * hidden + f_cols[:, None]
-        b_ptrs = x_ptr + src[:, None] * dim + d_cols[None, :]
-        if EVEN_M:
-            a1 = tl.load(dgate_ptr + a_offsets)
-            a3 = tl.load(dup_ptr + a_offsets)
-        else:
-            a1 = tl.load(dgate_ptr + a_offsets, mask=f_mask[:, None], other=0.0)
-            a3 = tl.load(dup_ptr + a_offsets, mask=f_mask[:, None], other=0.0)
-        if EVEN_N:
-            b = tl.load(b_ptrs)
-        else:
-            b = tl.load(b_ptrs, mask=d_mask[None, :], other=0.0)
-        acc1 = tl.dot(a1, b, acc1, input_precision=DOT_PRECISION)
-        acc3 = tl.dot(a3, b, acc3, input_precision=DOT_PRECISION)
-    if full_end < row_end:
-        rows = full_end + ks
-        rows_mask = rows < row_end
-        src = _source_rows(tl.minimum(rows, row_end - 1), row_slot_ptr, top_k, HAS_GATHER)
-        a_offsets = rows.to(tl.int64)[None, :] * hidden + f_cols[:, None]
-        a_mask = rows_mask[None, :] & f_mask[:, None]
-        a1 = tl.load(dgate_ptr + a_offsets, mask=a_mask, other=0.0)
-        a3 = tl.load(dup_ptr + a_offsets, mask=a_mask, other=0.0)
-        b = tl.load(x_ptr + src[:, None] * dim + d_cols[None, :], mask=rows_mask[:, None] & d_mask[None, :], other=0.0)
-        acc1 = tl.dot(a1, b, acc1, input_precision=DOT_PRECISION)
-        acc3 = tl.dot(a3, b, acc3, input_precision=DOT_PRECISION)
-    out_offsets = expert.to(tl.int64) * hidden * dim + f_cols.to(tl.int64)[:, None] * dim + d_cols[None, :]
-    out_mask = f_mask[:, None] & d_mask[None, :]
-    tl.store(dw1_ptr + out_offsets, acc1.to(dw1_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(dw3_ptr + out_offsets, acc3.to(dw3_ptr.dtype.element_ty), mask=out_mask)
+    for tile in range(tl.program_id(0), num_experts * tiles_per_expert, num_programs):
+        expert = tile // tiles_per_expert
+        m_tile, n_tile = swizzle_tile(tile % tiles_per_expert, num_m_tiles, num_n_tiles, GROUP_M)
+        row_start, row_end = _expert_rows(group_end_ptr, expert)
+        m_cols = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        n_cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = m_cols < size_m
+        n_mask = n_cols < size_n
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
+        for row0 in range(row_start, full_end, BLOCK_K):
+            if USE_TMA:
+                a = a_desc.load([row0, m_tile * BLOCK_M]).T
+                b = b_desc.load([row0, n_tile * BLOCK_N])
+            else:
+                rows = (row0 + ks).to(tl.int64)
+                a_ptrs = a_ptr + rows[None, :] * size_m + m_cols[:, None]
+                b_ptrs = b_ptr + rows[:, None] * size_n + n_cols[None, :]
+                if EVEN_M:
+                    a = tl.load(a_ptrs)
+                else:
+                    a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+                if EVEN_N:
+                    b = tl.load(b_ptrs)
+                else:
+                    b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if full_end < row_end:
+            rows = full_end + ks
+            rows_mask = rows < row_end
+            rows = rows.to(tl.int64)
+            a = tl.load(
+                a_ptr + rows[None, :] * size_m + m_cols[:, None], mask=rows_mask[None, :] & m_mask[:, None], other=0.0
+            )
+            b = tl.load(
+                b_ptr + rows[:, None] * size_n + n_cols[None, :], mask=rows_mask[:, None] & n_mask[None, :], other=0.0
+            )
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        out_offsets = expert.to(tl.int64) * size_m * size_n + m_cols.to(tl.int64)[:, None] * size_n + n_cols[None, :]
+        tl.store(c_ptr + out_offsets, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def _row_tile_grid(num_rows: int, num_experts: int, num_cols: int):
@@ -483,11 +469,21 @@ def _row_tile_grid(num_rows: int, num_experts: int, num_cols: int):
     return grid
 
 
-def _weight_grid(num_experts: int, rows_of_out: int, cols_of_out: int):
-    def grid(meta):
-        return (num_experts * triton.cdiv(rows_of_out, meta["BLOCK_M"]) * triton.cdiv(cols_of_out, meta["BLOCK_N"]),)
+def _weight_gradient(a_RM: torch.Tensor, b_RN: torch.Tensor, group_end_E: torch.Tensor, out_EMN: torch.Tensor) -> None:
+    """out[e] = a[rows of e].T @ b[rows of e] for every expert (rows past group_end[E-1] are unused)."""
+    num_experts, size_m, size_n = out_EMN.shape
+    use_tma = tensor_descriptors_usable(a_RM, b_RN)
+    a_desc, b_desc = (tensor_descriptor(t) if use_tma else None for t in (a_RM, b_RN))
+    num_programs = persistent_programs(a_RM.device)
 
-    return grid
+    def grid(meta):
+        tiles = num_experts * triton.cdiv(size_m, meta["BLOCK_M"]) * triton.cdiv(size_n, meta["BLOCK_N"])
+        return (min(tiles, num_programs),)
+
+    _weight_gradient_kernel[grid](
+        a_desc, b_desc, a_RM, b_RN, out_EMN, group_end_E, num_experts, size_m, size_n, num_programs,
+        USE_TMA=use_tma, DOT_PRECISION=dot_precision(a_RM.dtype), GROUP_M=GROUP_M,
+    )
 
 
 def _elementwise_tile(hidden: int) -> tuple[int, int]:
@@ -520,10 +516,12 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
             HAS_GATHER=routed, SAVE_PREACT=save_preact, **common,
         )
         rows_out = x_XD.new_empty(num_rows, dim)
+        use_tma = tensor_descriptors_usable(h_RF, w2)
+        h_desc, w2_desc = (tensor_descriptor(t) if use_tma else None for t in (h_RF, w2))
         _down_forward_kernel[_row_tile_grid(num_rows, num_experts, dim)](
-            h_RF, w2, rows_out, row_slot_S, scores, group_end_E,
+            h_desc, w2_desc, h_RF, w2, rows_out, row_slot_S, scores, group_end_E,
             num_rows, num_experts, dim, hidden,
-            HAS_GATHER=routed, **common,
+            HAS_GATHER=routed, USE_TMA=use_tma, **common,
         )
         out = rows_out.view(-1, top_k, dim).sum(dim=1) if routed and top_k > 1 else rows_out
         ctx.save_for_backward(x_XD, w1_EFD, w2_EDF, w3_EFD, scores, group_end_E, row_slot_S, gate_RF, up_RF)
@@ -539,14 +537,14 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
         num_rows = gate_RF.shape[0]
         dout = dout.to(x_XD.dtype).contiguous()
         w1, w2, w3 = (w.to(x_XD.dtype).contiguous() for w in (w1_EFD, w2_EDF, w3_EFD))
-        common = dict(DOT_PRECISION=dot_precision(x_XD.dtype), GROUP_M=GROUP_M)
-        row_common = dict(BLOCK_E=block_experts(num_experts), **common)
+        row_common = dict(DOT_PRECISION=dot_precision(x_XD.dtype), BLOCK_E=block_experts(num_experts), GROUP_M=GROUP_M)
 
         dh_RF = x_XD.new_empty(num_rows, hidden)
+        w2_desc = tensor_descriptor(w2) if tensor_descriptors_usable(w2) else None
         _down_backward_kernel[_row_tile_grid(num_rows, num_experts, hidden)](
-            dout, w2, dh_RF, row_slot_S, group_end_E,
+            w2_desc, dout, w2, dh_RF, row_slot_S, group_end_E,
             num_rows, num_experts, dim, hidden, top_k,
-            HAS_GATHER=routed, **row_common,
+            HAS_GATHER=routed, USE_TMA=w2_desc is not None, **row_common,
         )
         dscores_S = torch.zeros(num_rows, device=x_XD.device, dtype=torch.float32) if routed else None
         rows_per_program, block_f = _elementwise_tile(hidden)
@@ -556,32 +554,37 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
         )
         hs_RF = dh_RF
         dgate_RF, dup_RF = gate_RF, up_RF
-
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx_rows = x_XD.new_empty(num_rows, dim)
-            _gate_up_backward_input_kernel[_row_tile_grid(num_rows, num_experts, dim)](
-                dgate_RF, dup_RF, w1, w3, dx_rows, row_slot_S, group_end_E,
-                num_rows, num_experts, dim, hidden,
-                HAS_GATHER=routed, **row_common,
-            )
-            dx = dx_rows.view(-1, top_k, dim).sum(dim=1) if routed and top_k > 1 else dx_rows
+        source_rows_R = row_slot_S // top_k if routed else None
 
         dw2 = None
         if ctx.needs_input_grad[2]:
             dw2 = torch.empty_like(w2_EDF)
-            _down_backward_weight_kernel[_weight_grid(num_experts, dim, hidden)](
-                dout, hs_RF, dw2, row_slot_S, group_end_E, dim, hidden, top_k,
-                HAS_GATHER=routed, **common,
+            dout_RD = dout.index_select(0, source_rows_R) if routed else dout
+            _weight_gradient(dout_RD, hs_RF, group_end_E, dw2)
+            del dout_RD
+        del hs_RF, dh_RF
+
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx_rows = x_XD.new_empty(num_rows, dim)
+            operands = (dgate_RF, dup_RF, w1, w3)
+            use_tma = tensor_descriptors_usable(*operands)
+            descriptors = [tensor_descriptor(t) if use_tma else None for t in operands]
+            _gate_up_backward_input_kernel[_row_tile_grid(num_rows, num_experts, dim)](
+                *descriptors, *operands, dx_rows, row_slot_S, group_end_E,
+                num_rows, num_experts, dim, hidden,
+                HAS_GATHER=routed, USE_TMA=use_tma, **row_common,
             )
+            dx = dx_rows.view(-1, top_k, dim).sum(dim=1) if routed and top_k > 1 else dx_rows
+            del dx_rows
+
         dw1 = dw3 = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[3]:
             dw1 = torch.empty_like(w1_EFD)
             dw3 = torch.empty_like(w3_EFD)
-            _gate_up_backward_weight_kernel[_weight_grid(num_experts, hidden, dim)](
-                dgate_RF, dup_RF, x_XD, dw1, dw3, row_slot_S, group_end_E, dim, hidden, top_k,
-                HAS_GATHER=routed, **common,
-            )
+            x_RD = x_XD.index_select(0, source_rows_R) if routed else x_XD
+            _weight_gradient(dgate_RF, x_RD, group_end_E, dw1)
+            _weight_gradient(dup_RF, x_RD, group_end_E, dw3)
         dscores = None
         if routed and ctx.needs_input_grad[4]:
             dscores = dscores_S.to(scores.dtype)

@@ -5,10 +5,9 @@ import torch
 import triton
 
 from torchtitan_ext.kernels._runtime import (
-    DOWN_BACKWARD_WEIGHT_CONFIGS,
-    GATE_UP_BACKWARD_WEIGHT_CONFIGS,
     GATE_UP_FORWARD_CONFIGS,
     PLAIN_GEMM_CONFIGS,
+    WEIGHT_GRADIENT_CONFIGS,
     prune_for_shape,
 )
 
@@ -54,8 +53,7 @@ def test_every_listed_first_choice_fits_hopper_shared_memory():
     for configs, a_tiles, b_tiles in (
         (PLAIN_GEMM_CONFIGS, 1, 1),
         (GATE_UP_FORWARD_CONFIGS, 1, 2),
-        (DOWN_BACKWARD_WEIGHT_CONFIGS, 1, 1),
-        (GATE_UP_BACKWARD_WEIGHT_CONFIGS, 2, 1),
+        (WEIGHT_GRADIENT_CONFIGS, 1, 1),
     ):
         bm, bn, bk, _, stages = configs[0]
         assert (a_tiles * bm * bk + b_tiles * bk * bn) * 2 * stages <= hopper_limit

@@ -145,3 +145,47 @@ def test_clear_error_without_cuda_or_interpreter(monkeypatch):
     with pytest.raises(RuntimeError, match="CUDA"):
         fused_moe_routed(*inputs)
     assert os.environ["TRITON_INTERPRET"] == "0"
+
+
+@pytest.mark.parametrize("use_descriptors", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_weight_gradient_with_and_without_tensor_descriptors(use_descriptors, dtype, monkeypatch):
+    """c[e] = a[rows of e].T @ b[rows of e]: descriptor (TMA) loads for full row steps, pointer loads otherwise."""
+    from torchtitan_ext.kernels import swiglu_experts
+    from torchtitan_ext.kernels._runtime import tensor_descriptors_usable
+
+    generator = torch.Generator().manual_seed(5)
+    counts = [37, 0, 16, 5, 0, 21]  # partial and exact 16-row steps, empty experts, 4 trailing unassigned rows
+    a_RM = torch.randn(83, 48, generator=generator).to(dtype)
+    b_RN = torch.randn(83, 40, generator=generator).to(dtype)
+    assert tensor_descriptors_usable(a_RM, b_RN)
+    if not use_descriptors:
+        monkeypatch.setattr(swiglu_experts, "tensor_descriptors_usable", lambda *tensors: False)
+    out_EMN = torch.full((len(counts), 48, 40), float("nan"), dtype=torch.float32)
+    swiglu_experts._weight_gradient(a_RM, b_RN, torch.tensor(counts).cumsum(0).to(torch.int32), out_EMN)
+    start = 0
+    for expert, count in enumerate(counts):
+        expected = a_RM[start:start + count].double().T @ b_RN[start:start + count].double()
+        if count:
+            assert rel_err(out_EMN[expert], expected) < TOLERANCE[dtype]
+        else:
+            assert out_EMN[expert].abs().max() == 0
+        start += count
+
+
+def test_tensor_descriptors_need_aligned_rows():
+    from torchtitan_ext.kernels._runtime import tensor_descriptors_usable
+
+    assert not tensor_descriptors_usable(torch.zeros(8, 20, dtype=torch.float16))  # 40-byte rows
+    assert not tensor_descriptors_usable(torch.zeros(0, 32, dtype=torch.float16))
+    assert not tensor_descriptors_usable(torch.zeros(32, 8, dtype=torch.float16).T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_pointer_loads_where_tensor_descriptors_cannot_be_used(dtype, monkeypatch):
+    """GPUs without TMA (and rows that are not 16-byte aligned) take the kernels' pointer loads."""
+    from torchtitan_ext.kernels import swiglu_experts
+
+    monkeypatch.setattr(swiglu_experts, "tensor_descriptors_usable", lambda *tensors: False)
+    inputs, generator = routed_inputs(13, 40, 24, 5, 2, dtype, seed=9)
+    assert_matches(fused_moe_routed, reference_routed, inputs, dtype, generator)
