@@ -332,3 +332,11 @@ def test_unreadable_trace_exits_2(tmp_path, content, capsys):
         main(["trace", str(path)])
     assert exit_info.value.code == 2
     assert f"trace {path}: cannot read a torch.profiler trace" in capsys.readouterr().err
+
+
+def test_kernel_profile_clears_gradients_before_each_call_like_the_timed_runs():
+    from torchtitan_ext.bench.common import kernel_profile
+
+    weight = torch.ones(4, requires_grad=True)
+    kernel_profile(lambda: (weight * 2).sum().backward(), torch.device("cpu"), top=3, grad_to_none=[weight])
+    assert torch.equal(weight.grad, torch.full((4,), 2.0))

@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
 import torch
@@ -91,19 +91,28 @@ def memory_mb(forward: Callable[[], torch.Tensor], grad_out: torch.Tensor, devic
     return round(held / 2**20, 1), round(peak / 2**20, 1)
 
 
-def kernel_profile(step: Callable[[], None], device: torch.device, top: int, steps: int = 3) -> list[dict]:
+def kernel_profile(
+    step: Callable[[], None], device: torch.device, top: int, steps: int = 3, grad_to_none: Sequence[torch.Tensor] = ()
+) -> list[dict]:
     """The ``top`` GPU kernels (on CPU: operators, by self time) of ``step``, in ms per call.
 
     One warm-up call, then ``steps`` calls under ``torch.profiler``; kernels of the same name
-    are summed. Returns ``[{"kernel": name, "ms": ms per call}]``, slowest first.
+    are summed. ``grad_to_none`` tensors lose their grads before each call, as in the timed
+    runs (otherwise every call after the first adds into the previous gradients). Returns
+    ``[{"kernel": name, "ms": ms per call}]``, slowest first.
     """
     from torch.profiler import ProfilerActivity, profile
 
+    def clean_step():
+        for tensor in grad_to_none:
+            tensor.grad = None
+        step()
+
     on_gpu = device.type == "cuda"
-    step()
+    clean_step()
     with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as profiler:
         for _ in range(steps):
-            step()
+            clean_step()
         if on_gpu:
             torch.cuda.synchronize()
     times: dict[str, float] = {}

@@ -111,7 +111,7 @@ def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, bat
         fwd_ms = timer(lambda: layer(x_BLD))
         fwdbwd_ms = timer(forward_backward, grad_to_none=[x_BLD, *params])
         _, peak_mb = memory_mb(lambda: layer(x_BLD), grad_BLD, device)
-        kernels = kernel_profile(forward_backward, device, profile_top) if profile_top else None
+        kernels = kernel_profile(forward_backward, device, profile_top, grad_to_none=[x_BLD, *params]) if profile_top else None
         for tensor in [x_BLD, *params]:
             tensor.grad = None
         rows.append({
