@@ -46,6 +46,8 @@ from torchtitan_ext.kernels._runtime import (
 )
 
 GROUP_M = 8
+GATE_UP_TWO_PASS_MIN_WEIGHT = 2048 * 4096
+"""Elements of one expert's w1 (F x D) from which the gate/up forward takes two passes."""
 
 _logger = logging.getLogger(__name__)
 _shapes_seen: set[tuple] = set()
@@ -145,6 +147,70 @@ def _gate_up_forward_kernel(
         tl.store(up_ptr + out_offsets, up.to(up_ptr.dtype.element_ty), mask=out_mask)
     h = gate * tl.sigmoid(gate) * up
     tl.store(h_ptr + out_offsets, h.to(h_ptr.dtype.element_ty), mask=out_mask)
+
+
+@tuned(
+    gemm_configs(PLAIN_GEMM_CONFIGS, pre_hook=descriptor_blocks(w_desc=(1, "BLOCK_N", "BLOCK_K"))),
+    key=["dim", "hidden", "HAS_GATHER", "UP_PASS", "SAVE_UP", "USE_TMA"],
+    prune=prune_for_shape(m=None, n="hidden", k="dim"),
+)
+@triton.heuristics(_divides(EVEN_K=("dim", "BLOCK_K")))
+@triton.jit
+def _gate_up_pass_kernel(
+    w_desc, x_ptr, w_ptr, gate_ptr, up_ptr, h_ptr, row_slot_ptr, group_end_ptr,
+    num_rows, num_experts, dim, hidden, top_k,
+    HAS_GATHER: tl.constexpr, UP_PASS: tl.constexpr, SAVE_UP: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One GEMM of the gate/up forward, for large F x D per expert, with one accumulator.
+
+    Gate pass: gate [R, F] = x[src rows] @ w1[e].T. Up pass: up = x[src rows] @ w3[e].T, then
+    h = silu(gate) * up with gate read back (and up stored when SAVE_UP). w [E, F, D] loads
+    through a tensor descriptor when USE_TMA.
+    """
+    num_m_tiles = tl.cdiv(num_rows, BLOCK_M) + tl.minimum(num_experts, num_rows) + 1
+    m_tile, n_tile = swizzle_tile(tl.program_id(0), num_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    expert, row_start, row_end = locate_row_tile(
+        m_tile, group_end_ptr, num_experts, num_rows, BLOCK_M, BLOCK_E
+    )
+    if expert >= num_experts:
+        return
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    src = _source_rows(tl.minimum(rows, row_end - 1), row_slot_ptr, top_k, HAS_GATHER)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + src[:, None] * dim + ks[None, :]
+    load_cols = tl.minimum(cols, hidden - 1).to(tl.int64)
+    w_ptrs = w_ptr + expert.to(tl.int64) * hidden * dim + load_cols[None, :] * dim + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_tile in range(0, tl.cdiv(dim, BLOCK_K)):
+        k_mask = ks < dim - k_tile * BLOCK_K
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+        else:
+            a = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+        if USE_TMA:
+            b = w_desc.load([expert, n_tile * BLOCK_N, k_tile * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+        elif EVEN_K:
+            b = tl.load(w_ptrs)
+        else:
+            b = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_offsets = rows.to(tl.int64)[:, None] * hidden + cols[None, :]
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if UP_PASS:
+        if SAVE_UP:
+            tl.store(up_ptr + out_offsets, acc.to(up_ptr.dtype.element_ty), mask=out_mask)
+        gate = tl.load(gate_ptr + out_offsets, mask=out_mask, other=0.0).to(tl.float32)
+        h = gate * tl.sigmoid(gate) * acc
+        tl.store(h_ptr + out_offsets, h.to(h_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(gate_ptr + out_offsets, acc.to(gate_ptr.dtype.element_ty), mask=out_mask)
 
 
 @tuned(
@@ -486,6 +552,13 @@ def _weight_gradient(a_RM: torch.Tensor, b_RN: torch.Tensor, group_end_E: torch.
     )
 
 
+def gate_up_in_two_passes(dim: int, hidden: int) -> bool:
+    """Whether the gate/up forward runs as two one-accumulator GEMMs (gate, then up with the SwiGLU)
+    instead of one kernel with two accumulators: for large experts, where the one-accumulator
+    kernel's wider tiles outweigh reading x twice and gate back once."""
+    return dim * hidden >= GATE_UP_TWO_PASS_MIN_WEIGHT
+
+
 def _elementwise_tile(hidden: int) -> tuple[int, int]:
     """(rows, columns) of the [R, F] tile each program of the SwiGLU backward handles per step."""
     block_f = min(1024, max(16, triton.next_power_of_2(hidden)))
@@ -503,18 +576,29 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
         x_XD = x_XD.contiguous()
         w1, w2, w3 = (w.to(x_XD.dtype).contiguous() for w in (w1_EFD, w2_EDF, w3_EFD))
         save_preact = any(ctx.needs_input_grad[:5])
-        gate_RF = x_XD.new_empty(num_rows, hidden) if save_preact else None
+        split = gate_up_in_two_passes(dim, hidden)
+        gate_RF = x_XD.new_empty(num_rows, hidden) if save_preact or split else None
         up_RF = x_XD.new_empty(num_rows, hidden) if save_preact else None
         h_RF = x_XD.new_empty(num_rows, hidden)
         scores = scores_S.contiguous() if routed else None
         common = dict(
             DOT_PRECISION=dot_precision(x_XD.dtype), BLOCK_E=block_experts(num_experts), GROUP_M=GROUP_M
         )
-        _gate_up_forward_kernel[_row_tile_grid(num_rows, num_experts, hidden)](
-            x_XD, w1, w3, gate_RF, up_RF, h_RF, row_slot_S, group_end_E,
-            num_rows, num_experts, dim, hidden, top_k,
-            HAS_GATHER=routed, SAVE_PREACT=save_preact, **common,
-        )
+        grid = _row_tile_grid(num_rows, num_experts, hidden)
+        if split:
+            use_tma = tensor_descriptors_usable(w1, w3)
+            for up_pass, w in ((False, w1), (True, w3)):
+                _gate_up_pass_kernel[grid](
+                    tensor_descriptor(w) if use_tma else None, x_XD, w, gate_RF, up_RF, h_RF, row_slot_S, group_end_E,
+                    num_rows, num_experts, dim, hidden, top_k,
+                    HAS_GATHER=routed, UP_PASS=up_pass, SAVE_UP=save_preact, USE_TMA=use_tma, **common,
+                )
+        else:
+            _gate_up_forward_kernel[grid](
+                x_XD, w1, w3, gate_RF, up_RF, h_RF, row_slot_S, group_end_E,
+                num_rows, num_experts, dim, hidden, top_k,
+                HAS_GATHER=routed, SAVE_PREACT=save_preact, **common,
+            )
         rows_out = x_XD.new_empty(num_rows, dim)
         use_tma = tensor_descriptors_usable(h_RF, w2)
         h_desc, w2_desc = (tensor_descriptor(t) if use_tma else None for t in (h_RF, w2))

@@ -189,3 +189,28 @@ def test_pointer_loads_where_tensor_descriptors_cannot_be_used(dtype, monkeypatc
     monkeypatch.setattr(swiglu_experts, "tensor_descriptors_usable", lambda *tensors: False)
     inputs, generator = routed_inputs(13, 40, 24, 5, 2, dtype, seed=9)
     assert_matches(fused_moe_routed, reference_routed, inputs, dtype, generator)
+
+
+@pytest.mark.parametrize("use_descriptors", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gate_up_in_two_passes(use_descriptors, dtype, monkeypatch):
+    """Large experts compute gate and up in two one-accumulator passes; same results, routed and grouped."""
+    from torchtitan_ext.kernels import swiglu_experts
+
+    monkeypatch.setattr(swiglu_experts, "gate_up_in_two_passes", lambda dim, hidden: True)
+    if not use_descriptors:
+        monkeypatch.setattr(swiglu_experts, "tensor_descriptors_usable", lambda *tensors: False)
+    inputs, generator = routed_inputs(13, 40, 24, 5, 2, dtype, seed=4)
+    assert_matches(fused_moe_routed, reference_routed, inputs, dtype, generator)
+    x = torch.randn(21, 40, generator=generator).to(dtype).requires_grad_()
+    grouped = [x, *make_experts(4, 40, 24, dtype, generator), torch.tensor([6, 0, 9, 3])]
+    assert_matches(fused_moe_grouped, reference_grouped, grouped, dtype, generator)
+    with torch.no_grad():
+        assert rel_err(fused_moe_routed(*inputs), reference_routed(*[t.double() if t.is_floating_point() else t for t in inputs])) < TOLERANCE[dtype]
+
+
+def test_only_large_experts_take_two_gate_up_passes():
+    from torchtitan_ext.kernels.swiglu_experts import gate_up_in_two_passes
+
+    assert gate_up_in_two_passes(dim=4096, hidden=14336)
+    assert not gate_up_in_two_passes(dim=2048, hidden=768)
