@@ -83,6 +83,42 @@ def _destination_rows(rows, row_mask, row_slot_ptr, HAS_GATHER: tl.constexpr):
     return rows.to(tl.int64)
 
 
+@triton.jit
+def _program_row_tile(
+    group_end_ptr, num_rows, num_experts, num_cols,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """This program's output tile of a row-tile kernel: (expert, first row, end row, column tile).
+
+    Row tiles follow the expert segments (``locate_row_tile``, expert == num_experts past them),
+    swizzled in groups of GROUP_M over the num_cols / BLOCK_N column tiles.
+    """
+    num_m_tiles = tl.cdiv(num_rows, BLOCK_M) + tl.minimum(num_experts, num_rows) + 1
+    m_tile, n_tile = swizzle_tile(tl.program_id(0), num_m_tiles, tl.cdiv(num_cols, BLOCK_N), GROUP_M)
+    expert, row_start, row_end = locate_row_tile(m_tile, group_end_ptr, num_experts, num_rows, BLOCK_M, BLOCK_E)
+    return expert, row_start, row_end, n_tile
+
+
+@triton.jit
+def _gate_up_operands(
+    x_ptr, row_slot_ptr, expert, row_start, row_end, n_tile, dim, hidden, top_k,
+    HAS_GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """A gate/up forward tile's rows and columns (with masks), the K offsets, the pointers to its
+    first [BLOCK_M, BLOCK_K] block of x (token rows in routed mode) and the offsets of the first
+    [BLOCK_K, BLOCK_N] block of w1[e].T / w3[e].T inside a [E, F, D] weight."""
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    src = _source_rows(tl.minimum(rows, row_end - 1), row_slot_ptr, top_k, HAS_GATHER)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + src[:, None] * dim + ks[None, :]
+    load_cols = tl.minimum(cols, hidden - 1).to(tl.int64)
+    w_offsets = expert.to(tl.int64) * hidden * dim + load_cols[None, :] * dim + ks[:, None]
+    return rows, row_mask, cols, col_mask, ks, x_ptrs, w_offsets
+
+
 def _divides(**flag_to_dim_and_block):
     """Heuristics: flag = (dim arg % block meta-parameter == 0); even tiles need no load masks."""
     return {
@@ -105,22 +141,15 @@ def _gate_up_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """gate/up [R, F] = x[src rows] @ w1[e].T / w3[e].T; h = silu(gate) * up."""
-    num_m_tiles = tl.cdiv(num_rows, BLOCK_M) + tl.minimum(num_experts, num_rows) + 1
-    m_tile, n_tile = swizzle_tile(tl.program_id(0), num_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    expert, row_start, row_end = locate_row_tile(
-        m_tile, group_end_ptr, num_experts, num_rows, BLOCK_M, BLOCK_E
+    expert, row_start, row_end, n_tile = _program_row_tile(
+        group_end_ptr, num_rows, num_experts, hidden, BLOCK_E, GROUP_M, BLOCK_M, BLOCK_N
     )
     if expert >= num_experts:
         return
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_mask = rows < row_end
-    src = _source_rows(tl.minimum(rows, row_end - 1), row_slot_ptr, top_k, HAS_GATHER)
-    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < hidden
-    ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + src[:, None] * dim + ks[None, :]
-    load_cols = tl.minimum(cols, hidden - 1).to(tl.int64)
-    w_offsets = expert.to(tl.int64) * hidden * dim + load_cols[None, :] * dim + ks[:, None]
+    rows, row_mask, cols, col_mask, ks, x_ptrs, w_offsets = _gate_up_operands(
+        x_ptr, row_slot_ptr, expert, row_start, row_end, n_tile, dim, hidden, top_k,
+        HAS_GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
     w1_ptrs = w1_ptr + w_offsets
     w3_ptrs = w3_ptr + w_offsets
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -169,22 +198,16 @@ def _gate_up_pass_kernel(
     h = silu(gate) * up with gate read back (and up stored when SAVE_UP). w [E, F, D] loads
     through a tensor descriptor when USE_TMA.
     """
-    num_m_tiles = tl.cdiv(num_rows, BLOCK_M) + tl.minimum(num_experts, num_rows) + 1
-    m_tile, n_tile = swizzle_tile(tl.program_id(0), num_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    expert, row_start, row_end = locate_row_tile(
-        m_tile, group_end_ptr, num_experts, num_rows, BLOCK_M, BLOCK_E
+    expert, row_start, row_end, n_tile = _program_row_tile(
+        group_end_ptr, num_rows, num_experts, hidden, BLOCK_E, GROUP_M, BLOCK_M, BLOCK_N
     )
     if expert >= num_experts:
         return
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_mask = rows < row_end
-    src = _source_rows(tl.minimum(rows, row_end - 1), row_slot_ptr, top_k, HAS_GATHER)
-    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < hidden
-    ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + src[:, None] * dim + ks[None, :]
-    load_cols = tl.minimum(cols, hidden - 1).to(tl.int64)
-    w_ptrs = w_ptr + expert.to(tl.int64) * hidden * dim + load_cols[None, :] * dim + ks[:, None]
+    rows, row_mask, cols, col_mask, ks, x_ptrs, w_offsets = _gate_up_operands(
+        x_ptr, row_slot_ptr, expert, row_start, row_end, n_tile, dim, hidden, top_k,
+        HAS_GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
+    w_ptrs = w_ptr + w_offsets
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_tile in range(0, tl.cdiv(dim, BLOCK_K)):
         k_mask = ks < dim - k_tile * BLOCK_K
@@ -232,10 +255,8 @@ def _down_forward_kernel(
     With USE_TMA, h [R, F] and w2 [E, D, F] load through tensor descriptors: a row tile may
     read rows past its expert's segment, whose outputs are masked at the store.
     """
-    num_m_tiles = tl.cdiv(num_rows, BLOCK_M) + tl.minimum(num_experts, num_rows) + 1
-    m_tile, n_tile = swizzle_tile(tl.program_id(0), num_m_tiles, tl.cdiv(dim, BLOCK_N), GROUP_M)
-    expert, row_start, row_end = locate_row_tile(
-        m_tile, group_end_ptr, num_experts, num_rows, BLOCK_M, BLOCK_E
+    expert, row_start, row_end, n_tile = _program_row_tile(
+        group_end_ptr, num_rows, num_experts, dim, BLOCK_E, GROUP_M, BLOCK_M, BLOCK_N
     )
     rows = row_start + tl.arange(0, BLOCK_M)
     row_mask = rows < row_end
@@ -291,10 +312,8 @@ def _down_backward_kernel(
 ):
     """dh [R, F] = dy[src rows] @ w2[e] (rows of no expert are not written); w2 [E, D, F] through a
     tensor descriptor when USE_TMA."""
-    num_m_tiles = tl.cdiv(num_rows, BLOCK_M) + tl.minimum(num_experts, num_rows) + 1
-    m_tile, n_tile = swizzle_tile(tl.program_id(0), num_m_tiles, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    expert, row_start, row_end = locate_row_tile(
-        m_tile, group_end_ptr, num_experts, num_rows, BLOCK_M, BLOCK_E
+    expert, row_start, row_end, n_tile = _program_row_tile(
+        group_end_ptr, num_rows, num_experts, hidden, BLOCK_E, GROUP_M, BLOCK_M, BLOCK_N
     )
     if expert >= num_experts:
         return
@@ -426,10 +445,8 @@ def _gate_up_backward_input_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """dx[dest rows] = dgate @ w1[e] + dup @ w3[e]; unassigned trailing rows get zeros."""
-    num_m_tiles = tl.cdiv(num_rows, BLOCK_M) + tl.minimum(num_experts, num_rows) + 1
-    m_tile, n_tile = swizzle_tile(tl.program_id(0), num_m_tiles, tl.cdiv(dim, BLOCK_N), GROUP_M)
-    expert, row_start, row_end = locate_row_tile(
-        m_tile, group_end_ptr, num_experts, num_rows, BLOCK_M, BLOCK_E
+    expert, row_start, row_end, n_tile = _program_row_tile(
+        group_end_ptr, num_rows, num_experts, dim, BLOCK_E, GROUP_M, BLOCK_M, BLOCK_N
     )
     rows = row_start + tl.arange(0, BLOCK_M)
     row_mask = rows < row_end
