@@ -90,9 +90,11 @@ def tensor_descriptors_usable(*tensors: torch.Tensor) -> bool:
     )
 
 
-def tensor_descriptor(t: torch.Tensor):
-    """A tensor descriptor over t; its block shape is set per config by a ``descriptor_blocks`` pre-hook."""
-    return TensorDescriptor.from_tensor(t, [1] * t.dim())
+def tensor_descriptors(*tensors: torch.Tensor) -> tuple[bool, list]:
+    """``(usable, descriptors)``: when ``tensor_descriptors_usable``, one descriptor per tensor (its
+    block shape set per config by a ``descriptor_blocks`` pre-hook), else a None per tensor."""
+    usable = tensor_descriptors_usable(*tensors)
+    return usable, [TensorDescriptor.from_tensor(t, [1] * t.dim()) if usable else None for t in tensors]
 
 
 def descriptor_blocks(**block_shapes: tuple[int | str, ...]):

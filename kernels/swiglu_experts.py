@@ -40,8 +40,7 @@ from torchtitan_ext.kernels._runtime import (
     persistent_programs,
     prune_for_shape,
     swizzle_tile,
-    tensor_descriptor,
-    tensor_descriptors_usable,
+    tensor_descriptors,
     tuned,
 )
 
@@ -555,8 +554,7 @@ def _row_tile_grid(num_rows: int, num_experts: int, num_cols: int):
 def _weight_gradient(a_RM: torch.Tensor, b_RN: torch.Tensor, group_end_E: torch.Tensor, out_EMN: torch.Tensor) -> None:
     """out[e] = a[rows of e].T @ b[rows of e] for every expert (rows past group_end[E-1] are unused)."""
     num_experts, size_m, size_n = out_EMN.shape
-    use_tma = tensor_descriptors_usable(a_RM, b_RN)
-    a_desc, b_desc = (tensor_descriptor(t) if use_tma else None for t in (a_RM, b_RN))
+    use_tma, (a_desc, b_desc) = tensor_descriptors(a_RM, b_RN)
     num_programs = persistent_programs(a_RM.device)
 
     def grid(meta):
@@ -567,6 +565,11 @@ def _weight_gradient(a_RM: torch.Tensor, b_RN: torch.Tensor, group_end_E: torch.
         a_desc, b_desc, a_RM, b_RN, out_EMN, group_end_E, num_experts, size_m, size_n, num_programs,
         USE_TMA=use_tma, DOT_PRECISION=dot_precision(a_RM.dtype), GROUP_M=GROUP_M,
     )
+
+
+def _row_tile_meta(dtype: torch.dtype, num_experts: int) -> dict:
+    """Meta-parameters every row-tile kernel takes besides its tile sizes."""
+    return dict(DOT_PRECISION=dot_precision(dtype), BLOCK_E=block_experts(num_experts), GROUP_M=GROUP_M)
 
 
 def gate_up_in_two_passes(dim: int, hidden: int) -> bool:
@@ -598,15 +601,13 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
         up_RF = x_XD.new_empty(num_rows, hidden) if save_preact else None
         h_RF = x_XD.new_empty(num_rows, hidden)
         scores = scores_S.contiguous() if routed else None
-        common = dict(
-            DOT_PRECISION=dot_precision(x_XD.dtype), BLOCK_E=block_experts(num_experts), GROUP_M=GROUP_M
-        )
+        common = _row_tile_meta(x_XD.dtype, num_experts)
         grid = _row_tile_grid(num_rows, num_experts, hidden)
         if split:
-            use_tma = tensor_descriptors_usable(w1, w3)
-            for up_pass, w in ((False, w1), (True, w3)):
+            use_tma, weight_descs = tensor_descriptors(w1, w3)
+            for up_pass, w, w_desc in ((False, w1, weight_descs[0]), (True, w3, weight_descs[1])):
                 _gate_up_pass_kernel[grid](
-                    tensor_descriptor(w) if use_tma else None, x_XD, w, gate_RF, up_RF, h_RF, row_slot_S, group_end_E,
+                    w_desc, x_XD, w, gate_RF, up_RF, h_RF, row_slot_S, group_end_E,
                     num_rows, num_experts, dim, hidden, top_k,
                     HAS_GATHER=routed, UP_PASS=up_pass, SAVE_UP=save_preact, USE_TMA=use_tma, **common,
                 )
@@ -617,8 +618,7 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
                 HAS_GATHER=routed, SAVE_PREACT=save_preact, **common,
             )
         rows_out = x_XD.new_empty(num_rows, dim)
-        use_tma = tensor_descriptors_usable(h_RF, w2)
-        h_desc, w2_desc = (tensor_descriptor(t) if use_tma else None for t in (h_RF, w2))
+        use_tma, (h_desc, w2_desc) = tensor_descriptors(h_RF, w2)
         _down_forward_kernel[_row_tile_grid(num_rows, num_experts, dim)](
             h_desc, w2_desc, h_RF, w2, rows_out, row_slot_S, scores, group_end_E,
             num_rows, num_experts, dim, hidden,
@@ -638,14 +638,14 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
         num_rows = gate_RF.shape[0]
         dout = dout.to(x_XD.dtype).contiguous()
         w1, w2, w3 = (w.to(x_XD.dtype).contiguous() for w in (w1_EFD, w2_EDF, w3_EFD))
-        row_common = dict(DOT_PRECISION=dot_precision(x_XD.dtype), BLOCK_E=block_experts(num_experts), GROUP_M=GROUP_M)
+        row_common = _row_tile_meta(x_XD.dtype, num_experts)
 
         dh_RF = x_XD.new_empty(num_rows, hidden)
-        w2_desc = tensor_descriptor(w2) if tensor_descriptors_usable(w2) else None
+        use_tma, (w2_desc,) = tensor_descriptors(w2)
         _down_backward_kernel[_row_tile_grid(num_rows, num_experts, hidden)](
             w2_desc, dout, w2, dh_RF, row_slot_S, group_end_E,
             num_rows, num_experts, dim, hidden, top_k,
-            HAS_GATHER=routed, USE_TMA=w2_desc is not None, **row_common,
+            HAS_GATHER=routed, USE_TMA=use_tma, **row_common,
         )
         dscores_S = torch.zeros(num_rows, device=x_XD.device, dtype=torch.float32) if routed else None
         rows_per_program, block_f = _elementwise_tile(hidden)
@@ -669,8 +669,7 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx_rows = x_XD.new_empty(num_rows, dim)
             operands = (dgate_RF, dup_RF, w1, w3)
-            use_tma = tensor_descriptors_usable(*operands)
-            descriptors = [tensor_descriptor(t) if use_tma else None for t in operands]
+            use_tma, descriptors = tensor_descriptors(*operands)
             _gate_up_backward_input_kernel[_row_tile_grid(num_rows, num_experts, dim)](
                 *descriptors, *operands, dx_rows, row_slot_S, group_end_E,
                 num_rows, num_experts, dim, hidden,

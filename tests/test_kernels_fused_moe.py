@@ -160,7 +160,7 @@ def test_weight_gradient_with_and_without_tensor_descriptors(use_descriptors, dt
     b_RN = torch.randn(83, 40, generator=generator).to(dtype)
     assert tensor_descriptors_usable(a_RM, b_RN)
     if not use_descriptors:
-        monkeypatch.setattr(swiglu_experts, "tensor_descriptors_usable", lambda *tensors: False)
+        monkeypatch.setattr(swiglu_experts, "tensor_descriptors", lambda *tensors: (False, [None] * len(tensors)))
     out_EMN = torch.full((len(counts), 48, 40), float("nan"), dtype=torch.float32)
     swiglu_experts._weight_gradient(a_RM, b_RN, torch.tensor(counts).cumsum(0).to(torch.int32), out_EMN)
     start = 0
@@ -186,7 +186,7 @@ def test_pointer_loads_where_tensor_descriptors_cannot_be_used(dtype, monkeypatc
     """GPUs without TMA (and rows that are not 16-byte aligned) take the kernels' pointer loads."""
     from torchtitan_ext.kernels import swiglu_experts
 
-    monkeypatch.setattr(swiglu_experts, "tensor_descriptors_usable", lambda *tensors: False)
+    monkeypatch.setattr(swiglu_experts, "tensor_descriptors", lambda *tensors: (False, [None] * len(tensors)))
     inputs, generator = routed_inputs(13, 40, 24, 5, 2, dtype, seed=9)
     assert_matches(fused_moe_routed, reference_routed, inputs, dtype, generator)
 
@@ -199,7 +199,7 @@ def test_gate_up_in_two_passes(use_descriptors, dtype, monkeypatch):
 
     monkeypatch.setattr(swiglu_experts, "gate_up_in_two_passes", lambda dim, hidden: True)
     if not use_descriptors:
-        monkeypatch.setattr(swiglu_experts, "tensor_descriptors_usable", lambda *tensors: False)
+        monkeypatch.setattr(swiglu_experts, "tensor_descriptors", lambda *tensors: (False, [None] * len(tensors)))
     inputs, generator = routed_inputs(13, 40, 24, 5, 2, dtype, seed=4)
     assert_matches(fused_moe_routed, reference_routed, inputs, dtype, generator)
     x = torch.randn(21, 40, generator=generator).to(dtype).requires_grad_()

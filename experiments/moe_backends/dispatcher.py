@@ -41,7 +41,6 @@ from typing import Literal, get_args
 
 import spmd_types as spmd
 import torch
-import torch.nn.functional as F
 
 from torchtitan.distributed.spmd_types import current_spmd_mesh, maybe_set_sparse_mesh
 from torchtitan.distributed.utils import get_spmd_backend
@@ -233,7 +232,6 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
 
     def _sum_token_rows(self, rows_RD, dest_row_S, top_k: int) -> torch.Tensor:
         return self._row_ops(rows_RD)["sum_token_rows"](rows_RD, dest_row_S, top_k)
-
 
     @property
     def single_device(self) -> bool:
