@@ -6,9 +6,10 @@ many of that rank's experts it is routed to (not once per routed slot): the send
 (token, destination rank) pair to one row, and with the rows sends each row's local expert ids and
 gating weights. The receiver groups the received rows by local expert as the local dispatch does,
 and in combine weights and sums each row's expert outputs before sending one row back per pair;
-the sender adds the rows that come back for each token. Counts go first, in one all-to-all
-through torchtitan's count exchange; the rows, ids and weights go through its token all-to-all
-(autograd).
+the sender adds the rows that come back for each token. Counts go first, in one all-to-all read
+on the host (the split sizes); the rows, and the ids and weights, follow in two all-to-alls
+(``exchange_rows``: plain c10d calls ordered on the current stream, the gradient sent back the
+same way; no functional-collective wrappers, whose Python the host would pay per call).
 
 Slots are the routed (token, k) pairs in token-major order (``s = t * top_k + k``). Expert id
 ``num_experts`` marks a slot dropped by the router's capacity limit: it is not sent anywhere
@@ -41,6 +42,7 @@ from typing import Literal, get_args
 
 import spmd_types as spmd
 import torch
+import torch.distributed as dist
 
 from torchtitan.distributed.spmd_types import current_spmd_mesh, maybe_set_sparse_mesh
 from torchtitan.distributed.utils import get_spmd_backend
@@ -149,6 +151,32 @@ def plan_slots(
         rows_per_expert_E=rows_per_expert_E,
         num_padding_rows=num_rows - kept_counts_E.sum(),
     )
+
+
+class _ExchangeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows_UD, send_splits, receive_splits, group):
+        ctx.send_splits, ctx.receive_splits, ctx.group = send_splits, receive_splits, group
+        return _all_to_all_rows(rows_UD, send_splits, receive_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_received_UD):
+        return _all_to_all_rows(grad_received_UD, ctx.receive_splits, ctx.send_splits, ctx.group), None, None, None
+
+
+def _all_to_all_rows(rows_UD, send_splits: list[int], receive_splits: list[int], group) -> torch.Tensor:
+    received_UD = rows_UD.new_empty(sum(receive_splits), *rows_UD.shape[1:])
+    dist.all_to_all_single(received_UD, rows_UD.contiguous(), receive_splits, send_splits, group=group)
+    return received_UD
+
+
+def exchange_rows(rows_UD: torch.Tensor, send_splits: list[int], receive_splits: list[int], group) -> torch.Tensor:
+    """Differentiable all-to-all of rows: ``send_splits[r]`` rows go to rank ``r`` (in rank order),
+    ``receive_splits[r]`` arrive from it; the gradient goes back the same way.
+
+    One c10d call, ordered on the current stream (the host does not wait).
+    """
+    return _ExchangeRows.apply(rows_UD, send_splits, receive_splits, group)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -318,11 +346,9 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         send_counts_Wc = torch.cat([kept_per_expert_We, sent_rows_W.unsqueeze(1)], dim=1)
         with maybe_set_sparse_mesh():
             group = self._ep_group()
-            with torch.no_grad():
-                received_counts_Wc = torch.ops._c10d_functional.wait_tensor(
-                    self._token_count_exchange(send_counts_Wc.reshape(-1), group, ep_size)
-                ).view(ep_size, num_local + 1)
-                send_counts, received_counts = torch.stack([send_counts_Wc, received_counts_Wc]).tolist()
+            received_counts_Wc = torch.empty_like(send_counts_Wc)
+            dist.all_to_all_single(received_counts_Wc, send_counts_Wc, group=group)
+            send_counts, received_counts = torch.stack([send_counts_Wc, received_counts_Wc]).tolist()
             input_splits = [row[-1] for row in send_counts]
             output_splits = [row[-1] for row in received_counts]
             num_received_slots = sum(sum(row[:-1]) for row in received_counts)
@@ -337,10 +363,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
             sent_rows_UD = self._permute_rows(x_TD, pair_row_S, ep_size, num_sent)
             sent_meta_UM = self._permute_rows(pair_meta_SM, pair_row_S, 1, num_sent)
             received_UD, received_meta_UM = (
-                torch.ops._c10d_functional.wait_tensor(  # before a kernel reads it
-                    self._dispatch_token_exchange(sent, group, output_splits, input_splits)
-                )
-                for sent in (sent_rows_UD, sent_meta_UM)
+                exchange_rows(sent, input_splits, output_splits, group) for sent in (sent_rows_UD, sent_meta_UM)
             )
         received_scores_UK = received_meta_UM[:, :top_k]
         received_experts_UK = received_meta_UM[:, top_k:].detach().long()
@@ -404,8 +427,6 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         )
         with maybe_set_sparse_mesh():
             group = self._ep_group()
-            returned_UD = torch.ops._c10d_functional.wait_tensor(
-                self._combine_token_exchange(partial_UD, group, exchange.input_splits, exchange.output_splits)
-            )
+        returned_UD = exchange_rows(partial_UD, exchange.output_splits, exchange.input_splits, group)
         ep_size = len(exchange.input_splits)
         return self._sum_token_rows(returned_UD, exchange.pair_row_S, ep_size)

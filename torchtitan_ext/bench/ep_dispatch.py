@@ -131,12 +131,11 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
 
     group = mesh.get_group()
     counts_Wc = torch.zeros(world, NUM_EXPERTS // world + 1, dtype=torch.int64, device="cuda")
+    received_counts_Wc = torch.empty_like(counts_Wc)
 
     def counts_and_host_sync():
-        received = torch.ops._c10d_functional.wait_tensor(
-            dispatcher._token_count_exchange(counts_Wc.reshape(-1), group, world)
-        )
-        torch.stack([counts_Wc.reshape(-1), received.reshape(-1)]).tolist()
+        dist.all_to_all_single(received_counts_Wc, counts_Wc, group=group)
+        torch.stack([counts_Wc, received_counts_Wc]).tolist()
 
     num_sent = sum(token_exchange.input_splits)
     received_UD = torch.randn(sum(token_exchange.output_splits), dim, device="cuda", dtype=torch.bfloat16)
