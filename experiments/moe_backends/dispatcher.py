@@ -342,29 +342,34 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         pair_row_WT = torch.cumsum(rank_major_pair_WT, 0) - 1
         pair_row_S = torch.where(rank_major_pair_WT, pair_row_WT, -1).view(ep_size, num_tokens).t().reshape(-1)
 
+        # Per pair: the token's gating weights and local expert ids on that rank (num_local: the
+        # slot is not there), in one fp32 row (ids are exact in fp32) so that one all-to-all
+        # carries both; the weights keep their autograd graph.
+        pair_scores_TWK = torch.where(owned_TWK, topk_scores_TK.float().unsqueeze(1), 0.0)
+        pair_experts_TWK = torch.where(owned_TWK, expert_TK.unsqueeze(1) - num_local * ranks_1W1, num_local)
+        pair_meta_SM = torch.cat([pair_scores_TWK, pair_experts_TWK.float()], dim=2).view(-1, 2 * top_k)
+        # The send rows are copied before the host sync, into a buffer of the static bound (a token
+        # goes to at most min(ep_size, top_k) ranks): the GPU copies while the host waits, and only
+        # the all-to-alls and the receiver's grouping are launched after the sync.
+        max_pairs = num_tokens * min(ep_size, top_k)
+        sent_rows_PD = self._permute_rows(x_TD, pair_row_S, ep_size, max_pairs)
+        sent_meta_PM = self._permute_rows(pair_meta_SM, pair_row_S, 1, max_pairs)
+
         kept_per_expert_We = num_local_tokens_per_expert_E.long().view(ep_size, num_local)
         send_counts_Wc = torch.cat([kept_per_expert_We, sent_rows_W.unsqueeze(1)], dim=1)
         with maybe_set_sparse_mesh():
             group = self._ep_group()
-            received_counts_Wc = torch.empty_like(send_counts_Wc)
-            dist.all_to_all_single(received_counts_Wc, send_counts_Wc, group=group)
-            send_counts, received_counts = torch.stack([send_counts_Wc, received_counts_Wc]).tolist()
-            input_splits = [row[-1] for row in send_counts]
-            output_splits = [row[-1] for row in received_counts]
-            num_received_slots = sum(sum(row[:-1]) for row in received_counts)
-
-            # Per pair: the token's gating weights and local expert ids on that rank (num_local: the
-            # slot is not there), in one fp32 row (ids are exact in fp32) so that one all-to-all
-            # carries both; the weights keep their autograd graph.
-            pair_scores_TWK = torch.where(owned_TWK, topk_scores_TK.float().unsqueeze(1), 0.0)
-            pair_experts_TWK = torch.where(owned_TWK, expert_TK.unsqueeze(1) - num_local * ranks_1W1, num_local)
-            pair_meta_SM = torch.cat([pair_scores_TWK, pair_experts_TWK.float()], dim=2).view(-1, 2 * top_k)
-            num_sent = sum(input_splits)
-            sent_rows_UD = self._permute_rows(x_TD, pair_row_S, ep_size, num_sent)
-            sent_meta_UM = self._permute_rows(pair_meta_SM, pair_row_S, 1, num_sent)
-            received_UD, received_meta_UM = (
-                exchange_rows(sent, input_splits, output_splits, group) for sent in (sent_rows_UD, sent_meta_UM)
-            )
+        received_counts_Wc = torch.empty_like(send_counts_Wc)
+        dist.all_to_all_single(received_counts_Wc, send_counts_Wc, group=group)
+        send_counts, received_counts = torch.stack([send_counts_Wc, received_counts_Wc]).tolist()
+        input_splits = [row[-1] for row in send_counts]
+        output_splits = [row[-1] for row in received_counts]
+        num_received_slots = sum(sum(row[:-1]) for row in received_counts)
+        num_sent = sum(input_splits)
+        received_UD, received_meta_UM = (
+            exchange_rows(sent[:num_sent], input_splits, output_splits, group)
+            for sent in (sent_rows_PD, sent_meta_PM)
+        )
         received_scores_UK = received_meta_UM[:, :top_k]
         received_experts_UK = received_meta_UM[:, top_k:].detach().long()
         received_plan = plan_slots(received_experts_UK, num_local, self.align_size, num_kept=num_received_slots)

@@ -141,9 +141,9 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
     received_UD = torch.randn(sum(token_exchange.output_splits), dim, device="cuda", dtype=torch.bfloat16)
     received_plan = token_exchange.received_plan
 
-    def sender_rows():
-        rows_UD = dispatcher._permute_rows(x_TD, token_exchange.pair_row_S, world, num_sent)
-        dispatcher._sum_token_rows(rows_UD, token_exchange.pair_row_S, world)
+    def sender_rows():  # as in dispatch: the send buffer holds the static bound of pairs
+        rows_PD = dispatcher._permute_rows(x_TD, token_exchange.pair_row_S, world, num_tokens * min(world, TOP_K))
+        dispatcher._sum_token_rows(rows_PD[:num_sent], token_exchange.pair_row_S, world)
 
     def receiver_rows():
         rows_RD = dispatcher._permute_rows(received_UD, received_plan.dest_row_S, TOP_K, received_plan.num_rows)
