@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -92,7 +93,8 @@ def check_layer_shard(ep_mesh, ep_transport: str = "all_to_all") -> None:
 
 def check_one_row_per_token_and_rank(ep_mesh) -> None:
     """Over ``all_to_all`` a rank sends each token once to each rank that owns one of its
-    experts, however many of them (dropped slots go nowhere)."""
+    experts, however many of them (dropped slots go nowhere), in three all-to-alls (counts,
+    rows, routing rows) and one host read of the counts."""
     rank, world = ep_mesh.get_local_rank(), ep_mesh.size()
     generator = torch.Generator().manual_seed(20 + rank)
     num_tokens = 9
@@ -101,7 +103,22 @@ def check_one_row_per_token_and_rank(ep_mesh) -> None:
     dispatcher = RoutingDispatcher(RoutingDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K))
     dispatcher.wire_meshes(ep_mesh=ep_mesh)
     counts_E = torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS + 1)[:NUM_EXPERTS]
-    _, _, metadata = dispatcher.dispatch(torch.randn(num_tokens, DIM), torch.rand(num_tokens, TOP_K), ids_TK, counts_E)
+    calls = {"all_to_all_single": 0, "tolist": 0}
+
+    def counted(name, function):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return call
+
+    with (
+        mock.patch.object(dist, "all_to_all_single", counted("all_to_all_single", dist.all_to_all_single)),
+        mock.patch.object(torch.Tensor, "tolist", counted("tolist", torch.Tensor.tolist)),
+    ):
+        _, _, metadata = dispatcher.dispatch(
+            torch.randn(num_tokens, DIM), torch.rand(num_tokens, TOP_K), ids_TK, counts_E
+        )
+    assert calls == {"all_to_all_single": 3, "tolist": 1}, calls
     local = NUM_EXPERTS // world
     expected = [
         sum(any(e < NUM_EXPERTS and e // local == owner for e in ids_TK[t].tolist()) for t in range(num_tokens))
