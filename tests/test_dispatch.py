@@ -105,6 +105,31 @@ def test_dropped_slots_are_not_dispatched():
     assert plan.num_padding_rows.item() == int(dropped_S.sum())
 
 
+@pytest.mark.parametrize("align_size", [1, 2, 4])
+@pytest.mark.parametrize("drop_every", [0, 3])
+@pytest.mark.parametrize("exact_size", [False, True])
+def test_slot_plan_matches_definition(align_size, drop_every, exact_size):
+    """Expert e's group starts after the earlier groups, each rounded up to align_size rows; its
+    slots fill it in token order; dropped slots get row -1; the last group takes the slack."""
+    _, _, ids_TK, counts_E = routing(13, seed=4, drop_every=drop_every)
+    num_kept = int(counts_E.sum())
+    plan = plan_slots(ids_TK, NUM_EXPERTS, align_size, num_kept=num_kept if exact_size else None)
+    expected_rows, start = [-1] * ids_TK.numel(), 0
+    expected_sizes = []
+    for expert in range(NUM_EXPERTS):
+        slots = [slot for slot, e in enumerate(ids_TK.flatten().tolist()) if e == expert]
+        for place, slot in enumerate(slots):
+            expected_rows[slot] = start + place
+        size = -(-len(slots) // align_size) * align_size
+        expected_sizes.append(size)
+        start += size
+    expected_sizes[-1] += plan.num_rows - start
+    assert plan.num_rows == padded_num_rows(num_kept if exact_size else ids_TK.numel(), NUM_EXPERTS, align_size)
+    assert plan.dest_row_S.tolist() == expected_rows
+    assert plan.rows_per_expert_E.tolist() == expected_sizes
+    assert plan.num_padding_rows.item() == plan.num_rows - num_kept
+
+
 def test_reference_permute_matches_definition():
     x_TD, scores_TK, ids_TK, _ = routing(5, seed=3, drop_every=4)
     plan = plan_slots(ids_TK, NUM_EXPERTS, 4)

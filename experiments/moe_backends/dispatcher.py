@@ -136,15 +136,14 @@ def plan_slots(
     num_rows = padded_num_rows(num_slots if num_kept is None else num_kept, num_experts, align_size)
     group_starts_E, rows_per_expert_E = padded_groups(kept_counts_E, num_rows, align_size)
 
+    # A kept slot's row is its place in the stable expert order (dropped slots, id num_experts,
+    # sort last), moved down by the padding of the groups before its own.
     order_S = torch.argsort(expert_of_slot_S, stable=True)
-    sorted_experts_S = expert_of_slot_S[order_S]
-    sorted_starts = torch.cumsum(counts, 0) - counts
-    rank_in_expert_S = torch.arange(num_slots, device=device) - sorted_starts[sorted_experts_S]
-    dest_starts = torch.cat([group_starts_E, group_starts_E.new_full((1,), -1)])
-    dest_sorted_S = torch.where(
-        sorted_experts_S < num_experts, dest_starts[sorted_experts_S] + rank_in_expert_S, -1
-    )
-    dest_row_S = torch.empty_like(dest_sorted_S).scatter_(0, order_S, dest_sorted_S)
+    place_S = torch.empty_like(order_S).scatter_(0, order_S, torch.arange(num_slots, device=device))
+    if align_size > 1:
+        padding_before_E = group_starts_E - (torch.cumsum(kept_counts_E, 0) - kept_counts_E)
+        place_S = place_S + padding_before_E[expert_of_slot_S.clamp(max=num_experts - 1)]
+    dest_row_S = torch.where(expert_of_slot_S < num_experts, place_S, -1)
     return SlotPlan(
         dest_row_S=dest_row_S,
         num_rows=num_rows,
