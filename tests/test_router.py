@@ -195,9 +195,10 @@ def test_aux_and_z_loss_gradients_match_autograd(score_func, aux_loss_type):
     statistics = layer.last_router_statistics
     torch.testing.assert_close(statistics.aux_loss, aux.detach())
     torch.testing.assert_close(statistics.z_loss, z.detach())
-    torch.testing.assert_close(x.grad, x_ref.grad)
+    # The two sides sum the same fp32 gradient terms in different orders: a few ulps apart.
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
     for (name, param), (_, ref_param) in zip(layer.named_parameters(), reference.named_parameters()):
-        torch.testing.assert_close(param.grad, ref_param.grad, msg=name)
+        torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_losses_off_leave_gradients_and_statistics_as_torchtitan():
