@@ -97,7 +97,7 @@ def test_padding_never_leaks_into_outputs_or_gradients(align_size, drop_every):
 
 def test_dropped_slots_are_not_dispatched():
     x_TD, scores_TK, ids_TK, counts_E = routing(7, seed=2, drop_every=2)
-    plan = plan_slots(ids_TK, NUM_EXPERTS, 1)
+    plan = plan_slots(ids_TK, counts_E, 1)
     dropped_S = ids_TK.flatten() == NUM_EXPERTS
     assert (plan.dest_row_S[dropped_S] == -1).all()
     kept_rows = plan.dest_row_S[~dropped_S]
@@ -113,7 +113,7 @@ def test_slot_plan_matches_definition(align_size, drop_every, exact_size):
     slots fill it in token order; dropped slots get row -1; the last group takes the slack."""
     _, _, ids_TK, counts_E = routing(13, seed=4, drop_every=drop_every)
     num_kept = int(counts_E.sum())
-    plan = plan_slots(ids_TK, NUM_EXPERTS, align_size, num_kept=num_kept if exact_size else None)
+    plan = plan_slots(ids_TK, counts_E, align_size, num_kept=num_kept if exact_size else None)
     expected_rows, start = [-1] * ids_TK.numel(), 0
     expected_sizes = []
     for expert in range(NUM_EXPERTS):
@@ -131,8 +131,8 @@ def test_slot_plan_matches_definition(align_size, drop_every, exact_size):
 
 
 def test_reference_permute_matches_definition():
-    x_TD, scores_TK, ids_TK, _ = routing(5, seed=3, drop_every=4)
-    plan = plan_slots(ids_TK, NUM_EXPERTS, 4)
+    x_TD, scores_TK, ids_TK, counts_E = routing(5, seed=3, drop_every=4)
+    plan = plan_slots(ids_TK, counts_E, 4)
     rows = moe_permute.permute_tokens_reference(x_TD, plan.dest_row_S, TOP_K, plan.num_rows)
     for slot, dest in enumerate(plan.dest_row_S.tolist()):
         if dest >= 0:
@@ -201,7 +201,7 @@ def triton_checks() -> None:
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         for align_size, drop_every in ((1, 0), (4, 3)):
             x_TD, scores_TK, ids_TK, counts_E = routing(7, seed=5, drop_every=drop_every)
-            plan = plan_slots(ids_TK, NUM_EXPERTS, align_size)
+            plan = plan_slots(ids_TK, counts_E, align_size)
             grads = []
             for permute, unpermute in (
                 (moe_permute.permute_tokens_reference, moe_permute.unpermute_tokens_reference),

@@ -120,27 +120,30 @@ class SlotPlan:
 
 
 def plan_slots(
-    topk_expert_ids_TK: torch.Tensor, num_experts: int, align_size: int, num_kept: int | None = None
+    topk_expert_ids_TK: torch.Tensor, kept_counts_E: torch.Tensor, align_size: int, num_kept: int | None = None
 ) -> SlotPlan:
     """Group slots by expert (stable: token order within an expert), dropped slots excluded.
 
-    The buffer is sized for every slot, or for ``num_kept`` rows when the caller knows how many
-    slots are kept (it must be exact).
+    ``kept_counts_E`` (``(E,)`` integer) counts the kept slots of each expert; a dropped slot
+    has expert id ``E``. The buffer is sized for every slot, or for ``num_kept`` rows when the
+    caller knows how many slots are kept (it must be exact).
     """
     expert_of_slot_S = topk_expert_ids_TK.reshape(-1).long()
     num_slots = expert_of_slot_S.shape[0]
-    device = expert_of_slot_S.device
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, expert_of_slot_S, torch.ones_like(expert_of_slot_S))
-    kept_counts_E = counts[:num_experts]
+    num_experts = kept_counts_E.shape[0]
+    kept_counts_E = kept_counts_E.long()
     num_rows = padded_num_rows(num_slots if num_kept is None else num_kept, num_experts, align_size)
-    group_starts_E, rows_per_expert_E = padded_groups(kept_counts_E, num_rows, align_size)
+    num_padding_rows = num_rows - kept_counts_E.sum()
 
     # A kept slot's row is its place in the stable expert order (dropped slots, id num_experts,
     # sort last), moved down by the padding of the groups before its own.
     order_S = torch.argsort(expert_of_slot_S, stable=True)
-    place_S = torch.empty_like(order_S).scatter_(0, order_S, torch.arange(num_slots, device=device))
-    if align_size > 1:
+    place_S = torch.empty_like(order_S).scatter_(0, order_S, torch.arange(num_slots, device=order_S.device))
+    if align_size == 1:
+        rows_per_expert_E = kept_counts_E.clone()
+        rows_per_expert_E[-1] += num_padding_rows
+    else:
+        group_starts_E, rows_per_expert_E = padded_groups(kept_counts_E, num_rows, align_size)
         padding_before_E = group_starts_E - (torch.cumsum(kept_counts_E, 0) - kept_counts_E)
         place_S = place_S + padding_before_E[expert_of_slot_S.clamp(max=num_experts - 1)]
     dest_row_S = torch.where(expert_of_slot_S < num_experts, place_S, -1)
@@ -148,7 +151,7 @@ def plan_slots(
         dest_row_S=dest_row_S,
         num_rows=num_rows,
         rows_per_expert_E=rows_per_expert_E,
-        num_padding_rows=num_rows - kept_counts_E.sum(),
+        num_padding_rows=num_padding_rows,
     )
 
 
@@ -274,10 +277,11 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
     ) -> tuple[torch.Tensor, torch.Tensor, RoutingDispatchMetadata]:
         """Return ``(rows_RD, rows_per_local_expert_e, metadata)``, rows grouped by local expert.
 
-        ``num_local_tokens_per_expert_E`` counts the kept (not dropped) slots per expert.
+        ``num_local_tokens_per_expert_E`` counts the kept (not dropped) slots per expert; the
+        grouping is built from it, so it must be exact.
         """
         if self.ep_mesh is None:
-            plan = plan_slots(topk_expert_ids_TK, self.num_experts, self.align_size)
+            plan = plan_slots(topk_expert_ids_TK, num_local_tokens_per_expert_E, self.align_size)
             rows_RD = self._permute_rows(x_TD, plan.dest_row_S, self.top_k, plan.num_rows)
             self.last_num_padding_rows = plan.num_padding_rows
             metadata = RoutingDispatchMetadata(plan=plan, scores_S=topk_scores_TK.reshape(-1))
@@ -371,7 +375,9 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         )
         received_scores_UK = received_meta_UM[:, :top_k]
         received_experts_UK = received_meta_UM[:, top_k:].detach().long()
-        received_plan = plan_slots(received_experts_UK, num_local, self.align_size, num_kept=num_received_slots)
+        received_plan = plan_slots(
+            received_experts_UK, received_counts_Wc[:, :-1].sum(dim=0), self.align_size, num_kept=num_received_slots
+        )
         grouped_RD = self._permute_rows(received_UD, received_plan.dest_row_S, top_k, received_plan.num_rows)
         self.last_num_padding_rows = received_plan.num_padding_rows
         metadata = RoutingDispatchMetadata(
