@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
@@ -91,6 +93,50 @@ def check_layer_shard(ep_mesh, ep_transport: str = "all_to_all") -> None:
                 torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}")
 
 
+class AllToAllCounter(TorchDispatchMode):
+    """Counts the all-to-all ops that run (functional or c10d)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in (
+            torch.ops._c10d_functional.all_to_all_single, torch.ops.c10d.alltoall_base_
+        )
+        return func(*args, **(kwargs or {}))
+
+
+def check_selective_checkpointing_saves_the_all_to_alls(ep_mesh) -> None:
+    """Under selective checkpointing that saves all-to-all outputs (torchtitan's policy does), the
+    backward recomputes dispatch and combine without sending again: only the three gradient
+    all-to-alls run (rows and weights back through dispatch, rows back through combine)."""
+    generator = torch.Generator().manual_seed(30 + ep_mesh.get_local_rank())
+    num_tokens = 7
+    ids_TK = torch.stack([torch.randperm(NUM_EXPERTS, generator=generator)[:TOP_K] for _ in range(num_tokens)])
+    counts_E = torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS)
+    dispatcher = RoutingDispatcher(RoutingDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K))
+    dispatcher.wire_meshes(ep_mesh=ep_mesh)
+    x_TD = torch.randn(num_tokens, DIM, generator=generator, requires_grad=True)
+    scores_TK = torch.rand(num_tokens, TOP_K, generator=generator, requires_grad=True)
+
+    def block(x_TD, scores_TK):
+        rows_RD, _, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+        return dispatcher.combine(rows_RD.sin(), metadata, x_TD)
+
+    def policy(ctx, func, *args, **kwargs):
+        saved = func is torch.ops._c10d_functional.all_to_all_single.default
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    out_TD = checkpoint(
+        block, x_TD, scores_TK, use_reentrant=False,
+        context_fn=lambda: create_selective_checkpoint_contexts(policy),
+    )
+    with AllToAllCounter() as counter:
+        out_TD.sum().backward()
+    assert counter.count == 3, counter.count
+
+
 def check_one_row_per_token_and_rank(ep_mesh) -> None:
     """Over ``all_to_all`` a rank sends each token once to each rank that owns one of its
     experts, however many of them (dropped slots go nowhere), in three all-to-alls (counts,
@@ -103,22 +149,16 @@ def check_one_row_per_token_and_rank(ep_mesh) -> None:
     dispatcher = RoutingDispatcher(RoutingDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K))
     dispatcher.wire_meshes(ep_mesh=ep_mesh)
     counts_E = torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS + 1)[:NUM_EXPERTS]
-    calls = {"all_to_all_single": 0, "tolist": 0}
-
-    def counted(name, function):
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return function(*args, **kwargs)
-        return call
-
+    host_reads = []
+    tolist = torch.Tensor.tolist
     with (
-        mock.patch.object(dist, "all_to_all_single", counted("all_to_all_single", dist.all_to_all_single)),
-        mock.patch.object(torch.Tensor, "tolist", counted("tolist", torch.Tensor.tolist)),
+        mock.patch.object(torch.Tensor, "tolist", lambda t: host_reads.append(t) or tolist(t)),
+        AllToAllCounter() as counter,
     ):
         _, _, metadata = dispatcher.dispatch(
             torch.randn(num_tokens, DIM), torch.rand(num_tokens, TOP_K), ids_TK, counts_E
         )
-    assert calls == {"all_to_all_single": 3, "tolist": 1}, calls
+    assert (counter.count, len(host_reads)) == (3, 1), (counter.count, len(host_reads))
     local = NUM_EXPERTS // world
     expected = [
         sum(any(e < NUM_EXPERTS and e // local == owner for e in ids_TK[t].tolist()) for t in range(num_tokens))
@@ -137,6 +177,7 @@ def ep_worker(rank: int, world: int, port: int, ep_transport: str) -> None:
         check_layer_shard(ep_mesh, ep_transport)
         if ep_transport == "all_to_all":
             check_one_row_per_token_and_rank(ep_mesh)
+            check_selective_checkpointing_saves_the_all_to_alls(ep_mesh)
     finally:
         dist.destroy_process_group()
 

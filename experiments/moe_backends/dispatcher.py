@@ -8,8 +8,9 @@ gating weights. The receiver groups the received rows by local expert as the loc
 and in combine weights and sums each row's expert outputs before sending one row back per pair;
 the sender adds the rows that come back for each token. Counts go first, in one all-to-all read
 on the host (the split sizes); the rows, and the ids and weights, follow in two all-to-alls
-(``exchange_rows``: plain c10d calls ordered on the current stream, the gradient sent back the
-same way; no functional-collective wrappers, whose Python the host would pay per call).
+(``exchange_rows``: the functional collective ops called directly, the gradient sent back the
+same way, without the Python wrappers of ``_functional_collectives`` that the host would pay
+per call; selective activation checkpointing still saves their outputs).
 
 Slots are the routed (token, k) pairs in token-major order (``s = t * top_k + k``). Expert id
 ``num_experts`` marks a slot dropped by the router's capacity limit: it is not sent anywhere
@@ -42,7 +43,6 @@ from typing import Literal, get_args
 
 import spmd_types as spmd
 import torch
-import torch.distributed as dist
 
 from torchtitan.distributed.spmd_types import current_spmd_mesh, maybe_set_sparse_mesh
 from torchtitan.distributed.utils import get_spmd_backend
@@ -167,16 +167,19 @@ class _ExchangeRows(torch.autograd.Function):
 
 
 def _all_to_all_rows(rows_UD, send_splits: list[int], receive_splits: list[int], group) -> torch.Tensor:
-    received_UD = rows_UD.new_empty(sum(receive_splits), *rows_UD.shape[1:])
-    dist.all_to_all_single(received_UD, rows_UD.contiguous(), receive_splits, send_splits, group=group)
-    return received_UD
+    """The functional collective op itself: ordered on the current stream (the host does not
+    wait), and selective activation checkpointing saves its output instead of re-sending."""
+    received_UD = torch.ops._c10d_functional.all_to_all_single(
+        rows_UD.contiguous(), receive_splits, send_splits, group.group_name
+    )
+    return torch.ops._c10d_functional.wait_tensor(received_UD)
 
 
 def exchange_rows(rows_UD: torch.Tensor, send_splits: list[int], receive_splits: list[int], group) -> torch.Tensor:
     """Differentiable all-to-all of rows: ``send_splits[r]`` rows go to rank ``r`` (in rank order),
     ``receive_splits[r]`` arrive from it; the gradient goes back the same way.
 
-    One c10d call, ordered on the current stream (the host does not wait).
+    One collective op each way, without the Python wrappers of ``_functional_collectives``.
     """
     return _ExchangeRows.apply(rows_UD, send_splits, receive_splits, group)
 
@@ -362,8 +365,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         send_counts_Wc = torch.cat([kept_per_expert_We, sent_rows_W.unsqueeze(1)], dim=1)
         with maybe_set_sparse_mesh():
             group = self._ep_group()
-        received_counts_Wc = torch.empty_like(send_counts_Wc)
-        dist.all_to_all_single(received_counts_Wc, send_counts_Wc, group=group)
+        received_counts_Wc = exchange_rows(send_counts_Wc, [1] * ep_size, [1] * ep_size, group)
         send_counts, received_counts = torch.stack([send_counts_Wc, received_counts_Wc]).tolist()
         input_splits = [row[-1] for row in send_counts]
         output_splits = [row[-1] for row in received_counts]

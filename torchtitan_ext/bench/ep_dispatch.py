@@ -46,7 +46,7 @@ from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 
 from torchtitan_ext.bench.common import environment  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.dispatcher import (  # noqa: E402
-    EP_TRANSPORTS, RoutingDispatcher,
+    EP_TRANSPORTS, RoutingDispatcher, exchange_rows,
 )
 from torchtitan_ext.kernels import symm_mem_rows as exchange_kernels  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process  # noqa: E402
@@ -131,10 +131,9 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
 
     group = mesh.get_group()
     counts_Wc = torch.zeros(world, NUM_EXPERTS // world + 1, dtype=torch.int64, device="cuda")
-    received_counts_Wc = torch.empty_like(counts_Wc)
 
     def counts_and_host_sync():
-        dist.all_to_all_single(received_counts_Wc, counts_Wc, group=group)
+        received_counts_Wc = exchange_rows(counts_Wc, [1] * world, [1] * world, group)
         torch.stack([counts_Wc, received_counts_Wc]).tolist()
 
     num_sent = sum(token_exchange.input_splits)
