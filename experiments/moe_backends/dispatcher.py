@@ -315,7 +315,8 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
 
     def _ep_group(self):
         """The EP process group, found as torchtitan's dispatcher finds it."""
-        mesh = current_spmd_mesh() if get_spmd_backend() == "spmd_types" else None
+        with maybe_set_sparse_mesh():
+            mesh = current_spmd_mesh() if get_spmd_backend() == "spmd_types" else None
         if mesh is not None:
             return mesh.get_group("ep")
         assert self.ep_mesh is not None
@@ -363,8 +364,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
 
         kept_per_expert_We = num_local_tokens_per_expert_E.long().view(ep_size, num_local)
         send_counts_Wc = torch.cat([kept_per_expert_We, sent_rows_W.unsqueeze(1)], dim=1)
-        with maybe_set_sparse_mesh():
-            group = self._ep_group()
+        group = self._ep_group()
         received_counts_Wc = exchange_rows(send_counts_Wc, [1] * ep_size, [1] * ep_size, group)
         send_counts, received_counts = torch.stack([send_counts_Wc, received_counts_Wc]).tolist()
         input_splits = [row[-1] for row in send_counts]
@@ -397,8 +397,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
 
     def _dispatch_over_exchange(self, x_TD, topk_scores_TK, topk_expert_ids_TK):
         """EP dispatch through ``ep_symm_mem``: rows arrive expert-major, no regroup."""
-        with maybe_set_sparse_mesh():
-            group = self._ep_group()
+        group = self._ep_group()
         received_RD, rows_per_local_expert_e, route = ep_symm_mem.dispatch(
             x_TD, topk_scores_TK.reshape(-1), topk_expert_ids_TK.reshape(-1), group,
             self.num_experts, self.top_k,
@@ -437,8 +436,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         partial_UD = self._unpermute_rows(
             routed_output_RD, received_plan.dest_row_S, exchange.received_scores_S, self.top_k
         )
-        with maybe_set_sparse_mesh():
-            group = self._ep_group()
+        group = self._ep_group()
         returned_UD = exchange_rows(partial_UD, exchange.output_splits, exchange.input_splits, group)
         ep_size = len(exchange.input_splits)
         return self._sum_token_rows(returned_UD, exchange.pair_row_S, ep_size)
