@@ -99,20 +99,34 @@ def _program_row_tile(
 
 
 @triton.jit
-def _gate_up_operands(
-    x_ptr, row_slot_ptr, expert, row_start, row_end, n_tile, dim, hidden, top_k,
+def _gathered_row_tile(
+    a_ptr, row_slot_ptr, row_start, row_end, n_tile, dim, num_cols, top_k,
     HAS_GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """A gate/up forward tile's rows and columns (with masks), the K offsets, the pointers to its
-    first [BLOCK_M, BLOCK_K] block of x (token rows in routed mode) and the offsets of the first
-    [BLOCK_K, BLOCK_N] block of w1[e].T / w3[e].T inside a [E, F, D] weight."""
+    """A tile's rows and output columns (with masks against row_end and num_cols), the K offsets
+    and the pointers to its first [BLOCK_M, BLOCK_K] block of a [*, dim] operand read through the
+    source rows (token rows in routed mode)."""
     rows = row_start + tl.arange(0, BLOCK_M)
     row_mask = rows < row_end
     src = _source_rows(tl.minimum(rows, row_end - 1), row_slot_ptr, top_k, HAS_GATHER)
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < hidden
+    col_mask = cols < num_cols
     ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + src[:, None] * dim + ks[None, :]
+    a_ptrs = a_ptr + src[:, None] * dim + ks[None, :]
+    return rows, row_mask, cols, col_mask, ks, a_ptrs
+
+
+@triton.jit
+def _gate_up_operands(
+    x_ptr, row_slot_ptr, expert, row_start, row_end, n_tile, dim, hidden, top_k,
+    HAS_GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """A gate/up forward tile's ``_gathered_row_tile`` of x, and the offsets of the first
+    [BLOCK_K, BLOCK_N] block of w1[e].T / w3[e].T inside a [E, F, D] weight."""
+    rows, row_mask, cols, col_mask, ks, x_ptrs = _gathered_row_tile(
+        x_ptr, row_slot_ptr, row_start, row_end, n_tile, dim, hidden, top_k,
+        HAS_GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
     load_cols = tl.minimum(cols, hidden - 1).to(tl.int64)
     w_offsets = expert.to(tl.int64) * hidden * dim + load_cols[None, :] * dim + ks[:, None]
     return rows, row_mask, cols, col_mask, ks, x_ptrs, w_offsets
@@ -316,13 +330,10 @@ def _down_backward_kernel(
     )
     if expert >= num_experts:
         return
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_mask = rows < row_end
-    src = _source_rows(tl.minimum(rows, row_end - 1), row_slot_ptr, top_k, HAS_GATHER)
-    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < hidden
-    ks = tl.arange(0, BLOCK_K)
-    dy_ptrs = dy_ptr + src[:, None] * dim + ks[None, :]
+    rows, row_mask, cols, col_mask, ks, dy_ptrs = _gathered_row_tile(
+        dy_ptr, row_slot_ptr, row_start, row_end, n_tile, dim, hidden, top_k,
+        HAS_GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
     w2_ptrs = w2_ptr + expert.to(tl.int64) * dim * hidden + ks[:, None].to(tl.int64) * hidden + cols[None, :]
     dh = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_tile in range(0, tl.cdiv(dim, BLOCK_K)):
