@@ -105,6 +105,11 @@ def padded_group_rows(
     return dest_row_N, padded_counts_e, num_rows
 
 
+def send_buffer_rows(num_tokens: int, ep_size: int, top_k: int) -> int:
+    """Rows of the EP sender's buffer: the most (token, destination rank) pairs there can be."""
+    return num_tokens * min(ep_size, top_k)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SlotPlan:
     """Where every slot's row lives in the expert-grouped buffer."""
@@ -358,7 +363,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         # The send rows are copied before the host sync, into a buffer of the static bound (a token
         # goes to at most min(ep_size, top_k) ranks): the GPU copies while the host waits, and only
         # the all-to-alls and the receiver's grouping are launched after the sync.
-        max_pairs = num_tokens * min(ep_size, top_k)
+        max_pairs = send_buffer_rows(num_tokens, ep_size, top_k)
         sent_rows_PD = self._permute_rows(x_TD, pair_row_S, ep_size, max_pairs)
         sent_meta_PM = self._permute_rows(pair_meta_SM, pair_row_S, 1, max_pairs)
 

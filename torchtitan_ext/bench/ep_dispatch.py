@@ -46,7 +46,7 @@ from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 
 from torchtitan_ext.bench.common import environment  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.dispatcher import (  # noqa: E402
-    EP_TRANSPORTS, RoutingDispatcher, exchange_rows,
+    EP_TRANSPORTS, RoutingDispatcher, exchange_rows, send_buffer_rows,
 )
 from torchtitan_ext.kernels import symm_mem_rows as exchange_kernels  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process  # noqa: E402
@@ -141,7 +141,9 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
     received_plan = token_exchange.received_plan
 
     def sender_rows():  # as in dispatch: the send buffer holds the static bound of pairs
-        rows_PD = dispatcher._permute_rows(x_TD, token_exchange.pair_row_S, world, num_tokens * min(world, TOP_K))
+        rows_PD = dispatcher._permute_rows(
+            x_TD, token_exchange.pair_row_S, world, send_buffer_rows(num_tokens, world, TOP_K)
+        )
         dispatcher._sum_token_rows(rows_PD[:num_sent], token_exchange.pair_row_S, world)
 
     def receiver_rows():
