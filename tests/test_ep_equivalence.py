@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process
@@ -108,7 +109,7 @@ class AllToAllCounter(TorchDispatchMode):
 
 
 def check_selective_checkpointing_saves_the_all_to_alls(ep_mesh) -> None:
-    """Under selective checkpointing that saves all-to-all outputs (torchtitan's policy does), the
+    """Under selective checkpointing with torchtitan's list of saved ops (the flavors' default), the
     backward recomputes dispatch and combine without sending again: only the three gradient
     all-to-alls run (rows and weights back through dispatch, rows back through combine)."""
     generator = torch.Generator().manual_seed(30 + ep_mesh.get_local_rank())
@@ -124,9 +125,10 @@ def check_selective_checkpointing_saves_the_all_to_alls(ep_mesh) -> None:
         rows_RD, _, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
         return dispatcher.combine(rows_RD.sin(), metadata, x_TD)
 
+    save_ops = SelectiveAC(SelectiveAC.Config()).get_save_ops()  # what the flavors' checkpointing saves
+
     def policy(ctx, func, *args, **kwargs):
-        saved = func is torch.ops._c10d_functional.all_to_all_single.default
-        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
     out_TD = checkpoint(
         block, x_TD, scores_TK, use_reentrant=False,
