@@ -129,9 +129,11 @@ def _permute_kernel(x_ptr, rows_ptr, dest_ptr, dim, top_k, BLOCK_D: tl.constexpr
 
 @triton.jit
 def _sum_slots_kernel(
-    rows_ptr, dest_ptr, scores_ptr, y_ptr, dim, top_k, WEIGHTED: tl.constexpr, BLOCK_D: tl.constexpr
+    rows_ptr, dest_ptr, scores_ptr, y_ptr, dim, top_k,
+    WEIGHTED: tl.constexpr, HAS_DEST: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """y[t] = sum_k rows[dest[t*K+k]], times scores[t*K+k] if ``WEIGHTED`` (fp32; dropped slots skipped).
+    Without ``HAS_DEST`` slot s is row s.
 
     Unweighted, it is the backward of the permute; weighted, the unpermute of combine.
     """
@@ -140,7 +142,10 @@ def _sum_slots_kernel(
         offs = start + tl.arange(0, BLOCK_D)
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for k in range(0, top_k):
-            dest = tl.load(dest_ptr + token * top_k + k).to(tl.int64)
+            if HAS_DEST:
+                dest = tl.load(dest_ptr + token * top_k + k).to(tl.int64)
+            else:
+                dest = token * top_k + k
             mask = offs < tl.where(dest >= 0, dim, 0)  # dropped slot: nothing
             row = tl.load(rows_ptr + dest * dim + offs, mask=mask, other=0.0).to(tl.float32)
             if WEIGHTED:
@@ -174,14 +179,17 @@ def _unpermute_backward_kernel(
     tl.store(grad_scores_ptr + slot, tl.sum(dot, axis=0).to(grad_scores_ptr.dtype.element_ty))
 
 
-def sum_slots(rows_RD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_tokens: int) -> torch.Tensor:
-    """``(T, D)``: ``y[t] = sum_k rows_RD[dest_row_S[t*K+k]]`` (dropped slots skipped); no autograd."""
+def sum_slots(rows_RD: torch.Tensor, dest_row_S: torch.Tensor | None, top_k: int, num_tokens: int) -> torch.Tensor:
+    """``(T, D)``: ``y[t] = sum_k rows_RD[dest_row_S[t*K+k]]`` in fp32 (dropped slots skipped), in the
+    dtype of ``rows_RD``; ``dest_row_S = None``: the rows are the slots, ``y[t] = sum_k rows_RD[t*K+k]``.
+    No autograd."""
     rows_RD = rows_RD.contiguous()
     dim = rows_RD.shape[1]
     y_TD = rows_RD.new_empty(num_tokens, dim)
     if num_tokens:
         _sum_slots_kernel[(num_tokens,)](
-            rows_RD, dest_row_S, rows_RD, y_TD, dim, top_k, WEIGHTED=False, BLOCK_D=row_block_d(dim)  # no scores read
+            rows_RD, dest_row_S, rows_RD, y_TD, dim, top_k,  # no scores read
+            WEIGHTED=False, HAS_DEST=dest_row_S is not None, BLOCK_D=row_block_d(dim),
         )
     return y_TD
 
@@ -196,7 +204,8 @@ def weighted_sum_slots(
     y_TD = rows_RD.new_empty(num_tokens, dim)
     if num_tokens:
         _sum_slots_kernel[(num_tokens,)](
-            rows_RD, dest_row_S, scores_S.contiguous(), y_TD, dim, top_k, WEIGHTED=True, BLOCK_D=row_block_d(dim)
+            rows_RD, dest_row_S, scores_S.contiguous(), y_TD, dim, top_k,
+            WEIGHTED=True, HAS_DEST=True, BLOCK_D=row_block_d(dim),
         )
     return y_TD
 

@@ -43,6 +43,7 @@ from torchtitan_ext.kernels._runtime import (
     tensor_descriptors,
     tuned,
 )
+from torchtitan_ext.kernels.moe_permute import sum_slots
 
 GROUP_M = 8
 GATE_UP_TWO_PASS_MIN_WEIGHT = 2048 * 4096
@@ -635,7 +636,7 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
             num_rows, num_experts, dim, hidden,
             HAS_GATHER=routed, USE_TMA=use_tma, **common,
         )
-        out = rows_out.view(-1, top_k, dim).sum(dim=1) if routed and top_k > 1 else rows_out
+        out = sum_slots(rows_out, None, top_k, num_rows // top_k) if routed and top_k > 1 else rows_out
         ctx.save_for_backward(x_XD, w1_EFD, w2_EDF, w3_EFD, scores, group_end_E, row_slot_S, gate_RF, up_RF)
         ctx.top_k = top_k
         ctx.routed = routed
@@ -686,7 +687,7 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
                 num_rows, num_experts, dim, hidden,
                 HAS_GATHER=routed, USE_TMA=use_tma, **row_common,
             )
-            dx = dx_rows.view(-1, top_k, dim).sum(dim=1) if routed and top_k > 1 else dx_rows
+            dx = sum_slots(dx_rows, None, top_k, num_rows // top_k) if routed and top_k > 1 else dx_rows
             del dx_rows
 
         dw1 = dw3 = None
