@@ -340,3 +340,35 @@ def test_kernel_profile_clears_gradients_before_each_call_like_the_timed_runs():
     weight = torch.ones(4, requires_grad=True)
     kernel_profile(lambda: (weight * 2).sum().backward(), torch.device("cpu"), top=3, grad_to_none=[weight])
     assert torch.equal(weight.grad, torch.full((4,), 2.0))
+
+
+def test_train_step_goes_on_after_a_backend_runs_out_of_memory(tmp_path, capsys, monkeypatch):
+    from torchtitan_ext.bench import train_step
+
+    measure = train_step.bench_backend
+
+    def out_of_memory_for_loop(config, backend, device, timer):
+        if backend == "for_loop":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.27 GiB")
+        return measure(config, backend, device, timer)
+
+    monkeypatch.setattr(train_step, "bench_backend", out_of_memory_for_loop)
+    results = run_main(["train-step", "--flavor", "tiny-moe-grouped-mm", "--backends", "for_loop", "grouped_mm",
+                        "--batch-size", "2", "--seq-len", "16"], tmp_path)
+    captured = capsys.readouterr()
+    for_loop, grouped_mm = results["rows"]
+    assert for_loop["step_ms"] is None and "out of memory" in for_loop["error"] and for_loop["tokens"] == 32
+    assert grouped_mm["step_ms"] > 0 and "error" not in grouped_mm
+    assert "for_loop: out of memory" in captured.err and "out of memory; try a smaller" in captured.out
+
+
+def test_train_step_times_a_stock_flavor_as_one_torchtitan_row(capsys):
+    from torchtitan_ext.bench import train_step
+
+    assert train_step.backends_to_run("olmoe-1b-7b-torchtitan-moe", [], None, ["grouped_mm"]) == [train_step.STOCK_MOE]
+    assert train_step.backends_to_run("olmoe-1b-7b", [], None, ["grouped_mm", "triton"]) == ["grouped_mm", "triton"]
+    config = train_step.step_config("olmoe-1b-7b-torchtitan-moe", [], train_step.STOCK_MOE, batch_size=1, seq_len=8,
+                                    num_layers=1)
+    assert not train_step.has_switchable_experts(config) and len(config.model_spec.model.layers) == 1
+    assert main(["train-step", "--flavor", "olmoe-1b-7b-torchtitan-moe", "--backends", "grouped_mm"]) == 2
+    assert "built with torchtitan's own MoE layers" in capsys.readouterr().err

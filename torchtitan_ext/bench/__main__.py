@@ -261,8 +261,8 @@ def run_train_step(parser, args, device, command) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    backends = args.backends or runnable_backends()
     train_step, _ = _trainer_stack()
+    backends = train_step.backends_to_run(args.flavor, args.toml, args.backends, runnable_backends())
     results = train_step.run(args.flavor, args.toml, backends, device, command, batch_size=args.batch_size,
                              seq_len=args.seq_len, num_layers=args.num_layers, out=args.json)
     finish(results, results["rows"], train_step.TABLE, args)

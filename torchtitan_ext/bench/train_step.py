@@ -14,13 +14,19 @@ and MFU, from torchtitan's FLOP count of the model config (``get_nparams_and_flo
 active parameters per token plus attention) and torchtitan's peak dense bf16 table
 (H100/H200: 989 TFLOP/s), and the loss of the first timed step (the same for every backend
 up to rounding: same weights, same tokens). Full-size flavors are refused on CPU.
+
+A flavor built with torchtitan's own MoE layers (e.g. ``olmoe-1b-7b-torchtitan-moe``) has no
+backend to switch: it gives one row, backend ``torchtitan``, the stock step to compare with. A
+backend that runs out of memory gets a row with its error and no timings; the others still run.
 """
 
+import gc
 from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 
+from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.bench.common import (
     TINY_FLAVORS_HINT,
     environment,
@@ -43,14 +49,35 @@ from torchtitan_ext.train import resolve_config  # noqa: E402
 
 TABLE = [("flavor", "flavor"), ("backend", "backend"), ("layers", "layers"), ("tokens", "tokens/step"),
          ("dtype", "dtype"), ("step_ms", "step ms"), ("tokens_per_s", "tokens/s"), ("tflops", "TFLOP/s"),
-         ("mfu", "MFU"), ("first_loss", "step-1 loss")]
+         ("mfu", "MFU"), ("first_loss", "step-1 loss"), ("error", "error")]
+STOCK_MOE = "torchtitan"
+"""Backend label of a flavor built with torchtitan's own MoE layers (nothing to switch)."""
+
+
+def has_switchable_experts(config) -> bool:
+    """Whether the config's MoE layers take ``moe.compute_backend`` (this project's experts)."""
+    return any(True for _ in config.model_spec.model.traverse(BackendGroupedExperts.Config))
+
+
+def backends_to_run(flavor: str, tomls: list[str], requested: list[str] | None, default: list[str]) -> list[str]:
+    """``requested`` (or ``default``) for a flavor with switchable experts, ``[STOCK_MOE]`` for one
+    built with torchtitan's own MoE layers; ``ConfigError`` if backends are requested for the latter."""
+    if has_switchable_experts(resolve_config(flavor, tomls)):
+        return requested or default
+    if requested:
+        raise ConfigError(
+            f"--backends: flavor {flavor} is built with torchtitan's own MoE layers, which have no compute_backend "
+            "to switch; leave --backends out to time its stock training step"
+        )
+    return [STOCK_MOE]
 
 
 def step_config(flavor: str, tomls: list[str], backend: str, *, batch_size: int | None, seq_len: int | None,
                 num_layers: int | None):
-    """The flavor's ``Trainer.Config`` with the TOML files, ``backend`` and the size overrides applied."""
+    """The flavor's ``Trainer.Config`` with the TOML files, ``backend`` (``STOCK_MOE``: as built) and the
+    size overrides applied."""
     config = resolve_config(flavor, tomls)
-    overrides = {"moe.compute_backend": backend}
+    overrides = {} if backend == STOCK_MOE else {"moe.compute_backend": backend}
     if batch_size:
         overrides["training.local_batch_size"] = batch_size
     if seq_len:
@@ -138,6 +165,26 @@ def run(flavor: str, tomls: list[str], backends: list[str], device: torch.device
     results["meta"]["dtype"] = "see rows"
     for backend, config in configs.items():
         progress(f"  train step    {flavor}  {backend}")
-        results["rows"].append(bench_backend(config, backend, device, timer))
+        try:
+            row = bench_backend(config, backend, device, timer)
+        except torch.OutOfMemoryError:
+            row = None  # the model is freed once the exception is gone
+        if row is None:
+            row = out_of_memory_row(config, backend, device)
+            progress(f"  train step    {flavor}  {backend}: {row['error']}; going on with the next backend")
+        results["rows"].append(row)
         write_json(out, results)
     return results
+
+
+def out_of_memory_row(config, backend: str, device: torch.device) -> dict:
+    """The row of a backend whose step ran out of memory, after freeing what it held."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    batch, seq_len = config.training.local_batch_size, config.training.seq_len
+    return {
+        "flavor": config.model_spec.flavor, "backend": backend, "layers": len(config.model_spec.model.layers),
+        "tokens": batch * seq_len, "step_ms": None, "tokens_per_s": None,
+        "error": "out of memory; try a smaller --batch-size or --num-layers",
+    }
