@@ -1,5 +1,7 @@
 """Every compute backend matches the plain-torch reference (``reference_grouped``, the for_loop backend): forward and all gradients."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -8,7 +10,9 @@ from torchtitan_ext.experiments.moe_backends.experts import (
     BackendGroupedExperts,
     backend_names,
     get_backend,
+    runnable_backends,
 )
+from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 from torchtitan_ext.kernels.fused_moe import reference_grouped
 
 BACKENDS_UNDER_TEST = [b for b in backend_names() if b != "for_loop"]
@@ -229,3 +233,35 @@ def test_zero_rows_with_every_gradient_shape(backend, dim, gradient_kind):
 @pytest.mark.parametrize("dim,hidden", [(0, 8), (8, 0)])
 def test_zero_width_features(backend, dim, hidden):
     assert_same_as_reference_with_layout(backend, [2, 0, 3], dim, hidden, "contiguous", "broadcast_scalar")
+
+
+@pytest.mark.parametrize("backend", runnable_backends())
+def test_experts_compute_in_the_autocast_dtype(backend):
+    """Single-device training: fp32 parameters under autocast. ``torch._grouped_mm`` and the Triton
+    kernels are not on autocast's list, so the layer casts its tokens to the autocast dtype (fp16
+    here: Triton's CPU interpreter cannot run bf16) before dispatch and the expert block."""
+    config = moe_layer_config(compute_backend=backend, dim=16, hidden_dim=24, num_experts=4, top_k=2)
+    layer = config.build()
+    torch.manual_seed(0)
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    spec = layer.routed_experts.inner_experts.backend
+    seen_dtypes = []
+
+    def spy(compute):
+        def record_dtype(x, *args):
+            seen_dtypes.append(x.dtype)
+            return compute(x, *args)
+        return record_dtype
+
+    layer.routed_experts.inner_experts.backend = dataclasses.replace(
+        spec, grouped=spy(spec.grouped), routed=spec.routed and spy(spec.routed)
+    )
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = layer(x)
+    out.float().sum().backward()
+    assert seen_dtypes == [torch.float16]
+    assert all(param.grad.dtype == torch.float32 and torch.isfinite(param.grad).all()
+               for param in layer.parameters() if param.grad is not None)
+    assert x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()

@@ -9,7 +9,10 @@ expert (contiguous segments in expert order, the contract of torchtitan's
 where ``e`` is the expert owning row ``r``. Computation happens in the dtype of
 ``x_RD``: parameters of another dtype (fp32 parameters with bf16 activations, as
 under FSDP mixed precision) are cast to it, and their gradients flow back in
-their own dtype. The output has the dtype of ``x_RD``.
+their own dtype. The output has the dtype of ``x_RD``. Under autocast (single-device
+training with fp32 parameters) the modules first cast their tokens to the autocast dtype,
+as autocast does for a matmul: ``torch._grouped_mm`` and the Triton kernels are not on
+autocast's list and would otherwise compute in fp32.
 """
 
 from collections.abc import Callable
@@ -227,6 +230,14 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
+def _in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the autocast dtype when autocast is on for its device, else ``x`` unchanged."""
+    device_type = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device_type):
+        return x.to(torch.get_autocast_dtype(device_type))
+    return x
+
+
 class BackendGroupedExperts(GroupedExperts):
     """torchtitan's ``GroupedExperts`` with the expert computation chosen by name."""
 
@@ -254,7 +265,7 @@ class BackendGroupedExperts(GroupedExperts):
     ) -> torch.Tensor:
         """``x_RD`` grouped by expert, ``num_tokens_per_expert_E`` its segment sizes -> ``(R, D)``."""
         return self.backend.grouped(
-            x_RD,
+            _in_autocast_dtype(x_RD),
             _local(self.w1_EFD),
             _local(self.w2_EDF),
             _local(self.w3_EFD),
@@ -296,7 +307,9 @@ class FusedRoutedExperts(RoutedExperts):
         topk_expert_ids_BLK: torch.Tensor,
         num_local_tokens_per_expert_E: torch.Tensor,
     ) -> torch.Tensor:
-        """``(B, L, D)`` tokens, ``(B, L, K)`` scores and expert ids -> ``(B, L, D)``."""
+        """``(B, L, D)`` tokens, ``(B, L, K)`` scores and expert ids -> ``(B, L, D)`` (under autocast: the
+        tokens, and what dispatch sends, in the autocast dtype)."""
+        x_BLD = _in_autocast_dtype(x_BLD)
         routed = self._routed_path()
         if routed is None:
             return super().forward(
