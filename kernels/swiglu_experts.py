@@ -14,7 +14,8 @@ Two modes share the kernels:
   ``row_slot[r]`` and writes the row to that slot of a [T*K, D] buffer, summed over K after.
 
 Forward saves the gate and up pre-activations [R, F]; backward recomputes h from them and
-overwrites them in place with their gradients. Every reduction has a fixed order: results
+overwrites them in place with their gradients (bumping their autograd version, so that a second
+backward through the graph is an error), and frees d gate's memory once d w1 is done. Every reduction has a fixed order: results
 are the same from run to run.
 """
 
@@ -597,6 +598,13 @@ def _elementwise_tile(hidden: int) -> tuple[int, int]:
     return max(1, 4096 // block_f), block_f
 
 
+def _release_saved_buffer(buffer: torch.Tensor) -> None:
+    """Free the memory of a saved buffer that backward has overwritten and no longer needs, before
+    backward returns (autograd would free it only then). Its version was bumped when it was
+    overwritten, so a second backward through the graph fails before reading it."""
+    buffer.untyped_storage().resize_(0)
+
+
 class SwiGLUExpertsFunction(torch.autograd.Function):
     """Differentiable SwiGLU experts over expert-grouped rows (see module docstring)."""
 
@@ -665,6 +673,8 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
             dh_RF, gate_RF, up_RF, row_slot_S, scores, dscores_S, group_end_E, num_experts, hidden,
             HAS_GATHER=routed, ROWS=rows_per_program, BLOCK_F=block_f,
         )
+        for overwritten in (gate_RF, up_RF):
+            torch.autograd.graph.increment_version(overwritten)
         hs_RF = dh_RF
         dgate_RF, dup_RF = gate_RF, up_RF
         source_rows_R = row_slot_S // top_k if routed else None
@@ -696,6 +706,7 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
             dw3 = torch.empty_like(w3_EFD)
             x_RD = x_XD.index_select(0, source_rows_R) if routed else x_XD
             _weight_gradient(dgate_RF, x_RD, group_end_E, dw1)
+            _release_saved_buffer(dgate_RF)
             _weight_gradient(dup_RF, x_RD, group_end_E, dw3)
         dscores = None
         if routed and ctx.needs_input_grad[4]:

@@ -129,6 +129,35 @@ def test_results_repeat_bit_for_bit():
         assert torch.equal(first, second)
 
 
+def test_second_backward_through_the_same_graph_is_an_error():
+    """Backward overwrites the saved pre-activations with their gradients and then frees them: a
+    second backward (retain_graph=True) must fail loudly, not return wrong gradients."""
+    inputs, _ = routed_inputs(10, 40, 24, 4, 2, torch.float32, seed=12)
+    out = fused_moe_routed(*inputs)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_backward_frees_d_gate_before_returning():
+    """d gate (written over the saved gate pre-activation) is released once d w1 is done: at the
+    end of backward only d up, the three weight gradients, x's gather and d x are alive."""
+    inputs, _ = routed_inputs(10, 40, 24, 4, 2, torch.float32, seed=13)
+    saved = []
+
+    def keep(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        out = fused_moe_routed(*inputs)
+    out.sum().backward()
+    pre_activations = [t for t in saved if t.dim() == 2 and t.shape == (10 * 2, 24)]
+    assert len(pre_activations) == 2
+    gate, up = pre_activations
+    assert gate.untyped_storage().size() == 0 and up.untyped_storage().size() > 0
+
+
 def test_routing_metadata_matches_reference():
     ids = torch.randint(0, 7, (13, 3), generator=torch.Generator().manual_seed(0))
     ids[:, 0] = 2  # make one expert popular and leave others empty
