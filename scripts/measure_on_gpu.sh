@@ -5,7 +5,10 @@
 #   scripts/measure_on_gpu.sh bench   # MoE layer and expert block benchmarks
 #   scripts/measure_on_gpu.sh ep4 ep2 # EP equivalence + dispatch/combine benchmark on 4 and 2 GPUs
 #   scripts/measure_on_gpu.sh train-tiny train-full   # training through the Trainer on 2 GPUs
-#     (torch >= 2.13: see ../shared/gpu for bringing it to the measurement machines)
+#   scripts/measure_on_gpu.sh train-step   # one GPU: a training step of 4 olmoe-1b-7b layers per
+#     backend (fp32 parameters under bf16 autocast, as torchtitan trains on one GPU) and of the
+#     same layers with torchtitan's own MoE, plus the "auto" choice for olmoe-1b-7b
+#     (train-*: torch >= 2.13; see ../shared/gpu for bringing it to the measurement machines)
 # Results record SOURCE_COMMIT when set (e.g. SOURCE_COMMIT=$(git rev-parse --short HEAD) taken
 # where the checkout was copied from), else the copy's own git HEAD.
 set -uo pipefail
@@ -38,6 +41,15 @@ for task in "$@"; do
       python3 scripts/gpu_training_runs.py "$suite" --out "$out/train_$suite.json" \
           ${TRAIN_ONLY:+--only $TRAIN_ONLY} ${TRAIN_LOCAL_BATCH:+--local-batch-size $TRAIN_LOCAL_BATCH} \
           2>&1 | tee "$out/train_$suite.log" ;;
-    *) echo "unknown task $task (tests, bench, ep<ranks>, train-tiny, train-full)"; exit 2 ;;
+    train-step)
+      # TRAIN_STEP_BACKENDS narrows the backends (default: grouped_mm triton).
+      sizes="--num-layers 4 --batch-size 2 --seq-len 4096"
+      python3 -m torchtitan_ext.bench train-step --flavor olmoe-1b-7b $sizes \
+          --backends ${TRAIN_STEP_BACKENDS:-grouped_mm triton} --json "$out/train_step_olmoe.json" 2>&1 | tee "$out/train_step_olmoe.log"
+      python3 -m torchtitan_ext.bench train-step --flavor olmoe-1b-7b-torchtitan-moe $sizes \
+          --json "$out/train_step_olmoe_stock.json" 2>&1 | tee "$out/train_step_olmoe_stock.log"
+      TORCHTITAN_EXT_CACHE="$out/cache" python3 -m torchtitan_ext.bench auto --flavor olmoe-1b-7b \
+          --json "$out/auto_olmoe.json" 2>&1 | tee "$out/auto_olmoe.log" ;;
+    *) echo "unknown task $task (tests, bench, ep<ranks>, train-tiny, train-full, train-step)"; exit 2 ;;
   esac
 done
