@@ -25,7 +25,8 @@ for task in "$@"; do
   case $task in
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused_moe_gpu.py tests/test_fused_layer.py 2>&1 | tee "$out/gpu_tests.log" ;;
     bench)
-      python3 -m torchtitan_ext.bench layer --json "$out/moe_layer.json" 2>&1 | tee "$out/moe_layer.log"
+      # LAYER_ROUNDS times every layer that many times, taking turns, and keeps the medians.
+      python3 -m torchtitan_ext.bench layer ${LAYER_ROUNDS:+--rounds $LAYER_ROUNDS} --json "$out/moe_layer.json" 2>&1 | tee "$out/moe_layer.log"
       python3 -m torchtitan_ext.bench expert --json "$out/expert_block.json" 2>&1 | tee "$out/expert_block.log" ;;
     ep[0-9]*)
       ranks=${task#ep}

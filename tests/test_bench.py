@@ -276,6 +276,35 @@ def test_layer_profile_must_not_be_negative(tmp_path, capsys):
     assert "--profile must be >= 0" in capsys.readouterr().err
 
 
+def test_layer_rounds_report_the_median_of_interleaved_timings(tmp_path, capsys, monkeypatch):
+    from torchtitan_ext.bench import moe_layer
+
+    calls = []
+    measured = iter([5.0, 1.0, 3.0, 9.0, 2.0, 4.0] * 4)
+
+    def scripted_timer(fn, grad_to_none=None):
+        calls.append("fwd+bwd" if grad_to_none else "fwd")
+        return next(measured)
+
+    monkeypatch.setattr(moe_layer, "make_timer", lambda device: scripted_timer)
+    results = run_main(["layer", "--tiny", "--skew", "balanced", "--layers", "for_loop", "--rounds", "3"], tmp_path)
+    stock, for_loop = results["rows"]
+    # rounds take turns: stock fwd, stock fwd+bwd, for_loop fwd, for_loop fwd+bwd, then round 2, 3
+    assert calls == ["fwd", "fwd+bwd"] * 6
+    assert stock["fwd_ms_rounds"] == [5.0, 2.0, 3.0] and stock["fwd_ms"] == 3.0
+    assert stock["fwdbwd_ms_rounds"] == [1.0, 4.0, 9.0] and stock["fwdbwd_ms"] == 4.0
+    assert for_loop["fwd_ms_rounds"] == [3.0, 5.0, 2.0] and for_loop["fwd_ms"] == 3.0
+    assert for_loop["fwdbwd_ms_rounds"] == [9.0, 1.0, 4.0] and for_loop["fwdbwd_speedup"] == 1.0
+    assert "(round 3 of 3)" in capsys.readouterr().err
+
+
+def test_layer_rounds_must_be_positive(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(["layer", "--tiny", "--rounds", "0"], tmp_path)
+    assert exit_info.value.code == 2
+    assert "--rounds must be >= 1" in capsys.readouterr().err
+
+
 def synthetic_gpu_trace(path: Path) -> None:
     """One 1 ms profiler step: overlapping kernels on two streams, a copy, host syncs and launches."""
     def event(name, cat, ts, dur, tid=7):

@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     layer.add_argument("--layers", nargs="+", choices=moe_layer.KINDS,
                        help=f"layers (default: every one that runs here; {moe_layer.STOCK} always runs first)")
     layer.add_argument("--batch", type=int, default=2, help="batch B of the (B, tokens/B, D) input")
+    layer.add_argument("--rounds", type=int, default=1, metavar="N",
+                       help="time every layer N times, the layers taking turns, and report the medians "
+                            "(per-round times in the JSON); evens out a GPU's slow stretches")
     layer.add_argument("--profile", type=int, default=0, metavar="N",
                        help="also list each layer's N slowest GPU kernels (CPU: operators) in one forward+backward")
     add_output_options(layer)
@@ -230,9 +233,12 @@ def run_layer(parser, args, device, command) -> None:
         parser.error(f"--batch {args.batch} must be >= 1 and divide the tokens of every shape ({', '.join(bad)})")
     if args.profile < 0:
         parser.error(f"--profile must be >= 0 (0: off), got {args.profile}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     kinds = [moe_layer.STOCK, *(k for k in (args.layers or moe_layer.default_kinds()) if k != moe_layer.STOCK)]
     results = moe_layer.run(shapes, kinds, device, measurement_dtype(args, device), args.batch, command,
-                            out=args.json, skews=SKEW_CHOICES[args.skew], profile_top=args.profile)
+                            out=args.json, skews=SKEW_CHOICES[args.skew], profile_top=args.profile,
+                            rounds=args.rounds)
     finish(results, results["rows"], moe_layer.TABLE, args)
     print_kernel_profiles(results["rows"], ("shape", "skew", "layer"), device)
 

@@ -13,6 +13,8 @@ TFLOP/s (6*N*D*F / 18*N*D*F) and peak memory of forward+backward above the weigh
 """
 
 
+import statistics
+
 import torch
 
 from torchtitan_ext.bench.common import (
@@ -78,7 +80,11 @@ def calibrate_skew(stock_layer, x_BLD: torch.Tensor, target: float) -> torch.Ten
 
 
 def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, batch: int,
-                profile_top: int = 0) -> list[dict]:
+                profile_top: int = 0, rounds: int = 1) -> list[dict]:
+    """One row per layer kind (stock first). With ``rounds > 1`` every layer is timed once per
+    round, the layers taking turns within a round, and the rows give the medians (the per-round
+    times in ``fwd_ms_rounds`` / ``fwdbwd_ms_rounds``): a slow stretch of the GPU then hits every
+    layer alike instead of one layer's whole measurement."""
     seq_len = shape.tokens // batch
     generator = seeded_generator(device)
     x_BLD = torch.randn(batch, seq_len, shape.dim, device=device, dtype=dtype, generator=generator)
@@ -94,38 +100,52 @@ def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, bat
     with torch.no_grad():
         reference = stock(x_BLD)
 
-    rows = []
+    layers = {}
     for kind in kinds:
-        progress(f"  MoE layer     {shape.name:18s} skew {skew}  {kind}")
         layer = stock if kind == STOCK else build(kind, shape, device, dtype)
         if layer is not stock:
             layer.load_state_dict(stock.state_dict())
             layer.expert_bias_E.copy_(bias_E)
-        params = list(layer.parameters())
+        layers[kind] = layer
+
+    def clear_grads(layer) -> None:
+        for tensor in [x_BLD, *layer.parameters()]:
+            tensor.grad = None
+
+    def forward_backward(layer):
+        return lambda: torch.autograd.backward(layer(x_BLD), grad_BLD)
+
+    times = {kind: {"fwd_ms": [], "fwdbwd_ms": []} for kind in kinds}
+    for round_index in range(rounds):
+        for kind, layer in layers.items():
+            progress(f"  MoE layer     {shape.name:18s} skew {skew}  {kind}"
+                     + (f"  (round {round_index + 1} of {rounds})" if rounds > 1 else ""))
+            times[kind]["fwd_ms"].append(timer(lambda: layer(x_BLD)))
+            times[kind]["fwdbwd_ms"].append(timer(forward_backward(layer), grad_to_none=[x_BLD, *layer.parameters()]))
+            clear_grads(layer)
+
+    rows = []
+    for kind, layer in layers.items():
         with torch.no_grad():
             error = relative_error(layer(x_BLD), reference)
-
-        def forward_backward():
-            torch.autograd.backward(layer(x_BLD), grad_BLD)
-
-        fwd_ms = timer(lambda: layer(x_BLD))
-        fwdbwd_ms = timer(forward_backward, grad_to_none=[x_BLD, *params])
         _, peak_mb = memory_mb(lambda: layer(x_BLD), grad_BLD, device)
-        kernels = kernel_profile(forward_backward, device, profile_top, grad_to_none=[x_BLD, *params]) if profile_top else None
-        for tensor in [x_BLD, *params]:
-            tensor.grad = None
+        kernels = (kernel_profile(forward_backward(layer), device, profile_top, grad_to_none=[x_BLD, *layer.parameters()])
+                   if profile_top else None)
+        clear_grads(layer)
+        fwd_ms, fwdbwd_ms = (statistics.median(times[kind][key]) for key in ("fwd_ms", "fwdbwd_ms"))
         rows.append({
             "shape": shape.name, "skew": skew, "max_over_mean": max_over_mean(counts_E), "layer": kind,
             "fwd_ms": round(fwd_ms, 3), "fwdbwd_ms": round(fwdbwd_ms, 3),
             "fwd_tflops": expert_tflops(shape, fwd_ms, device, backward=False),
             "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, device, backward=True),
             "fwdbwd_peak_mb": peak_mb, "rel_err_vs_stock": f"{error:.1e}",
+            **({f"{key}_rounds": [round(ms, 3) for ms in times[kind][key]] for key in ("fwd_ms", "fwdbwd_ms")}
+               if rounds > 1 else {}),
             **({"kernels": kernels} if kernels else {}),
         })
-        if layer is not stock:
-            del layer
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    del layers, stock
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     stock_row = rows[0]
     for row in rows:
         row["fwd_speedup"] = round(stock_row["fwd_ms"] / row["fwd_ms"], 2)
@@ -153,9 +173,10 @@ TABLE = [("shape", "shape"), ("skew", "skew"), ("max_over_mean", "max/mean"), ("
 
 
 def run(shapes, kinds, device, dtype, batch: int, command: str, out: str | None = None,
-        skews=SKEWS, profile_top: int = 0) -> dict:
+        skews=SKEWS, profile_top: int = 0, rounds: int = 1) -> dict:
     """Measure every shape and skew; ``out`` is rewritten after each shape. ``profile_top > 0``
-    adds each layer's slowest kernels in one forward+backward to its row (``kernels``).
+    adds each layer's slowest kernels in one forward+backward to its row (``kernels``);
+    ``rounds`` is ``bench_shape``'s.
 
     Raises ``ConfigError`` for full-size shapes on CPU.
     """
@@ -164,6 +185,6 @@ def run(shapes, kinds, device, dtype, batch: int, command: str, out: str | None 
     results = {"meta": environment(command, device, dtype), "rows": []}
     for shape in shapes:
         for skew in skews:
-            results["rows"] += bench_shape(shape, skew, kinds, timer, device, dtype, batch, profile_top)
+            results["rows"] += bench_shape(shape, skew, kinds, timer, device, dtype, batch, profile_top, rounds)
         write_json(out, results)
     return results
