@@ -25,9 +25,9 @@ for task in "$@"; do
   case $task in
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused_moe_gpu.py tests/test_fused_layer.py 2>&1 | tee "$out/gpu_tests.log" ;;
     bench)
-      # LAYER_ROUNDS times every layer that many times, taking turns, and keeps the medians.
-      python3 -m torchtitan_ext.bench layer ${LAYER_ROUNDS:+--rounds $LAYER_ROUNDS} --json "$out/moe_layer.json" 2>&1 | tee "$out/moe_layer.log"
-      python3 -m torchtitan_ext.bench expert --json "$out/expert_block.json" 2>&1 | tee "$out/expert_block.log" ;;
+      # BENCH_ROUNDS times every layer / implementation that many times, taking turns, and keeps the medians.
+      python3 -m torchtitan_ext.bench layer ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} --json "$out/moe_layer.json" 2>&1 | tee "$out/moe_layer.log"
+      python3 -m torchtitan_ext.bench expert ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} --json "$out/expert_block.json" 2>&1 | tee "$out/expert_block.log" ;;
     ep[0-9]*)
       ranks=${task#ep}
       # EP_CHECK_BACKENDS narrows the equivalence check (e.g. "grouped_mm for_loop");

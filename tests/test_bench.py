@@ -298,9 +298,19 @@ def test_layer_rounds_report_the_median_of_interleaved_timings(tmp_path, capsys,
     assert "(round 3 of 3)" in capsys.readouterr().err
 
 
-def test_layer_rounds_must_be_positive(tmp_path, capsys):
+def test_expert_rounds_give_medians_and_per_round_times(tmp_path):
+    results = run_main(["expert", "--tiny", "--skew", "balanced", "--impls", "grouped_mm", "for_loop",
+                        "--rounds", "3"], tmp_path)
+    for row in results["rows"]:
+        for key in ("fwd_ms", "fwdbwd_ms"):
+            assert len(row[f"{key}_rounds"]) == 3
+            assert row[key] == pytest.approx(sorted(row[f"{key}_rounds"])[1], abs=1e-3)
+
+
+@pytest.mark.parametrize("command", ["layer", "expert"])
+def test_rounds_must_be_positive(command, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        run_main(["layer", "--tiny", "--rounds", "0"], tmp_path)
+        run_main([command, "--tiny", "--rounds", "0"], tmp_path)
     assert exit_info.value.code == 2
     assert "--rounds must be >= 1" in capsys.readouterr().err
 

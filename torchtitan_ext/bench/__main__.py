@@ -57,6 +57,17 @@ EP_TABLE = [("world", "world"), ("tokens_per_rank", "T/rank"), ("dim", "D"), ("r
 AUTO_TABLE = [("backend", "backend"), ("ms_per_step", "fwd+bwd ms per step"), ("chosen", "chosen")]
 
 
+def add_rounds_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help=f"time every {what} N times, taking turns, and report the medians "
+                             "(per-round times in the JSON); evens out a GPU's slow stretches")
+
+
+def check_rounds(parser: argparse.ArgumentParser, rounds: int) -> None:
+    if rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {rounds}")
+
+
 def add_output_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the results")
@@ -88,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_shape_options(expert)
     expert.add_argument("--impls", nargs="+", choices=expert_block.IMPLS,
                         help="implementations (default: every one that runs here)")
+    add_rounds_option(expert, "implementation")
     add_output_options(expert)
 
     layer = commands.add_parser("layer", help="the whole MoE layer per backend vs stock torchtitan")
@@ -95,9 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     layer.add_argument("--layers", nargs="+", choices=moe_layer.KINDS,
                        help=f"layers (default: every one that runs here; {moe_layer.STOCK} always runs first)")
     layer.add_argument("--batch", type=int, default=2, help="batch B of the (B, tokens/B, D) input")
-    layer.add_argument("--rounds", type=int, default=1, metavar="N",
-                       help="time every layer N times, the layers taking turns, and report the medians "
-                            "(per-round times in the JSON); evens out a GPU's slow stretches")
+    add_rounds_option(layer, "layer")
     layer.add_argument("--profile", type=int, default=0, metavar="N",
                        help="also list each layer's N slowest GPU kernels (CPU: operators) in one forward+backward")
     add_output_options(layer)
@@ -218,10 +228,11 @@ def finish(results: dict, rows: list[dict], table, args) -> None:
 
 def run_expert(parser, args, device, command) -> None:
     reject_unrunnable(parser, "--impls", args.impls, expert_block.unavailable_reason)
+    check_rounds(parser, args.rounds)
     shapes = selected_shapes(parser, args, device)
     results = expert_block.run(shapes, args.impls or expert_block.default_impls(), device,
                                measurement_dtype(args, device), command, out=args.json,
-                               skews=SKEW_CHOICES[args.skew])
+                               skews=SKEW_CHOICES[args.skew], rounds=args.rounds)
     finish(results, results["rows"], expert_block.TABLE, args)
 
 
@@ -233,8 +244,7 @@ def run_layer(parser, args, device, command) -> None:
         parser.error(f"--batch {args.batch} must be >= 1 and divide the tokens of every shape ({', '.join(bad)})")
     if args.profile < 0:
         parser.error(f"--profile must be >= 0 (0: off), got {args.profile}")
-    if args.rounds < 1:
-        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    check_rounds(parser, args.rounds)
     kinds = [moe_layer.STOCK, *(k for k in (args.layers or moe_layer.default_kinds()) if k != moe_layer.STOCK)]
     results = moe_layer.run(shapes, kinds, device, measurement_dtype(args, device), args.batch, command,
                             out=args.json, skews=SKEW_CHOICES[args.skew], profile_top=args.profile,

@@ -26,11 +26,14 @@ from torchtitan_ext.bench.common import (
     environment,
     expert_tflops,
     max_over_mean,
+    median_fields,
     memory_mb,
     print_table,
     progress,
     refuse_full_size_on_cpu,
     relative_error,
+    round_label,
+    time_in_rounds,
     write_json,
 )
 from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, expert_inputs, make_timer, seeded_generator
@@ -61,41 +64,52 @@ def torch_routed_experts(x_TD, w1_EFD, w2_EDF, w3_EFD, ids_TK, scores_TK):
     return torch.zeros_like(x_TD).index_add_(0, token_S, y_SD)
 
 
-def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype) -> list[dict]:
-    """One row per implementation: ms, TFLOP/s and memory (GPU), error vs grouped_mm."""
+def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype, rounds: int = 1) -> list[dict]:
+    """One row per implementation: ms (medians of ``rounds`` rounds in which the implementations take
+    turns, ``common.time_in_rounds``), TFLOP/s and memory (GPU), error vs grouped_mm."""
     ids_TK, scores_TK, counts_E, x_TD, x_RD, weights = expert_inputs(shape, skew, device, dtype)
-    calls = {name: (lambda fn=spec.grouped: fn(x_RD, *weights, counts_E), [x_RD, *weights])
-             for name, spec in BACKENDS.items()}
-    calls["torch_routed"] = (lambda: torch_routed_experts(x_TD, *weights, ids_TK, scores_TK),
-                             [x_TD, *weights, scores_TK])
-    calls["fused_routed"] = (lambda: fused_moe_routed(x_TD, *weights, ids_TK, scores_TK),
-                             [x_TD, *weights, scores_TK])
+    forwards = {name: (lambda fn=spec.grouped: fn(x_RD, *weights, counts_E), [x_RD, *weights])
+                for name, spec in BACKENDS.items()}
+    forwards["torch_routed"] = (lambda: torch_routed_experts(x_TD, *weights, ids_TK, scores_TK),
+                                [x_TD, *weights, scores_TK])
+    forwards["fused_routed"] = (lambda: fused_moe_routed(x_TD, *weights, ids_TK, scores_TK),
+                                [x_TD, *weights, scores_TK])
     with torch.no_grad():
-        references = {"grouped": calls[DEFAULT_BACKEND][0](), "routed": calls["torch_routed"][0]()}
+        references = {"grouped": forwards[DEFAULT_BACKEND][0](), "routed": forwards["torch_routed"][0]()}
+
+    def reference_of(name):
+        return references["routed" if name in ROUTED_IMPLS else "grouped"]
+
+    grad_outs = {name: torch.randn(reference_of(name).shape, device=device,
+                                   generator=seeded_generator(device, 1)).to(dtype) for name in impls}
+
+    def forward_backward(name):
+        forward = forwards[name][0]
+        return lambda: torch.autograd.backward(forward(), grad_outs[name])
+
+    calls = {name: (forwards[name][0], forward_backward(name), forwards[name][1]) for name in impls}
+    times = time_in_rounds(
+        calls, timer, rounds,
+        lambda name, round_index: progress(f"  expert block  {shape.name:18s} skew {skew}  {name}"
+                                           + round_label(rounds, round_index)),
+    )
 
     rows = []
     for name in impls:
-        progress(f"  expert block  {shape.name:18s} skew {skew}  {name}")
-        forward, inputs = calls[name]
-        reference = references["routed" if name in ROUTED_IMPLS else "grouped"]
+        forward, inputs = forwards[name]
         with torch.no_grad():
-            error = relative_error(forward(), reference)
-        grad_out = torch.randn(reference.shape, device=device, generator=seeded_generator(device, 1)).to(dtype)
-
-        def forward_backward():
-            torch.autograd.backward(forward(), grad_out)
-
-        fwd_ms = timer(forward)
-        fwdbwd_ms = timer(forward_backward, grad_to_none=inputs)
-        held_mb, peak_mb = memory_mb(forward, grad_out, device)
+            error = relative_error(forward(), reference_of(name))
+        held_mb, peak_mb = memory_mb(forward, grad_outs[name], device)
         for tensor in inputs:
             tensor.grad = None
+        measured = median_fields(times[name])
+        fwd_ms, fwdbwd_ms = measured.pop("fwd_ms"), measured.pop("fwdbwd_ms")
         rows.append({
             "shape": shape.name, "skew": skew, "max_over_mean": max_over_mean(counts_E), "impl": name,
             "fwd_ms": round(fwd_ms, 3), "fwd_tflops": expert_tflops(shape, fwd_ms, device, backward=False),
             "fwdbwd_ms": round(fwdbwd_ms, 3),
             "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, device, backward=True),
-            "fwd_held_mb": held_mb, "fwdbwd_peak_mb": peak_mb, "rel_err": f"{error:.1e}",
+            "fwd_held_mb": held_mb, "fwdbwd_peak_mb": peak_mb, "rel_err": f"{error:.1e}", **measured,
         })
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -103,8 +117,8 @@ def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype) -> 
 
 
 def run(shapes: list[BenchShape], impls, device, dtype, command: str, out: str | None = None,
-        skews=SKEWS) -> dict:
-    """Measure every shape and skew; ``out`` is rewritten after each shape.
+        skews=SKEWS, rounds: int = 1) -> dict:
+    """Measure every shape and skew (``rounds``: ``bench_shape``'s); ``out`` is rewritten after each shape.
 
     Raises ``ConfigError`` for full-size shapes on CPU.
     """
@@ -115,7 +129,7 @@ def run(shapes: list[BenchShape], impls, device, dtype, command: str, out: str |
         results["meta"]["dense_bf16_tflops"] = dense_ceiling_tflops(timer, device)
     for shape in shapes:
         for skew in skews:
-            results["rows"] += bench_shape(shape, skew, impls, timer, device, dtype)
+            results["rows"] += bench_shape(shape, skew, impls, timer, device, dtype, rounds)
         write_json(out, results)
     return results
 

@@ -13,8 +13,6 @@ TFLOP/s (6*N*D*F / 18*N*D*F) and peak memory of forward+backward above the weigh
 """
 
 
-import statistics
-
 import torch
 
 from torchtitan_ext.bench.common import (
@@ -25,11 +23,14 @@ from torchtitan_ext.bench.common import (
     expert_tflops,
     kernel_profile,
     max_over_mean,
+    median_fields,
     memory_mb,
     print_table,
     progress,
     refuse_full_size_on_cpu,
     relative_error,
+    round_label,
+    time_in_rounds,
     write_json,
 )
 from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, make_timer, seeded_generator
@@ -81,10 +82,8 @@ def calibrate_skew(stock_layer, x_BLD: torch.Tensor, target: float) -> torch.Ten
 
 def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, batch: int,
                 profile_top: int = 0, rounds: int = 1) -> list[dict]:
-    """One row per layer kind (stock first). With ``rounds > 1`` every layer is timed once per
-    round, the layers taking turns within a round, and the rows give the medians (the per-round
-    times in ``fwd_ms_rounds`` / ``fwdbwd_ms_rounds``): a slow stretch of the GPU then hits every
-    layer alike instead of one layer's whole measurement."""
+    """One row per layer kind (stock first), with the medians of ``rounds`` rounds of timings in
+    which the layers take turns (``common.time_in_rounds``)."""
     seq_len = shape.tokens // batch
     generator = seeded_generator(device)
     x_BLD = torch.randn(batch, seq_len, shape.dim, device=device, dtype=dtype, generator=generator)
@@ -108,39 +107,34 @@ def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, bat
             layer.expert_bias_E.copy_(bias_E)
         layers[kind] = layer
 
-    def clear_grads(layer) -> None:
-        for tensor in [x_BLD, *layer.parameters()]:
-            tensor.grad = None
-
     def forward_backward(layer):
         return lambda: torch.autograd.backward(layer(x_BLD), grad_BLD)
 
-    times = {kind: {"fwd_ms": [], "fwdbwd_ms": []} for kind in kinds}
-    for round_index in range(rounds):
-        for kind, layer in layers.items():
-            progress(f"  MoE layer     {shape.name:18s} skew {skew}  {kind}"
-                     + (f"  (round {round_index + 1} of {rounds})" if rounds > 1 else ""))
-            times[kind]["fwd_ms"].append(timer(lambda: layer(x_BLD)))
-            times[kind]["fwdbwd_ms"].append(timer(forward_backward(layer), grad_to_none=[x_BLD, *layer.parameters()]))
-            clear_grads(layer)
+    calls = {kind: (lambda layer=layer: layer(x_BLD), forward_backward(layer), [x_BLD, *layer.parameters()])
+             for kind, layer in layers.items()}
+    times = time_in_rounds(
+        calls, timer, rounds,
+        lambda kind, round_index: progress(f"  MoE layer     {shape.name:18s} skew {skew}  {kind}"
+                                           + round_label(rounds, round_index)),
+    )
 
     rows = []
     for kind, layer in layers.items():
         with torch.no_grad():
             error = relative_error(layer(x_BLD), reference)
         _, peak_mb = memory_mb(lambda: layer(x_BLD), grad_BLD, device)
-        kernels = (kernel_profile(forward_backward(layer), device, profile_top, grad_to_none=[x_BLD, *layer.parameters()])
+        kernels = (kernel_profile(forward_backward(layer), device, profile_top, grad_to_none=calls[kind][2])
                    if profile_top else None)
-        clear_grads(layer)
-        fwd_ms, fwdbwd_ms = (statistics.median(times[kind][key]) for key in ("fwd_ms", "fwdbwd_ms"))
+        for tensor in calls[kind][2]:
+            tensor.grad = None
+        measured = median_fields(times[kind])
+        fwd_ms, fwdbwd_ms = measured.pop("fwd_ms"), measured.pop("fwdbwd_ms")
         rows.append({
             "shape": shape.name, "skew": skew, "max_over_mean": max_over_mean(counts_E), "layer": kind,
             "fwd_ms": round(fwd_ms, 3), "fwdbwd_ms": round(fwdbwd_ms, 3),
             "fwd_tflops": expert_tflops(shape, fwd_ms, device, backward=False),
             "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, device, backward=True),
-            "fwdbwd_peak_mb": peak_mb, "rel_err_vs_stock": f"{error:.1e}",
-            **({f"{key}_rounds": [round(ms, 3) for ms in times[kind][key]] for key in ("fwd_ms", "fwdbwd_ms")}
-               if rounds > 1 else {}),
+            "fwdbwd_peak_mb": peak_mb, "rel_err_vs_stock": f"{error:.1e}", **measured,
             **({"kernels": kernels} if kernels else {}),
         })
     del layers, stock
