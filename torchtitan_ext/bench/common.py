@@ -171,15 +171,14 @@ TimedCalls = dict[str, tuple[Callable[[], object], Callable[[], None], list[torc
 """name -> (forward, forward+backward, tensors whose grads are cleared between calls)."""
 
 
-def time_in_rounds(calls: TimedCalls, timer: Timer, rounds: int,
-                   announce: Callable[[str, int], None]) -> dict[str, dict[str, list[float]]]:
+def time_in_rounds(calls: TimedCalls, timer: Timer, rounds: int, label: str) -> dict[str, dict[str, list[float]]]:
     """Each name's forward and forward+backward ms, ``rounds`` times, the names taking turns within
     a round (a slow stretch of the GPU then touches every name, not all of one name's timings).
-    ``announce(name, round)`` reports progress. Returns name -> {"fwd_ms": [...], "fwdbwd_ms": [...]}."""
+    Progress lines read ``label``, the name and the round. Returns name -> {"fwd_ms": [...], "fwdbwd_ms": [...]}."""
     times = {name: {"fwd_ms": [], "fwdbwd_ms": []} for name in calls}
     for round_index in range(rounds):
         for name, (forward, forward_backward, grad_to_none) in calls.items():
-            announce(name, round_index)
+            progress(f"{label}  {name}" + (f"  (round {round_index + 1} of {rounds})" if rounds > 1 else ""))
             times[name]["fwd_ms"].append(timer(forward))
             times[name]["fwdbwd_ms"].append(timer(forward_backward, grad_to_none=grad_to_none))
             for tensor in grad_to_none:
@@ -194,10 +193,6 @@ def median_fields(times: dict[str, list[float]]) -> dict:
     if any(len(values) > 1 for values in times.values()):
         fields |= {f"{key}_rounds": [round(ms, 3) for ms in values] for key, values in times.items()}
     return fields
-
-
-def round_label(rounds: int, round_index: int) -> str:
-    return f"  (round {round_index + 1} of {rounds})" if rounds > 1 else ""
 
 
 def write_json(path: str | None, results: dict) -> None:

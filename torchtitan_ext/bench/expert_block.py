@@ -29,10 +29,8 @@ from torchtitan_ext.bench.common import (
     median_fields,
     memory_mb,
     print_table,
-    progress,
     refuse_full_size_on_cpu,
     relative_error,
-    round_label,
     time_in_rounds,
     write_json,
 )
@@ -77,29 +75,25 @@ def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype, rou
     with torch.no_grad():
         references = {"grouped": forwards[DEFAULT_BACKEND][0](), "routed": forwards["torch_routed"][0]()}
 
-    def reference_of(name):
-        return references["routed" if name in ROUTED_IMPLS else "grouped"]
+    grad_outs = {kind: torch.randn(reference.shape, device=device, generator=seeded_generator(device, 1)).to(dtype)
+                 for kind, reference in references.items()}
 
-    grad_outs = {name: torch.randn(reference_of(name).shape, device=device,
-                                   generator=seeded_generator(device, 1)).to(dtype) for name in impls}
+    def kind_of(name):
+        return "routed" if name in ROUTED_IMPLS else "grouped"
 
     def forward_backward(name):
         forward = forwards[name][0]
-        return lambda: torch.autograd.backward(forward(), grad_outs[name])
+        return lambda: torch.autograd.backward(forward(), grad_outs[kind_of(name)])
 
     calls = {name: (forwards[name][0], forward_backward(name), forwards[name][1]) for name in impls}
-    times = time_in_rounds(
-        calls, timer, rounds,
-        lambda name, round_index: progress(f"  expert block  {shape.name:18s} skew {skew}  {name}"
-                                           + round_label(rounds, round_index)),
-    )
+    times = time_in_rounds(calls, timer, rounds, label=f"  expert block  {shape.name:18s} skew {skew}")
 
     rows = []
     for name in impls:
         forward, inputs = forwards[name]
         with torch.no_grad():
-            error = relative_error(forward(), reference_of(name))
-        held_mb, peak_mb = memory_mb(forward, grad_outs[name], device)
+            error = relative_error(forward(), references[kind_of(name)])
+        held_mb, peak_mb = memory_mb(forward, grad_outs[kind_of(name)], device)
         for tensor in inputs:
             tensor.grad = None
         measured = median_fields(times[name])

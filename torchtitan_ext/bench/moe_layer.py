@@ -26,10 +26,8 @@ from torchtitan_ext.bench.common import (
     median_fields,
     memory_mb,
     print_table,
-    progress,
     refuse_full_size_on_cpu,
     relative_error,
-    round_label,
     time_in_rounds,
     write_json,
 )
@@ -112,11 +110,7 @@ def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, bat
 
     calls = {kind: (lambda layer=layer: layer(x_BLD), forward_backward(layer), [x_BLD, *layer.parameters()])
              for kind, layer in layers.items()}
-    times = time_in_rounds(
-        calls, timer, rounds,
-        lambda kind, round_index: progress(f"  MoE layer     {shape.name:18s} skew {skew}  {kind}"
-                                           + round_label(rounds, round_index)),
-    )
+    times = time_in_rounds(calls, timer, rounds, label=f"  MoE layer     {shape.name:18s} skew {skew}")
 
     rows = []
     for kind, layer in layers.items():

@@ -135,8 +135,7 @@ def bench_backend(config, backend: str, device: torch.device, timer) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {
-        "flavor": config.model_spec.flavor, "backend": backend, "layers": len(model_config.layers),
-        "tokens": tokens, "dtype": str(autocast_dtype or torch.float32).removeprefix("torch."),
+        **row_identity(config, backend), "dtype": str(autocast_dtype or torch.float32).removeprefix("torch."),
         "step_ms": round(step_ms, 3), "tokens_per_s": round(tokens_per_s, 1),
         "flops_per_token": flops_per_token,
         "tflops": round(flops_per_token * tokens_per_s / 1e12, 3) if on_gpu else None,
@@ -182,9 +181,15 @@ def out_of_memory_row(config, backend: str, device: torch.device) -> dict:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    batch, seq_len = config.training.local_batch_size, config.training.seq_len
+    return {
+        **row_identity(config, backend), "step_ms": None, "tokens_per_s": None,
+        "error": "out of memory; try a smaller --batch-size or --num-layers",
+    }
+
+
+def row_identity(config, backend: str) -> dict:
+    """What a row measured: flavor, backend, layers and tokens per step."""
     return {
         "flavor": config.model_spec.flavor, "backend": backend, "layers": len(config.model_spec.model.layers),
-        "tokens": batch * seq_len, "step_ms": None, "tokens_per_s": None,
-        "error": "out of memory; try a smaller --batch-size or --num-layers",
+        "tokens": config.training.local_batch_size * config.training.seq_len,
     }
