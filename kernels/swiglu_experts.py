@@ -702,11 +702,11 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
 
         dw1 = dw3 = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[3]:
-            dw1 = torch.empty_like(w1_EFD)
-            dw3 = torch.empty_like(w3_EFD)
             x_RD = x_XD.index_select(0, source_rows_R) if routed else x_XD
+            dw1 = torch.empty_like(w1_EFD)
             _weight_gradient(dgate_RF, x_RD, group_end_E, dw1)
             _release_saved_buffer(dgate_RF)
+            dw3 = torch.empty_like(w3_EFD)
             _weight_gradient(dup_RF, x_RD, group_end_E, dw3)
         dscores = None
         if routed and ctx.needs_input_grad[4]:

@@ -139,10 +139,29 @@ def test_second_backward_through_the_same_graph_is_an_error():
         out.sum().backward()
 
 
-def test_backward_frees_d_gate_before_returning():
-    """d gate (written over the saved gate pre-activation) is released once d w1 is done: at the
-    end of backward only d up, the three weight gradients, x's gather and d x are alive."""
-    inputs, _ = routed_inputs(10, 40, 24, 4, 2, torch.float32, seed=13)
+def test_backward_frees_d_gate_before_returning(monkeypatch):
+    """d gate (written over the saved gate pre-activation) is released once d w1 is done and before
+    d w3 is allocated, so at most two of the three expert weight gradients are alive next to it. At
+    the end of backward only d up, the weight gradients, x's gather and d x are alive."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torchtitan_ext.kernels import swiglu_experts
+
+    num_experts, dim, hidden = 4, 40, 24
+    inputs, _ = routed_inputs(10, dim, hidden, num_experts, 2, torch.float32, seed=13)
+    events = []
+
+    class WeightSizedAllocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if (func.overloadpacket in (torch.ops.aten.empty_like, torch.ops.aten.empty)
+                    and result.numel() == num_experts * dim * hidden):
+                events.append("allocate weight gradient")
+            return result
+
+    release = swiglu_experts._release_saved_buffer
+    monkeypatch.setattr(swiglu_experts, "_release_saved_buffer",
+                        lambda buffer: (events.append("release d gate"), release(buffer)))
     saved = []
 
     def keep(tensor):
@@ -151,8 +170,10 @@ def test_backward_frees_d_gate_before_returning():
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
         out = fused_moe_routed(*inputs)
-    out.sum().backward()
-    pre_activations = [t for t in saved if t.dim() == 2 and t.shape == (10 * 2, 24)]
+    with WeightSizedAllocations():
+        out.sum().backward()
+    assert events == ["allocate weight gradient"] * 2 + ["release d gate", "allocate weight gradient"]
+    pre_activations = [t for t in saved if t.dim() == 2 and t.shape == (10 * 2, hidden)]
     assert len(pre_activations) == 2
     gate, up = pre_activations
     assert gate.untyped_storage().size() == 0 and up.untyped_storage().size() > 0
