@@ -9,6 +9,8 @@ activations is made):
 
 - ``routing_metadata(topk_expert_ids_TK, num_experts)`` -> ``(row_slot_S, group_end_E)``.
 - ``grouped_metadata(num_tokens_per_expert_E)`` -> ``group_end_E``.
+- ``slot_rows(row_slot_S)`` -> ``slot_row_S``, and ``scatter_token_rows(x_TD, slot_row_S, top_k, rows)``
+  fills every grouped row with its token's row (the weight gradients' operand).
 
 Token permute / unpermute, for the dispatcher: a dispatch plan gives every slot its destination
 row in the expert-grouped buffer, ``dest_row_S`` (``-1`` for a dropped slot). Rows of the buffer
@@ -36,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchtitan_ext.kernels._runtime import check_runnable, row_block_d
+from torchtitan_ext.kernels._runtime import check_runnable, permute_block_d, row_block_d
 
 
 # ---------------------------------------------------------------- routing metadata
@@ -116,15 +118,16 @@ def sum_token_rows_reference(rows_RD: torch.Tensor, dest_row_S: torch.Tensor, to
 
 
 @triton.jit
-def _permute_kernel(x_ptr, rows_ptr, dest_ptr, dim, top_k, BLOCK_D: tl.constexpr):
-    slot = tl.program_id(0)
-    dest = tl.load(dest_ptr + slot).to(tl.int64)
-    token = (slot // top_k).to(tl.int64)
+def _permute_kernel(x_ptr, rows_ptr, dest_ptr, dim, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """rows[dest[t*K+k]] = x[t] for the K slots of token t (one program per token, x read once)."""
+    token = tl.program_id(0).to(tl.int64)
     for start in range(0, dim, BLOCK_D):
         offs = start + tl.arange(0, BLOCK_D)
-        mask = offs < tl.where(dest >= 0, dim, 0)  # dropped slot: nothing
-        row = tl.load(x_ptr + token * dim + offs, mask=mask)
-        tl.store(rows_ptr + dest * dim + offs, row, mask=mask)
+        row = tl.load(x_ptr + token * dim + offs, mask=offs < dim)
+        for k in tl.static_range(TOP_K):
+            dest = tl.load(dest_ptr + token * TOP_K + k).to(tl.int64)
+            mask = offs < tl.where(dest >= 0, dim, 0)  # dropped slot: nothing
+            tl.store(rows_ptr + dest * dim + offs, row, mask=mask)
 
 
 @triton.jit
@@ -194,6 +197,26 @@ def sum_slots(rows_RD: torch.Tensor, dest_row_S: torch.Tensor | None, top_k: int
     return y_TD
 
 
+def scatter_token_rows(x_TD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, rows_RD: torch.Tensor) -> torch.Tensor:
+    """``rows_RD[dest_row_S[s]] = x_TD[s // top_k]`` for every slot with ``dest_row_S[s] >= 0``; other
+    rows are left as they are. Each token row is read once. No autograd. Returns ``rows_RD``."""
+    if dest_row_S.shape[0] != x_TD.shape[0] * top_k:
+        raise ValueError(f"dest_row_S has {dest_row_S.shape[0]} slots, expected {x_TD.shape[0]} tokens x top_k {top_k}")
+    x_TD = x_TD.contiguous()
+    if dest_row_S.numel():
+        _permute_kernel[(x_TD.shape[0],)](
+            x_TD, rows_RD, dest_row_S, x_TD.shape[1], TOP_K=top_k, BLOCK_D=permute_block_d(x_TD.shape[1])
+        )
+    return rows_RD
+
+
+def slot_rows(row_slot_S: torch.Tensor) -> torch.Tensor:
+    """``[S]`` int32: the grouped row of every slot, the inverse of ``routing_metadata``'s ``row_slot_S``."""
+    slot_row_S = torch.empty_like(row_slot_S)
+    slot_row_S[row_slot_S.long()] = torch.arange(row_slot_S.shape[0], device=row_slot_S.device, dtype=row_slot_S.dtype)
+    return slot_row_S
+
+
 def weighted_sum_slots(
     rows_RD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
 ) -> torch.Tensor:
@@ -215,11 +238,7 @@ class _PermuteTokens(torch.autograd.Function):
     def forward(ctx, x_TD, dest_row_S, top_k, num_rows):
         x_TD = x_TD.contiguous()
         dim = x_TD.shape[1]
-        rows_RD = x_TD.new_zeros(num_rows, dim)
-        if dest_row_S.numel():
-            _permute_kernel[(dest_row_S.shape[0],)](
-                x_TD, rows_RD, dest_row_S, dim, top_k, BLOCK_D=row_block_d(dim)
-            )
+        rows_RD = scatter_token_rows(x_TD, dest_row_S, top_k, x_TD.new_zeros(num_rows, dim))
         ctx.save_for_backward(dest_row_S)
         ctx.top_k, ctx.num_tokens = top_k, x_TD.shape[0]
         return rows_RD

@@ -44,7 +44,7 @@ from torchtitan_ext.kernels._runtime import (
     tensor_descriptors,
     tuned,
 )
-from torchtitan_ext.kernels.moe_permute import sum_slots
+from torchtitan_ext.kernels.moe_permute import scatter_token_rows, slot_rows, sum_slots
 
 GROUP_M = 8
 GATE_UP_TWO_PASS_MIN_WEIGHT = 2048 * 4096
@@ -677,12 +677,16 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
             torch.autograd.graph.increment_version(overwritten)
         hs_RF = dh_RF
         dgate_RF, dup_RF = gate_RF, up_RF
-        source_rows_R = row_slot_S // top_k if routed else None
+        slot_row_S = slot_rows(row_slot_S) if routed else None
+
+        def grouped_rows(tokens_TD):
+            """[R, D]: the token row each grouped row reads."""
+            return scatter_token_rows(tokens_TD, slot_row_S, top_k, tokens_TD.new_empty(num_rows, dim))
 
         dw2 = None
         if ctx.needs_input_grad[2]:
             dw2 = torch.empty_like(w2_EDF)
-            dout_RD = dout.index_select(0, source_rows_R) if routed else dout
+            dout_RD = grouped_rows(dout) if routed else dout
             _weight_gradient(dout_RD, hs_RF, group_end_E, dw2)
             del dout_RD
         del hs_RF, dh_RF
@@ -702,7 +706,7 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
 
         dw1 = dw3 = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[3]:
-            x_RD = x_XD.index_select(0, source_rows_R) if routed else x_XD
+            x_RD = grouped_rows(x_XD) if routed else x_XD
             dw1 = torch.empty_like(w1_EFD)
             _weight_gradient(dgate_RF, x_RD, group_end_E, dw1)
             _release_saved_buffer(dgate_RF)

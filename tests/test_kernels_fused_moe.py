@@ -186,6 +186,23 @@ def test_routing_metadata_matches_reference():
         assert torch.equal(actual, expected)
 
 
+def test_grouped_token_rows_match_index_select():
+    """Filling the grouped rows through the inverse of row_slot gives x[row_slot[r] // K], with D
+    not a multiple of the column step; a slot count that is not tokens x K is refused."""
+    from torchtitan_ext.kernels.moe_permute import scatter_token_rows, slot_rows
+
+    generator = torch.Generator().manual_seed(3)
+    num_tokens, top_k = 11, 3
+    x_TD = torch.randn(num_tokens, 40, generator=generator)
+    row_slot_S = torch.randperm(num_tokens * top_k, generator=generator).to(torch.int32)
+    slot_row_S = slot_rows(row_slot_S)
+    assert torch.equal(slot_row_S[row_slot_S.long()], torch.arange(num_tokens * top_k, dtype=torch.int32))
+    rows_RD = scatter_token_rows(x_TD, slot_row_S, top_k, torch.full((num_tokens * top_k, 40), float("nan")))
+    assert torch.equal(rows_RD, x_TD.index_select(0, (row_slot_S // top_k).long()))
+    with pytest.raises(ValueError, match="expected 11 tokens x top_k 2"):
+        scatter_token_rows(x_TD, slot_row_S, 2, rows_RD)
+
+
 def test_clear_error_without_cuda_or_interpreter(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
