@@ -82,6 +82,18 @@ def test_routed_matches_reference(dtype, top_k, num_experts):
     assert_matches(fused_moe_routed, reference_routed, inputs, dtype, generator)
 
 
+@pytest.mark.parametrize("frozen", ["x", "w1", "w2", "w3", "weights"])
+def test_routed_gradients_of_a_subset_of_inputs(frozen):
+    """Backward skips the work of inputs that need no gradient (d w2's grouped d y rows, x's rows for
+    d w1 and d w3) and the gradients that remain still match."""
+    inputs, generator = routed_inputs(13, 40, 24, 5, 3, torch.float32, seed=21)
+    names = ["x", "w1", "w2", "w3"]
+    for name, tensor in zip(names, inputs):
+        if frozen in (name, "weights" if name != "x" else None):
+            tensor.requires_grad_(False)
+    assert_matches(fused_moe_routed, reference_routed, inputs, torch.float32, generator)
+
+
 def test_routed_skewed_even_dims():
     inputs, generator = routed_inputs(21, 32, 48, 6, 2, torch.float32, seed=7, skew=4.0)
     assert_matches(fused_moe_routed, reference_routed, inputs, torch.float32, generator)
