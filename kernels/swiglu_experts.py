@@ -15,8 +15,8 @@ Two modes share the kernels:
 
 Forward saves the gate and up pre-activations [R, F]; backward recomputes h from them and
 overwrites them in place with their gradients (bumping their autograd version, so that a second
-backward through the graph is an error), and frees d gate's memory once d w1 is done, before d w3 is allocated. Every
-reduction has a fixed order: results are the same from run to run.
+backward through the graph is an error), and frees d gate's memory once d w1 is done, before d w3
+is allocated. Every reduction has a fixed order: results are the same from run to run.
 """
 
 from __future__ import annotations
