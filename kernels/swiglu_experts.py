@@ -677,7 +677,7 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
             torch.autograd.graph.increment_version(overwritten)
         hs_RF = dh_RF
         dgate_RF, dup_RF = gate_RF, up_RF
-        slot_row_S = slot_rows(row_slot_S) if routed else None
+        slot_row_S = slot_rows(row_slot_S) if routed and any(ctx.needs_input_grad[1:4]) else None
 
         def grouped_rows(tokens_TD):
             """[R, D]: the token row each grouped row reads."""
