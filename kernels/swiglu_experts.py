@@ -9,14 +9,16 @@ Two modes share the kernels:
 - grouped: the rows of x_RD are already grouped by expert; expert e owns rows
   [group_end[e-1], group_end[e]); rows after group_end[E-1] belong to no expert and
   get zero output (and zero gradient).
-- routed: x_TD holds tokens; grouped row r reads token ``row_slot[r] // top_k`` inside the
-  first GEMM's loads, and the second GEMM's epilogue multiplies by the router score of slot
-  ``row_slot[r]`` and writes the row to that slot of a [T*K, D] buffer, summed over K after.
+- routed: x_TD holds tokens; they are copied into expert order once (grouped row r holds token
+  ``row_slot[r] // top_k``, each token read once and written to its K rows), so every GEMM reads
+  grouped rows (through TMA descriptors on Hopper). The down projection's epilogue multiplies by
+  the router score of slot ``row_slot[r]`` and writes the row to that slot of a [T*K, D] buffer,
+  summed over K after; backward copies d out into expert order the same way.
 
-Forward saves the gate and up pre-activations [R, F]; backward recomputes h from them and
-overwrites them in place with their gradients (bumping their autograd version, so that a second
-backward through the graph is an error), and frees d gate's memory once d w1 is done, before d w3
-is allocated. Every reduction has a fixed order: results are the same from run to run.
+Forward saves the gate and up pre-activations [R, F] and, when a weight gradient is needed, the
+grouped x rows; backward recomputes h from gate and up and overwrites them in place with their
+gradients (bumping their autograd version, so that a second backward through the graph is an
+error), and frees d gate's memory once d w1 is done, before d w3 is allocated. Every reduction has a fixed order: results are the same from run to run.
 """
 
 from __future__ import annotations
@@ -69,14 +71,6 @@ def _announce_first_use(x: torch.Tensor, w1_EFD: torch.Tensor, routed: bool) -> 
 
 
 @triton.jit
-def _source_rows(rows, row_slot_ptr, top_k, HAS_GATHER: tl.constexpr):
-    """Row of the token matrix that each grouped row reads (int64); rows must be in bounds."""
-    if HAS_GATHER:
-        return (tl.load(row_slot_ptr + rows) // top_k).to(tl.int64)
-    return rows.to(tl.int64)
-
-
-@triton.jit
 def _destination_rows(rows, row_mask, row_slot_ptr, HAS_GATHER: tl.constexpr):
     """Row of the output buffer that each grouped row writes (int64)."""
     if HAS_GATHER:
@@ -101,33 +95,55 @@ def _program_row_tile(
 
 
 @triton.jit
-def _gathered_row_tile(
-    a_ptr, row_slot_ptr, row_start, row_end, n_tile, dim, num_cols, top_k,
-    HAS_GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _row_tile(
+    a_ptr, row_start, row_end, n_tile, dim, num_cols,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """A tile's rows and output columns (with masks against row_end and num_cols), the K offsets
-    and the pointers to its first [BLOCK_M, BLOCK_K] block of a [*, dim] operand read through the
-    source rows (token rows in routed mode)."""
+    and the pointers to its first [BLOCK_M, BLOCK_K] block of a [R, dim] grouped-rows operand."""
     rows = row_start + tl.arange(0, BLOCK_M)
     row_mask = rows < row_end
-    src = _source_rows(tl.minimum(rows, row_end - 1), row_slot_ptr, top_k, HAS_GATHER)
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < num_cols
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + src[:, None] * dim + ks[None, :]
+    a_ptrs = a_ptr + tl.minimum(rows, row_end - 1).to(tl.int64)[:, None] * dim + ks[None, :]
     return rows, row_mask, cols, col_mask, ks, a_ptrs
 
 
 @triton.jit
-def _gate_up_operands(
-    x_ptr, row_slot_ptr, expert, row_start, row_end, n_tile, dim, hidden, top_k,
-    HAS_GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _load_rows(desc, ptrs, k_mask, row_start, k_start, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] block of grouped rows: through the descriptor (rows past the segment
+    included) or the pointers (masked along K unless EVEN_K)."""
+    if USE_TMA:
+        return desc.load([row_start, k_start])
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=k_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _load_weight_transposed(
+    desc, ptrs, k_mask, expert, n_start, k_start,
+    USE_TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """A gate/up forward tile's ``_gathered_row_tile`` of x, and the offsets of the first
+    """[BLOCK_K, BLOCK_N] block of w[e].T for w [E, N, K]: through the descriptor (block
+    (1, BLOCK_N, BLOCK_K)) or the pointers (masked along K unless EVEN_K)."""
+    if USE_TMA:
+        return desc.load([expert, n_start, k_start]).reshape(BLOCK_N, BLOCK_K).T
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=k_mask[:, None], other=0.0)
+
+
+@triton.jit
+def _gate_up_operands(
+    x_ptr, expert, row_start, row_end, n_tile, dim, hidden,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """A gate/up forward tile's ``_row_tile`` of x, and the offsets of the first
     [BLOCK_K, BLOCK_N] block of w1[e].T / w3[e].T inside a [E, F, D] weight."""
-    rows, row_mask, cols, col_mask, ks, x_ptrs = _gathered_row_tile(
-        x_ptr, row_slot_ptr, row_start, row_end, n_tile, dim, hidden, top_k,
-        HAS_GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
+    rows, row_mask, cols, col_mask, ks, x_ptrs = _row_tile(
+        x_ptr, row_start, row_end, n_tile, dim, hidden, BLOCK_M, BLOCK_N, BLOCK_K
     )
     load_cols = tl.minimum(cols, hidden - 1).to(tl.int64)
     w_offsets = expert.to(tl.int64) * hidden * dim + load_cols[None, :] * dim + ks[:, None]
@@ -142,43 +158,47 @@ def _divides(**flag_to_dim_and_block):
     }
 
 
+_WEIGHT_BLOCK = (1, "BLOCK_N", "BLOCK_K")
+"""Descriptor block of a [E, N, K] weight read as w[e].T tiles."""
+
+
 @tuned(
-    gemm_configs(GATE_UP_FORWARD_CONFIGS), key=["dim", "hidden", "HAS_GATHER", "SAVE_PREACT"],
+    gemm_configs(
+        GATE_UP_FORWARD_CONFIGS,
+        pre_hook=descriptor_blocks(x_desc=("BLOCK_M", "BLOCK_K"), w1_desc=_WEIGHT_BLOCK, w3_desc=_WEIGHT_BLOCK),
+    ),
+    key=["dim", "hidden", "SAVE_PREACT", "USE_TMA"],
     prune=prune_for_shape(m=None, n="hidden", k="dim", b_tiles=2),
 )
 @triton.heuristics(_divides(EVEN_K=("dim", "BLOCK_K")))
 @triton.jit
 def _gate_up_forward_kernel(
-    x_ptr, w1_ptr, w3_ptr, gate_ptr, up_ptr, h_ptr, row_slot_ptr, group_end_ptr,
-    num_rows, num_experts, dim, hidden, top_k,
-    HAS_GATHER: tl.constexpr, SAVE_PREACT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    x_desc, w1_desc, w3_desc, x_ptr, w1_ptr, w3_ptr, gate_ptr, up_ptr, h_ptr, group_end_ptr,
+    num_rows, num_experts, dim, hidden,
+    SAVE_PREACT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """gate/up [R, F] = x[src rows] @ w1[e].T / w3[e].T; h = silu(gate) * up."""
+    """gate/up [R, F] = x @ w1[e].T / w3[e].T over grouped rows; h = silu(gate) * up. With
+    USE_TMA, x [R, D], w1 and w3 [E, F, D] load through tensor descriptors."""
     expert, row_start, row_end, n_tile = _program_row_tile(
         group_end_ptr, num_rows, num_experts, hidden, BLOCK_E, GROUP_M, BLOCK_M, BLOCK_N
     )
     if expert >= num_experts:
         return
     rows, row_mask, cols, col_mask, ks, x_ptrs, w_offsets = _gate_up_operands(
-        x_ptr, row_slot_ptr, expert, row_start, row_end, n_tile, dim, hidden, top_k,
-        HAS_GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
+        x_ptr, expert, row_start, row_end, n_tile, dim, hidden, BLOCK_M, BLOCK_N, BLOCK_K
     )
     w1_ptrs = w1_ptr + w_offsets
     w3_ptrs = w3_ptr + w_offsets
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_tile in range(0, tl.cdiv(dim, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(x_ptrs)
-            b1 = tl.load(w1_ptrs)
-            b3 = tl.load(w3_ptrs)
-        else:
-            k_mask = ks < dim - k_tile * BLOCK_K
-            a = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-            b1 = tl.load(w1_ptrs, mask=k_mask[:, None], other=0.0)
-            b3 = tl.load(w3_ptrs, mask=k_mask[:, None], other=0.0)
+        k_start = k_tile * BLOCK_K
+        k_mask = ks < dim - k_start
+        a = _load_rows(x_desc, x_ptrs, k_mask, row_start, k_start, USE_TMA, EVEN_K)
+        b1 = _load_weight_transposed(w1_desc, w1_ptrs, k_mask, expert, n_tile * BLOCK_N, k_start, USE_TMA, EVEN_K, BLOCK_N, BLOCK_K)
+        b3 = _load_weight_transposed(w3_desc, w3_ptrs, k_mask, expert, n_tile * BLOCK_N, k_start, USE_TMA, EVEN_K, BLOCK_N, BLOCK_K)
         gate = tl.dot(a, b1, gate, input_precision=DOT_PRECISION)
         up = tl.dot(a, b3, up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
@@ -194,24 +214,24 @@ def _gate_up_forward_kernel(
 
 
 @tuned(
-    gemm_configs(PLAIN_GEMM_CONFIGS, pre_hook=descriptor_blocks(w_desc=(1, "BLOCK_N", "BLOCK_K"))),
-    key=["dim", "hidden", "HAS_GATHER", "UP_PASS", "SAVE_UP", "USE_TMA"],
+    gemm_configs(PLAIN_GEMM_CONFIGS, pre_hook=descriptor_blocks(x_desc=("BLOCK_M", "BLOCK_K"), w_desc=_WEIGHT_BLOCK)),
+    key=["dim", "hidden", "UP_PASS", "SAVE_UP", "USE_TMA"],
     prune=prune_for_shape(m=None, n="hidden", k="dim"),
 )
 @triton.heuristics(_divides(EVEN_K=("dim", "BLOCK_K")))
 @triton.jit
 def _gate_up_pass_kernel(
-    w_desc, x_ptr, w_ptr, gate_ptr, up_ptr, h_ptr, row_slot_ptr, group_end_ptr,
-    num_rows, num_experts, dim, hidden, top_k,
-    HAS_GATHER: tl.constexpr, UP_PASS: tl.constexpr, SAVE_UP: tl.constexpr, USE_TMA: tl.constexpr,
+    x_desc, w_desc, x_ptr, w_ptr, gate_ptr, up_ptr, h_ptr, group_end_ptr,
+    num_rows, num_experts, dim, hidden,
+    UP_PASS: tl.constexpr, SAVE_UP: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One GEMM of the gate/up forward, for large F x D per expert, with one accumulator.
 
-    Gate pass: gate [R, F] = x[src rows] @ w1[e].T. Up pass: up = x[src rows] @ w3[e].T, then
-    h = silu(gate) * up with gate read back (and up stored when SAVE_UP). w [E, F, D] loads
-    through a tensor descriptor when USE_TMA.
+    Gate pass: gate [R, F] = x @ w1[e].T over grouped rows. Up pass: up = x @ w3[e].T, then
+    h = silu(gate) * up with gate read back (and up stored when SAVE_UP). x [R, D] and
+    w [E, F, D] load through tensor descriptors when USE_TMA.
     """
     expert, row_start, row_end, n_tile = _program_row_tile(
         group_end_ptr, num_rows, num_experts, hidden, BLOCK_E, GROUP_M, BLOCK_M, BLOCK_N
@@ -219,23 +239,15 @@ def _gate_up_pass_kernel(
     if expert >= num_experts:
         return
     rows, row_mask, cols, col_mask, ks, x_ptrs, w_offsets = _gate_up_operands(
-        x_ptr, row_slot_ptr, expert, row_start, row_end, n_tile, dim, hidden, top_k,
-        HAS_GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
+        x_ptr, expert, row_start, row_end, n_tile, dim, hidden, BLOCK_M, BLOCK_N, BLOCK_K
     )
     w_ptrs = w_ptr + w_offsets
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_tile in range(0, tl.cdiv(dim, BLOCK_K)):
-        k_mask = ks < dim - k_tile * BLOCK_K
-        if EVEN_K:
-            a = tl.load(x_ptrs)
-        else:
-            a = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-        if USE_TMA:
-            b = w_desc.load([expert, n_tile * BLOCK_N, k_tile * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
-        elif EVEN_K:
-            b = tl.load(w_ptrs)
-        else:
-            b = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        k_start = k_tile * BLOCK_K
+        k_mask = ks < dim - k_start
+        a = _load_rows(x_desc, x_ptrs, k_mask, row_start, k_start, USE_TMA, EVEN_K)
+        b = _load_weight_transposed(w_desc, w_ptrs, k_mask, expert, n_tile * BLOCK_N, k_start, USE_TMA, EVEN_K, BLOCK_N, BLOCK_K)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -312,40 +324,37 @@ def _down_forward_kernel(
 
 
 @tuned(
-    gemm_configs(PLAIN_GEMM_CONFIGS, pre_hook=descriptor_blocks(w2_desc=(1, "BLOCK_K", "BLOCK_N"))),
-    key=["dim", "hidden", "HAS_GATHER", "USE_TMA"],
+    gemm_configs(PLAIN_GEMM_CONFIGS, pre_hook=descriptor_blocks(dy_desc=("BLOCK_M", "BLOCK_K"), w2_desc=(1, "BLOCK_K", "BLOCK_N"))),
+    key=["dim", "hidden", "USE_TMA"],
     prune=prune_for_shape(m=None, n="hidden", k="dim"),
 )
 @triton.heuristics(_divides(EVEN_K=("dim", "BLOCK_K"), EVEN_N=("hidden", "BLOCK_N")))
 @triton.jit
 def _down_backward_kernel(
-    w2_desc, dy_ptr, w2_ptr, dh_ptr, row_slot_ptr, group_end_ptr,
-    num_rows, num_experts, dim, hidden, top_k,
-    HAS_GATHER: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    dy_desc, w2_desc, dy_ptr, w2_ptr, dh_ptr, group_end_ptr,
+    num_rows, num_experts, dim, hidden,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """dh [R, F] = dy[src rows] @ w2[e] (rows of no expert are not written); w2 [E, D, F] through a
-    tensor descriptor when USE_TMA."""
+    """dh [R, F] = dy @ w2[e] over grouped rows (rows of no expert are not written); dy [R, D] and
+    w2 [E, D, F] load through tensor descriptors when USE_TMA."""
     expert, row_start, row_end, n_tile = _program_row_tile(
         group_end_ptr, num_rows, num_experts, hidden, BLOCK_E, GROUP_M, BLOCK_M, BLOCK_N
     )
     if expert >= num_experts:
         return
-    rows, row_mask, cols, col_mask, ks, dy_ptrs = _gathered_row_tile(
-        dy_ptr, row_slot_ptr, row_start, row_end, n_tile, dim, hidden, top_k,
-        HAS_GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
+    rows, row_mask, cols, col_mask, ks, dy_ptrs = _row_tile(
+        dy_ptr, row_start, row_end, n_tile, dim, hidden, BLOCK_M, BLOCK_N, BLOCK_K
     )
     w2_ptrs = w2_ptr + expert.to(tl.int64) * dim * hidden + ks[:, None].to(tl.int64) * hidden + cols[None, :]
     dh = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_tile in range(0, tl.cdiv(dim, BLOCK_K)):
-        k_mask = ks < dim - k_tile * BLOCK_K
-        if EVEN_K:
-            a = tl.load(dy_ptrs)
-        else:
-            a = tl.load(dy_ptrs, mask=k_mask[None, :], other=0.0)
+        k_start = k_tile * BLOCK_K
+        k_mask = ks < dim - k_start
+        a = _load_rows(dy_desc, dy_ptrs, k_mask, row_start, k_start, USE_TMA, EVEN_K)
         if USE_TMA:
-            b = w2_desc.load([expert, k_tile * BLOCK_K, n_tile * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+            b = w2_desc.load([expert, k_start, n_tile * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
         elif EVEN_K and EVEN_N:
             b = tl.load(w2_ptrs)
         else:
@@ -580,6 +589,11 @@ def _weight_gradient(a_RM: torch.Tensor, b_RN: torch.Tensor, group_end_E: torch.
     )
 
 
+def _grouped_rows(tokens_TD: torch.Tensor, slot_row_S: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[R = T*K, D]: token rows copied into expert order (grouped row slot_row[s] <- token s // K)."""
+    return scatter_token_rows(tokens_TD, slot_row_S, top_k, tokens_TD.new_empty(slot_row_S.shape[0], tokens_TD.shape[1]))
+
+
 def _row_tile_meta(dtype: torch.dtype, num_experts: int) -> dict:
     """Meta-parameters every row-tile kernel takes besides its tile sizes."""
     return dict(DOT_PRECISION=dot_precision(dtype), BLOCK_E=block_experts(num_experts), GROUP_M=GROUP_M)
@@ -615,6 +629,8 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
         num_rows = row_slot_S.shape[0] if routed else x_XD.shape[0]
         x_XD = x_XD.contiguous()
         w1, w2, w3 = (w.to(x_XD.dtype).contiguous() for w in (w1_EFD, w2_EDF, w3_EFD))
+        slot_row_S = slot_rows(row_slot_S) if routed else None
+        x_RD = _grouped_rows(x_XD, slot_row_S, top_k) if routed else x_XD
         save_preact = any(ctx.needs_input_grad[:5])
         split = gate_up_in_two_passes(dim, hidden)
         gate_RF = x_XD.new_empty(num_rows, hidden) if save_preact or split else None
@@ -623,19 +639,19 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
         scores = scores_S.contiguous() if routed else None
         common = _row_tile_meta(x_XD.dtype, num_experts)
         grid = _row_tile_grid(num_rows, num_experts, hidden)
+        use_tma, (x_desc, w1_desc, w3_desc) = tensor_descriptors(x_RD, w1, w3)
         if split:
-            use_tma, weight_descs = tensor_descriptors(w1, w3)
-            for up_pass, w, w_desc in ((False, w1, weight_descs[0]), (True, w3, weight_descs[1])):
+            for up_pass, w, w_desc in ((False, w1, w1_desc), (True, w3, w3_desc)):
                 _gate_up_pass_kernel[grid](
-                    w_desc, x_XD, w, gate_RF, up_RF, h_RF, row_slot_S, group_end_E,
-                    num_rows, num_experts, dim, hidden, top_k,
-                    HAS_GATHER=routed, UP_PASS=up_pass, SAVE_UP=save_preact, USE_TMA=use_tma, **common,
+                    x_desc, w_desc, x_RD, w, gate_RF, up_RF, h_RF, group_end_E,
+                    num_rows, num_experts, dim, hidden,
+                    UP_PASS=up_pass, SAVE_UP=save_preact, USE_TMA=use_tma, **common,
                 )
         else:
             _gate_up_forward_kernel[grid](
-                x_XD, w1, w3, gate_RF, up_RF, h_RF, row_slot_S, group_end_E,
-                num_rows, num_experts, dim, hidden, top_k,
-                HAS_GATHER=routed, SAVE_PREACT=save_preact, **common,
+                x_desc, w1_desc, w3_desc, x_RD, w1, w3, gate_RF, up_RF, h_RF, group_end_E,
+                num_rows, num_experts, dim, hidden,
+                SAVE_PREACT=save_preact, USE_TMA=use_tma, **common,
             )
         rows_out = x_XD.new_empty(num_rows, dim)
         use_tma, (h_desc, w2_desc) = tensor_descriptors(h_RF, w2)
@@ -645,29 +661,33 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
             HAS_GATHER=routed, USE_TMA=use_tma, **common,
         )
         out = sum_slots(rows_out, None, top_k, num_rows // top_k) if routed and top_k > 1 else rows_out
-        ctx.save_for_backward(x_XD, w1_EFD, w2_EDF, w3_EFD, scores, group_end_E, row_slot_S, gate_RF, up_RF)
+        x_for_weight_grads = x_RD if any(ctx.needs_input_grad[1:4]) else None
+        ctx.save_for_backward(
+            x_for_weight_grads, w1_EFD, w2_EDF, w3_EFD, scores, group_end_E, row_slot_S, slot_row_S, gate_RF, up_RF
+        )
         ctx.top_k = top_k
         ctx.routed = routed
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        x_XD, w1_EFD, w2_EDF, w3_EFD, scores, group_end_E, row_slot_S, gate_RF, up_RF = ctx.saved_tensors
+        x_RD, w1_EFD, w2_EDF, w3_EFD, scores, group_end_E, row_slot_S, slot_row_S, gate_RF, up_RF = ctx.saved_tensors
         routed, top_k = ctx.routed, ctx.top_k
         num_experts, hidden, dim = w1_EFD.shape
         num_rows = gate_RF.shape[0]
-        dout = dout.to(x_XD.dtype).contiguous()
-        w1, w2, w3 = (w.to(x_XD.dtype).contiguous() for w in (w1_EFD, w2_EDF, w3_EFD))
-        row_common = _row_tile_meta(x_XD.dtype, num_experts)
+        dout = dout.to(gate_RF.dtype).contiguous()
+        w1, w2, w3 = (w.to(gate_RF.dtype).contiguous() for w in (w1_EFD, w2_EDF, w3_EFD))
+        row_common = _row_tile_meta(gate_RF.dtype, num_experts)
 
-        dh_RF = x_XD.new_empty(num_rows, hidden)
-        use_tma, (w2_desc,) = tensor_descriptors(w2)
+        dout_RD = _grouped_rows(dout, slot_row_S, top_k) if routed else dout
+        dh_RF = gate_RF.new_empty(num_rows, hidden)
+        use_tma, (dy_desc, w2_desc) = tensor_descriptors(dout_RD, w2)
         _down_backward_kernel[_row_tile_grid(num_rows, num_experts, hidden)](
-            w2_desc, dout, w2, dh_RF, row_slot_S, group_end_E,
-            num_rows, num_experts, dim, hidden, top_k,
-            HAS_GATHER=routed, USE_TMA=use_tma, **row_common,
+            dy_desc, w2_desc, dout_RD, w2, dh_RF, group_end_E,
+            num_rows, num_experts, dim, hidden,
+            USE_TMA=use_tma, **row_common,
         )
-        dscores_S = torch.zeros(num_rows, device=x_XD.device, dtype=torch.float32) if routed else None
+        dscores_S = torch.zeros(num_rows, device=dout.device, dtype=torch.float32) if routed else None
         rows_per_program, block_f = _elementwise_tile(hidden)
         _swiglu_backward_kernel[(max(1, triton.cdiv(num_rows, rows_per_program)),)](
             dh_RF, gate_RF, up_RF, row_slot_S, scores, dscores_S, group_end_E, num_experts, hidden,
@@ -677,23 +697,16 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
             torch.autograd.graph.increment_version(overwritten)
         hs_RF = dh_RF
         dgate_RF, dup_RF = gate_RF, up_RF
-        slot_row_S = slot_rows(row_slot_S) if routed and any(ctx.needs_input_grad[1:4]) else None
-
-        def grouped_rows(tokens_TD):
-            """[R, D]: the token row each grouped row reads."""
-            return scatter_token_rows(tokens_TD, slot_row_S, top_k, tokens_TD.new_empty(num_rows, dim))
 
         dw2 = None
         if ctx.needs_input_grad[2]:
             dw2 = torch.empty_like(w2_EDF)
-            dout_RD = grouped_rows(dout) if routed else dout
             _weight_gradient(dout_RD, hs_RF, group_end_E, dw2)
-            del dout_RD
-        del hs_RF, dh_RF
+        del dout_RD, hs_RF, dh_RF
 
         dx = None
         if ctx.needs_input_grad[0]:
-            dx_rows = x_XD.new_empty(num_rows, dim)
+            dx_rows = gate_RF.new_empty(num_rows, dim)
             operands = (dgate_RF, dup_RF, w1, w3)
             use_tma, descriptors = tensor_descriptors(*operands)
             _gate_up_backward_input_kernel[_row_tile_grid(num_rows, num_experts, dim)](
@@ -706,7 +719,6 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
 
         dw1 = dw3 = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[3]:
-            x_RD = grouped_rows(x_XD) if routed else x_XD
             dw1 = torch.empty_like(w1_EFD)
             _weight_gradient(dgate_RF, x_RD, group_end_E, dw1)
             _release_saved_buffer(dgate_RF)
