@@ -44,6 +44,7 @@ from torchtitan_ext.kernels._runtime import (
     prune_for_shape,
     swizzle_tile,
     tensor_descriptors,
+    tensor_descriptors_usable,
     tuned,
 )
 from torchtitan_ext.kernels.moe_permute import scatter_token_rows, slot_rows, sum_slots
@@ -500,24 +501,28 @@ def _expert_rows(group_end_ptr, expert):
 
 
 @tuned(
-    gemm_configs(WEIGHT_GRADIENT_CONFIGS, pre_hook=descriptor_blocks(a_desc=("BLOCK_K", "BLOCK_M"), b_desc=("BLOCK_K", "BLOCK_N"))),
-    key=["size_m", "size_n", "USE_TMA"],
+    gemm_configs(
+        WEIGHT_GRADIENT_CONFIGS,
+        pre_hook=descriptor_blocks(a_desc=("BLOCK_K", "BLOCK_M"), b_desc=("BLOCK_K", "BLOCK_N"), c_desc=(1, "BLOCK_M", "BLOCK_N")),
+    ),
+    key=["size_m", "size_n", "USE_TMA", "STORE_TMA"],
     prune=prune_for_shape(m="size_m", n="size_n", k=None),
 )
 @triton.heuristics(_divides(EVEN_M=("size_m", "BLOCK_M"), EVEN_N=("size_n", "BLOCK_N")))
 @triton.jit
 def _weight_gradient_kernel(
-    a_desc, b_desc, a_ptr, b_ptr, c_ptr, group_end_ptr,
+    a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, group_end_ptr,
     num_experts, size_m, size_n, num_programs,
-    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr, STORE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """c[e] [M, N] = a[rows of e].T @ b[rows of e] for every expert e; a [R, M], b [R, N] grouped rows.
 
     Persistent: each program walks output tiles (expert, m, n) with stride num_programs. The
-    expert's full BLOCK_K-row steps load through tensor descriptors (TMA) when USE_TMA; its
-    last partial step, and every step without TMA, uses masked pointer loads.
+    expert's full BLOCK_K-row steps load through tensor descriptors (TMA) when USE_TMA; its last
+    partial step, and every step without TMA, uses masked pointer loads. With STORE_TMA the tile
+    is stored through c [E, M, N]'s descriptor, asynchronously, while the next tile loads.
     """
     num_m_tiles = tl.cdiv(size_m, BLOCK_M)
     num_n_tiles = tl.cdiv(size_n, BLOCK_N)
@@ -561,8 +566,11 @@ def _weight_gradient_kernel(
                 b_ptr + rows[:, None] * size_n + n_cols[None, :], mask=rows_mask[:, None] & n_mask[None, :], other=0.0
             )
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        out_offsets = expert.to(tl.int64) * size_m * size_n + m_cols.to(tl.int64)[:, None] * size_n + n_cols[None, :]
-        tl.store(c_ptr + out_offsets, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        if STORE_TMA:
+            c_desc.store([expert, m_tile * BLOCK_M, n_tile * BLOCK_N], acc.to(c_ptr.dtype.element_ty).reshape(1, BLOCK_M, BLOCK_N))
+        else:
+            out_offsets = expert.to(tl.int64) * size_m * size_n + m_cols.to(tl.int64)[:, None] * size_n + n_cols[None, :]
+            tl.store(c_ptr + out_offsets, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def _row_tile_grid(num_rows: int, num_experts: int, num_cols: int):
@@ -577,6 +585,9 @@ def _weight_gradient(a_RM: torch.Tensor, b_RN: torch.Tensor, group_end_E: torch.
     """out[e] = a[rows of e].T @ b[rows of e] for every expert (rows past group_end[E-1] are unused)."""
     num_experts, size_m, size_n = out_EMN.shape
     use_tma, (a_desc, b_desc) = tensor_descriptors(a_RM, b_RN)
+    # A 16-bit output tile's staging buffer fits beside the load pipeline; an fp32 one would not.
+    store_tma = use_tma and out_EMN.element_size() == 2 and tensor_descriptors_usable(out_EMN)
+    c_desc = tensor_descriptors(out_EMN)[1][0] if store_tma else None
     num_programs = persistent_programs(a_RM.device)
 
     def grid(meta):
@@ -584,8 +595,8 @@ def _weight_gradient(a_RM: torch.Tensor, b_RN: torch.Tensor, group_end_E: torch.
         return (min(tiles, num_programs),)
 
     _weight_gradient_kernel[grid](
-        a_desc, b_desc, a_RM, b_RN, out_EMN, group_end_E, num_experts, size_m, size_n, num_programs,
-        USE_TMA=use_tma, DOT_PRECISION=dot_precision(a_RM.dtype), GROUP_M=GROUP_M,
+        a_desc, b_desc, c_desc, a_RM, b_RN, out_EMN, group_end_E, num_experts, size_m, size_n, num_programs,
+        USE_TMA=use_tma, STORE_TMA=store_tma, DOT_PRECISION=dot_precision(a_RM.dtype), GROUP_M=GROUP_M,
     )
 
 
