@@ -6,6 +6,7 @@ interpreter: slow, for tests on tiny shapes).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -78,7 +79,7 @@ def tensor_descriptors_usable(*tensors: torch.Tensor) -> bool:
     if TensorDescriptor is None:
         return False
     if not interpreter_enabled():
-        if not all(t.is_cuda for t in tensors) or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        if not all(t.is_cuda for t in tensors) or _cuda_properties(tensors[0].get_device()).major < 9:
             return False
     return all(
         t.dim() >= 2
@@ -110,11 +111,19 @@ def descriptor_blocks(**block_shapes: tuple[int | str, ...]):
     return set_blocks
 
 
+@functools.cache
+def _cuda_properties(device_index: int):
+    """The properties of a CUDA device, looked up once per process: kernel launches read them on
+    every call, and the lookup costs host time next to launches of a few microseconds."""
+    return torch.cuda.get_device_properties(device_index)
+
+
 def persistent_programs(device: torch.device) -> int:
     """Programs of a persistent kernel: one per SM (four under the interpreter)."""
     if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_properties(index).multi_processor_count
 
 
 def _block_cap(size: int) -> int:
@@ -131,7 +140,7 @@ def _shared_memory_bytes(config: triton.Config, a_tiles: int, b_tiles: int, elem
 
 def _shared_memory_limit() -> int:
     if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
+        return _cuda_properties(torch.cuda.current_device()).shared_memory_per_block_optin
     return 227 * 1024
 
 

@@ -44,7 +44,6 @@ from torchtitan_ext.kernels._runtime import (
     prune_for_shape,
     swizzle_tile,
     tensor_descriptors,
-    tensor_descriptors_usable,
     tuned,
 )
 from torchtitan_ext.kernels.moe_permute import scatter_token_rows, slot_rows, sum_slots
@@ -586,8 +585,7 @@ def _weight_gradient(a_RM: torch.Tensor, b_RN: torch.Tensor, group_end_E: torch.
     num_experts, size_m, size_n = out_EMN.shape
     use_tma, (a_desc, b_desc) = tensor_descriptors(a_RM, b_RN)
     # A 16-bit output tile's staging buffer fits beside the load pipeline; an fp32 one would not.
-    store_tma = use_tma and out_EMN.element_size() == 2 and tensor_descriptors_usable(out_EMN)
-    c_desc = tensor_descriptors(out_EMN)[1][0] if store_tma else None
+    store_tma, (c_desc,) = tensor_descriptors(out_EMN) if use_tma and out_EMN.element_size() == 2 else (False, [None])
     num_programs = persistent_programs(a_RM.device)
 
     def grid(meta):
