@@ -57,8 +57,8 @@ def fused_moe_routed(
 ) -> torch.Tensor:
     """out[t] = sum_k topk_scores[t, k] * SwiGLU_{topk_expert_ids[t, k]}(x[t]).
 
-    Tokens are read in place through a row index (no permuted copy of x) and the weighted
-    expert outputs are written back per (token, k) slot, then summed over k.
+    Tokens are copied into expert order once (each token row read once, written to its k
+    rows) and the weighted expert outputs are written per (token, k) slot, then summed over k.
 
     Args:
         x_TD: [T, D] tokens.

@@ -3,14 +3,13 @@ permute / weighted unpermute of the dispatcher (Triton kernels and plain-torch r
 
 Slots are the routed (token, k) pairs in token-major order, ``s = t * top_k + k``.
 
-Routing metadata, for the fused expert kernels (they read token rows through
-``row_slot_S // top_k`` and write each routed row back to its slot, so no permuted copy of the
-activations is made):
+Routing metadata, for the fused expert kernels (grouped row r holds token
+``row_slot_S[r] // top_k``; the down projection writes each routed row back to its slot):
 
 - ``routing_metadata(topk_expert_ids_TK, num_experts)`` -> ``(row_slot_S, group_end_E)``.
 - ``grouped_metadata(num_tokens_per_expert_E)`` -> ``group_end_E``.
 - ``slot_rows(row_slot_S)`` -> ``slot_row_S``, and ``scatter_token_rows(x_TD, slot_row_S, top_k, rows)``
-  fills every grouped row with its token's row (the weight gradients' operand).
+  fills every grouped row with its token's row (x and d out in expert order, read by every GEMM).
 
 Token permute / unpermute, for the dispatcher: a dispatch plan gives every slot its destination
 row in the expert-grouped buffer, ``dest_row_S`` (``-1`` for a dropped slot). Rows of the buffer

@@ -191,6 +191,32 @@ def test_backward_frees_d_gate_before_returning(monkeypatch):
     assert gate.untyped_storage().size() == 0 and up.untyped_storage().size() > 0
 
 
+@pytest.mark.parametrize("weights_frozen", [False, True])
+def test_routed_forward_keeps_x_in_expert_order_only_for_weight_gradients(weights_frozen):
+    """Routed mode saves x copied into expert order (row r = x[row_slot[r] // K]) for the weight
+    gradients, and no copy of x when no expert weight needs a gradient."""
+    num_tokens, dim, hidden, num_experts, top_k = 10, 40, 24, 4, 2
+    inputs, _ = routed_inputs(num_tokens, dim, hidden, num_experts, top_k, torch.float32, seed=5)
+    if weights_frozen:
+        for weight in inputs[1:4]:
+            weight.requires_grad_(False)
+    saved = []
+
+    def keep(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        fused_moe_routed(*inputs)
+    grouped_x = [t for t in saved if t.shape == (num_tokens * top_k, dim)]
+    if weights_frozen:
+        assert grouped_x == []
+        return
+    row_slot_S, _ = routing_metadata(inputs[4], num_experts)
+    assert len(grouped_x) == 1
+    assert torch.equal(grouped_x[0], inputs[0].detach().index_select(0, (row_slot_S // top_k).long()))
+
+
 def test_routing_metadata_matches_reference():
     ids = torch.randint(0, 7, (13, 3), generator=torch.Generator().manual_seed(0))
     ids[:, 0] = 2  # make one expert popular and leave others empty
