@@ -18,7 +18,8 @@ Two modes share the kernels:
 Forward saves the gate and up pre-activations [R, F] and, when a weight gradient is needed, the
 grouped x rows; backward recomputes h from gate and up and overwrites them in place with their
 gradients (bumping their autograd version, so that a second backward through the graph is an
-error), and frees d gate's memory once d w1 is done, before d w3 is allocated. Every reduction has a fixed order: results are the same from run to run.
+error), and frees d gate's memory once d w1 is done, before d w3 is allocated. Every reduction
+has a fixed order: results are the same from run to run.
 """
 
 from __future__ import annotations
@@ -197,8 +198,13 @@ def _gate_up_forward_kernel(
         k_start = k_tile * BLOCK_K
         k_mask = ks < dim - k_start
         a = _load_rows(x_desc, x_ptrs, k_mask, row_start, k_start, USE_TMA, EVEN_K)
-        b1 = _load_weight_transposed(w1_desc, w1_ptrs, k_mask, expert, n_tile * BLOCK_N, k_start, USE_TMA, EVEN_K, BLOCK_N, BLOCK_K)
-        b3 = _load_weight_transposed(w3_desc, w3_ptrs, k_mask, expert, n_tile * BLOCK_N, k_start, USE_TMA, EVEN_K, BLOCK_N, BLOCK_K)
+        n_start = n_tile * BLOCK_N
+        b1 = _load_weight_transposed(
+            w1_desc, w1_ptrs, k_mask, expert, n_start, k_start, USE_TMA, EVEN_K, BLOCK_N, BLOCK_K
+        )
+        b3 = _load_weight_transposed(
+            w3_desc, w3_ptrs, k_mask, expert, n_start, k_start, USE_TMA, EVEN_K, BLOCK_N, BLOCK_K
+        )
         gate = tl.dot(a, b1, gate, input_precision=DOT_PRECISION)
         up = tl.dot(a, b3, up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
@@ -247,7 +253,9 @@ def _gate_up_pass_kernel(
         k_start = k_tile * BLOCK_K
         k_mask = ks < dim - k_start
         a = _load_rows(x_desc, x_ptrs, k_mask, row_start, k_start, USE_TMA, EVEN_K)
-        b = _load_weight_transposed(w_desc, w_ptrs, k_mask, expert, n_tile * BLOCK_N, k_start, USE_TMA, EVEN_K, BLOCK_N, BLOCK_K)
+        b = _load_weight_transposed(
+            w_desc, w_ptrs, k_mask, expert, n_tile * BLOCK_N, k_start, USE_TMA, EVEN_K, BLOCK_N, BLOCK_K
+        )
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -324,7 +332,10 @@ def _down_forward_kernel(
 
 
 @tuned(
-    gemm_configs(PLAIN_GEMM_CONFIGS, pre_hook=descriptor_blocks(dy_desc=("BLOCK_M", "BLOCK_K"), w2_desc=(1, "BLOCK_K", "BLOCK_N"))),
+    gemm_configs(
+        PLAIN_GEMM_CONFIGS,
+        pre_hook=descriptor_blocks(dy_desc=("BLOCK_M", "BLOCK_K"), w2_desc=(1, "BLOCK_K", "BLOCK_N")),
+    ),
     key=["dim", "hidden", "USE_TMA"],
     prune=prune_for_shape(m=None, n="hidden", k="dim"),
 )
@@ -502,7 +513,9 @@ def _expert_rows(group_end_ptr, expert):
 @tuned(
     gemm_configs(
         WEIGHT_GRADIENT_CONFIGS,
-        pre_hook=descriptor_blocks(a_desc=("BLOCK_K", "BLOCK_M"), b_desc=("BLOCK_K", "BLOCK_N"), c_desc=(1, "BLOCK_M", "BLOCK_N")),
+        pre_hook=descriptor_blocks(
+            a_desc=("BLOCK_K", "BLOCK_M"), b_desc=("BLOCK_K", "BLOCK_N"), c_desc=(1, "BLOCK_M", "BLOCK_N")
+        ),
     ),
     key=["size_m", "size_n", "USE_TMA", "STORE_TMA"],
     prune=prune_for_shape(m="size_m", n="size_n", k=None),
@@ -566,7 +579,8 @@ def _weight_gradient_kernel(
             )
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if STORE_TMA:
-            c_desc.store([expert, m_tile * BLOCK_M, n_tile * BLOCK_N], acc.to(c_ptr.dtype.element_ty).reshape(1, BLOCK_M, BLOCK_N))
+            tile = acc.to(c_ptr.dtype.element_ty).reshape(1, BLOCK_M, BLOCK_N)
+            c_desc.store([expert, m_tile * BLOCK_M, n_tile * BLOCK_N], tile)
         else:
             out_offsets = expert.to(tl.int64) * size_m * size_n + m_cols.to(tl.int64)[:, None] * size_n + n_cols[None, :]
             tl.store(c_ptr + out_offsets, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -600,7 +614,8 @@ def _weight_gradient(a_RM: torch.Tensor, b_RN: torch.Tensor, group_end_E: torch.
 
 def _grouped_rows(tokens_TD: torch.Tensor, slot_row_S: torch.Tensor, top_k: int) -> torch.Tensor:
     """[R = T*K, D]: token rows copied into expert order (grouped row slot_row[s] <- token s // K)."""
-    return scatter_token_rows(tokens_TD, slot_row_S, top_k, tokens_TD.new_empty(slot_row_S.shape[0], tokens_TD.shape[1]))
+    rows_RD = tokens_TD.new_empty(slot_row_S.shape[0], tokens_TD.shape[1])
+    return scatter_token_rows(tokens_TD, slot_row_S, top_k, rows_RD)
 
 
 def _row_tile_meta(dtype: torch.dtype, num_experts: int) -> dict:
