@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on the measurement machines, which have torch and triton but not
 # torchtitan: its wheels are carried in .whl/. Results go to $OUT (or ./gpu_results).
-#   scripts/measure_on_gpu.sh tests   # GPU tests (kernels, fused layer)
+#   scripts/measure_on_gpu.sh tests   # GPU tests (kernels, fused layer, router gate)
 #   scripts/measure_on_gpu.sh bench   # MoE layer and expert block benchmarks
 #   scripts/measure_on_gpu.sh ep4 ep2 # EP equivalence + dispatch/combine benchmark on 4 and 2 GPUs
 #   scripts/measure_on_gpu.sh train-tiny train-full   # training through the Trainer on 2 GPUs
@@ -23,7 +23,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$out/gpu.txt"
 for task in "$@"; do
   case $task in
-    tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused_moe_gpu.py tests/test_fused_layer.py 2>&1 | tee "$out/gpu_tests.log" ;;
+    tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused_moe_gpu.py tests/test_fused_layer.py tests/test_router_gpu.py 2>&1 | tee "$out/gpu_tests.log" ;;
     bench)
       # BENCH_ROUNDS times every layer / implementation that many times, taking turns, and keeps the medians.
       python3 -m torchtitan_ext.bench layer ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} --json "$out/moe_layer.json" 2>&1 | tee "$out/moe_layer.log"

@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: relative error, a free TCP port, a backend made unavailable."""
+"""Helpers shared by the tests: relative error, bf16 rounding checks, a free TCP port, a
+backend made unavailable."""
 
 import dataclasses
 import socket
@@ -11,6 +12,15 @@ from torchtitan_ext.experiments.moe_backends.experts import BACKENDS
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``||actual - expected|| / ||expected||`` in fp32 (the denominator floored at 1e-12)."""
     return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12))
+
+
+def assert_bf16_rounds_like(actual: torch.Tensor, expected_fp32: torch.Tensor) -> None:
+    """``actual`` (bf16) is ``expected_fp32`` rounded to bf16, up to sums taken in another order:
+    at least 99% of the elements equal the rounded value and none is more than one bf16 step off."""
+    assert actual.dtype == torch.bfloat16
+    rounded = expected_fp32.to(torch.bfloat16)
+    assert (actual == rounded).float().mean() >= 0.99
+    torch.testing.assert_close(actual.float(), expected_fp32, rtol=2**-7, atol=1e-30)
 
 
 def free_port() -> int:

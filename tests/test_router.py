@@ -13,12 +13,20 @@ from torchtitan.models.common.config_utils import (
     make_router_config,
 )
 from torchtitan.models.common.moe import TokenChoiceTopKRouter
-from torchtitan_ext.experiments.moe_backends.layer import use_backend_experts, use_routing
+from torchtitan_ext.experiments.moe_backends.layer import stock_moe_config, use_backend_experts, use_routing
 from torchtitan_ext.experiments.moe_backends.moe import load_balancing_loss, router_z_loss
-from torchtitan_ext.experiments.moe_backends.router import BalancedTopKRouter, capacity_keep_mask
+from torchtitan_ext.experiments.moe_backends.router import (
+    BalancedTopKRouter,
+    RouterGate,
+    bf16_gate_logits,
+    bf16_parts,
+    capacity_keep_mask,
+)
 from torchtitan_ext.experiments.moe_backends.toml_keys import check_moe_config
 from torchtitan_ext.overrides import ConfigError, apply_overrides
 from torchtitan_ext.registry import get_flavor
+
+from helpers import assert_bf16_rounds_like
 
 DIM = 8
 
@@ -51,6 +59,42 @@ def test_default_recipe_equals_torchtitan_router(options, with_bias):
     bias_E = torch.linspace(-0.3, 0.3, 8) if with_bias else None
     for expected, actual in zip(titan(x_BLD, bias_E), ours(x_BLD, bias_E)):
         assert torch.equal(expected, actual)
+
+
+def test_bf16_parts_add_up_to_the_fp32_values():
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(4096, generator=generator) * torch.exp2(torch.randint(-60, 60, (4096,), generator=generator))
+    parts = bf16_parts(values)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (3, 4096)
+    total = parts[0].double() + parts[1].double() + parts[2].double()
+    assert ((total - values.double()).abs() <= 2**-24 * values.double().abs()).all()
+    assert ((parts[0].double() - values.double()).abs() > 2**-24 * values.double().abs()).any()
+
+
+def test_bf16_gate_logits_match_the_fp32_gate_and_its_gradients():
+    """torchtitan's gate under fp32 autocast: fp32 copies of x and the weight, an fp32 GEMM."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, 96, generator=generator).bfloat16().requires_grad_()
+    weight = (torch.randn(16, 96, generator=generator) * 0.1).bfloat16().requires_grad_()
+    x_fp32, weight_fp32 = (t.detach().float().requires_grad_() for t in (x, weight))
+    grad_logits = torch.randn(3, 64, 16, generator=generator) * torch.logspace(-6, 0, 16)
+
+    logits = bf16_gate_logits(x, weight)
+    expected = x_fp32 @ weight_fp32.T
+    assert logits.dtype == torch.float32 and logits.shape == (3, 64, 16)
+    torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
+    logits.backward(grad_logits)
+    expected.backward(grad_logits)
+    assert_bf16_rounds_like(x.grad, x_fp32.grad)
+    assert_bf16_rounds_like(weight.grad, weight_fp32.grad)
+
+
+def test_routed_layers_get_the_router_gate_with_torchtitans_parameters():
+    shape = dict(dim=16, hidden_dim=8, num_experts=4, top_k=2)
+    ours = use_routing(use_backend_experts(stock_moe_config(**shape), "grouped_mm")).build()
+    stock = stock_moe_config(**shape).build()
+    assert type(ours.router.gate) is RouterGate
+    assert ours.state_dict().keys() == stock.state_dict().keys()
 
 
 def hand_router(logits_E: list[float], **options) -> BalancedTopKRouter:

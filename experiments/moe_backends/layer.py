@@ -2,10 +2,10 @@
 
 ``use_backend_experts`` swaps every ``GroupedExperts.Config`` in any torchtitan config for
 ``BackendGroupedExperts.Config`` so the compute backend becomes a config field;
-``use_routing`` swaps torchtitan's MoE, routed-experts, router and standard token
-dispatcher configs for ``RoutedMoE`` / ``FusedRoutedExperts`` / ``BalancedTopKRouter`` /
-``RoutingDispatcher`` (same defaults, extra knobs off). ``stock_moe_config`` is
-torchtitan's own MoE layer config and ``moe_layer_config`` the same layer with ours.
+``use_routing`` swaps torchtitan's MoE, routed-experts, router, router gate and standard
+token dispatcher configs for ``RoutedMoE`` / ``FusedRoutedExperts`` / ``BalancedTopKRouter`` /
+``RouterGate`` / ``RoutingDispatcher`` (same defaults, extra knobs off). ``stock_moe_config``
+is torchtitan's own MoE layer config and ``moe_layer_config`` the same layer with ours.
 """
 
 from collections.abc import Callable
@@ -19,6 +19,7 @@ from torchtitan.models.common.config_utils import (
     make_routed_experts_config,
     make_router_config,
 )
+from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts
 from torchtitan.models.common.token_dispatcher import (
     AllToAllTokenDispatcher,
@@ -28,7 +29,7 @@ from torchtitan.models.common.token_dispatcher import (
 from .dispatcher import RoutingDispatcher
 from .experts import BackendGroupedExperts, ComputeBackend, FusedRoutedExperts
 from .moe import RoutedMoE
-from .router import BalancedTopKRouter
+from .router import BalancedTopKRouter, RouterGate
 
 
 def use_backend_experts(model_config, compute_backend: ComputeBackend):
@@ -46,7 +47,7 @@ def _replace(parent, attr, replacement) -> None:
 
 
 def use_routing(model_config):
-    """Swap every torchtitan MoE / router / standard dispatcher config (in place) for ours.
+    """Swap every torchtitan MoE / router / gate / standard dispatcher config (in place) for ours.
 
     Returns ``model_config`` (or the replacement when it is itself an ``MoE.Config``).
     Field values carry over through torchtitan's ``derive``, so the routing recipe is
@@ -56,6 +57,8 @@ def use_routing(model_config):
         router = moe.router
         if not isinstance(router, BalancedTopKRouter.Config):
             router = derive(router, BalancedTopKRouter.Config)
+        if type(router.gate) is Linear.Config:
+            router.gate = derive(router.gate, RouterGate.Config)
         if type(moe.routed_experts) is RoutedExperts.Config:
             moe.routed_experts = derive(moe.routed_experts, FusedRoutedExperts.Config)
         dispatcher = moe.routed_experts.token_dispatcher

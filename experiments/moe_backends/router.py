@@ -11,7 +11,15 @@ route_norm, route_scale, group-limited routing, aux-loss-free expert bias) and a
 - ``route(x_BLD, expert_bias_E)`` returning a ``RouterOutput`` that also carries the gate logits
   and normalized scores the MoE layer needs for its auxiliary and z losses.
 
-With every extra option off, ``forward`` returns exactly what torchtitan's router returns.
+With every extra option off, ``forward`` returns exactly what torchtitan's router returns,
+except for the order of the gate's fp32 sums on CUDA (see ``RouterGate``).
+
+``RouterGate`` is torchtitan's gate (a ``Linear``) that, when torchtitan's router asks for fp32
+logits from bf16 tokens and a bf16 weight on CUDA, computes them on bf16 tensor cores with fp32
+accumulation instead of copying both operands to fp32 for an fp32 GEMM: the products of bf16
+values are exact in fp32, so only the order of the fp32 sums differs. Its backward splits the
+fp32 logit gradient into three bf16 parts (hi + mid + lo, 24 significant bits) so the two
+gradient GEMMs also run on tensor cores at fp32 accuracy.
 """
 
 import math
@@ -20,6 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from torch.distributed.tensor import DTensor
+
+from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import TokenChoiceTopKRouter
 
 
@@ -39,6 +50,87 @@ class RouterOutput:
     """gate output before the score function, fp32 (z-loss)"""
     num_dropped_slots: torch.Tensor
     """scalar int64: routed slots dropped by the capacity limit"""
+
+
+def bf16_parts(values: torch.Tensor) -> torch.Tensor:
+    """``(3, *values.shape)`` bf16 ``hi, mid, lo`` with ``hi + mid + lo == values`` to 2^-24.
+
+    Each part is what is left of fp32 ``values`` after the parts before it, rounded to bf16.
+    """
+    hi = values.to(torch.bfloat16)
+    remainder = values - hi.float()
+    mid = remainder.to(torch.bfloat16)
+    lo = (remainder - mid.float()).to(torch.bfloat16)
+    return torch.stack([hi, mid, lo])
+
+
+def matmul_fp32_out(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of 16-bit matrices as fp32: exact products, fp32 sums (tensor cores on CUDA)."""
+    if a_MK.is_cuda:
+        return torch.mm(a_MK, b_KN, out_dtype=torch.float32)
+    return a_MK.float() @ b_KN.float()
+
+
+class _Bf16GateLogits(torch.autograd.Function):
+    """``x_ND @ weight_ED.T`` in fp32 from bf16 operands; gradients come back in bf16."""
+
+    @staticmethod
+    def forward(ctx, x_ND, weight_ED):
+        ctx.save_for_backward(x_ND, weight_ED)
+        with torch.autocast(x_ND.device.type, enabled=False):
+            return matmul_fp32_out(x_ND, weight_ED.t())
+
+    @staticmethod
+    def backward(ctx, grad_logits_NE):
+        x_ND, weight_ED = ctx.saved_tensors
+        num_experts, dim = weight_ED.shape
+        with torch.autocast(x_ND.device.type, enabled=False):
+            parts_3NE = bf16_parts(grad_logits_NE.float())
+            grad_x_ND = grad_weight_ED = None
+            if ctx.needs_input_grad[0]:
+                parts_N3E = parts_3NE.permute(1, 0, 2).reshape(-1, 3 * num_experts)
+                grad_x_ND = matmul_fp32_out(parts_N3E, weight_ED.repeat(3, 1)).to(x_ND.dtype)
+            if ctx.needs_input_grad[1]:
+                parts_3EN = parts_3NE.transpose(1, 2).reshape(3 * num_experts, -1)
+                grad_3ED = matmul_fp32_out(parts_3EN, x_ND).view(3, num_experts, dim)
+                grad_weight_ED = grad_3ED.sum(dim=0).to(weight_ED.dtype)
+        return grad_x_ND, grad_weight_ED
+
+
+def bf16_gate_logits(x_BLD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
+    """``(B, L, E)`` fp32 ``x @ weight.T`` of bf16 ``x_BLD`` and ``weight_ED``, differentiable in both."""
+    logits_NE = _Bf16GateLogits.apply(x_BLD.reshape(-1, x_BLD.shape[-1]), weight_ED)
+    return logits_NE.view(*x_BLD.shape[:-1], weight_ED.shape[0])
+
+
+class RouterGate(Linear):
+    """torchtitan's router gate; fp32 logits of bf16 operands on tensor cores (module docstring).
+
+    Takes that path when fp32 autocast is on (torchtitan's router turns it on around the gate),
+    ``x`` and the weight are bf16 CUDA tensors, the weight is not a DTensor and there is no
+    bias; otherwise it is ``Linear`` unchanged.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Linear.Config):
+        pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._bf16_path_applies(x):
+            return bf16_gate_logits(x, self.weight)
+        return super().forward(x)
+
+    def _bf16_path_applies(self, x: torch.Tensor) -> bool:
+        weight = self.weight
+        return (
+            x.is_cuda
+            and x.dtype == weight.dtype == torch.bfloat16
+            and self.bias is None
+            and not isinstance(weight, DTensor)
+            and not isinstance(x, DTensor)
+            and torch.is_autocast_enabled("cuda")
+            and torch.get_autocast_dtype("cuda") == torch.float32
+        )
 
 
 def capacity_keep_mask(
