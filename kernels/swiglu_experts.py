@@ -355,26 +355,15 @@ def _down_backward_kernel(
     )
     if expert >= num_experts:
         return
-    rows, row_mask, cols, col_mask, ks, dy_ptrs = _row_tile(
-        dy_ptr, row_start, row_end, n_tile, dim, hidden, BLOCK_M, BLOCK_N, BLOCK_K
+    dh = _accumulate_rows_times_weight(
+        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), dy_desc, w2_desc, dy_ptr, w2_ptr,
+        expert, row_start, row_end, n_tile, hidden, dim,
+        USE_TMA, DOT_PRECISION, EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K,
     )
-    w2_ptrs = w2_ptr + expert.to(tl.int64) * dim * hidden + ks[:, None].to(tl.int64) * hidden + cols[None, :]
-    dh = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_tile in range(0, tl.cdiv(dim, BLOCK_K)):
-        k_start = k_tile * BLOCK_K
-        k_mask = ks < dim - k_start
-        a = _load_rows(dy_desc, dy_ptrs, k_mask, row_start, k_start, USE_TMA, EVEN_K)
-        if USE_TMA:
-            b = w2_desc.load([expert, k_start, n_tile * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
-        elif EVEN_K and EVEN_N:
-            b = tl.load(w2_ptrs)
-        else:
-            b = tl.load(w2_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        dh = tl.dot(a, b, dh, input_precision=DOT_PRECISION)
-        dy_ptrs += BLOCK_K
-        w2_ptrs += BLOCK_K * hidden
+    rows = row_start + tl.arange(0, BLOCK_M)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offsets = rows.to(tl.int64)[:, None] * hidden + cols[None, :]
-    tl.store(dh_ptr + offsets, dh.to(dh_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(dh_ptr + offsets, dh.to(dh_ptr.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < hidden)[None, :])
 
 
 @triton.jit
@@ -419,40 +408,33 @@ def _swiglu_backward_kernel(
 
 @triton.jit
 def _accumulate_rows_times_weight(
-    acc, a_desc, w_desc, a_ptr, w_ptr, expert, row_start, row_end, col_start, dim, hidden,
+    acc, a_desc, w_desc, a_ptr, w_ptr, expert, row_start, row_end, n_tile, size_n, size_k,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """acc += a[rows] @ w[e] over K = F, for a [R, F] grouped rows and w [E, F, D].
+    """acc += a[rows] @ w[e] for grouped rows a [R, size_k] and w [E, size_k, size_n], output
+    column tile n_tile.
 
     With USE_TMA both load through tensor descriptors (a row tile may read rows past its
     expert's segment, whose outputs the caller masks); otherwise through masked pointers.
     """
-    if USE_TMA:
-        for k_tile in range(0, tl.cdiv(hidden, BLOCK_K)):
-            a = a_desc.load([row_start, k_tile * BLOCK_K])
-            b = w_desc.load([expert, k_tile * BLOCK_K, col_start]).reshape(BLOCK_K, BLOCK_N)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    else:
-        ks = tl.arange(0, BLOCK_K)
-        cols = col_start + tl.arange(0, BLOCK_N)
-        col_mask = cols < dim
-        load_rows = tl.minimum(row_start + tl.arange(0, BLOCK_M), row_end - 1).to(tl.int64)
-        a_ptrs = a_ptr + load_rows[:, None] * hidden + ks[None, :]
-        w_ptrs = w_ptr + expert.to(tl.int64) * hidden * dim + ks[:, None].to(tl.int64) * dim + cols[None, :]
-        for k_tile in range(0, tl.cdiv(hidden, BLOCK_K)):
-            k_mask = ks < hidden - k_tile * BLOCK_K
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-            if EVEN_K and EVEN_N:
-                b = tl.load(w_ptrs)
-            else:
-                b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K * dim
+    _, _, cols, col_mask, ks, a_ptrs = _row_tile(
+        a_ptr, row_start, row_end, n_tile, size_k, size_n, BLOCK_M, BLOCK_N, BLOCK_K
+    )
+    w_ptrs = w_ptr + expert.to(tl.int64) * size_k * size_n + ks[:, None].to(tl.int64) * size_n + cols[None, :]
+    for k_tile in range(0, tl.cdiv(size_k, BLOCK_K)):
+        k_start = k_tile * BLOCK_K
+        k_mask = ks < size_k - k_start
+        a = _load_rows(a_desc, a_ptrs, k_mask, row_start, k_start, USE_TMA, EVEN_K)
+        if USE_TMA:
+            b = w_desc.load([expert, k_start, n_tile * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+        elif EVEN_K and EVEN_N:
+            b = tl.load(w_ptrs)
+        else:
+            b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * size_n
     return acc
 
 
@@ -486,13 +468,12 @@ def _gate_up_backward_input_kernel(
     col_mask = cols < dim
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if expert < num_experts:
-        col_start = n_tile * BLOCK_N
         acc = _accumulate_rows_times_weight(
-            acc, dgate_desc, w1_desc, dgate_ptr, w1_ptr, expert, row_start, row_end, col_start, dim, hidden,
+            acc, dgate_desc, w1_desc, dgate_ptr, w1_ptr, expert, row_start, row_end, n_tile, dim, hidden,
             USE_TMA, DOT_PRECISION, EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K,
         )
         acc = _accumulate_rows_times_weight(
-            acc, dup_desc, w3_desc, dup_ptr, w3_ptr, expert, row_start, row_end, col_start, dim, hidden,
+            acc, dup_desc, w3_desc, dup_ptr, w3_ptr, expert, row_start, row_end, n_tile, dim, hidden,
             USE_TMA, DOT_PRECISION, EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K,
         )
     dest = _destination_rows(rows, row_mask, row_slot_ptr, HAS_GATHER)
