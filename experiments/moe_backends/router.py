@@ -19,7 +19,7 @@ logits from bf16 tokens and a bf16 weight on CUDA, computes them on bf16 tensor 
 accumulation instead of copying both operands to fp32 for an fp32 GEMM: the products of bf16
 values are exact in fp32, so only the order of the fp32 sums differs. Its backward splits the
 fp32 logit gradient into three bf16 parts (hi + mid + lo, 24 significant bits) so the two
-gradient GEMMs also run on tensor cores at fp32 accuracy.
+gradient GEMMs also run on tensor cores, with fp32 accumulation, at fp32 accuracy.
 """
 
 import math
@@ -52,16 +52,15 @@ class RouterOutput:
     """scalar int64: routed slots dropped by the capacity limit"""
 
 
-def bf16_parts(values: torch.Tensor) -> torch.Tensor:
-    """``(3, *values.shape)`` bf16 ``hi, mid, lo`` with ``hi + mid + lo == values`` to 2^-24.
+def bf16_parts(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 ``hi, mid, lo`` with ``hi + mid + lo == values`` (fp32) to 2^-24 relative.
 
-    Each part is what is left of fp32 ``values`` after the parts before it, rounded to bf16.
+    Each part is what is left of ``values`` after the parts before it, rounded to bf16.
     """
     hi = values.to(torch.bfloat16)
-    remainder = values - hi.float()
+    remainder = values - hi
     mid = remainder.to(torch.bfloat16)
-    lo = (remainder - mid.float()).to(torch.bfloat16)
-    return torch.stack([hi, mid, lo])
+    return hi, mid, (remainder - mid).to(torch.bfloat16)
 
 
 def matmul_fp32_out(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
@@ -72,7 +71,12 @@ def matmul_fp32_out(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
 
 
 class _Bf16GateLogits(torch.autograd.Function):
-    """``x_ND @ weight_ED.T`` in fp32 from bf16 operands; gradients come back in bf16."""
+    """``x_ND @ weight_ED.T`` in fp32 from bf16 operands; gradients come back in bf16.
+
+    Backward multiplies the three bf16 parts of the fp32 logit gradient, side by side along
+    the expert dimension ([N, 3E]), with the weight repeated three times ([3E, D]) for d x and
+    with x for d weight ([3E, D] in fp32, the parts then summed).
+    """
 
     @staticmethod
     def forward(ctx, x_ND, weight_ED):
@@ -84,15 +88,13 @@ class _Bf16GateLogits(torch.autograd.Function):
     def backward(ctx, grad_logits_NE):
         x_ND, weight_ED = ctx.saved_tensors
         num_experts, dim = weight_ED.shape
+        grad_x_ND = grad_weight_ED = None
         with torch.autocast(x_ND.device.type, enabled=False):
-            parts_3NE = bf16_parts(grad_logits_NE.float())
-            grad_x_ND = grad_weight_ED = None
+            parts_N3E = torch.cat(bf16_parts(grad_logits_NE), dim=1)
             if ctx.needs_input_grad[0]:
-                parts_N3E = parts_3NE.permute(1, 0, 2).reshape(-1, 3 * num_experts)
-                grad_x_ND = matmul_fp32_out(parts_N3E, weight_ED.repeat(3, 1)).to(x_ND.dtype)
+                grad_x_ND = torch.mm(parts_N3E, weight_ED.repeat(3, 1))
             if ctx.needs_input_grad[1]:
-                parts_3EN = parts_3NE.transpose(1, 2).reshape(3 * num_experts, -1)
-                grad_3ED = matmul_fp32_out(parts_3EN, x_ND).view(3, num_experts, dim)
+                grad_3ED = matmul_fp32_out(parts_N3E.t(), x_ND).view(3, num_experts, dim)
                 grad_weight_ED = grad_3ED.sum(dim=0).to(weight_ED.dtype)
         return grad_x_ND, grad_weight_ED
 
