@@ -6,6 +6,7 @@ Slots are the routed (token, k) pairs in token-major order, ``s = t * top_k + k`
 Routing metadata, for the fused expert kernels (grouped row r holds token
 ``row_slot_S[r] // top_k``; the down projection writes each routed row back to its slot):
 
+- ``stable_expert_order(expert_of_slot_S, num_experts)`` -> the slots sorted by expert, stably.
 - ``routing_metadata(topk_expert_ids_TK, num_experts)`` -> ``(row_slot_S, group_end_E)``.
 - ``grouped_metadata(num_tokens_per_expert_E)`` -> ``group_end_E``.
 - ``slot_rows(row_slot_S)`` -> ``slot_row_S``, and ``scatter_token_rows(x_TD, slot_row_S, top_k, rows)``
@@ -43,6 +44,18 @@ from torchtitan_ext.kernels._runtime import check_runnable, permute_block_d, row
 # ---------------------------------------------------------------- routing metadata
 
 
+def stable_expert_order(expert_of_slot_S: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[S]`` int64: the slots ordered by expert id, slot order kept within an expert.
+
+    Ids may be in [0, num_experts] (num_experts: a dropped slot, ordered last). The sort runs
+    on the narrowest integer type that holds them: a radix sort takes one pass per key byte.
+    """
+    for narrow in (torch.uint8, torch.int16, torch.int32):
+        if num_experts <= torch.iinfo(narrow).max:
+            return torch.argsort(expert_of_slot_S.to(narrow), stable=True)
+    return torch.argsort(expert_of_slot_S, stable=True)
+
+
 def routing_metadata(
     topk_expert_ids_TK: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +71,7 @@ def routing_metadata(
             cumsum of the per-expert counts).
     """
     expert_of_slot_S = topk_expert_ids_TK.reshape(-1)
-    row_slot_S = torch.argsort(expert_of_slot_S, stable=True)
+    row_slot_S = stable_expert_order(expert_of_slot_S, num_experts)
     sorted_experts_S = expert_of_slot_S[row_slot_S]
     expert_ids_E = torch.arange(num_experts, device=sorted_experts_S.device, dtype=sorted_experts_S.dtype)
     group_end_E = torch.searchsorted(sorted_experts_S, expert_ids_E, right=True)

@@ -217,6 +217,17 @@ def test_routed_forward_keeps_x_in_expert_order_only_for_weight_gradients(weight
     assert torch.equal(grouped_x[0], inputs[0].detach().index_select(0, (row_slot_S // top_k).long()))
 
 
+@pytest.mark.parametrize("num_experts", [7, 255, 256, 40000])
+def test_stable_expert_order_sorts_on_narrow_keys_like_a_stable_argsort(num_experts):
+    """Ids in [0, num_experts] (num_experts: dropped) at the edges of uint8, int16 and int32 keys."""
+    from torchtitan_ext.kernels.moe_permute import stable_expert_order
+
+    generator = torch.Generator().manual_seed(0)
+    ids_S = torch.randint(0, num_experts + 1, (4000,), generator=generator)
+    ids_S[:50] = num_experts
+    assert torch.equal(stable_expert_order(ids_S, num_experts), torch.argsort(ids_S, stable=True))
+
+
 def test_routing_metadata_matches_reference():
     ids = torch.randint(0, 7, (13, 3), generator=torch.Generator().manual_seed(0))
     ids[:, 0] = 2  # make one expert popular and leave others empty

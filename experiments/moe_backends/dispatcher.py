@@ -142,7 +142,7 @@ def plan_slots(
 
     # A kept slot's row is its place in the stable expert order (dropped slots, id num_experts,
     # sort last), moved down by the padding of the groups before its own.
-    order_S = torch.argsort(expert_of_slot_S, stable=True)
+    order_S = moe_permute.stable_expert_order(expert_of_slot_S, num_experts)
     place_S = torch.empty_like(order_S).scatter_(0, order_S, torch.arange(num_slots, device=order_S.device))
     if align_size == 1:
         rows_per_expert_E = kept_counts_E.clone()

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from torchtitan_ext.kernels import symm_mem_rows as kernels
+from torchtitan_ext.kernels.moe_permute import stable_expert_order
 
 _ALIGN_BYTES = 256
 
@@ -251,8 +252,7 @@ class EPExchange:
         """Write this rank's tokens and routing into its workspace (once peers are done reading)."""
         assert self.workspace is not None
         self._before_publish()
-        narrow_keys = expert_S.to(torch.int16) if num_experts < torch.iinfo(torch.int16).max else expert_S
-        order_S = torch.argsort(narrow_keys, stable=True)  # 16-bit keys: fewer radix passes
+        order_S = stable_expert_order(expert_S, num_experts)
         self.workspace.local("tokens")[: x_TD.shape[0]].copy_(x_TD)
         kernels.publish_routing(
             order_S, expert_S, scores_S, self.workspace.local("slot_expert"), self.workspace.local("slot_score"),

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import TokenChoiceTopKRouter
+from torchtitan_ext.kernels.moe_permute import stable_expert_order
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,7 +143,7 @@ def capacity_keep_mask(
 
     "Earlier" is slot order (token-major), so the first tokens of the batch win. No host sync.
     """
-    order_S = torch.argsort(expert_ids_S, stable=True)
+    order_S = stable_expert_order(expert_ids_S, num_experts)
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids_S.device)
     counts_E.scatter_add_(0, expert_ids_S, torch.ones_like(expert_ids_S))
     starts_E = torch.cumsum(counts_E, 0) - counts_E
