@@ -56,3 +56,16 @@ def test_routing_matches_torchtitans_router():
         our_scores.sort(dim=-1).values[same_experts], stock_scores.sort(dim=-1).values[same_experts],
         rtol=1e-5, atol=1e-6,
     )
+
+
+@pytest.mark.parametrize("weight_dtype, autocast", [(torch.float32, True), (torch.bfloat16, False)])
+def test_other_cases_keep_torchtitans_linear(weight_dtype, autocast):
+    """fp32 weights (one GPU under autocast) or no fp32 autocast: the gate is ``Linear`` unchanged."""
+    _, ours = layer_pair(256, 8, 2)
+    gate = ours.router.gate.to(weight_dtype)
+    x = torch.randn(4, 256, device="cuda").bfloat16()
+    with torch.autocast("cuda", dtype=torch.float32, enabled=autocast):
+        logits = gate(x)
+        expected = torch.nn.functional.linear(x, gate.weight)
+    assert "Bf16GateLogits" not in type(logits.grad_fn).__name__
+    assert torch.equal(logits, expected)
