@@ -27,7 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
 from torch.distributed.tensor import DTensor
 
 from torchtitan.models.common.linear import Linear
@@ -64,7 +63,7 @@ def bf16_parts(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return hi, mid, (remainder - mid).to(torch.bfloat16)
 
 
-def matmul_fp32_out(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+def _matmul_fp32_out(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of 16-bit matrices as fp32: exact products, fp32 sums (tensor cores on CUDA)."""
     if a_MK.is_cuda:
         return torch.mm(a_MK, b_KN, out_dtype=torch.float32)
@@ -83,7 +82,7 @@ class _Bf16GateLogits(torch.autograd.Function):
     def forward(ctx, x_ND, weight_ED):
         ctx.save_for_backward(x_ND, weight_ED)
         with torch.autocast(x_ND.device.type, enabled=False):
-            return matmul_fp32_out(x_ND, weight_ED.t())
+            return _matmul_fp32_out(x_ND, weight_ED.t())
 
     @staticmethod
     def backward(ctx, grad_logits_NE):
@@ -95,7 +94,7 @@ class _Bf16GateLogits(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 grad_x_ND = torch.mm(parts_N3E, weight_ED.repeat(3, 1))
             if ctx.needs_input_grad[1]:
-                grad_3ED = matmul_fp32_out(parts_N3E.t(), x_ND).view(3, num_experts, dim)
+                grad_3ED = _matmul_fp32_out(parts_N3E.t(), x_ND).view(3, num_experts, dim)
                 grad_weight_ED = grad_3ED.sum(dim=0).to(weight_ED.dtype)
         return grad_x_ND, grad_weight_ED
 
