@@ -1,6 +1,7 @@
 """The benchmark CLI on CPU with tiny shapes, its plots, and the "auto" compute-backend choice."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,12 @@ import torch
 
 from torchtitan_ext.bench.__main__ import main
 from torchtitan_ext.bench.common import TINY_SHAPE
-from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, expert_inputs, make_timer
+from torchtitan_ext.experiments.moe_backends.expert_timing import (
+    BenchShape,
+    expert_inputs,
+    host_issue_ms,
+    make_timer,
+)
 from torchtitan_ext.bench.plot import chart_of
 from torchtitan_ext.experiments.moe_backends import auto_backend
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts, runnable_backends
@@ -87,6 +93,21 @@ def test_expert_inputs_are_seeded():
     first, again = (expert_inputs(TINY_SHAPE, 2.0, torch.device("cpu"), torch.float32) for _ in range(2))
     assert torch.equal(first.ids_TK, again.ids_TK) and torch.equal(first.x_TD, again.x_TD)
     assert all(torch.equal(a, b) for a, b in zip(first.weights, again.weights))
+
+
+def test_host_issue_time_is_the_time_to_issue_one_call():
+    calls, synchronized = [], []
+    tensor = torch.zeros(1, requires_grad=True)
+
+    def issue():
+        assert tensor.grad is None
+        tensor.grad = torch.ones(1)
+        time.sleep(0.004)
+        calls.append(len(calls))
+
+    ms = host_issue_ms(issue, [tensor], calls=5, synchronize=lambda: synchronized.append(len(calls)))
+    assert len(calls) == 6 and synchronized == [1, 6]
+    assert 4.0 <= ms < 40.0
 
 
 def test_cpu_timer_resets_grads_before_every_call():

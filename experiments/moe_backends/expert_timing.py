@@ -90,6 +90,32 @@ def expert_inputs(shape: BenchShape, skew: float, device, dtype) -> ExpertInputs
 Timer = Callable[..., float]
 
 
+def host_issue_ms(fn: Callable[[], object], grad_to_none=(), *, calls: int = 10,
+                  synchronize: Callable[[], None] = torch.cuda.synchronize) -> float:
+    """Host ms to issue one call of ``fn``: after a warm-up call and a ``synchronize``, ``calls``
+    calls are issued back to back and timed before the closing ``synchronize``.
+
+    On a GPU, when this reaches the GPU time of a call, the GPU waits on the host (Python,
+    launches). Past about a thousand kernels in flight CUDA's launch queue makes the host wait
+    for the GPU, so for launch-heavy ``fn`` it is an upper bound. ``grad_to_none`` tensors lose
+    their grads before each call.
+    """
+
+    def call():
+        for tensor in grad_to_none:
+            tensor.grad = None
+        fn()
+
+    call()
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    elapsed = time.perf_counter() - start
+    synchronize()
+    return elapsed / calls * 1e3
+
+
 def make_timer(device: torch.device, *, warmup_ms: int = 25, repeat_ms: int = 100) -> Timer:
     """``timer(fn, grad_to_none=None) -> median ms``; ``grad_to_none`` tensors lose their grads before each call.
 

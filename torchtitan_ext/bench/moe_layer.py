@@ -5,8 +5,9 @@ Both layers get the same weights and inputs, ``(B, L, D) = (2, 4096, D)`` in bf1
 Skewed routing adds the same expert bias (a linear ramp, calibrated to max/mean load about
 3.5) to both layers' routers, so they route alike. Reported: forward and forward+backward
 ms, speed-up over stock, the output's error vs stock and, on a GPU, expert-equivalent
-TFLOP/s (6*N*D*F / 18*N*D*F) and peak memory of forward+backward above the weights
-(activation memory).
+TFLOP/s (6*N*D*F / 18*N*D*F), peak memory of forward+backward above the weights
+(activation memory) and the host time to issue one forward+backward (``host_issue_ms``: where
+it reaches the forward+backward ms, the GPU waited on the host).
 
     python -m torchtitan_ext.bench.moe_layer --out layer.json
     python -m torchtitan_ext.bench.moe_layer --tiny          # CPU smoke run
@@ -31,7 +32,12 @@ from torchtitan_ext.bench.common import (
     time_in_rounds,
     write_json,
 )
-from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, make_timer, seeded_generator
+from torchtitan_ext.experiments.moe_backends.expert_timing import (
+    BenchShape,
+    host_issue_ms,
+    make_timer,
+    seeded_generator,
+)
 
 from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes  # noqa: E402
 
@@ -119,6 +125,8 @@ def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, bat
         _, peak_mb = memory_mb(lambda: layer(x_BLD), grad_BLD, device)
         kernels = (kernel_profile(forward_backward(layer), device, profile_top, grad_to_none=calls[kind][2])
                    if profile_top else None)
+        host_ms = (round(host_issue_ms(forward_backward(layer), calls[kind][2]), 3)
+                   if device.type == "cuda" else None)
         for tensor in calls[kind][2]:
             tensor.grad = None
         measured = median_fields(times[kind])
@@ -129,6 +137,7 @@ def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, bat
             "fwd_tflops": expert_tflops(shape, fwd_ms, device, backward=False),
             "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, device, backward=True),
             "fwdbwd_peak_mb": peak_mb, "rel_err_vs_stock": f"{error:.1e}", **measured,
+            **({"fwdbwd_host_ms": host_ms} if host_ms is not None else {}),
             **({"kernels": kernels} if kernels else {}),
         })
     del layers, stock
@@ -155,7 +164,8 @@ def default_kinds() -> list[str]:
 
 
 TABLE = [("shape", "shape"), ("skew", "skew"), ("max_over_mean", "max/mean"), ("layer", "layer"),
-         ("fwd_ms", "fwd ms"), ("fwdbwd_ms", "fwd+bwd ms"), ("fwdbwd_tflops", "fwd+bwd TF/s"),
+         ("fwd_ms", "fwd ms"), ("fwdbwd_ms", "fwd+bwd ms"), ("fwdbwd_host_ms", "host ms"),
+         ("fwdbwd_tflops", "fwd+bwd TF/s"),
          ("fwd_speedup", "fwd x"), ("fwdbwd_speedup", "fwd+bwd x"), ("fwdbwd_peak_mb", "peak MB"),
          ("rel_err_vs_stock", "err vs stock")]
 
