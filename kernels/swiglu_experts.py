@@ -137,18 +137,47 @@ def _load_weight_transposed(
 
 
 @triton.jit
-def _gate_up_operands(
-    x_ptr, expert, row_start, row_end, n_tile, dim, hidden,
+def _transposed_weight_operands(
+    a_ptr, expert, row_start, row_end, n_tile, size_k, size_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """A gate/up forward tile's ``_row_tile`` of x, and the offsets of the first
-    [BLOCK_K, BLOCK_N] block of w1[e].T / w3[e].T inside a [E, F, D] weight."""
-    rows, row_mask, cols, col_mask, ks, x_ptrs = _row_tile(
-        x_ptr, row_start, row_end, n_tile, dim, hidden, BLOCK_M, BLOCK_N, BLOCK_K
+    """``_row_tile`` of grouped rows a [R, size_k], and the offsets of the first [BLOCK_K, BLOCK_N]
+    block of w[e].T inside a [E, size_n, size_k] weight."""
+    rows, row_mask, cols, col_mask, ks, a_ptrs = _row_tile(
+        a_ptr, row_start, row_end, n_tile, size_k, size_n, BLOCK_M, BLOCK_N, BLOCK_K
     )
-    load_cols = tl.minimum(cols, hidden - 1).to(tl.int64)
-    w_offsets = expert.to(tl.int64) * hidden * dim + load_cols[None, :] * dim + ks[:, None]
-    return rows, row_mask, cols, col_mask, ks, x_ptrs, w_offsets
+    load_cols = tl.minimum(cols, size_n - 1).to(tl.int64)
+    w_offsets = expert.to(tl.int64) * size_n * size_k + load_cols[None, :] * size_k + ks[:, None]
+    return rows, row_mask, cols, col_mask, ks, a_ptrs, w_offsets
+
+
+@triton.jit
+def _accumulate_rows_times_weight_transposed(
+    acc, a_desc, w_desc, a_ptr, w_ptr, expert, row_start, row_end, n_tile, size_n, size_k,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """acc += a[rows] @ w[e].T for grouped rows a [R, size_k] and w [E, size_n, size_k], output
+    column tile n_tile.
+
+    With USE_TMA both load through tensor descriptors (a row tile may read rows past its
+    expert's segment, whose outputs the caller masks); otherwise through masked pointers.
+    """
+    _, _, _, _, ks, a_ptrs, w_offsets = _transposed_weight_operands(
+        a_ptr, expert, row_start, row_end, n_tile, size_k, size_n, BLOCK_M, BLOCK_N, BLOCK_K
+    )
+    w_ptrs = w_ptr + w_offsets
+    for k_tile in range(0, tl.cdiv(size_k, BLOCK_K)):
+        k_start = k_tile * BLOCK_K
+        k_mask = ks < size_k - k_start
+        a = _load_rows(a_desc, a_ptrs, k_mask, row_start, k_start, USE_TMA, EVEN_K)
+        b = _load_weight_transposed(
+            w_desc, w_ptrs, k_mask, expert, n_tile * BLOCK_N, k_start, USE_TMA, EVEN_K, BLOCK_N, BLOCK_K
+        )
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
 
 
 def _divides(**flag_to_dim_and_block):
@@ -187,7 +216,7 @@ def _gate_up_forward_kernel(
     )
     if expert >= num_experts:
         return
-    rows, row_mask, cols, col_mask, ks, x_ptrs, w_offsets = _gate_up_operands(
+    rows, row_mask, cols, col_mask, ks, x_ptrs, w_offsets = _transposed_weight_operands(
         x_ptr, expert, row_start, row_end, n_tile, dim, hidden, BLOCK_M, BLOCK_N, BLOCK_K
     )
     w1_ptrs = w1_ptr + w_offsets
@@ -244,21 +273,15 @@ def _gate_up_pass_kernel(
     )
     if expert >= num_experts:
         return
-    rows, row_mask, cols, col_mask, ks, x_ptrs, w_offsets = _gate_up_operands(
-        x_ptr, expert, row_start, row_end, n_tile, dim, hidden, BLOCK_M, BLOCK_N, BLOCK_K
+    acc = _accumulate_rows_times_weight_transposed(
+        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_desc, w_desc, x_ptr, w_ptr,
+        expert, row_start, row_end, n_tile, hidden, dim,
+        USE_TMA, DOT_PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
     )
-    w_ptrs = w_ptr + w_offsets
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_tile in range(0, tl.cdiv(dim, BLOCK_K)):
-        k_start = k_tile * BLOCK_K
-        k_mask = ks < dim - k_start
-        a = _load_rows(x_desc, x_ptrs, k_mask, row_start, k_start, USE_TMA, EVEN_K)
-        b = _load_weight_transposed(
-            w_desc, w_ptrs, k_mask, expert, n_tile * BLOCK_N, k_start, USE_TMA, EVEN_K, BLOCK_N, BLOCK_K
-        )
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    rows = row_start + tl.arange(0, BLOCK_M)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < row_end
+    col_mask = cols < hidden
     out_offsets = rows.to(tl.int64)[:, None] * hidden + cols[None, :]
     out_mask = row_mask[:, None] & col_mask[None, :]
     if UP_PASS:
@@ -272,7 +295,7 @@ def _gate_up_pass_kernel(
 
 
 @tuned(
-    gemm_configs(PLAIN_GEMM_CONFIGS, pre_hook=descriptor_blocks(h_desc=("BLOCK_M", "BLOCK_K"), w2_desc=(1, "BLOCK_N", "BLOCK_K"))),
+    gemm_configs(PLAIN_GEMM_CONFIGS, pre_hook=descriptor_blocks(h_desc=("BLOCK_M", "BLOCK_K"), w2_desc=_WEIGHT_BLOCK)),
     key=["dim", "hidden", "HAS_GATHER", "USE_TMA"],
     prune=prune_for_shape(m=None, n="dim", k="hidden"),
 )
@@ -299,28 +322,10 @@ def _down_forward_kernel(
     col_mask = cols < dim
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if expert < num_experts:
-        if USE_TMA:
-            for k_tile in range(0, tl.cdiv(hidden, BLOCK_K)):
-                a = h_desc.load([row_start, k_tile * BLOCK_K])
-                b = w2_desc.load([expert, n_tile * BLOCK_N, k_tile * BLOCK_K]).reshape(BLOCK_N, BLOCK_K)
-                acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
-        else:
-            ks = tl.arange(0, BLOCK_K)
-            load_rows = tl.minimum(rows, row_end - 1).to(tl.int64)
-            load_cols = tl.minimum(cols, dim - 1).to(tl.int64)
-            h_ptrs = h_ptr + load_rows[:, None] * hidden + ks[None, :]
-            w2_ptrs = w2_ptr + expert.to(tl.int64) * dim * hidden + load_cols[None, :] * hidden + ks[:, None]
-            for k_tile in range(0, tl.cdiv(hidden, BLOCK_K)):
-                if EVEN_K:
-                    a = tl.load(h_ptrs)
-                    b = tl.load(w2_ptrs)
-                else:
-                    k_mask = ks < hidden - k_tile * BLOCK_K
-                    a = tl.load(h_ptrs, mask=k_mask[None, :], other=0.0)
-                    b = tl.load(w2_ptrs, mask=k_mask[:, None], other=0.0)
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-                h_ptrs += BLOCK_K
-                w2_ptrs += BLOCK_K
+        acc = _accumulate_rows_times_weight_transposed(
+            acc, h_desc, w2_desc, h_ptr, w2_ptr, expert, row_start, row_end, n_tile, dim, hidden,
+            USE_TMA, DOT_PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+        )
     dest = _destination_rows(rows, row_mask, row_slot_ptr, HAS_GATHER)
     if HAS_GATHER:
         acc = acc * tl.load(scores_ptr + dest, mask=row_mask, other=0.0).to(tl.float32)[:, None]
