@@ -54,7 +54,7 @@ def check_runnable(*tensors: torch.Tensor) -> None:
 
 
 def gemm_configs(configs: list[tuple[int, int, int, int, int]], pre_hook=None) -> list[triton.Config]:
-    """Autotune configs from (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tuples.
+    """Kernel configs from (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tuples.
 
     Under the interpreter a single small config keeps CPU tests fast. ``pre_hook`` runs on
     the launch arguments of the chosen config before each launch.
@@ -144,21 +144,17 @@ def _shared_memory_limit() -> int:
     return 227 * 1024
 
 
-def prune_for_shape(m: str | None, n: str | None, k: str | None, a_tiles: int = 1, b_tiles: int = 1):
-    """``early_config_prune`` for a GEMM kernel whose M/N/K sizes are the named kernel arguments
-    (None: the row count, which varies), reading ``a_tiles`` A and ``b_tiles`` B operands per stage.
+def fit_to_shape(m: str | None, n: str | None, k: str | None, a_tiles: int = 1, b_tiles: int = 1):
+    """The config choice of a GEMM kernel whose M/N/K sizes are the named kernel arguments
+    (None: the row count, which varies), reading ``a_tiles`` A and ``b_tiles`` B operands per stage:
+    ``fit(configs, named_args, element_size) -> [config]``.
 
     Configs are listed best first; this keeps the first one whose tiles are no larger than
-    their dimensions need and whose pipeline fits in shared memory for the operands' dtype
-    (the smallest config when none fits). One candidate means nothing to benchmark on the
-    first step, and the same choice on every run.
+    their dimensions need and whose pipeline fits in shared memory for the operands' element
+    size (the smallest config when none fits): the same choice on every run.
     """
 
-    def prune(configs, named_args, **kwargs):
-        element_size = next(
-            (arg.element_size() for arg in named_args.values() if isinstance(arg, torch.Tensor) and arg.is_floating_point()),
-            2,
-        )
+    def fit(configs, named_args, element_size):
         caps = {
             block: _block_cap(named_args[arg])
             for block, arg in (("BLOCK_M", m), ("BLOCK_N", n), ("BLOCK_K", k))
@@ -175,19 +171,71 @@ def prune_for_shape(m: str | None, n: str | None, k: str | None, a_tiles: int = 
             first = min(configs, key=lambda c: _shared_memory_bytes(c, a_tiles, b_tiles, element_size))
         return [first]
 
-    return prune
+    return fit
 
 
-def tuned(configs: list[triton.Config], key: list[str], prune=None):
-    """``triton.autotune`` over ``configs``, per value of the ``key`` arguments.
+def tuned(configs: list[triton.Config], key: list[str]):
+    """``triton.autotune`` over ``configs``, per value of the ``key`` arguments: every config is
+    benchmarked on first use. The choice persists in Triton's on-disk cache
+    (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), keyed by the kernel source, the ``key``
+    arguments and the dtypes."""
+    return triton.autotune(configs=configs, key=key, cache_results=True)
 
-    Without ``prune`` every config is benchmarked on first use; with a ``prune_for_shape``
-    the first fitting config is taken. The choice persists in Triton's on-disk cache
-    (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), keyed by the kernel source, the
-    ``key`` arguments and the dtypes.
+
+class FittedKernel:
+    """A ``@triton.jit`` kernel launched with one config per shape, chosen without benchmarking.
+
+    ``fit`` (a ``fit_to_shape``) picks the config once per value of the ``key`` arguments and
+    the operands' element size; ``divides`` maps constexpr flags to (size argument, block size)
+    pairs, each flag true when the size is a multiple of the chosen block (``EVEN_K`` skips load
+    masks); the config's ``pre_hook`` runs on the named arguments before every launch. Launch as
+    ``kernel[grid](*args, **constexprs)``, ``grid`` a tuple or a function of the named arguments.
+
+    This is what ``triton.autotune`` with a one-config prune plus ``triton.heuristics`` would do,
+    without their per-launch rebuilding of argument dicts and keys: for kernels of a few hundred
+    microseconds that host time adds up.
     """
-    prune_configs_by = None if prune is None else {"early_config_prune": prune}
-    return triton.autotune(configs=configs, key=key, cache_results=True, prune_configs_by=prune_configs_by)
+
+    def __init__(self, kernel, configs: list[triton.Config], key: list[str], fit, divides: dict | None = None):
+        self.fn = kernel
+        self._arg_names = kernel.arg_names
+        self._configs = configs
+        self._key = key
+        self._fit = fit
+        self._divides = divides or {}
+        self._chosen: dict[tuple, triton.Config] = {}
+
+    def __getitem__(self, grid):
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid, *args, **constexprs):
+        named = dict(zip(self._arg_names, args))
+        named.update(constexprs)
+        element_size = _operand_element_size(args)
+        choice = tuple(named[name] for name in self._key) + (element_size,)
+        config = self._chosen.get(choice)
+        if config is None:
+            [config] = self._fit(self._configs, named, element_size)
+            self._chosen[choice] = config
+        named.update(config.kwargs)
+        for flag, (size, block) in self._divides.items():
+            constexprs[flag] = named[size] % named[block] == 0
+        if config.pre_hook is not None:
+            config.pre_hook(named)
+        self.fn[grid](*args, **constexprs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def fitted(configs: list[triton.Config], key: list[str], fit, divides: dict | None = None):
+    """Decorator: the ``@triton.jit`` kernel below as a :class:`FittedKernel`."""
+    return lambda kernel: FittedKernel(kernel, configs, key, fit, divides)
+
+
+def _operand_element_size(args) -> int:
+    """Bytes per element of the first floating-point tensor argument (2 when there is none)."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.is_floating_point():
+            return arg.element_size()
+    return 2
 
 
 # Hopper (H100/H200), bf16/fp16: wgmma-sized tiles, cp.async pipelines. Each list is ordered by

@@ -42,10 +42,10 @@ from torchtitan_ext.kernels._runtime import (
     locate_row_tile,
     num_row_tiles_upper_bound,
     persistent_programs,
-    prune_for_shape,
+    fit_to_shape,
+    fitted,
     swizzle_tile,
     tensor_descriptors,
-    tuned,
 )
 from torchtitan_ext.kernels.moe_permute import scatter_token_rows, slot_rows, sum_slots
 
@@ -180,27 +180,19 @@ def _accumulate_rows_times_weight_transposed(
     return acc
 
 
-def _divides(**flag_to_dim_and_block):
-    """Heuristics: flag = (dim arg % block meta-parameter == 0); even tiles need no load masks."""
-    return {
-        flag: (lambda args, dim=dim, block=block: args[dim] % args[block] == 0)
-        for flag, (dim, block) in flag_to_dim_and_block.items()
-    }
-
-
 _WEIGHT_BLOCK = (1, "BLOCK_N", "BLOCK_K")
 """Descriptor block of a [E, N, K] weight read as w[e].T tiles."""
 
 
-@tuned(
+@fitted(
     gemm_configs(
         GATE_UP_FORWARD_CONFIGS,
         pre_hook=descriptor_blocks(x_desc=("BLOCK_M", "BLOCK_K"), w1_desc=_WEIGHT_BLOCK, w3_desc=_WEIGHT_BLOCK),
     ),
     key=["dim", "hidden", "SAVE_PREACT", "USE_TMA"],
-    prune=prune_for_shape(m=None, n="hidden", k="dim", b_tiles=2),
+    fit=fit_to_shape(m=None, n="hidden", k="dim", b_tiles=2),
+    divides={"EVEN_K": ("dim", "BLOCK_K")},
 )
-@triton.heuristics(_divides(EVEN_K=("dim", "BLOCK_K")))
 @triton.jit
 def _gate_up_forward_kernel(
     x_desc, w1_desc, w3_desc, x_ptr, w1_ptr, w3_ptr, gate_ptr, up_ptr, h_ptr, group_end_ptr,
@@ -248,12 +240,12 @@ def _gate_up_forward_kernel(
     tl.store(h_ptr + out_offsets, h.to(h_ptr.dtype.element_ty), mask=out_mask)
 
 
-@tuned(
+@fitted(
     gemm_configs(PLAIN_GEMM_CONFIGS, pre_hook=descriptor_blocks(x_desc=("BLOCK_M", "BLOCK_K"), w_desc=_WEIGHT_BLOCK)),
     key=["dim", "hidden", "UP_PASS", "SAVE_UP", "USE_TMA"],
-    prune=prune_for_shape(m=None, n="hidden", k="dim"),
+    fit=fit_to_shape(m=None, n="hidden", k="dim"),
+    divides={"EVEN_K": ("dim", "BLOCK_K")},
 )
-@triton.heuristics(_divides(EVEN_K=("dim", "BLOCK_K")))
 @triton.jit
 def _gate_up_pass_kernel(
     x_desc, w_desc, x_ptr, w_ptr, gate_ptr, up_ptr, h_ptr, group_end_ptr,
@@ -294,12 +286,12 @@ def _gate_up_pass_kernel(
         tl.store(gate_ptr + out_offsets, acc.to(gate_ptr.dtype.element_ty), mask=out_mask)
 
 
-@tuned(
+@fitted(
     gemm_configs(PLAIN_GEMM_CONFIGS, pre_hook=descriptor_blocks(h_desc=("BLOCK_M", "BLOCK_K"), w2_desc=_WEIGHT_BLOCK)),
     key=["dim", "hidden", "HAS_GATHER", "USE_TMA"],
-    prune=prune_for_shape(m=None, n="dim", k="hidden"),
+    fit=fit_to_shape(m=None, n="dim", k="hidden"),
+    divides={"EVEN_K": ("hidden", "BLOCK_K")},
 )
-@triton.heuristics(_divides(EVEN_K=("hidden", "BLOCK_K")))
 @triton.jit
 def _down_forward_kernel(
     h_desc, w2_desc, h_ptr, w2_ptr, out_ptr, row_slot_ptr, scores_ptr, group_end_ptr,
@@ -336,15 +328,15 @@ def _down_forward_kernel(
     )
 
 
-@tuned(
+@fitted(
     gemm_configs(
         PLAIN_GEMM_CONFIGS,
         pre_hook=descriptor_blocks(dy_desc=("BLOCK_M", "BLOCK_K"), w2_desc=(1, "BLOCK_K", "BLOCK_N")),
     ),
     key=["dim", "hidden", "USE_TMA"],
-    prune=prune_for_shape(m=None, n="hidden", k="dim"),
+    fit=fit_to_shape(m=None, n="hidden", k="dim"),
+    divides={"EVEN_K": ("dim", "BLOCK_K"), "EVEN_N": ("hidden", "BLOCK_N")},
 )
-@triton.heuristics(_divides(EVEN_K=("dim", "BLOCK_K"), EVEN_N=("hidden", "BLOCK_N")))
 @triton.jit
 def _down_backward_kernel(
     dy_desc, w2_desc, dy_ptr, w2_ptr, dh_ptr, group_end_ptr,
@@ -443,7 +435,7 @@ def _accumulate_rows_times_weight(
     return acc
 
 
-@tuned(
+@fitted(
     gemm_configs(
         PLAIN_GEMM_CONFIGS,
         pre_hook=descriptor_blocks(
@@ -452,9 +444,9 @@ def _accumulate_rows_times_weight(
         ),
     ),
     key=["dim", "hidden", "HAS_GATHER", "USE_TMA"],
-    prune=prune_for_shape(m=None, n="dim", k="hidden"),
+    fit=fit_to_shape(m=None, n="dim", k="hidden"),
+    divides={"EVEN_K": ("hidden", "BLOCK_K"), "EVEN_N": ("dim", "BLOCK_N")},
 )
-@triton.heuristics(_divides(EVEN_K=("hidden", "BLOCK_K"), EVEN_N=("dim", "BLOCK_N")))
 @triton.jit
 def _gate_up_backward_input_kernel(
     dgate_desc, dup_desc, w1_desc, w3_desc, dgate_ptr, dup_ptr, w1_ptr, w3_ptr, dx_ptr, row_slot_ptr, group_end_ptr,
@@ -496,7 +488,7 @@ def _expert_rows(group_end_ptr, expert):
     return row_start, row_end
 
 
-@tuned(
+@fitted(
     gemm_configs(
         WEIGHT_GRADIENT_CONFIGS,
         pre_hook=descriptor_blocks(
@@ -504,9 +496,9 @@ def _expert_rows(group_end_ptr, expert):
         ),
     ),
     key=["size_m", "size_n", "USE_TMA", "STORE_TMA"],
-    prune=prune_for_shape(m="size_m", n="size_n", k=None),
+    fit=fit_to_shape(m="size_m", n="size_n", k=None),
+    divides={"EVEN_M": ("size_m", "BLOCK_M"), "EVEN_N": ("size_n", "BLOCK_N")},
 )
-@triton.heuristics(_divides(EVEN_M=("size_m", "BLOCK_M"), EVEN_N=("size_n", "BLOCK_N")))
 @triton.jit
 def _weight_gradient_kernel(
     a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, group_end_ptr,

@@ -8,7 +8,7 @@ from torchtitan_ext.kernels._runtime import (
     GATE_UP_FORWARD_CONFIGS,
     PLAIN_GEMM_CONFIGS,
     WEIGHT_GRADIENT_CONFIGS,
-    prune_for_shape,
+    fit_to_shape,
 )
 
 
@@ -17,9 +17,8 @@ def config(bm, bn, bk, warps, stages):
 
 
 def choose(configs, *, dim, hidden, dtype=torch.bfloat16, **operands):
-    prune = prune_for_shape(m=None, n="hidden", k="dim", **operands)
-    args = {"x_ptr": torch.empty(1, dtype=dtype), "dim": dim, "hidden": hidden}
-    return prune([config(*c) for c in configs], args)
+    fit = fit_to_shape(m=None, n="hidden", k="dim", **operands)
+    return fit([config(*c) for c in configs], {"dim": dim, "hidden": hidden}, dtype.itemsize)
 
 
 def blocks(chosen):
