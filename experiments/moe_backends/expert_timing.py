@@ -9,6 +9,7 @@ threads varied up to a thousandfold from run to run; these stay within a few per
 Routing and inputs come from seeded generators, so every run measures the same tokens.
 """
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,28 +93,23 @@ Timer = Callable[..., float]
 
 def host_issue_ms(fn: Callable[[], object], grad_to_none=(), *, calls: int = 10,
                   synchronize: Callable[[], None] = torch.cuda.synchronize) -> float:
-    """Host ms to issue one call of ``fn``: after a warm-up call and a ``synchronize``, ``calls``
-    calls are issued back to back and timed before the closing ``synchronize``.
+    """Median host ms to issue one call of ``fn``: each call is timed alone, right after a
+    ``synchronize`` (so no earlier work fills CUDA's launch queue and makes the host wait),
+    after one untimed warm-up call. ``grad_to_none`` tensors lose their grads before each call.
 
     On a GPU, when this reaches the GPU time of a call, the GPU waits on the host (Python,
-    launches). Past about a thousand kernels in flight CUDA's launch queue makes the host wait
-    for the GPU, so for launch-heavy ``fn`` it is an upper bound. ``grad_to_none`` tensors lose
-    their grads before each call.
+    launches, and any host sync inside ``fn``).
     """
-
-    def call():
+    times = []
+    for _ in range(calls + 1):
         for tensor in grad_to_none:
             tensor.grad = None
+        synchronize()
+        start = time.perf_counter()
         fn()
-
-    call()
+        times.append(time.perf_counter() - start)
     synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    elapsed = time.perf_counter() - start
-    synchronize()
-    return elapsed / calls * 1e3
+    return statistics.median(times[1:]) * 1e3
 
 
 def make_timer(device: torch.device, *, warmup_ms: int = 25, repeat_ms: int = 100) -> Timer:
