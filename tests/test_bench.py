@@ -105,8 +105,8 @@ def test_host_issue_time_is_the_time_to_issue_one_call():
         time.sleep(0.004)
         calls.append(len(calls))
 
-    ms = host_issue_ms(issue, [tensor], calls=5, synchronize=lambda: synchronized.append(len(calls)))
-    assert len(calls) == 6 and synchronized == [0, 1, 2, 3, 4, 5, 6]
+    ms = host_issue_ms(issue, [tensor], calls=2, rounds=3, synchronize=lambda: synchronized.append(len(calls)))
+    assert len(calls) == 7 and synchronized == [1, 3, 5, 7]
     assert 4.0 <= ms < 40.0
 
 

@@ -91,25 +91,33 @@ def expert_inputs(shape: BenchShape, skew: float, device, dtype) -> ExpertInputs
 Timer = Callable[..., float]
 
 
-def host_issue_ms(fn: Callable[[], object], grad_to_none=(), *, calls: int = 10,
+def host_issue_ms(fn: Callable[[], object], grad_to_none=(), *, calls: int = 3, rounds: int = 5,
                   synchronize: Callable[[], None] = torch.cuda.synchronize) -> float:
-    """Median host ms to issue one call of ``fn``: each call is timed alone, right after a
-    ``synchronize`` (so no earlier work fills CUDA's launch queue and makes the host wait),
-    after one untimed warm-up call. ``grad_to_none`` tensors lose their grads before each call.
+    """Host ms to issue one call of ``fn`` while the GPU is busy with the calls before it: the
+    median over ``rounds`` of (time to issue ``calls`` calls back to back, after a
+    ``synchronize``) / ``calls``, after one untimed warm-up call. ``grad_to_none`` tensors lose
+    their grads before each call.
 
-    On a GPU, when this reaches the GPU time of a call, the GPU waits on the host (Python,
-    launches, and any host sync inside ``fn``).
+    A few calls per round keep CUDA's launch queue (about a thousand kernels) from filling,
+    which would make the host wait for the GPU. On a GPU, when this reaches the GPU time of a
+    call, the GPU waits on the host (Python, launches, and any host sync inside ``fn``).
     """
-    times = []
-    for _ in range(calls + 1):
+
+    def call():
         for tensor in grad_to_none:
             tensor.grad = None
+        fn()
+
+    call()
+    per_call = []
+    for _ in range(rounds):
         synchronize()
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        for _ in range(calls):
+            call()
+        per_call.append((time.perf_counter() - start) / calls)
     synchronize()
-    return statistics.median(times[1:]) * 1e3
+    return statistics.median(per_call) * 1e3
 
 
 def make_timer(device: torch.device, *, warmup_ms: int = 25, repeat_ms: int = 100) -> Timer:
