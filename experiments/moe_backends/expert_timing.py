@@ -93,14 +93,14 @@ Timer = Callable[..., float]
 
 def host_issue_ms(fn: Callable[[], object], grad_to_none=(), *, calls: int = 3, rounds: int = 5,
                   synchronize: Callable[[], None] = torch.cuda.synchronize) -> float:
-    """Host ms to issue one call of ``fn`` while the GPU is busy with the calls before it: the
-    median over ``rounds`` of (time to issue ``calls`` calls back to back, after a
-    ``synchronize``) / ``calls``, after one untimed warm-up call. ``grad_to_none`` tensors lose
-    their grads before each call.
+    """Host ms to issue one call of ``fn`` while the GPU is busy with the calls before it.
 
-    A few calls per round keep CUDA's launch queue (about a thousand kernels) from filling,
-    which would make the host wait for the GPU. On a GPU, when this reaches the GPU time of a
-    call, the GPU waits on the host (Python, launches, and any host sync inside ``fn``).
+    Each of ``rounds`` rounds synchronizes, issues one untimed call (the first call after a
+    synchronize costs the host more), then times ``calls`` calls issued back to back; the result
+    is the median over rounds of the time per call. A few calls per round keep CUDA's launch
+    queue (about a thousand kernels) from filling, which would make the host wait for the GPU.
+    ``grad_to_none`` tensors lose their grads before each call. On a GPU, when this comes near
+    the time per call, the GPU waits on the host (Python, launches, any host sync inside ``fn``).
     """
 
     def call():
@@ -108,10 +108,10 @@ def host_issue_ms(fn: Callable[[], object], grad_to_none=(), *, calls: int = 3, 
             tensor.grad = None
         fn()
 
-    call()
     per_call = []
     for _ in range(rounds):
         synchronize()
+        call()
         start = time.perf_counter()
         for _ in range(calls):
             call()
