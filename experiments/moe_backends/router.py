@@ -74,7 +74,7 @@ class _Bf16GateLogits(torch.autograd.Function):
     """``x_ND @ weight_ED.T`` in fp32 from bf16 operands; gradients come back in bf16.
 
     Backward multiplies the three bf16 parts of the fp32 logit gradient, side by side along
-    the expert dimension ([N, 3E]), with the weight repeated three times ([3E, D]) for d x and
+    the expert dimension ([N, 3E]), with the weight stacked three times ([3E, D]) for d x and
     with x for d weight ([3E, D] in fp32, the parts then summed).
     """
 
@@ -92,7 +92,7 @@ class _Bf16GateLogits(torch.autograd.Function):
         with torch.autocast(x_ND.device.type, enabled=False):
             parts_N3E = torch.cat(bf16_parts(grad_logits_NE), dim=1)
             if ctx.needs_input_grad[0]:
-                grad_x_ND = torch.mm(parts_N3E, weight_ED.repeat(3, 1))
+                grad_x_ND = torch.mm(parts_N3E, torch.cat((weight_ED,) * 3))
             if ctx.needs_input_grad[1]:
                 grad_3ED = _matmul_fp32_out(parts_N3E.t(), x_ND).view(3, num_experts, dim)
                 grad_weight_ED = grad_3ED.sum(dim=0).to(weight_ED.dtype)
