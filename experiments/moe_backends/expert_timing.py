@@ -91,6 +91,17 @@ def expert_inputs(shape: BenchShape, skew: float, device, dtype) -> ExpertInputs
 Timer = Callable[..., float]
 
 
+def _resetting_grads(fn: Callable[[], object], grad_to_none) -> Callable[[], None]:
+    """``fn`` preceded by setting the ``grad`` of every tensor in ``grad_to_none`` to None."""
+
+    def call():
+        for tensor in grad_to_none or ():
+            tensor.grad = None
+        fn()
+
+    return call
+
+
 def host_issue_ms(fn: Callable[[], object], grad_to_none=(), *, calls: int = 3, rounds: int = 5,
                   synchronize: Callable[[], None] = torch.cuda.synchronize) -> float:
     """Host ms to issue one call of ``fn`` while the GPU is busy with the calls before it.
@@ -102,12 +113,7 @@ def host_issue_ms(fn: Callable[[], object], grad_to_none=(), *, calls: int = 3, 
     ``grad_to_none`` tensors lose their grads before each call. On a GPU, when this comes near
     the time per call, the GPU waits on the host (Python, launches, any host sync inside ``fn``).
     """
-
-    def call():
-        for tensor in grad_to_none:
-            tensor.grad = None
-        fn()
-
+    call = _resetting_grads(fn, grad_to_none)
     per_call = []
     for _ in range(rounds):
         synchronize()
@@ -137,11 +143,7 @@ def make_timer(device: torch.device, *, warmup_ms: int = 25, repeat_ms: int = 10
         return cuda_timer
 
     def cpu_timer(fn, grad_to_none=None):
-        def call():
-            for tensor in grad_to_none or ():
-                tensor.grad = None
-            fn()
-
+        call = _resetting_grads(fn, grad_to_none)
         calls, start = 0, time.perf_counter()
         while calls == 0 or time.perf_counter() - start < warmup_ms / 1e3:
             call()
