@@ -147,7 +147,7 @@ def _shared_memory_limit() -> int:
 def fit_to_shape(m: str | None, n: str | None, k: str | None, a_tiles: int = 1, b_tiles: int = 1):
     """The config choice of a GEMM kernel whose M/N/K sizes are the named kernel arguments
     (None: the row count, which varies), reading ``a_tiles`` A and ``b_tiles`` B operands per stage:
-    ``fit(configs, named_args, element_size) -> [config]``.
+    ``fit(configs, named_args, element_size) -> config``.
 
     Configs are listed best first; this keeps the first one whose tiles are no larger than
     their dimensions need and whose pipeline fits in shared memory for the operands' element
@@ -169,7 +169,7 @@ def fit_to_shape(m: str | None, n: str | None, k: str | None, a_tiles: int = 1, 
         first = next(fitting, None)
         if first is None:
             first = min(configs, key=lambda c: _shared_memory_bytes(c, a_tiles, b_tiles, element_size))
-        return [first]
+        return first
 
     return fit
 
@@ -215,7 +215,7 @@ class FittedKernel:
         choice = tuple(named[name] for name in self._key) + (element_size,)
         config = self._chosen.get(choice)
         if config is None:
-            [config] = self._fit(self._configs, named, element_size)
+            config = self._fit(self._configs, named, element_size)
             self._chosen[choice] = config
         named.update(config.kwargs)
         for flag, (size, block) in self._divides.items():

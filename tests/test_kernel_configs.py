@@ -23,8 +23,7 @@ def choose(configs, *, dim, hidden, dtype=torch.bfloat16, **operands):
 
 
 def blocks(chosen):
-    [only] = chosen
-    return (only.kwargs["BLOCK_M"], only.kwargs["BLOCK_N"], only.kwargs["BLOCK_K"], only.num_warps, only.num_stages)
+    return (chosen.kwargs["BLOCK_M"], chosen.kwargs["BLOCK_N"], chosen.kwargs["BLOCK_K"], chosen.num_warps, chosen.num_stages)
 
 
 def test_full_size_shapes_take_the_first_config():
