@@ -1,5 +1,5 @@
-"""GPU checks of the router gate's bf16 tensor-core path against torchtitan's fp32 gate
-(skipped without CUDA)."""
+"""GPU checks of the router against torchtitan's: the gate's bf16 tensor-core path against the
+fp32 gate, and the top-k routing kernels against torchtitan's routing (skipped without CUDA)."""
 
 import pytest
 import torch
@@ -55,6 +55,47 @@ def test_routing_matches_torchtitans_router():
     torch.testing.assert_close(
         our_scores.sort(dim=-1).values[same_experts], stock_scores.sort(dim=-1).values[same_experts],
         rtol=1e-5, atol=1e-6,
+    )
+
+
+def grad_fns(tensor):
+    """Names of every autograd node ``tensor`` depends on."""
+    names, stack, seen = set(), [tensor.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack += [next_node for next_node, _ in node.next_functions]
+    return names
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_routing_kernels_route_and_differentiate_like_torchtitans_router(score_func):
+    stock, ours = layer_pair(2048, 128, 8)
+    for layer in (stock, ours):
+        layer.router.score_func = score_func
+        layer.expert_bias_E.copy_(torch.linspace(0.01, 0, 128, device="cuda"))
+    generator = torch.Generator("cuda").manual_seed(2)
+    x = torch.randn(2, 2048, 2048, device="cuda", generator=generator).bfloat16()
+    expert_weight_E = torch.randn(128, device="cuda", generator=generator)
+    results = []
+    for layer in (stock, ours):
+        leaf = x.clone().requires_grad_()
+        topk_scores, ids, scores = layer.router(leaf, layer.expert_bias_E)
+        # A loss that does not depend on the order of the K slots (torchtitan's top-k is unsorted).
+        loss = (topk_scores * expert_weight_E[ids]).sum() + (scores * expert_weight_E).sum()
+        loss.backward()
+        results.append((ids.sort(dim=-1).values, scores, leaf.grad, grad_fns(topk_scores)))
+    (stock_ids, stock_scores, stock_grad, _), (our_ids, our_scores, our_grad, our_nodes) = results
+    assert "_TopKRoutingBackward" in our_nodes
+    same_experts = (stock_ids == our_ids).all(dim=-1)
+    assert same_experts.float().mean() >= 0.999
+    torch.testing.assert_close(our_scores, stock_scores, rtol=1e-4, atol=1e-6)
+    expected = stock_grad[same_experts].float()
+    torch.testing.assert_close(
+        our_grad[same_experts].float(), expected, rtol=0.05, atol=0.02 * float(expected.abs().max())
     )
 
 

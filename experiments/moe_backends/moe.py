@@ -167,10 +167,7 @@ class RoutedMoE(MoE):
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         """``(B, L, D)`` -> ``(B, L, D)``."""
         routed: RouterOutput = self.router.route(x_BLD, self.expert_bias_E)
-        routing_map_BLE = torch.zeros_like(routed.scores_BLE, dtype=torch.bool).scatter_(
-            -1, routed.routed_expert_ids_BLK, True
-        )
-        num_routed_per_expert_E = routing_map_BLE.sum(dim=(0, 1))
+        num_routed_per_expert_E = routed.num_routed_per_expert_E
         num_kept_per_expert_E = num_routed_per_expert_E
         capacity = self.router.capacity(x_BLD.shape[0] * x_BLD.shape[1])
         if capacity is not None:
@@ -185,7 +182,7 @@ class RoutedMoE(MoE):
         if self.shared_experts is not None:
             out_BLD = out_BLD + self.shared_experts(x_BLD)
 
-        out_BLD, aux_loss, z_loss = self._add_router_losses(out_BLD, routed, routing_map_BLE)
+        out_BLD, aux_loss, z_loss = self._add_router_losses(out_BLD, routed)
         self.last_router_statistics = RouterStatistics(
             tokens_per_expert_E=num_routed_per_expert_E.detach(),
             num_dropped_slots=routed.num_dropped_slots.detach(),
@@ -196,7 +193,7 @@ class RoutedMoE(MoE):
         return out_BLD
 
     def _add_router_losses(
-        self, out_BLD: torch.Tensor, routed: RouterOutput, routing_map_BLE: torch.Tensor
+        self, out_BLD: torch.Tensor, routed: RouterOutput
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(out_BLD with the weighted losses' gradient injected, aux loss, z loss)``.
 
@@ -205,6 +202,9 @@ class RoutedMoE(MoE):
         weighted_losses = []
         aux_loss_value = z_loss_value = None
         if self.aux_loss_coeff > 0:
+            routing_map_BLE = torch.zeros_like(routed.scores_BLE, dtype=torch.bool).scatter_(
+                -1, routed.routed_expert_ids_BLK, True
+            )
             aux_loss = load_balancing_loss(
                 normalized_probs(routed.scores_BLE, self.router.score_func),
                 routing_map_BLE,

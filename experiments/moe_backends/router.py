@@ -8,11 +8,15 @@ route_norm, route_scale, group-limited routing, aux-loss-free expert bias) and a
   first come first served in token order. A dropped slot gets expert id ``num_experts`` (the
   dispatchers skip it) and score 0, so its token contributes nothing there (with the residual
   connection it passes through the layer unchanged).
-- ``route(x_BLD, expert_bias_E)`` returning a ``RouterOutput`` that also carries the gate logits
-  and normalized scores the MoE layer needs for its auxiliary and z losses.
+- ``route(x_BLD, expert_bias_E)`` returning a ``RouterOutput`` that also carries the gate logits,
+  the normalized scores the MoE layer needs for its auxiliary and z losses, and the slot count
+  of every expert.
 
-With every extra option off, ``forward`` returns exactly what torchtitan's router returns,
-except for the order of the gate's fp32 sums on CUDA (see ``RouterGate``).
+On CPU, with every extra option off, ``forward`` returns exactly what torchtitan's router
+returns. On CUDA the gate runs on bf16 tensor cores (see ``RouterGate``), and the score
+function, expert bias, top-k, normalisation and counts run in one Triton kernel each way
+(``kernels.topk_routing``: same routing up to fp32 rounding, ties to the lowest expert id)
+unless group-limited routing or torchtitan's debug load balancing is on.
 
 ``RouterGate`` is torchtitan's gate (a ``Linear``) that, when torchtitan's router asks for fp32
 logits from bf16 tokens and a bf16 weight on CUDA, computes them on bf16 tensor cores with fp32
@@ -32,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import TokenChoiceTopKRouter
 from torchtitan_ext.kernels.moe_permute import stable_expert_order
+from torchtitan_ext.kernels.topk_routing import topk_routing, topk_routing_unsupported_reason
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +55,8 @@ class RouterOutput:
     """gate output before the score function, fp32 (z-loss)"""
     num_dropped_slots: torch.Tensor
     """scalar int64: routed slots dropped by the capacity limit"""
+    num_routed_per_expert_E: torch.Tensor
+    """(E,) int64: slots routed to each expert, before capacity dropping"""
 
 
 def bf16_parts(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,6 +142,12 @@ class RouterGate(Linear):
         )
 
 
+def slot_counts(expert_ids_S: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``(E,)`` int64: how many of the slots ``expert_ids_S`` (ids in [0, E)) chose each expert. No host sync."""
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids_S.device)
+    return counts_E.scatter_add_(0, expert_ids_S, torch.ones_like(expert_ids_S))
+
+
 def capacity_keep_mask(
     expert_ids_S: torch.Tensor, num_experts: int, capacity: int
 ) -> torch.Tensor:
@@ -143,8 +156,7 @@ def capacity_keep_mask(
     "Earlier" is slot order (token-major), so the first tokens of the batch win. No host sync.
     """
     order_S = stable_expert_order(expert_ids_S, num_experts)
-    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids_S.device)
-    counts_E.scatter_add_(0, expert_ids_S, torch.ones_like(expert_ids_S))
+    counts_E = slot_counts(expert_ids_S, num_experts)
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     sorted_ids_S = expert_ids_S[order_S]
     rank_sorted_S = torch.arange(expert_ids_S.shape[0], device=expert_ids_S.device) - starts_E[sorted_ids_S]
@@ -204,9 +216,42 @@ class BalancedTopKRouter(TokenChoiceTopKRouter):
             return None
         return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
 
+    def _kernel_routes(self, x_BLD: torch.Tensor) -> bool:
+        """Whether ``route`` takes the Triton top-k routing path (module docstring)."""
+        return (
+            x_BLD.is_cuda
+            and not isinstance(x_BLD, DTensor)
+            and self.num_expert_groups is None
+            and not self._debug_force_load_balance
+            and topk_routing_unsupported_reason(self.num_experts, self.top_k, self.score_func, torch.float32) is None
+        )
+
+    def _route_with_kernels(
+        self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """torchtitan's fp32 gate, then ``topk_routing``: ``(topk_scores_BLK, topk_expert_ids_BLK,
+        scores_BLE, num_routed_per_expert_E)``."""
+        with torch.autocast(device_type=x_BLD.device.type, dtype=torch.float32):
+            logits_BLE = self.gate(x_BLD)
+        topk_scores_NK, topk_ids_NK, scores_NE, counts_E = topk_routing(
+            logits_BLE.float().reshape(-1, self.num_experts), expert_bias_E,
+            self.top_k, self.score_func, self.route_norm, self.route_scale,
+        )
+        leading = x_BLD.shape[:-1]
+        return (
+            topk_scores_NK.view(*leading, self.top_k),
+            topk_ids_NK.view(*leading, self.top_k),
+            scores_NE.view(*leading, self.num_experts),
+            counts_E,
+        )
+
     def route(self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None) -> RouterOutput:
         """Route ``x_BLD``; torchtitan's routing, then the capacity limit."""
-        topk_scores_BLK, topk_expert_ids_BLK, scores_BLE = super().forward(x_BLD, expert_bias_E)
+        if self._kernel_routes(x_BLD):
+            topk_scores_BLK, topk_expert_ids_BLK, scores_BLE, counts_E = self._route_with_kernels(x_BLD, expert_bias_E)
+        else:
+            topk_scores_BLK, topk_expert_ids_BLK, scores_BLE = super().forward(x_BLD, expert_bias_E)
+            counts_E = slot_counts(topk_expert_ids_BLK.reshape(-1), self.num_experts)
         logits_BLE, self._last_logits_BLE = self._last_logits_BLE, None
         routed_expert_ids_BLK = topk_expert_ids_BLK
         num_dropped_slots = torch.zeros((), dtype=torch.int64, device=topk_expert_ids_BLK.device)
@@ -225,6 +270,7 @@ class BalancedTopKRouter(TokenChoiceTopKRouter):
             scores_BLE=scores_BLE,
             logits_BLE=logits_BLE,
             num_dropped_slots=num_dropped_slots,
+            num_routed_per_expert_E=counts_E,
         )
 
     def forward(
