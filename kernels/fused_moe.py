@@ -69,9 +69,9 @@ def fused_moe_routed(
         out_TD: [T, D] in x's dtype.
     """
     top_k = topk_expert_ids_TK.shape[1]
-    row_slot_S, group_end_E = routing_metadata(topk_expert_ids_TK, w1_EFD.shape[0])
+    row_slot_S, slot_row_S, group_end_E = routing_metadata(topk_expert_ids_TK, w1_EFD.shape[0])
     out_TD = swiglu_experts(
-        x_TD, w1_EFD, w2_EDF, w3_EFD, group_end_E, row_slot_S, topk_scores_TK.reshape(-1), top_k
+        x_TD, w1_EFD, w2_EDF, w3_EFD, group_end_E, row_slot_S, topk_scores_TK.reshape(-1), top_k, slot_row_S
     )
     return out_TD
 

@@ -7,7 +7,7 @@ Routing metadata, for the fused expert kernels (grouped row r holds token
 ``row_slot_S[r] // top_k``; the down projection writes each routed row back to its slot):
 
 - ``stable_expert_order(expert_of_slot_S, num_experts)`` -> the slots sorted by expert, stably.
-- ``routing_metadata(topk_expert_ids_TK, num_experts)`` -> ``(row_slot_S, group_end_E)``.
+- ``routing_metadata(topk_expert_ids_TK, num_experts)`` -> ``(row_slot_S, slot_row_S, group_end_E)``.
 - ``grouped_metadata(num_tokens_per_expert_E)`` -> ``group_end_E``.
 - ``slot_rows(row_slot_S)`` -> ``slot_row_S``, and ``scatter_token_rows(x_TD, slot_row_S, top_k, rows)``
   fills every grouped row with its token's row (x and d out in expert order, read by every GEMM).
@@ -34,11 +34,19 @@ CPU tensors under ``TRITON_INTERPRET=1``; they do no host sync.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from torchtitan_ext.kernels._runtime import check_runnable, permute_block_d, row_block_d
+from torchtitan_ext.kernels._runtime import (
+    check_runnable,
+    interpreter_enabled,
+    permute_block_d,
+    row_block_d,
+    triton_available_reason,
+)
 
 
 # ---------------------------------------------------------------- routing metadata
@@ -56,26 +64,110 @@ def stable_expert_order(expert_of_slot_S: torch.Tensor, num_experts: int) -> tor
     return torch.argsort(expert_of_slot_S, stable=True)
 
 
+GROUPING_MAX_EXPERTS = 1024
+"""Largest expert count the grouping kernels handle (one histogram bin per expert in registers)."""
+
+
 def routing_metadata(
-    topk_expert_ids_TK: torch.Tensor, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+    topk_expert_ids_TK: torch.Tensor, num_experts: int, slots_per_program: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group routed rows by expert without a host sync.
 
     Args:
-        topk_expert_ids_TK: [T, K] integer expert ids in [0, num_experts).
+        topk_expert_ids_TK: [T, K] integer expert ids in [0, num_experts].
+        slots_per_program: slots each program of the grouping kernels ranks (None: at least 256,
+            and few enough programs, at most 128, that each reads every block's histogram
+            cheaply; a power of 2 otherwise).
 
     Returns:
         row_slot_S: [S = T*K] int32; grouped row r holds the routed row of slot row_slot_S[r].
-            Rows are ordered by expert, and by slot within an expert (stable).
+            Rows are ordered by expert, and by slot within an expert (stable); slots of expert
+            ``num_experts`` (dropped) come last.
+        slot_row_S: [S] int32, the inverse: the grouped row of every slot.
         group_end_E: [E] int32; exclusive end row of each expert's segment (inclusive
             cumsum of the per-expert counts).
+
+    Two Triton kernels (a histogram per block of slots, then each slot's rank: the rows of the
+    experts before its own, of the blocks before its own, and of the slots before it in its
+    block) where they can run and ``num_experts <= GROUPING_MAX_EXPERTS``; a stable sort otherwise.
     """
     expert_of_slot_S = topk_expert_ids_TK.reshape(-1)
+    if num_experts <= GROUPING_MAX_EXPERTS and triton_available_reason() is None and (
+        expert_of_slot_S.is_cuda or interpreter_enabled()
+    ):
+        return _group_slots_with_kernels(expert_of_slot_S, num_experts, slots_per_program)
     row_slot_S = stable_expert_order(expert_of_slot_S, num_experts)
     sorted_experts_S = expert_of_slot_S[row_slot_S]
     expert_ids_E = torch.arange(num_experts, device=sorted_experts_S.device, dtype=sorted_experts_S.dtype)
     group_end_E = torch.searchsorted(sorted_experts_S, expert_ids_E, right=True)
-    return row_slot_S.to(torch.int32), group_end_E.to(torch.int32)
+    row_slot_S = row_slot_S.to(torch.int32)
+    return row_slot_S, slot_rows(row_slot_S), group_end_E.to(torch.int32)
+
+
+@triton.jit
+def _slot_histogram_kernel(ids_ptr, block_counts_ptr, num_slots, BLOCK_S: tl.constexpr, NUM_BINS: tl.constexpr):
+    """block_counts[b, e] = slots of block b with expert id e (the last bin counts padding only)."""
+    block = tl.program_id(0)
+    slots = block * BLOCK_S + tl.arange(0, BLOCK_S)
+    ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=NUM_BINS - 1).to(tl.int32)
+    tl.store(block_counts_ptr + block * NUM_BINS + tl.arange(0, NUM_BINS), tl.histogram(ids, NUM_BINS))
+
+
+@triton.jit
+def _group_slots_kernel(
+    ids_ptr, block_counts_ptr, row_slot_ptr, slot_row_ptr, group_end_ptr, num_slots, num_experts, num_blocks,
+    BLOCK_S: tl.constexpr, NUM_BINS: tl.constexpr, SCAN_BLOCKS: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Rows of block b's slots: start of its expert's segment + that expert's slots in blocks
+    before b + its slots earlier in block b. Program 0 also writes the segment ends."""
+    block = tl.program_id(0)
+    bins = tl.arange(0, NUM_BINS)
+    totals = tl.zeros([NUM_BINS], dtype=tl.int32)
+    before = tl.zeros([NUM_BINS], dtype=tl.int32)
+    for first in range(0, num_blocks, SCAN_BLOCKS):
+        blocks = first + tl.arange(0, SCAN_BLOCKS)
+        counts = tl.load(
+            block_counts_ptr + blocks[:, None] * NUM_BINS + bins[None, :], mask=(blocks < num_blocks)[:, None], other=0
+        )
+        totals += tl.sum(counts, axis=0)
+        before += tl.sum(tl.where((blocks < block)[:, None], counts, 0), axis=0)
+    starts = tl.cumsum(totals, axis=0) - totals
+    if block == 0:
+        tl.store(group_end_ptr + bins, starts + totals, mask=bins < num_experts)
+    next_row = starts + before
+    lanes = tl.arange(0, CHUNK)
+    for offset in range(0, BLOCK_S, CHUNK):
+        slots = block * BLOCK_S + offset + lanes
+        valid = slots < num_slots
+        ids = tl.load(ids_ptr + slots, mask=valid, other=NUM_BINS - 1).to(tl.int32)
+        one_hot = ids[:, None] == bins[None, :]
+        earlier_same = (ids[:, None] == ids[None, :]) & (lanes[None, :] < lanes[:, None])
+        row = tl.sum(tl.where(one_hot, next_row[None, :], 0), axis=1) + tl.sum(earlier_same.to(tl.int32), axis=1)
+        tl.store(slot_row_ptr + slots, row, mask=valid)
+        tl.store(row_slot_ptr + row, slots, mask=valid)
+        next_row += tl.sum(one_hot.to(tl.int32), axis=0)
+
+
+def _group_slots_with_kernels(
+    expert_of_slot_S: torch.Tensor, num_experts: int, slots_per_program: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    num_slots = expert_of_slot_S.shape[0]
+    device = expert_of_slot_S.device
+    num_bins = triton.next_power_of_2(num_experts + 2)  # experts, dropped, and a padding bin
+    block_s = slots_per_program or max(256, triton.next_power_of_2(triton.cdiv(num_slots, 128)))
+    num_blocks = max(1, triton.cdiv(num_slots, block_s))
+    row_slot_S = torch.empty(num_slots, dtype=torch.int32, device=device)
+    slot_row_S = torch.empty_like(row_slot_S)
+    group_end_E = torch.empty(num_experts, dtype=torch.int32, device=device)
+    block_counts = torch.empty(num_blocks, num_bins, dtype=torch.int32, device=device)
+    ids_S = expert_of_slot_S.contiguous()
+    _slot_histogram_kernel[(num_blocks,)](ids_S, block_counts, num_slots, BLOCK_S=block_s, NUM_BINS=num_bins)
+    _group_slots_kernel[(num_blocks,)](
+        ids_S, block_counts, row_slot_S, slot_row_S, group_end_E, num_slots, num_experts, num_blocks,
+        BLOCK_S=block_s, NUM_BINS=num_bins, SCAN_BLOCKS=max(1, min(64, 8192 // num_bins)),
+        CHUNK=min(block_s, max(16, min(64, 16384 // num_bins))), num_warps=8,
+    )
+    return row_slot_S, slot_row_S, group_end_E
 
 
 def grouped_metadata(num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
@@ -85,14 +177,18 @@ def grouped_metadata(num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
 
 def reference_routing_metadata(
     topk_expert_ids_TK: torch.Tensor, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-expert loop version of :func:`routing_metadata`, for tests."""
     expert_of_slot_S = topk_expert_ids_TK.reshape(-1).tolist()
     row_slot, group_end = [], []
-    for expert in range(num_experts):
+    for expert in range(num_experts + 1):
         row_slot += [slot for slot, e in enumerate(expert_of_slot_S) if e == expert]
         group_end.append(len(row_slot))
-    return torch.tensor(row_slot, dtype=torch.int32), torch.tensor(group_end, dtype=torch.int32)
+    slot_row = [0] * len(row_slot)
+    for row, slot in enumerate(row_slot):
+        slot_row[slot] = row
+    as_int32 = functools.partial(torch.tensor, dtype=torch.int32)
+    return as_int32(row_slot), as_int32(slot_row), as_int32(group_end[:num_experts])
 
 
 # ---------------------------------------------------------------- token permute: plain torch reference

@@ -625,13 +625,14 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
     """Differentiable SwiGLU experts over expert-grouped rows (see module docstring)."""
 
     @staticmethod
-    def forward(ctx, x_XD, w1_EFD, w2_EDF, w3_EFD, scores_S, group_end_E, row_slot_S, top_k):
+    def forward(ctx, x_XD, w1_EFD, w2_EDF, w3_EFD, scores_S, group_end_E, row_slot_S, top_k, slot_row_S):
         routed = row_slot_S is not None
         num_experts, hidden, dim = w1_EFD.shape
         num_rows = row_slot_S.shape[0] if routed else x_XD.shape[0]
         x_XD = x_XD.contiguous()
         w1, w2, w3 = (w.to(x_XD.dtype).contiguous() for w in (w1_EFD, w2_EDF, w3_EFD))
-        slot_row_S = slot_rows(row_slot_S) if routed else None
+        if routed and slot_row_S is None:
+            slot_row_S = slot_rows(row_slot_S)
         x_RD = _grouped_rows(x_XD, slot_row_S, top_k) if routed else x_XD
         save_preact = any(ctx.needs_input_grad[:5])
         split = gate_up_in_two_passes(dim, hidden)
@@ -729,7 +730,7 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
         dscores = None
         if routed and ctx.needs_input_grad[4]:
             dscores = dscores_S.to(scores.dtype)
-        return dx, dw1, dw2, dw3, dscores, None, None, None
+        return dx, dw1, dw2, dw3, dscores, None, None, None, None
 
 
 def swiglu_experts(
@@ -741,6 +742,7 @@ def swiglu_experts(
     row_slot_S: torch.Tensor | None = None,
     scores_S: torch.Tensor | None = None,
     top_k: int = 1,
+    slot_row_S: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SwiGLU experts; grouped mode when row_slot_S is None, routed mode otherwise.
 
@@ -750,6 +752,8 @@ def swiglu_experts(
         row_slot_S: routed mode: [S = T*K] int32 token-major slot of each grouped row.
         scores_S: routed mode: [S] router weight of each slot (token-major).
         top_k: routed mode: K.
+        slot_row_S: routed mode: [S] int32 grouped row of each slot, the inverse of row_slot_S
+            (None: computed from it).
 
     Returns:
         grouped: [R, D]; routed: [T, D] = sum_k scores * expert output. Dtype of x.
@@ -761,4 +765,6 @@ def swiglu_experts(
         tensors += [row_slot_S, scores_S]
     check_runnable(*tensors)
     _announce_first_use(x_XD, w1_EFD, routed=row_slot_S is not None)
-    return SwiGLUExpertsFunction.apply(x_XD, w1_EFD, w2_EDF, w3_EFD, scores_S, group_end_E, row_slot_S, top_k)
+    return SwiGLUExpertsFunction.apply(
+        x_XD, w1_EFD, w2_EDF, w3_EFD, scores_S, group_end_E, row_slot_S, top_k, slot_row_S
+    )

@@ -17,10 +17,12 @@ from torchtitan_ext.kernels.fused_moe import (
     reference_routed,
     triton_available_reason,
 )
+from torchtitan_ext.kernels._runtime import interpreter_enabled
 from torchtitan_ext.kernels.moe_permute import reference_routing_metadata, routing_metadata
 
 pytestmark = pytest.mark.skipif(
-    triton_available_reason() is not None, reason="needs CUDA or TRITON_INTERPRET=1"
+    not interpreter_enabled(),
+    reason="CPU tensors through Triton's interpreter (TRITON_INTERPRET=1); test_kernels_fused_moe_gpu.py checks CUDA",
 )
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3}
@@ -212,7 +214,7 @@ def test_routed_forward_keeps_x_in_expert_order_only_for_weight_gradients(weight
     if weights_frozen:
         assert grouped_x == []
         return
-    row_slot_S, _ = routing_metadata(inputs[4], num_experts)
+    row_slot_S, _, _ = routing_metadata(inputs[4], num_experts)
     assert len(grouped_x) == 1
     assert torch.equal(grouped_x[0], inputs[0].detach().index_select(0, (row_slot_S // top_k).long()))
 
@@ -228,11 +230,19 @@ def test_stable_expert_order_sorts_on_narrow_keys_like_a_stable_argsort(num_expe
     assert torch.equal(stable_expert_order(ids_S, num_experts), torch.argsort(ids_S, stable=True))
 
 
-def test_routing_metadata_matches_reference():
+@pytest.mark.parametrize("slots_per_program", [None, 8, 16])
+@pytest.mark.parametrize("num_experts", [9, 30, 1025])
+def test_routing_metadata_matches_reference(num_experts, slots_per_program):
+    """One or several programs (blocks of 8 or 16 slots), experts left empty, one popular expert,
+    dropped slots (id num_experts), and a slot count that no block size divides; past
+    GROUPING_MAX_EXPERTS (1024) experts, the stable sort."""
     ids = torch.randint(0, 7, (13, 3), generator=torch.Generator().manual_seed(0))
-    ids[:, 0] = 2  # make one expert popular and leave others empty
-    for actual, expected in zip(routing_metadata(ids, 9), reference_routing_metadata(ids, 9)):
-        assert torch.equal(actual, expected)
+    ids[:, 0] = 2
+    ids[3:5, 1] = num_experts
+    ids[-1, -1] = num_experts - 1
+    expected = reference_routing_metadata(ids, num_experts)
+    for actual, wanted in zip(routing_metadata(ids, num_experts, slots_per_program), expected):
+        assert torch.equal(actual, wanted)
 
 
 def test_grouped_token_rows_match_index_select():

@@ -124,3 +124,18 @@ def test_deterministic():
         results.append([out, *torch.autograd.grad(out, [x, *weights, scores], torch.ones_like(out))])
     for first, second in zip(*results):
         assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("num_tokens, top_k, num_experts", [(8192, 8, 128), (8192, 2, 8), (3001, 6, 64), (777, 4, 1000)])
+def test_routing_metadata_kernels_match_the_reference(num_tokens, top_k, num_experts):
+    """The grouping kernels on CUDA (several programs, dropped slots, poisoned outputs) against
+    the per-expert loop."""
+    from torchtitan_ext.kernels.moe_permute import reference_routing_metadata, routing_metadata
+
+    generator = torch.Generator("cuda").manual_seed(4)
+    ids = torch.randint(0, num_experts + 1, (num_tokens, top_k), device="cuda", generator=generator)
+    ids[: num_tokens // 3, 0] = 1
+    poison_allocator()
+    actual = routing_metadata(ids, num_experts)
+    for got, expected in zip(actual, reference_routing_metadata(ids.cpu(), num_experts)):
+        assert torch.equal(got.cpu(), expected)
