@@ -76,7 +76,7 @@ def routing_metadata(
     Args:
         topk_expert_ids_TK: [T, K] integer expert ids in [0, num_experts].
         slots_per_program: slots each program of the grouping kernels ranks (None: at least 256,
-            and few enough programs, at most 128, that each reads every block's histogram
+            and few enough programs, at most 256, that each reads every block's histogram
             cheaply; a power of 2 otherwise).
 
     Returns:
@@ -154,7 +154,7 @@ def _group_slots_with_kernels(
     num_slots = expert_of_slot_S.shape[0]
     device = expert_of_slot_S.device
     num_bins = triton.next_power_of_2(num_experts + 2)  # experts, dropped, and a padding bin
-    block_s = slots_per_program or max(256, triton.next_power_of_2(triton.cdiv(num_slots, 128)))
+    block_s = slots_per_program or max(256, triton.next_power_of_2(triton.cdiv(num_slots, 256)))
     num_blocks = max(1, triton.cdiv(num_slots, block_s))
     row_slot_S = torch.empty(num_slots, dtype=torch.int32, device=device)
     slot_row_S = torch.empty_like(row_slot_S)
@@ -165,7 +165,7 @@ def _group_slots_with_kernels(
     _group_slots_kernel[(num_blocks,)](
         ids_S, block_counts, row_slot_S, slot_row_S, group_end_E, num_slots, num_experts, num_blocks,
         BLOCK_S=block_s, NUM_BINS=num_bins, SCAN_BLOCKS=max(1, min(64, 8192 // num_bins)),
-        CHUNK=min(block_s, max(16, min(64, 16384 // num_bins))), num_warps=8,
+        CHUNK=min(block_s, max(16, min(128, 16384 // num_bins))), num_warps=4,
     )
     return row_slot_S, slot_row_S, group_end_E
 
