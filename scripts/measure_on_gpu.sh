@@ -23,7 +23,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$out/gpu.txt"
 for task in "$@"; do
   case $task in
-    tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused_moe_gpu.py tests/test_fused_layer.py tests/test_router_gpu.py 2>&1 | tee "$out/gpu_tests.log" ;;
+    tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused_moe_gpu.py tests/test_fused_layer.py tests/test_router_gpu.py tests/test_topk_routing.py tests/test_no_host_sync_gpu.py 2>&1 | tee "$out/gpu_tests.log" ;;
     bench)
       # BENCH_ROUNDS times every layer / implementation that many times, taking turns, and keeps the medians.
       python3 -m torchtitan_ext.bench layer ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} --json "$out/moe_layer.json" 2>&1 | tee "$out/moe_layer.log"
