@@ -159,7 +159,7 @@ class _TopKRouting(torch.autograd.Function):
         block_t, block_e = _tile(num_experts)
         if num_tokens:
             _topk_routing_forward_kernel[(triton.cdiv(num_tokens, block_t),)](
-                logits_TE, expert_bias_E if expert_bias_E is not None else logits_TE,
+                logits_TE, expert_bias_E.contiguous() if expert_bias_E is not None else logits_TE,
                 scores_TE, topk_scores_TK, topk_ids_TK, counts_E,
                 num_tokens, num_experts, float(route_scale),
                 TOP_K=top_k, SIGMOID=score_func == "sigmoid", HAS_BIAS=expert_bias_E is not None,
