@@ -6,6 +6,7 @@ Slots are the routed (token, k) pairs in token-major order, ``s = t * top_k + k`
 Routing metadata, for the fused expert kernels (grouped row r holds token
 ``row_slot_S[r] // top_k``; the down projection writes each routed row back to its slot):
 
+- ``slot_counts(expert_of_slot_S, num_experts)`` -> how many slots chose each expert.
 - ``stable_expert_order(expert_of_slot_S, num_experts)`` -> the slots sorted by expert, stably.
 - ``routing_metadata(topk_expert_ids_TK, num_experts)`` -> ``(row_slot_S, slot_row_S, group_end_E)``.
 - ``grouped_metadata(num_tokens_per_expert_E)`` -> ``group_end_E``.
@@ -45,11 +46,16 @@ from torchtitan_ext.kernels._runtime import (
     interpreter_enabled,
     permute_block_d,
     row_block_d,
-    triton_available_reason,
 )
 
 
 # ---------------------------------------------------------------- routing metadata
+
+
+def slot_counts(expert_of_slot_S: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``(E,)`` int64: how many of the slots (expert ids in [0, E)) chose each expert. No host sync."""
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_of_slot_S.device)
+    return counts_E.scatter_add_(0, expert_of_slot_S, torch.ones_like(expert_of_slot_S))
 
 
 def stable_expert_order(expert_of_slot_S: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -92,9 +98,7 @@ def routing_metadata(
     block) where they can run and ``num_experts <= GROUPING_MAX_EXPERTS``; a stable sort otherwise.
     """
     expert_of_slot_S = topk_expert_ids_TK.reshape(-1)
-    if num_experts <= GROUPING_MAX_EXPERTS and triton_available_reason() is None and (
-        expert_of_slot_S.is_cuda or interpreter_enabled()
-    ):
+    if num_experts <= GROUPING_MAX_EXPERTS and (expert_of_slot_S.is_cuda or interpreter_enabled()):
         return _group_slots_with_kernels(expert_of_slot_S, num_experts, slots_per_program)
     row_slot_S = stable_expert_order(expert_of_slot_S, num_experts)
     sorted_experts_S = expert_of_slot_S[row_slot_S]

@@ -47,7 +47,7 @@ from torchtitan_ext.kernels._runtime import (
     swizzle_tile,
     tensor_descriptors,
 )
-from torchtitan_ext.kernels.moe_permute import scatter_token_rows, slot_rows, sum_slots
+from torchtitan_ext.kernels.moe_permute import scatter_token_rows, sum_slots
 
 GROUP_M = 8
 GATE_UP_TWO_PASS_MIN_WEIGHT = 2048 * 4096
@@ -631,8 +631,6 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
         num_rows = row_slot_S.shape[0] if routed else x_XD.shape[0]
         x_XD = x_XD.contiguous()
         w1, w2, w3 = (w.to(x_XD.dtype).contiguous() for w in (w1_EFD, w2_EDF, w3_EFD))
-        if routed and slot_row_S is None:
-            slot_row_S = slot_rows(row_slot_S)
         x_RD = _grouped_rows(x_XD, slot_row_S, top_k) if routed else x_XD
         save_preact = any(ctx.needs_input_grad[:5])
         split = gate_up_in_two_passes(dim, hidden)
@@ -753,16 +751,16 @@ def swiglu_experts(
         scores_S: routed mode: [S] router weight of each slot (token-major).
         top_k: routed mode: K.
         slot_row_S: routed mode: [S] int32 grouped row of each slot, the inverse of row_slot_S
-            (None: computed from it).
+            (``routing_metadata`` returns both).
 
     Returns:
         grouped: [R, D]; routed: [T, D] = sum_k scores * expert output. Dtype of x.
     """
     tensors = [x_XD, w1_EFD, w2_EDF, w3_EFD, group_end_E]
     if row_slot_S is not None:
-        if scores_S is None:
-            raise ValueError("routed mode needs scores_S alongside row_slot_S")
-        tensors += [row_slot_S, scores_S]
+        if scores_S is None or slot_row_S is None:
+            raise ValueError("routed mode needs scores_S and slot_row_S alongside row_slot_S")
+        tensors += [row_slot_S, scores_S, slot_row_S]
     check_runnable(*tensors)
     _announce_first_use(x_XD, w1_EFD, routed=row_slot_S is not None)
     return SwiGLUExpertsFunction.apply(

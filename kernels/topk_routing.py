@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from torchtitan_ext.kernels._runtime import check_runnable
+from torchtitan_ext.kernels.moe_permute import slot_counts
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 MAX_EXPERTS = 1024
@@ -242,6 +243,4 @@ def topk_routing_reference(
     topk_scores_TK = scores_TE.gather(-1, topk_ids_TK)
     if route_norm:
         topk_scores_TK = topk_scores_TK / (topk_scores_TK.sum(dim=-1, keepdim=True) + 1e-20)
-    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=logits_TE.device)
-    counts_E.scatter_add_(0, topk_ids_TK.reshape(-1), torch.ones_like(topk_ids_TK.reshape(-1)))
-    return topk_scores_TK * route_scale, topk_ids_TK, scores_TE, counts_E
+    return topk_scores_TK * route_scale, topk_ids_TK, scores_TE, slot_counts(topk_ids_TK.reshape(-1), num_experts)

@@ -23,6 +23,7 @@ from torchtitan_ext.experiments.moe_backends.router import (
     capacity_keep_mask,
 )
 from torchtitan_ext.experiments.moe_backends.toml_keys import check_moe_config
+from torchtitan_ext.kernels.moe_permute import slot_counts
 from torchtitan_ext.overrides import ConfigError, apply_overrides
 from torchtitan_ext.registry import get_flavor
 
@@ -146,7 +147,8 @@ def test_expert_bias_changes_choice_not_weight():
 
 
 def test_capacity_keeps_first_tokens_and_counts_drops():
-    keep = capacity_keep_mask(torch.tensor([0, 1, 0, 0, 1, 2]), num_experts=3, capacity=2)
+    ids = torch.tensor([0, 1, 0, 0, 1, 2])
+    keep = capacity_keep_mask(ids, slot_counts(ids, num_experts=3), capacity=2)
     assert keep.tolist() == [True, True, True, False, True, True]
 
     router = hand_router([1.0, 0.0, -1.0, -2.0], top_k=1, score_func="softmax", capacity_factor=1.0)

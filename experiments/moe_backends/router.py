@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import TokenChoiceTopKRouter
-from torchtitan_ext.kernels.moe_permute import stable_expert_order
+from torchtitan_ext.kernels.moe_permute import slot_counts, stable_expert_order
 from torchtitan_ext.kernels.topk_routing import topk_routing, topk_routing_unsupported_reason
 
 
@@ -142,21 +142,13 @@ class RouterGate(Linear):
         )
 
 
-def slot_counts(expert_ids_S: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``(E,)`` int64: how many of the slots ``expert_ids_S`` (ids in [0, E)) chose each expert. No host sync."""
-    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_ids_S.device)
-    return counts_E.scatter_add_(0, expert_ids_S, torch.ones_like(expert_ids_S))
-
-
-def capacity_keep_mask(
-    expert_ids_S: torch.Tensor, num_experts: int, capacity: int
-) -> torch.Tensor:
+def capacity_keep_mask(expert_ids_S: torch.Tensor, counts_E: torch.Tensor, capacity: int) -> torch.Tensor:
     """``(N,)`` bool: slot keeps its expert iff fewer than ``capacity`` earlier slots chose it.
 
+    ``counts_E``: the slots that chose each expert (``slot_counts`` of ``expert_ids_S``).
     "Earlier" is slot order (token-major), so the first tokens of the batch win. No host sync.
     """
-    order_S = stable_expert_order(expert_ids_S, num_experts)
-    counts_E = slot_counts(expert_ids_S, num_experts)
+    order_S = stable_expert_order(expert_ids_S, counts_E.shape[0])
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     sorted_ids_S = expert_ids_S[order_S]
     rank_sorted_S = torch.arange(expert_ids_S.shape[0], device=expert_ids_S.device) - starts_E[sorted_ids_S]
@@ -257,9 +249,9 @@ class BalancedTopKRouter(TokenChoiceTopKRouter):
         num_dropped_slots = torch.zeros((), dtype=torch.int64, device=topk_expert_ids_BLK.device)
         capacity = self.capacity(x_BLD.shape[0] * x_BLD.shape[1])
         if capacity is not None:
-            keep_BLK = capacity_keep_mask(
-                topk_expert_ids_BLK.reshape(-1), self.num_experts, capacity
-            ).view_as(topk_expert_ids_BLK)
+            keep_BLK = capacity_keep_mask(topk_expert_ids_BLK.reshape(-1), counts_E, capacity).view_as(
+                topk_expert_ids_BLK
+            )
             topk_expert_ids_BLK = torch.where(keep_BLK, topk_expert_ids_BLK, self.num_experts)
             topk_scores_BLK = topk_scores_BLK * keep_BLK
             num_dropped_slots = (~keep_BLK).sum()
