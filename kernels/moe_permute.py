@@ -17,8 +17,9 @@ Token permute / unpermute, for the dispatcher: a dispatch plan gives every slot 
 row in the expert-grouped buffer, ``dest_row_S`` (``-1`` for a dropped slot). Rows of the buffer
 that no slot maps to are padding and are zero.
 
-- ``permute_tokens(x_TD, dest_row_S, top_k, num_rows)`` -> ``rows_RD``:
-  ``rows_RD[dest_row_S[s]] = x_TD[s // top_k]``, every other row zero.
+- ``permute_tokens(x_TD, dest_row_S, top_k, num_rows, zero_padding=True)`` -> ``rows_RD``:
+  ``rows_RD[dest_row_S[s]] = x_TD[s // top_k]``, every other row zero (unspecified with
+  ``zero_padding=False``, for buffers whose padding rows are never read).
 - ``unpermute_tokens(rows_RD, dest_row_S, scores_S, top_k)`` -> ``y_TD``:
   ``y_TD[t] = sum_k scores_S[t*K+k] * rows_RD[dest_row_S[t*K+k]]`` (fp32 accumulation,
   dropped slots contribute nothing), in the dtype of ``rows_RD``.
@@ -199,9 +200,10 @@ def reference_routing_metadata(
 
 
 def permute_tokens_reference(
-    x_TD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_rows: int
+    x_TD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_rows: int, zero_padding: bool = True
 ) -> torch.Tensor:
-    """One gather: each buffer row reads its slot's token row; padding rows read a zero row."""
+    """One gather: each buffer row reads its slot's token row; padding rows read a zero row (also
+    with ``zero_padding=False``, which allows any padding content)."""
     num_tokens, num_slots = x_TD.shape[0], dest_row_S.shape[0]
     source_R = torch.full((num_rows + 1,), num_tokens * top_k, dtype=torch.long, device=x_TD.device)
     source_R.scatter_(0, torch.where(dest_row_S < 0, num_rows, dest_row_S).long(),
@@ -347,10 +349,11 @@ def weighted_sum_slots(
 
 class _PermuteTokens(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, dest_row_S, top_k, num_rows):
+    def forward(ctx, x_TD, dest_row_S, top_k, num_rows, zero_padding=True):
         x_TD = x_TD.contiguous()
         dim = x_TD.shape[1]
-        rows_RD = scatter_token_rows(x_TD, dest_row_S, top_k, x_TD.new_zeros(num_rows, dim))
+        rows_RD = x_TD.new_zeros(num_rows, dim) if zero_padding else x_TD.new_empty(num_rows, dim)
+        scatter_token_rows(x_TD, dest_row_S, top_k, rows_RD)
         ctx.save_for_backward(dest_row_S)
         ctx.top_k, ctx.num_tokens = top_k, x_TD.shape[0]
         return rows_RD
@@ -358,7 +361,7 @@ class _PermuteTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows_RD):
         (dest_row_S,) = ctx.saved_tensors
-        return sum_slots(grad_rows_RD, dest_row_S, ctx.top_k, ctx.num_tokens), None, None, None
+        return sum_slots(grad_rows_RD, dest_row_S, ctx.top_k, ctx.num_tokens), None, None, None, None
 
 
 class _UnpermuteTokens(torch.autograd.Function):
@@ -400,11 +403,12 @@ class _SumTokenRows(torch.autograd.Function):
 
 
 def permute_tokens(
-    x_TD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_rows: int
+    x_TD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_rows: int, zero_padding: bool = True
 ) -> torch.Tensor:
-    """Triton version of :func:`permute_tokens_reference`."""
+    """Triton version of :func:`permute_tokens_reference`; with ``zero_padding=False`` the rows no
+    slot maps to are left unwritten (for buffers whose padding is never read)."""
     check_runnable(x_TD, dest_row_S)
-    return _PermuteTokens.apply(x_TD, dest_row_S, top_k, num_rows)
+    return _PermuteTokens.apply(x_TD, dest_row_S, top_k, num_rows, zero_padding)
 
 
 def unpermute_tokens(

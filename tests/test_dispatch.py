@@ -16,6 +16,7 @@ from torchtitan_ext.experiments.moe_backends.dispatcher import (
     RoutingDispatcher,
     padded_group_rows,
     padded_num_rows,
+    pair_rows,
     plan_slots,
 )
 from torchtitan_ext.experiments.moe_backends.toml_keys import parallelism_errors
@@ -130,6 +131,27 @@ def test_slot_plan_matches_definition(align_size, drop_every, exact_size):
     assert plan.num_padding_rows.item() == plan.num_rows - num_kept
 
 
+@pytest.mark.parametrize("num_tokens", [0, 1, 9])
+def test_pair_rows_match_definition(num_tokens):
+    """Pairs (token, rank) reached by a kept slot get consecutive rows, rank-major and in token
+    order within a rank; other pairs (no slot there, or only dropped slots) get -1."""
+    ep_size, top_k = 3, 2
+    generator = torch.Generator().manual_seed(num_tokens)
+    rank_TK = torch.randint(0, ep_size + 1, (num_tokens, top_k), generator=generator)  # ep_size: dropped
+    if num_tokens:
+        rank_TK[0] = ep_size  # a token whose slots are all dropped
+    pair_row_TW, sent_rows_W = pair_rows(rank_TK, ep_size)
+    expected_TW = [[-1] * ep_size for _ in range(num_tokens)]
+    next_row = 0
+    for rank in range(ep_size):
+        for token in range(num_tokens):
+            if rank in rank_TK[token].tolist():
+                expected_TW[token][rank] = next_row
+                next_row += 1
+    assert pair_row_TW.tolist() == expected_TW
+    assert sent_rows_W.tolist() == [sum(rank in row for row in rank_TK.tolist()) for rank in range(ep_size)]
+
+
 def test_reference_permute_matches_definition():
     x_TD, scores_TK, ids_TK, counts_E = routing(5, seed=3, drop_every=4)
     plan = plan_slots(ids_TK, counts_E, 4)
@@ -226,6 +248,15 @@ def triton_checks() -> None:
                 grads.append((out, rows.grad))
             for expected, actual in zip(*grads):
                 torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+        x_TD, _, ids_TK, counts_E = routing(7, seed=8, drop_every=3)
+        plan = plan_slots(ids_TK, counts_E, 1)
+        written_R = plan.dest_row_S[plan.dest_row_S >= 0].long()
+        zeroed, unzeroed = (
+            moe_permute.permute_tokens(x_TD.to(dtype), plan.dest_row_S, TOP_K, plan.num_rows, zero_padding)
+            for zero_padding in (True, False)
+        )
+        assert torch.equal(unzeroed[written_R], zeroed[written_R])
 
         rows_RD = torch.randn(9, DIM, generator=torch.Generator().manual_seed(7)).to(dtype).requires_grad_()
         index_N = torch.tensor([4, 0, 8, 2, 7, 1])  # one row each, no repeats: a gather; rows 3, 5, 6 unread

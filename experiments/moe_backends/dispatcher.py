@@ -3,14 +3,15 @@
 ``RoutingDispatcher`` subclasses torchtitan's ``AllToAllTokenDispatcher``; without an EP mesh it
 dispatches locally. With one, over ``all_to_all``, a token is sent to each EP rank once, however
 many of that rank's experts it is routed to (not once per routed slot): the sender copies each
-(token, destination rank) pair to one row, and with the rows sends each row's local expert ids and
-gating weights. The receiver groups the received rows by local expert as the local dispatch does,
-and in combine weights and sums each row's expert outputs before sending one row back per pair;
-the sender adds the rows that come back for each token. Counts go first, in one all-to-all read
-on the host (the split sizes); the rows, and the ids and weights, follow in two all-to-alls
-(``exchange_rows``: the functional collective ops called directly, the gradient sent back the
-same way, without the Python wrappers of ``_functional_collectives`` that the host would pay
-per call; selective activation checkpointing still saves their outputs).
+(token, destination rank) pair to one row, and with the rows sends the token's gating weights and
+global expert ids. The receiver keeps the slots of its own experts and groups the received rows by
+local expert as the local dispatch does, and in combine weights and sums each row's expert outputs
+before sending one row back per pair; the sender adds the rows that come back for each token.
+Counts go first, in one all-to-all read on the host (the split sizes); the rows, and the weights
+and ids, follow in one autograd node (``exchange_rows``: the functional collective ops called
+directly, the gradient sent back the same way, without the Python wrappers of
+``_functional_collectives`` that the host would pay per call; selective activation checkpointing
+still saves their outputs).
 
 Slots are the routed (token, k) pairs in token-major order (``s = t * top_k + k``). Expert id
 ``num_experts`` marks a slot dropped by the router's capacity limit: it is not sent anywhere
@@ -43,6 +44,7 @@ from typing import Literal, get_args
 
 import spmd_types as spmd
 import torch
+import torch.distributed as dist
 
 from torchtitan.distributed.spmd_types import current_spmd_mesh, maybe_set_sparse_mesh
 from torchtitan.distributed.utils import get_spmd_backend
@@ -105,6 +107,21 @@ def padded_group_rows(
     return dest_row_N, padded_counts_e, num_rows
 
 
+def pair_rows(rank_TK: torch.Tensor, ep_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send rows of the (token, destination rank) pairs, rank-major and in token order per rank.
+
+    ``rank_TK`` is the rank of each slot's expert (``ep_size`` for a dropped slot: sent nowhere).
+    Returns ``(pair_row_TW, sent_rows_W)``: the send row of pair (t, r), -1 when token t has no
+    slot on rank r, and the rows sent to each rank. No host sync.
+    """
+    num_tokens = rank_TK.shape[0]
+    reached_TW = rank_TK.new_zeros(num_tokens, ep_size + 1, dtype=torch.bool).scatter_(1, rank_TK, True)[:, :ep_size]
+    place_TW = reached_TW.cumsum(dim=0)
+    sent_rows_W = place_TW[-1] if num_tokens else place_TW.new_zeros(ep_size)
+    first_row_W = sent_rows_W.cumsum(dim=0) - sent_rows_W
+    return torch.where(reached_TW, place_TW + (first_row_W - 1), -1), sent_rows_W
+
+
 def send_buffer_rows(num_tokens: int, ep_size: int, top_k: int) -> int:
     """Rows of the EP sender's buffer: the most (token, destination rank) pairs there can be."""
     return num_tokens * min(ep_size, top_k)
@@ -115,7 +132,7 @@ class SlotPlan:
     """Where every slot's row lives in the expert-grouped buffer."""
 
     dest_row_S: torch.Tensor
-    """``(T*K,)`` int64 destination row of each slot, -1 when dropped"""
+    """``(T*K,)`` integer destination row of each slot, -1 when dropped"""
     num_rows: int
     """rows of the grouped buffer (static)"""
     rows_per_expert_E: torch.Tensor
@@ -142,8 +159,7 @@ def plan_slots(
 
     # A kept slot's row is its place in the stable expert order (dropped slots, id num_experts,
     # sort last), moved down by the padding of the groups before its own.
-    order_S = moe_permute.stable_expert_order(expert_of_slot_S, num_experts)
-    place_S = torch.empty_like(order_S).scatter_(0, order_S, torch.arange(num_slots, device=order_S.device))
+    _, place_S, _ = moe_permute.routing_metadata(expert_of_slot_S, num_experts)
     if align_size == 1:
         rows_per_expert_E = kept_counts_E.clone()
         rows_per_expert_E[-1] += num_padding_rows
@@ -162,31 +178,38 @@ def plan_slots(
 
 class _ExchangeRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows_UD, send_splits, receive_splits, group):
+    def forward(ctx, send_splits, receive_splits, group, *rows):
         ctx.send_splits, ctx.receive_splits, ctx.group = send_splits, receive_splits, group
-        return _all_to_all_rows(rows_UD, send_splits, receive_splits, group)
+        return tuple(all_to_all_rows(rows_UD, send_splits, receive_splits, group) for rows_UD in rows)
 
     @staticmethod
-    def backward(ctx, grad_received_UD):
-        return _all_to_all_rows(grad_received_UD, ctx.receive_splits, ctx.send_splits, ctx.group), None, None, None
+    def backward(ctx, *grads_received):
+        grads_sent = tuple(
+            all_to_all_rows(grad_UD, ctx.receive_splits, ctx.send_splits, ctx.group) if needed else None
+            for grad_UD, needed in zip(grads_received, ctx.needs_input_grad[3:])
+        )
+        return None, None, None, *grads_sent
 
 
-def _all_to_all_rows(rows_UD, send_splits: list[int], receive_splits: list[int], group) -> torch.Tensor:
-    """The functional collective op itself: ordered on the current stream (the host does not
-    wait), and selective activation checkpointing saves its output instead of re-sending."""
+def all_to_all_rows(rows_UD, send_splits: list[int], receive_splits: list[int], group) -> torch.Tensor:
+    """The functional collective op itself, without autograd: ordered on the current stream (the
+    host does not wait), and selective activation checkpointing saves its output instead of
+    re-sending."""
     received_UD = torch.ops._c10d_functional.all_to_all_single(
         rows_UD.contiguous(), receive_splits, send_splits, group.group_name
     )
     return torch.ops._c10d_functional.wait_tensor(received_UD)
 
 
-def exchange_rows(rows_UD: torch.Tensor, send_splits: list[int], receive_splits: list[int], group) -> torch.Tensor:
-    """Differentiable all-to-all of rows: ``send_splits[r]`` rows go to rank ``r`` (in rank order),
-    ``receive_splits[r]`` arrive from it; the gradient goes back the same way.
+def exchange_rows(
+    rows: tuple[torch.Tensor, ...], send_splits: list[int], receive_splits: list[int], group
+) -> tuple[torch.Tensor, ...]:
+    """Differentiable all-to-all of each tensor of rows: ``send_splits[r]`` rows go to rank ``r`` (in
+    rank order), ``receive_splits[r]`` arrive from it; gradients go back the same way.
 
-    One collective op each way, without the Python wrappers of ``_functional_collectives``.
+    One collective op per tensor each way, one autograd node for all of them.
     """
-    return _ExchangeRows.apply(rows_UD, send_splits, receive_splits, group)
+    return _ExchangeRows.apply(send_splits, receive_splits, group, *rows)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,8 +285,8 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
             return _ROW_OPS[self.permute_backend]
         return _ROW_OPS["triton" if x.is_cuda else "torch"]
 
-    def _permute_rows(self, x_TD, dest_row_S, top_k: int, num_rows: int) -> torch.Tensor:
-        return self._row_ops(x_TD)["permute_tokens"](x_TD, dest_row_S, top_k, num_rows)
+    def _permute_rows(self, x_TD, dest_row_S, top_k: int, num_rows: int, zero_padding: bool = True) -> torch.Tensor:
+        return self._row_ops(x_TD)["permute_tokens"](x_TD, dest_row_S, top_k, num_rows, zero_padding)
 
     def _unpermute_rows(self, rows_RD, dest_row_S, scores_S, top_k: int) -> torch.Tensor:
         return self._row_ops(rows_RD)["unpermute_tokens"](rows_RD, dest_row_S, scores_S, top_k)
@@ -342,50 +365,47 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         ep_size = self.ep_mesh.size()
         num_local = self.num_experts // ep_size
         num_tokens, top_k = topk_expert_ids_TK.shape
-        device = topk_expert_ids_TK.device
         expert_TK = topk_expert_ids_TK.long()
-        rank_TK = expert_TK // num_local  # a dropped slot (id num_experts) has rank ep_size: sent nowhere
-        ranks_1W1 = torch.arange(ep_size, device=device).view(1, -1, 1)
-        owned_TWK = rank_TK.unsqueeze(1) == ranks_1W1
-        sent_TW = owned_TWK.any(dim=2)
-        sent_rows_W = sent_TW.sum(dim=0)
-        # Pair (t, rank) goes to send row (rows of earlier ranks) + (earlier tokens sent to rank).
-        rank_major_pair_WT = sent_TW.t().reshape(-1)
-        pair_row_WT = torch.cumsum(rank_major_pair_WT, 0) - 1
-        pair_row_S = torch.where(rank_major_pair_WT, pair_row_WT, -1).view(ep_size, num_tokens).t().reshape(-1)
-
-        # Per pair: the token's gating weights and local expert ids on that rank (num_local: the
-        # slot is not there), in one fp32 row (ids are exact in fp32) so that one all-to-all
-        # carries both; the weights keep their autograd graph.
-        pair_scores_TWK = torch.where(owned_TWK, topk_scores_TK.float().unsqueeze(1), 0.0)
-        pair_experts_TWK = torch.where(owned_TWK, expert_TK.unsqueeze(1) - num_local * ranks_1W1, num_local)
-        pair_meta_SM = torch.cat([pair_scores_TWK, pair_experts_TWK.float()], dim=2).view(-1, 2 * top_k)
+        pair_row_TW, sent_rows_W = pair_rows(expert_TK // num_local, ep_size)
+        pair_row_S = pair_row_TW.view(-1)
+        # Every pair row carries the token's K gating weights and global expert ids in one fp32 row
+        # (ids are exact in fp32), so that one all-to-all moves both; the receiver keeps the slots
+        # of its own experts. The weights keep their autograd graph.
+        token_meta_TM = torch.cat([topk_scores_TK.float(), expert_TK.float()], dim=1)
         # The send rows are copied before the host sync, into a buffer of the static bound (a token
         # goes to at most min(ep_size, top_k) ranks): the GPU copies while the host waits, and only
         # the all-to-alls and the receiver's grouping are launched after the sync.
         max_pairs = send_buffer_rows(num_tokens, ep_size, top_k)
-        sent_rows_PD = self._permute_rows(x_TD, pair_row_S, ep_size, max_pairs)
-        sent_meta_PM = self._permute_rows(pair_meta_SM, pair_row_S, 1, max_pairs)
+        sent_rows_PD, sent_meta_PM = (
+            self._permute_rows(rows, pair_row_S, ep_size, max_pairs, zero_padding=False)
+            for rows in (x_TD, token_meta_TM)
+        )
 
         kept_per_expert_We = num_local_tokens_per_expert_E.long().view(ep_size, num_local)
         send_counts_Wc = torch.cat([kept_per_expert_We, sent_rows_W.unsqueeze(1)], dim=1)
         group = self._ep_group()
-        received_counts_Wc = exchange_rows(send_counts_Wc, [1] * ep_size, [1] * ep_size, group)
+        received_counts_Wc = all_to_all_rows(send_counts_Wc, [1] * ep_size, [1] * ep_size, group)
         send_counts, received_counts = torch.stack([send_counts_Wc, received_counts_Wc]).tolist()
         input_splits = [row[-1] for row in send_counts]
         output_splits = [row[-1] for row in received_counts]
         num_received_slots = sum(sum(row[:-1]) for row in received_counts)
         num_sent = sum(input_splits)
-        received_UD, received_meta_UM = (
-            exchange_rows(sent[:num_sent], input_splits, output_splits, group)
-            for sent in (sent_rows_PD, sent_meta_PM)
+        received_UD, received_meta_UM = exchange_rows(
+            (sent_rows_PD[:num_sent], sent_meta_PM[:num_sent]), input_splits, output_splits, group
         )
         received_scores_UK = received_meta_UM[:, :top_k]
-        received_experts_UK = received_meta_UM[:, top_k:].detach().long()
+        received_ids_UK = received_meta_UM[:, top_k:].detach().long()
+        rank = dist.get_rank(group)
+        received_experts_UK = torch.where(
+            received_ids_UK // num_local == rank, received_ids_UK - rank * num_local, num_local
+        )
         received_plan = plan_slots(
             received_experts_UK, received_counts_Wc[:, :-1].sum(dim=0), self.align_size, num_kept=num_received_slots
         )
-        grouped_RD = self._permute_rows(received_UD, received_plan.dest_row_S, top_k, received_plan.num_rows)
+        # Without padding every row of the exact-size buffer receives a slot.
+        grouped_RD = self._permute_rows(
+            received_UD, received_plan.dest_row_S, top_k, received_plan.num_rows, zero_padding=self.align_size > 1
+        )
         self.last_num_padding_rows = received_plan.num_padding_rows
         metadata = RoutingDispatchMetadata(
             plan=None,
@@ -442,6 +462,6 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
             routed_output_RD, received_plan.dest_row_S, exchange.received_scores_S, self.top_k
         )
         group = self._ep_group()
-        returned_UD = exchange_rows(partial_UD, exchange.output_splits, exchange.input_splits, group)
+        (returned_UD,) = exchange_rows((partial_UD,), exchange.output_splits, exchange.input_splits, group)
         ep_size = len(exchange.input_splits)
         return self._sum_token_rows(returned_UD, exchange.pair_row_S, ep_size)

@@ -46,7 +46,7 @@ from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 
 from torchtitan_ext.bench.common import environment  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.dispatcher import (  # noqa: E402
-    EP_TRANSPORTS, RoutingDispatcher, exchange_rows, send_buffer_rows,
+    EP_TRANSPORTS, RoutingDispatcher, all_to_all_rows, send_buffer_rows,
 )
 from torchtitan_ext.kernels import symm_mem_rows as exchange_kernels  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process  # noqa: E402
@@ -133,7 +133,7 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
     counts_Wc = torch.zeros(world, NUM_EXPERTS // world + 1, dtype=torch.int64, device="cuda")
 
     def counts_and_host_sync():
-        received_counts_Wc = exchange_rows(counts_Wc, [1] * world, [1] * world, group)
+        received_counts_Wc = all_to_all_rows(counts_Wc, [1] * world, [1] * world, group)
         torch.stack([counts_Wc, received_counts_Wc]).tolist()
 
     num_sent = sum(token_exchange.input_splits)
@@ -142,12 +142,14 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
 
     def sender_rows():  # as in dispatch: the send buffer holds the static bound of pairs
         rows_PD = dispatcher._permute_rows(
-            x_TD, token_exchange.pair_row_S, world, send_buffer_rows(num_tokens, world, TOP_K)
+            x_TD, token_exchange.pair_row_S, world, send_buffer_rows(num_tokens, world, TOP_K), zero_padding=False
         )
         dispatcher._sum_token_rows(rows_PD[:num_sent], token_exchange.pair_row_S, world)
 
     def receiver_rows():
-        rows_RD = dispatcher._permute_rows(received_UD, received_plan.dest_row_S, TOP_K, received_plan.num_rows)
+        rows_RD = dispatcher._permute_rows(
+            received_UD, received_plan.dest_row_S, TOP_K, received_plan.num_rows, zero_padding=False
+        )
         dispatcher._unpermute_rows(rows_RD, received_plan.dest_row_S, token_exchange.received_scores_S, TOP_K)
 
     def a2a_dispatch():
