@@ -609,9 +609,11 @@ def gate_up_in_two_passes(dim: int, hidden: int) -> bool:
 
 
 def _elementwise_tile(hidden: int) -> tuple[int, int]:
-    """(rows, columns) of the [R, F] tile each program of the SwiGLU backward handles per step."""
+    """(rows, columns) of the [R, F] tile each program of the SwiGLU backward handles per step:
+    about 1024 elements (one row up to F = 1024), which ran at the memory's speed on an H100 where
+    4096-element tiles took 10-15% longer."""
     block_f = min(1024, max(16, triton.next_power_of_2(hidden)))
-    return max(1, 4096 // block_f), block_f
+    return max(1, 1024 // block_f), block_f
 
 
 def _release_saved_buffer(buffer: torch.Tensor) -> None:
