@@ -47,6 +47,7 @@ from torchtitan_ext.kernels._runtime import (
     swizzle_tile,
     tensor_descriptors,
 )
+from torchtitan_ext.kernels import hopper_weight_gradient
 from torchtitan_ext.kernels.moe_permute import scatter_token_rows, sum_slots
 
 GROUP_M = 8
@@ -573,7 +574,11 @@ def _row_tile_grid(num_rows: int, num_experts: int, num_cols: int):
 
 
 def _weight_gradient(a_RM: torch.Tensor, b_RN: torch.Tensor, group_end_E: torch.Tensor, out_EMN: torch.Tensor) -> None:
-    """out[e] = a[rows of e].T @ b[rows of e] for every expert (rows past group_end[E-1] are unused)."""
+    """out[e] = a[rows of e].T @ b[rows of e] for every expert (rows past group_end[E-1] are unused):
+    the Hopper Gluon kernel where it is usable, the Triton kernel otherwise."""
+    if hopper_weight_gradient.usable(a_RM, b_RN, out_EMN):
+        hopper_weight_gradient.weight_gradient(a_RM, b_RN, group_end_E, out_EMN)
+        return
     num_experts, size_m, size_n = out_EMN.shape
     use_tma, (a_desc, b_desc) = tensor_descriptors(a_RM, b_RN)
     # A 16-bit output tile's staging buffer fits beside the load pipeline; an fp32 one would not.

@@ -340,3 +340,13 @@ def test_only_large_experts_take_two_gate_up_passes():
 
     assert gate_up_in_two_passes(dim=4096, hidden=14336)
     assert not gate_up_in_two_passes(dim=2048, hidden=768)
+
+
+def test_hopper_weight_gradient_is_not_used_off_hopper():
+    """The Gluon weight-gradient kernel needs a Hopper GPU: under the interpreter and on CPU
+    tensors the Triton kernel runs."""
+    from torchtitan_ext.kernels import hopper_weight_gradient
+
+    a_RM = torch.randn(64, 128, dtype=torch.bfloat16)
+    b_RN = torch.randn(64, 256, dtype=torch.bfloat16)
+    assert not hopper_weight_gradient.usable(a_RM, b_RN, torch.empty(2, 128, 256, dtype=torch.bfloat16))

@@ -139,3 +139,36 @@ def test_routing_metadata_kernels_match_the_reference(num_tokens, top_k, num_exp
     actual = routing_metadata(ids, num_experts)
     for got, expected in zip(actual, reference_routing_metadata(ids.cpu(), num_experts)):
         assert torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("size_m, size_n", [(768, 2048), (2048, 768), (1408, 2048), (256, 200), (128, 704)])
+def test_hopper_weight_gradient_is_the_triton_kernels_bit_for_bit(dtype, size_m, size_n, monkeypatch):
+    """The Gluon weight-gradient kernel against the Triton one and an fp64 reference: partial and
+    exact 64-row steps, empty and one-row experts, trailing unassigned rows, N below and past a tile."""
+    from torchtitan_ext.kernels import hopper_weight_gradient, swiglu_experts
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon weight-gradient kernel runs on Hopper GPUs")
+    if hopper_weight_gradient._triton_minor() not in hopper_weight_gradient.VERIFIED_TRITON:
+        pytest.skip(f"triton {hopper_weight_gradient._triton_minor()} is not among {hopper_weight_gradient.VERIFIED_TRITON}")
+    torch.manual_seed(4)
+    counts = [0, 37, 512, 1, 0, 300, 64, 95, 128]
+    group_end_E = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    a_RM = torch.randn(sum(counts) + 40, size_m, device="cuda").to(dtype)
+    b_RN = torch.randn(sum(counts) + 40, size_n, device="cuda").to(dtype)
+    gluon_out = torch.full((len(counts), size_m, size_n), float("nan"), device="cuda", dtype=dtype)
+    assert hopper_weight_gradient.usable(a_RM, b_RN, gluon_out)
+    hopper_weight_gradient.weight_gradient(a_RM, b_RN, group_end_E, gluon_out)
+    monkeypatch.setattr(hopper_weight_gradient, "usable", lambda *tensors: False)
+    triton_out = torch.full_like(gluon_out, float("nan"))
+    swiglu_experts._weight_gradient(a_RM, b_RN, group_end_E, triton_out)
+    assert torch.equal(gluon_out, triton_out)
+    start = 0
+    for expert, count in enumerate(counts):
+        expected = a_RM[start:start + count].double().T @ b_RN[start:start + count].double()
+        if count:
+            assert rel_err(gluon_out[expert], expected) < TOLERANCE[dtype]
+        else:
+            assert gluon_out[expert].abs().max() == 0
+        start += count
