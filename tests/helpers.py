@@ -14,6 +14,21 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12))
 
 
+def assert_weight_gradient_matches(
+    out_EMN: torch.Tensor, a_RM: torch.Tensor, b_RN: torch.Tensor, counts: list[int], tolerance: float
+) -> None:
+    """Each expert's out[e] against a[rows of e].T @ b[rows of e] in fp64 (consecutive row
+    segments of ``counts``); an expert without rows must be exactly zero."""
+    start = 0
+    for expert, count in enumerate(counts):
+        expected = a_RM[start:start + count].double().T @ b_RN[start:start + count].double()
+        if count:
+            assert relative_error(out_EMN[expert].double(), expected) < tolerance, f"expert {expert}"
+        else:
+            assert out_EMN[expert].abs().max() == 0, f"expert {expert} has no rows"
+        start += count
+
+
 def assert_bf16_rounds_like(actual: torch.Tensor, expected_fp32: torch.Tensor) -> None:
     """``actual`` (bf16) is ``expected_fp32`` rounded to bf16, up to sums taken in another order:
     at least 99% of the elements equal the rounded value and none is more than one bf16 step

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from helpers import assert_weight_gradient_matches
 
 from torchtitan_ext.kernels.fused_moe import (
     fused_moe_grouped,
@@ -289,14 +290,7 @@ def test_weight_gradient_with_and_without_tensor_descriptors(use_descriptors, dt
         monkeypatch.setattr(swiglu_experts, "tensor_descriptors", lambda *tensors: (False, [None] * len(tensors)))
     out_EMN = torch.full((len(counts), 48, 40), float("nan"), dtype=torch.float32)
     swiglu_experts._weight_gradient(a_RM, b_RN, torch.tensor(counts).cumsum(0).to(torch.int32), out_EMN)
-    start = 0
-    for expert, count in enumerate(counts):
-        expected = a_RM[start:start + count].double().T @ b_RN[start:start + count].double()
-        if count:
-            assert rel_err(out_EMN[expert], expected) < TOLERANCE[dtype]
-        else:
-            assert out_EMN[expert].abs().max() == 0
-        start += count
+    assert_weight_gradient_matches(out_EMN, a_RM, b_RN, counts, TOLERANCE[dtype])
 
 
 def test_tensor_descriptors_need_aligned_rows():
