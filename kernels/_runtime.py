@@ -118,12 +118,20 @@ def _cuda_properties(device_index: int):
     return torch.cuda.get_device_properties(device_index)
 
 
+def _device_properties(device: torch.device):
+    return _cuda_properties(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def compute_capability_major(device: torch.device) -> int:
+    """The major compute capability of a CUDA device (9 for Hopper), looked up once per device."""
+    return _device_properties(device).major
+
+
 def persistent_programs(device: torch.device) -> int:
     """Programs of a persistent kernel: one per SM (four under the interpreter)."""
     if device.type != "cuda":
         return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_properties(index).multi_processor_count
+    return _device_properties(device).multi_processor_count
 
 
 def _block_cap(size: int) -> int:

@@ -25,7 +25,12 @@ from __future__ import annotations
 import torch
 import triton
 
-from torchtitan_ext.kernels._runtime import interpreter_enabled, persistent_programs, tensor_descriptors_usable
+from torchtitan_ext.kernels._runtime import (
+    compute_capability_major,
+    interpreter_enabled,
+    persistent_programs,
+    tensor_descriptors_usable,
+)
 
 try:
     from triton.experimental import gluon
@@ -44,6 +49,7 @@ except ImportError:
 VERIFIED_TRITON = ("3.6", "3.7")
 """Triton minor versions on which this kernel ran on an H100 and matched the Triton kernel bit for
 bit (Gluon's API changes between minor versions)."""
+TRITON_MINOR = ".".join(triton.__version__.split(".")[:2])
 
 BLOCK_M = 128
 BLOCK_K = 64
@@ -52,15 +58,11 @@ NUM_WARPS = 8
 GROUP_M = 8
 
 
-def _triton_minor() -> str:
-    return ".".join(triton.__version__.split(".")[:2])
-
-
 def usable(a_RM: torch.Tensor, b_RN: torch.Tensor, out_EMN: torch.Tensor) -> bool:
     """Whether ``weight_gradient`` can compute ``out_EMN`` from these operands here."""
-    if gluon is None or interpreter_enabled() or _triton_minor() not in VERIFIED_TRITON:
+    if gluon is None or interpreter_enabled() or TRITON_MINOR not in VERIFIED_TRITON:
         return False
-    if not a_RM.is_cuda or torch.cuda.get_device_capability(a_RM.device)[0] != 9:
+    if not a_RM.is_cuda or compute_capability_major(a_RM.device) != 9:
         return False
     dtypes = {a_RM.dtype, b_RN.dtype, out_EMN.dtype}
     if len(dtypes) != 1 or dtypes.pop() not in (torch.bfloat16, torch.float16):

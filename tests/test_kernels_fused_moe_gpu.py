@@ -151,8 +151,8 @@ def test_hopper_weight_gradient_is_the_triton_kernels_bit_for_bit(dtype, size_m,
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon weight-gradient kernel runs on Hopper GPUs")
-    if hopper_weight_gradient._triton_minor() not in hopper_weight_gradient.VERIFIED_TRITON:
-        pytest.skip(f"triton {hopper_weight_gradient._triton_minor()} is not among {hopper_weight_gradient.VERIFIED_TRITON}")
+    if hopper_weight_gradient.TRITON_MINOR not in hopper_weight_gradient.VERIFIED_TRITON:
+        pytest.skip(f"triton {hopper_weight_gradient.TRITON_MINOR} is not among {hopper_weight_gradient.VERIFIED_TRITON}")
     torch.manual_seed(4)
     counts = [0, 37, 512, 1, 0, 300, 64, 95, 128]
     group_end_E = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
