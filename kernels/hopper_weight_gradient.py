@@ -46,7 +46,7 @@ try:
 except ImportError:
     gluon = None
 
-VERIFIED_TRITON = ("3.6", "3.7")
+VERIFIED_TRITON = ("3.6", "3.7", "3.8", "3.9")
 """Triton minor versions on which this kernel ran on an H100 and matched the Triton kernel bit for
 bit (Gluon's API changes between minor versions)."""
 TRITON_MINOR = ".".join(triton.__version__.split(".")[:2])
@@ -80,7 +80,11 @@ def _block_n(size_n: int) -> int:
 
 
 if gluon is not None:
+    # Names that moved between Triton minor versions (3.6: thread_barrier; 3.8: async_load and
+    # async_store, the older names removed in 3.9).
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
     @gluon.jit
     def _tile_of(tile, total, group_end_ptr, tiles_per_expert, num_m_tiles, num_n_tiles,
@@ -124,8 +128,8 @@ if gluon is not None:
         bar = ready.index(stage)
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=live)
         row = row_start + step * BLOCK_K
-        tma.async_copy_global_to_shared(a_desc, [row, m_tile * BLOCK_M], bar, a_smem.index(stage), pred=live)
-        tma.async_copy_global_to_shared(b_desc, [row, n_tile * BLOCK_N], bar, b_smem.index(stage), pred=live)
+        _tma_load(a_desc, [row, m_tile * BLOCK_M], bar, a_smem.index(stage), pred=live)
+        _tma_load(b_desc, [row, n_tile * BLOCK_N], bar, b_smem.index(stage), pred=live)
 
     @gluon.jit
     def _weight_gradient_kernel(a_desc, b_desc, c_desc, group_end_ptr, num_experts, size_m, size_n, num_programs,
@@ -202,7 +206,7 @@ if gluon is not None:
             _cta_barrier()
             c_smem.store(acc.to(dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [expert * size_m + m_tile * BLOCK_M, n_tile * BLOCK_N], c_smem)
+            _tma_store(c_desc, [expert * size_m + m_tile * BLOCK_M, n_tile * BLOCK_N], c_smem)
         tma.store_wait(pendings=0)
         for last_use in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(last_use))
