@@ -80,8 +80,8 @@ def _block_n(size_n: int) -> int:
 
 
 if gluon is not None:
-    # Names that moved between Triton minor versions (3.6: thread_barrier; 3.8: async_load and
-    # async_store, the older names removed in 3.9).
+    # Names that moved between Triton minor versions: gl.thread_barrier in 3.6, gl.barrier from
+    # 3.7; tma.async_load and tma.async_store from 3.8, whose older names 3.9 removed.
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
