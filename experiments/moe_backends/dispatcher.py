@@ -288,6 +288,11 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
     def _permute_rows(self, x_TD, dest_row_S, top_k: int, num_rows: int, zero_padding: bool = True) -> torch.Tensor:
         return self._row_ops(x_TD)["permute_tokens"](x_TD, dest_row_S, top_k, num_rows, zero_padding)
 
+    def _group_received_rows(self, received_UD, plan: SlotPlan, top_k: int) -> torch.Tensor:
+        """The EP receiver's rows in local-expert order. Without padding (``align_size`` 1) every
+        row of the exact-size buffer receives a slot, so it is not zero-filled first."""
+        return self._permute_rows(received_UD, plan.dest_row_S, top_k, plan.num_rows, zero_padding=self.align_size > 1)
+
     def _unpermute_rows(self, rows_RD, dest_row_S, scores_S, top_k: int) -> torch.Tensor:
         return self._row_ops(rows_RD)["unpermute_tokens"](rows_RD, dest_row_S, scores_S, top_k)
 
@@ -402,10 +407,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         received_plan = plan_slots(
             received_experts_UK, received_counts_Wc[:, :-1].sum(dim=0), self.align_size, num_kept=num_received_slots
         )
-        # Without padding every row of the exact-size buffer receives a slot.
-        grouped_RD = self._permute_rows(
-            received_UD, received_plan.dest_row_S, top_k, received_plan.num_rows, zero_padding=self.align_size > 1
-        )
+        grouped_RD = self._group_received_rows(received_UD, received_plan, top_k)
         self.last_num_padding_rows = received_plan.num_padding_rows
         metadata = RoutingDispatchMetadata(
             plan=None,

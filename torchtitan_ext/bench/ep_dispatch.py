@@ -147,9 +147,7 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
         dispatcher._sum_token_rows(rows_PD[:num_sent], token_exchange.pair_row_S, world)
 
     def receiver_rows():
-        rows_RD = dispatcher._permute_rows(
-            received_UD, received_plan.dest_row_S, TOP_K, received_plan.num_rows, zero_padding=False
-        )
+        rows_RD = dispatcher._group_received_rows(received_UD, received_plan, TOP_K)
         dispatcher._unpermute_rows(rows_RD, received_plan.dest_row_S, token_exchange.received_scores_S, TOP_K)
 
     def a2a_dispatch():
