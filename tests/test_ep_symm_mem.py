@@ -19,12 +19,33 @@ from test_ep_equivalence import free_port
 from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.toml_keys import symm_mem_errors
-from torchtitan_ext.kernels.symm_mem_rows import receive_layout, route_pairs
+from torchtitan_ext.kernels.symm_mem_rows import publish_routing, receive_layout, route_pairs
 from torchtitan_ext.kernels._runtime import triton_available_reason
 
 NUM_EXPERTS, TOP_K, DIM, TOKENS = 8, 3, 12, 10
 
 needs_triton = pytest.mark.skipif(triton_available_reason() is not None, reason="Triton cannot run here")
+
+
+@needs_triton
+def test_publish_routing_kernel_matches_a_stable_sort():
+    """Each slot's expert, score and position in the stably expert-sorted slots; kept counts per
+    expert (dropped slots, id E, excluded), then the token count; every region overwritten."""
+    generator = torch.Generator().manual_seed(2)
+    for experts, tokens, top_k in ((8, 10, 3), (5, 1, 2), (64, 300, 8), (3, 0, 2)):
+        expert_S = torch.randint(0, experts + 1, (tokens * top_k,), generator=generator)
+        scores_S = torch.rand(tokens * top_k, generator=generator, dtype=torch.float64).to(torch.bfloat16)
+        slot_expert, slot_position = (torch.full((tokens * top_k,), -7, dtype=torch.int32) for _ in range(2))
+        slot_score = torch.full((tokens * top_k,), -7.0)
+        counts = torch.full((experts + 1,), -7, dtype=torch.int32)
+        publish_routing(expert_S, scores_S, slot_expert, slot_score, slot_position, counts, experts, tokens)
+        order_S = torch.argsort(expert_S, stable=True)
+        expected_position = torch.empty_like(order_S).scatter_(0, order_S, torch.arange(order_S.numel()))
+        assert torch.equal(slot_position, expected_position.int())
+        assert torch.equal(slot_expert, expert_S.int())
+        assert torch.equal(slot_score, scores_S.float())
+        kept_counts = torch.bincount(expert_S, minlength=experts + 1)[:experts]
+        assert counts.tolist() == [*kept_counts.tolist(), tokens]
 
 
 @needs_triton
