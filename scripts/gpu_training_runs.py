@@ -1,7 +1,7 @@
 """Training runs on the GPUs of one host through the train entry, recorded as JSON.
 
     python scripts/gpu_training_runs.py tiny --out train_tiny.json   # every tiny flavor, EP 1 and 2
-    python scripts/gpu_training_runs.py full --out train_full.json   # olmoe-1b-7b: grouped_mm, triton, stock
+    python scripts/gpu_training_runs.py full --out train_full.json   # olmoe-1b-7b: grouped_mm, triton (both EP transports), stock
     python scripts/gpu_training_runs.py plot --from train_full.json ... --out train.png
 
 ``tiny``: each tiny flavor (fp32) for 30 steps on one GPU (EP 1; two runs side by side, one per
@@ -10,10 +10,10 @@ the Triton cache the first run filled (warm start). Every backend's losses must 
 of the same layout to rel 1e-4.
 ``full``: olmoe-1b-7b on two GPUs (FSDP 2, EP 2, bf16), 20 steps of ``--local-batch-size`` x 2048
 tokens per GPU (default 8: at 2 the H200's step is bound by the host's kernel launches, for every
-backend alike), with grouped_mm, triton and torchtitan's own MoE layers, and grouped_mm a second
-time (the run-to-run spread of bf16 training); every loss must be within 2% of grouped_mm's at
-the same step. Printed per run: the median tokens/s over steps 5-20 (after warm-up and the
-first compilations) and its ratio to torchtitan's MoE layers.
+backend alike), with grouped_mm, triton (over each EP transport) and torchtitan's own MoE layers,
+and grouped_mm a second time (the run-to-run spread of bf16 training); every loss must be within 2%
+of grouped_mm's at the same step. Printed per run: the median tokens/s over steps 5-20 (after
+warm-up and the first compilations) and its ratio to torchtitan's MoE layers.
 
 Per run: losses, tokens/s, MFU, peak memory (rank 0's log) and the seconds from launch to the
 first step's log line. The JSON carries the device, torch, triton and NCCL versions and the commit
@@ -134,6 +134,8 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
         [Run("olmoe grouped_mm fsdp2 ep2", "olmoe-1b-7b", 2, args)],
         [Run("olmoe grouped_mm fsdp2 ep2 repeat", "olmoe-1b-7b", 2, args)],
         [Run("olmoe triton fsdp2 ep2", "olmoe-1b-7b", 2, [*args, "--toml", "examples/triton.toml"])],
+        [Run("olmoe triton fsdp2 ep2 symm_mem", "olmoe-1b-7b", 2,
+             [*args, "--toml", "examples/triton.toml", "--toml", "examples/ep_symm_mem.toml"])],
         [Run("olmoe torchtitan-moe fsdp2 ep2", "olmoe-1b-7b-torchtitan-moe", 2, args)],
     ]
 
