@@ -35,27 +35,23 @@ import triton
 import triton.language as tl
 
 from torchtitan_ext.kernels._runtime import ROW_COPY_CONFIGS, check_runnable, row_copy_configs, tuned
-from torchtitan_ext.kernels.moe_permute import routing_metadata
 
 
 @triton.jit
 def _publish_routing_kernel(
-    slot_row_ptr, group_end_ptr, expert_ptr, scores_ptr, slot_expert_ptr, slot_score_ptr, slot_position_ptr,
-    counts_ptr, num_slots, num_experts, num_tokens, BLOCK: tl.constexpr, EXPERTS_P2: tl.constexpr,
+    order_ptr, expert_ptr, scores_ptr, slot_expert_ptr, slot_score_ptr, slot_position_ptr, counts_ptr,
+    num_slots, num_experts, num_tokens, BLOCK: tl.constexpr,
 ):
-    """Each slot's expert, score and expert-sorted position; program 0 writes the per-expert
-    kept counts (from the segment ends) and the token count after them."""
+    """Each slot's expert, score and expert-sorted position; per-expert kept counts (zeroed)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_slots
-    tl.store(slot_position_ptr + offs, tl.load(slot_row_ptr + offs, mask=mask), mask=mask)
-    tl.store(slot_expert_ptr + offs, tl.load(expert_ptr + offs, mask=mask).to(tl.int32), mask=mask)
+    order = tl.load(order_ptr + offs, mask=mask, other=0)
+    tl.store(slot_position_ptr + order, offs.to(tl.int32), mask=mask)
+    expert = tl.load(expert_ptr + offs, mask=mask, other=num_experts)
+    tl.store(slot_expert_ptr + offs, expert.to(tl.int32), mask=mask)
     tl.store(slot_score_ptr + offs, tl.load(scores_ptr + offs, mask=mask).to(tl.float32), mask=mask)
-    if tl.program_id(0) == 0:
-        expert = tl.arange(0, EXPERTS_P2)
-        end = tl.load(group_end_ptr + expert, mask=expert < num_experts, other=0)
-        start = tl.load(group_end_ptr + expert - 1, mask=(expert > 0) & (expert < num_experts), other=0)
-        tl.store(counts_ptr + expert, end - start, mask=expert < num_experts)
-        tl.store(counts_ptr + num_experts, num_tokens)
+    tl.atomic_add(counts_ptr + expert, 1, mask=mask & (expert < num_experts))
+    tl.store(counts_ptr + num_experts, num_tokens, mask=tl.program_id(0) == 0)
 
 
 @triton.jit
@@ -255,6 +251,7 @@ def _pull_output_grad_kernel(
 
 
 def publish_routing(
+    order_S: torch.Tensor,
     expert_S: torch.Tensor,
     scores_S: torch.Tensor,
     slot_expert: torch.Tensor,
@@ -264,16 +261,14 @@ def publish_routing(
     num_experts: int,
     num_tokens: int,
 ) -> None:
-    """Fill this rank's routing regions: each slot's expert (``num_experts``: dropped), score and
-    position in the stable expert-sorted order of the slots, the kept count of every expert,
-    then ``num_tokens``. Three kernels, no sort: ``routing_metadata``'s two and one copy."""
-    check_runnable(expert_S, scores_S, slot_expert, slot_score, slot_position, counts)
-    num_slots = expert_S.shape[0]
-    _, slot_row_S, group_end_E = routing_metadata(expert_S, num_experts)
+    """Fill this rank's routing regions; ``order_S`` is the slots' stable expert-sorted order."""
+    check_runnable(order_S, expert_S, scores_S, slot_expert, slot_score, slot_position, counts)
+    counts.zero_()
+    num_slots = order_S.shape[0]
     block = 1024
     _publish_routing_kernel[(max(1, triton.cdiv(num_slots, block)),)](
-        slot_row_S, group_end_E, expert_S, scores_S, slot_expert, slot_score, slot_position, counts, num_slots,
-        num_experts, num_tokens, BLOCK=block, EXPERTS_P2=triton.next_power_of_2(num_experts),
+        order_S, expert_S, scores_S, slot_expert, slot_score, slot_position, counts, num_slots, num_experts,
+        num_tokens, BLOCK=block,
     )
 
 

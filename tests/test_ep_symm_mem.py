@@ -19,6 +19,7 @@ from test_ep_equivalence import free_port
 from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.toml_keys import symm_mem_errors
+from torchtitan_ext.kernels.moe_permute import stable_expert_order
 from torchtitan_ext.kernels.symm_mem_rows import publish_routing, receive_layout, route_pairs
 from torchtitan_ext.kernels._runtime import triton_available_reason
 
@@ -28,7 +29,7 @@ needs_triton = pytest.mark.skipif(triton_available_reason() is not None, reason=
 
 
 @needs_triton
-def test_publish_routing_kernel_matches_a_stable_sort():
+def test_publish_routing_kernel_matches_a_direct_enumeration():
     """Each slot's expert, score and position in the stably expert-sorted slots; kept counts per
     expert (dropped slots, id E, excluded), then the token count; every region overwritten."""
     generator = torch.Generator().manual_seed(2)
@@ -38,10 +39,13 @@ def test_publish_routing_kernel_matches_a_stable_sort():
         slot_expert, slot_position = (torch.full((tokens * top_k,), -7, dtype=torch.int32) for _ in range(2))
         slot_score = torch.full((tokens * top_k,), -7.0)
         counts = torch.full((experts + 1,), -7, dtype=torch.int32)
-        publish_routing(expert_S, scores_S, slot_expert, slot_score, slot_position, counts, experts, tokens)
-        order_S = torch.argsort(expert_S, stable=True)
-        expected_position = torch.empty_like(order_S).scatter_(0, order_S, torch.arange(order_S.numel()))
-        assert torch.equal(slot_position, expected_position.int())
+        order_S = stable_expert_order(expert_S, experts)
+        publish_routing(order_S, expert_S, scores_S, slot_expert, slot_score, slot_position, counts, experts, tokens)
+        expected_position = [0] * expert_S.numel()
+        sorted_slots = sorted(range(expert_S.numel()), key=lambda slot: (int(expert_S[slot]), slot))
+        for position, slot in enumerate(sorted_slots):
+            expected_position[slot] = position
+        assert slot_position.tolist() == expected_position
         assert torch.equal(slot_expert, expert_S.int())
         assert torch.equal(slot_score, scores_S.float())
         kept_counts = torch.bincount(expert_S, minlength=experts + 1)[:experts]

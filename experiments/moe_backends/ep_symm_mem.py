@@ -18,8 +18,8 @@ pull each token's output gradient once, which also yields the router-score gradi
 move is fenced by a device-side barrier; a barrier before overwriting a region is added only
 when a peer may still read it. One host sync per dispatch learns how many rows arrive.
 
-One dispatch is: publish (token copy; the two counting kernels of ``routing_metadata`` ranking
-the slots by expert, stably, and one kernel writing the routing regions and counts), barrier, one single-program kernel computing this rank's
+One dispatch is: publish (token copy, a stable sort of the slots by expert, one kernel writing
+the routing regions and counts), barrier, one single-program kernel computing this rank's
 receive layout from every rank's counts, one kernel reading every rank's routing into this
 rank's pair table, the layout's copy to the host (the one host sync), and the pull.
 
@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from torchtitan_ext.kernels import symm_mem_rows as kernels
+from torchtitan_ext.kernels.moe_permute import stable_expert_order
 
 _ALIGN_BYTES = 256
 
@@ -251,9 +252,10 @@ class EPExchange:
         """Write this rank's tokens and routing into its workspace (once peers are done reading)."""
         assert self.workspace is not None
         self._before_publish()
+        order_S = stable_expert_order(expert_S, num_experts)
         self.workspace.local("tokens")[: x_TD.shape[0]].copy_(x_TD)
         kernels.publish_routing(
-            expert_S, scores_S, self.workspace.local("slot_expert"), self.workspace.local("slot_score"),
+            order_S, expert_S, scores_S, self.workspace.local("slot_expert"), self.workspace.local("slot_score"),
             self.workspace.local("slot_position"), self.workspace.local("counts"), num_experts, x_TD.shape[0],
         )
 
