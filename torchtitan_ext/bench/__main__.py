@@ -53,7 +53,9 @@ SKEW_CHOICES = {"balanced": (0.0,), "skewed": (2.0,), "both": (0.0, 2.0)}
 EP_TABLE = [("world", "world"), ("tokens_per_rank", "T/rank"), ("dim", "D"), ("routing", "routing"),
             ("transport", "transport"), ("permute_backend", "permute"), ("dispatch_combine_ms", "d+c ms"), ("raw_a2a_ms", "raw a2a ms"),
             ("raw_a2a_unique_ms", "raw a2a unique ms"), ("dispatch_combine_GBps", "d+c GB/s"),
-            ("raw_a2a_GBps", "raw GB/s"), ("fraction_of_raw", "fraction"), ("fraction_of_raw_unique", "fraction unique")]
+            ("raw_a2a_GBps", "raw GB/s"), ("fraction_of_raw", "fraction"), ("fraction_of_raw_unique", "fraction unique"),
+            ("dispatch_combine_host_ahead_ms", "d+c ms host ahead"), ("raw_a2a_host_ahead_ms", "raw ms host ahead"),
+            ("fraction_of_raw_host_ahead", "fraction host ahead")]
 AUTO_TABLE = [("backend", "backend"), ("ms_per_step", "fwd+bwd ms per step"), ("chosen", "chosen")]
 
 
@@ -265,8 +267,10 @@ def run_ep(parser, args, device, command) -> None:
 
     report = ep_dispatch.run(args.tokens, args.dims, args.check, args.permute_backends, command, args.check_backends)
     if dist.get_rank() == 0:
-        rows = [{**row, **{f"{name}_ms": row["ms"][name] for name in ("dispatch_combine", "raw_a2a", "raw_a2a_unique")}}
-                for row in report["bench"]]
+        rows = [{
+            **row, **{f"{name}_ms": row["ms"][name] for name in ("dispatch_combine", "raw_a2a", "raw_a2a_unique")},
+            **{f"{name}_host_ahead_ms": row["ms_host_ahead"][name] for name in ("dispatch_combine", "raw_a2a")},
+        } for row in report["bench"]]
         finish(report, rows, EP_TABLE, args)
     dist.destroy_process_group()
 

@@ -25,8 +25,18 @@ Per (tokens per rank T, model dim D, top_k 8, balanced or skewed routing), on ev
 
 Bandwidth is the bytes of the routed slots a rank would send to other ranks (both directions) over
 the time, max over ranks; ``fraction_of_raw`` is ``raw_a2a`` time over dispatch + combine time,
-``fraction_of_raw_unique`` the same against ``raw_a2a_unique``. ``--check`` first runs the EP layer equivalence (EP = world vs one GPU, every compute
-backend, both transports and both permute backends) and records the largest errors.
+``fraction_of_raw_unique`` the same against ``raw_a2a_unique``.
+
+Timed back to back, dispatch + combine measures the host (its launches and its one host sync)
+more than the GPU. ``ms_host_ahead`` times the same calls (the raw all-to-all, dispatch +
+combine, every part) queued behind ``HOST_AHEAD_MS`` of other GPU work (a spin kernel, then the
+call, per iteration, less the spin kernel's time), as in a training step, where the host issues
+a layer's kernels while the GPU still runs earlier ones: what remains is the call's GPU time
+plus what a host sync exposes (the launches between the sync and the first kernel after it).
+``fraction_of_raw_host_ahead`` compares raw and dispatch + combine that way.
+
+``--check`` first runs the EP layer equivalence (EP = world vs one GPU, every compute backend,
+both transports and both permute backends) and records the largest errors.
 """
 
 import json
@@ -58,6 +68,8 @@ from torchtitan_ext.experiments.moe_backends.experts import (  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config  # noqa: E402
 
 NUM_EXPERTS, TOP_K = 64, 8
+HOST_AHEAD_MS = 3.0
+"""GPU work queued before each call in the ``*_host_ahead`` timings (more than a dispatch's host time)."""
 
 
 def cuda_time_ms(fn, iters: int = 10, warmup: int = 3) -> float:
@@ -74,6 +86,21 @@ def cuda_time_ms(fn, iters: int = 10, warmup: int = 3) -> float:
     elapsed = torch.tensor([start.elapsed_time(end) / iters], device="cuda")
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.item()
+
+
+def spin_cycles(ms: float) -> int:
+    """``torch.cuda._sleep`` cycles that keep the GPU busy for about ``ms`` (the same on every rank)."""
+    cycles = 1_000_000
+    return int(cycles * ms / cuda_time_ms(lambda: torch.cuda._sleep(cycles)))
+
+
+def host_ahead_ms(fn, cycles: int, spin_ms: float) -> float:
+    """``fn``'s time on the GPU's timeline when the host queues it behind ``cycles`` of spinning
+    (``spin_ms``, timed alone): the host's launches before a sync overlap the spin."""
+    def run():
+        torch.cuda._sleep(cycles)
+        fn()
+    return cuda_time_ms(run) - spin_ms
 
 
 def routing(num_tokens: int, skewed: bool, world: int, generator: torch.Generator):
@@ -206,6 +233,9 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
     }
     raw_ms = cuda_time_ms(raw_a2a)
     raw_unique_ms = cuda_time_ms(raw_a2a_unique)
+    cycles = spin_cycles(HOST_AHEAD_MS)
+    spin_ms = cuda_time_ms(lambda: torch.cuda._sleep(cycles))
+    raw_ahead_ms = host_ahead_ms(raw_a2a, cycles, spin_ms)
 
     def remote_bytes_max(sent: list[int], received: list[int]) -> float:
         remote = torch.tensor([(sum(sent) - sent[rank] + sum(received) - received[rank]) * dim * 2.0], device="cuda")
@@ -217,6 +247,7 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
     rows = []
     for transport in EP_TRANSPORTS:
         total_ms = cuda_time_ms(dispatch_combine(transport))
+        ahead_ms = host_ahead_ms(dispatch_combine(transport), cycles, spin_ms)
         rows.append({
             "world": world, "tokens_per_rank": num_tokens, "dim": dim, "top_k": TOP_K,
             "num_experts": NUM_EXPERTS, "routing": "skewed" if skewed else "balanced",
@@ -227,12 +258,16 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
             } | {
                 name: round(cuda_time_ms(fn), 4) for name, fn in parts[transport].items()
             },
+            "ms_host_ahead": {"dispatch_combine": round(ahead_ms, 4), "raw_a2a": round(raw_ahead_ms, 4)} | {
+                name: round(host_ahead_ms(fn, cycles, spin_ms), 4) for name, fn in parts[transport].items()
+            },
             "remote_MB_per_rank_max": round(remote_bytes / 1e6, 1),
             "remote_unique_MB_per_rank_max": round(remote_unique_bytes / 1e6, 1),
             "dispatch_combine_GBps": round(remote_bytes / total_ms / 1e6, 1),
             "raw_a2a_GBps": round(remote_bytes / raw_ms / 1e6, 1),
             "fraction_of_raw": round(raw_ms / total_ms, 3),
             "fraction_of_raw_unique": round(raw_unique_ms / total_ms, 3),
+            "fraction_of_raw_host_ahead": round(raw_ahead_ms / ahead_ms, 3),
         })
     return rows
 

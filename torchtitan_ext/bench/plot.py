@@ -6,7 +6,8 @@
 - train step: model TFLOP/s (GPU) or step ms (CPU) per backend, grouped by flavor;
 - EP dispatch: GB/s of dispatch+combine per transport next to the raw all-to-all (one row per
   routed slot, and one per token and destination rank), all as the routed rows' bytes over the
-  time; grouped by tokens per rank x dim, one panel per world size and routing.
+  time, and, where measured, the same with the host ahead of the GPU (as in training); grouped
+  by tokens per rank x dim, one panel per world size and routing.
 
 Every bar carries its value; one y-axis label and one legend serve all panels, outside them.
 """
@@ -83,9 +84,15 @@ def chart_of(results: dict, only: Iterable[str] | None = None) -> Chart:
                 if "raw_a2a_unique" in r["ms"]:
                     unique_GBps = r["raw_a2a_GBps"] * r["ms"]["raw_a2a"] / r["ms"]["raw_a2a_unique"]
                     bars.append(Bar(panel, group, "raw all-to-all, each token once per rank", unique_GBps))
+                if "ms_host_ahead" in r:
+                    ahead_GBps = r["raw_a2a_GBps"] * r["ms"]["raw_a2a"] / r["ms_host_ahead"]["raw_a2a"]
+                    bars.append(Bar(panel, group, "raw all-to-all, host ahead", ahead_GBps))
             transport = r.get("transport", "all_to_all")
             how = f"all_to_all, {r['permute_backend']} permute" if transport == "all_to_all" else transport
             bars.append(Bar(panel, group, f"dispatch+combine ({how})", r["dispatch_combine_GBps"]))
+            if "ms_host_ahead" in r:
+                ahead_GBps = r["dispatch_combine_GBps"] * r["ms"]["dispatch_combine"] / r["ms_host_ahead"]["dispatch_combine"]
+                bars.append(Bar(panel, group, f"dispatch+combine ({how}), host ahead", ahead_GBps))
         label = "GB/s per rank: routed rows' remote bytes / time (higher is better)"
         title = f"EP dispatch + combine, {device}"
     else:
