@@ -152,7 +152,23 @@ def test_full_size_shapes_are_refused_on_cpu(argv, refused, capsys):
     assert refused in err and "needs a CUDA GPU" in err
 
 
-@pytest.mark.parametrize("name", ["expert_block_h100.json", "moe_layer_h100.json", "ep_dispatch_h200_2026-11-21.json", "ep_dispatch_h200x2_2026-11-23.json"])
+def test_ep_plot_shows_host_ahead_bandwidth_next_to_back_to_back():
+    """Host-ahead bars: the same routed bytes over the host-ahead time, where a row has one."""
+    measured = json.loads((RESULTS / "ep_dispatch_h200x2_2026-11-24.json").read_text())
+    row = next(r for r in measured["bench"] if r["transport"] == "symm_mem")
+    bars = {(bar.panel, bar.group, bar.series): bar.value for bar in chart_of(measured).bars}
+    where = (f"2 ranks, {row['routing']} routing", f"T{row['tokens_per_rank']} D{row['dim']}")
+    ratio = row["ms"]["dispatch_combine"] / row["ms_host_ahead"]["dispatch_combine"]
+    assert bars[(*where, "dispatch+combine (symm_mem), host ahead")] == pytest.approx(row["dispatch_combine_GBps"] * ratio)
+    raw_ratio = row["ms"]["raw_a2a"] / row["ms_host_ahead"]["raw_a2a"]
+    assert bars[(*where, "raw all-to-all, host ahead")] == pytest.approx(row["raw_a2a_GBps"] * raw_ratio)
+    del row["ms_host_ahead"]
+    assert (*where, "dispatch+combine (symm_mem), host ahead") not in {
+        (bar.panel, bar.group, bar.series) for bar in chart_of(measured).bars
+    }
+
+
+@pytest.mark.parametrize("name", ["expert_block_h100.json", "moe_layer_h100.json", "ep_dispatch_h200_2026-11-21.json", "ep_dispatch_h200x2_2026-11-24.json"])
 def test_plot_measured_results(tmp_path, name):
     out = tmp_path / "plot.png"
     assert main(["plot", "--from", str(RESULTS / name), "--out", str(out)]) == 0
