@@ -1,8 +1,12 @@
 """Short keys on the command line: same effect, validation and suggestions as in TOML."""
 
+import logging
+
 import pytest
+import torch
 
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
+from torchtitan_ext.metrics.metadata import run_metadata
 from torchtitan_ext.overrides import ConfigError, split_short_key_args
 from torchtitan_ext.train import FlavorConfigManager, main
 
@@ -68,3 +72,30 @@ def test_help_lists_short_keys_with_types_and_choices(capsys):
     out = capsys.readouterr().out
     assert "--moe.compute_backend" in out and "{grouped_mm,for_loop,batched_mm_padded,triton,auto}" in out
     assert "--parallelism.ep" in out and "--training.lr" in out and "float" in out
+
+
+def test_run_metadata_and_start_up_line_name_the_ep_transport_under_ep(monkeypatch, caplog):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with caplog.at_level(logging.INFO):
+        parse("--parallelism.expert_parallel_degree", "2")
+    assert run_metadata()["ep_transport"] == "all_to_all"
+    assert "expert_parallel_degree=2, ep_transport=all_to_all," in caplog.text
+    parse()
+    assert "ep_transport" not in run_metadata()
+
+
+@pytest.mark.parametrize("cuda, processes_per_host, transport, noted", [
+    (True, "2", "all_to_all", True),
+    (True, "1", "all_to_all", False),  # an EP group spans hosts
+    (True, "2", "symm_mem", False),
+    (False, "2", "all_to_all", False),
+])
+def test_all_to_all_within_a_gpu_host_notes_symm_mem(monkeypatch, caplog, cuda, processes_per_host, transport, noted):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", processes_per_host)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    with caplog.at_level(logging.INFO):
+        parse("--parallelism.expert_parallel_degree", "2", "--moe.ep_transport", transport)
+    assert ("moe.ep_transport = 'symm_mem' (--toml examples/ep_symm_mem.toml)" in caplog.text) == noted

@@ -8,7 +8,9 @@ own ``__init__`` stays light, so its layers import without torchtitan's Trainer.
 
 The framework reaches an experiment only through this registry: besides its flavors, an
 experiment may register ``@register_run_description`` functions saying what identifies a
-run of a config (e.g. its compute backend); the metrics record them as run metadata.
+run of a config (e.g. its compute backend), which the metrics record as run metadata, and
+``@register_startup_note`` functions whose notes about a valid config (e.g. a faster setting
+for this machine) the train entry logs before training.
 """
 
 import difflib
@@ -111,3 +113,18 @@ def describe_run(config: Trainer.Config) -> dict[str, Any]:
     """What every experiment's ``register_run_description`` functions say about a run of ``config``."""
     load_experiments()
     return {name: value for describe in _RUN_DESCRIPTIONS for name, value in describe(config).items()}
+
+
+_STARTUP_NOTES: list[Callable[[Trainer.Config], str | None]] = []
+
+
+def register_startup_note(note: Callable[[Trainer.Config], str | None]):
+    """Decorator registering ``note(config) -> str | None``: a line to log before training (None: nothing)."""
+    _STARTUP_NOTES.append(note)
+    return note
+
+
+def startup_notes(config: Trainer.Config) -> list[str]:
+    """Every registered note about ``config`` that has something to say."""
+    load_experiments()
+    return [line for note in _STARTUP_NOTES if (line := note(config)) is not None]

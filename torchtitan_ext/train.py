@@ -39,7 +39,7 @@ from torchtitan_ext.overrides import (
     run_config_checks,
     split_short_key_args,
 )
-from torchtitan_ext.registry import UnknownFlavorError, all_flavors, get_flavor
+from torchtitan_ext.registry import UnknownFlavorError, all_flavors, get_flavor, startup_notes
 from torchtitan_ext.validation import check_config_values  # noqa: F401  (registers the start-up checks)
 
 USAGE = """\
@@ -170,11 +170,14 @@ class FlavorConfigManager(ConfigManager):
         record_run_metadata(flavor=flavor, toml_files=tomls, cli_args=cli_args, config=config)
         if os.environ.get("RANK", "0") == "0":
             metadata = run_metadata()
+            transport = f", ep_transport={metadata['ep_transport']}" if "ep_transport" in metadata else ""
             logger.info(
                 f"flavor {flavor}: compute_backend={metadata['compute_backend']}, "
-                f"expert_parallel_degree={metadata['expert_parallel_degree']}, "
+                f"expert_parallel_degree={metadata['expert_parallel_degree']}{transport}, "
                 f"toml files: {', '.join(tomls) or 'none'}"
             )
+            for note in startup_notes(config):
+                logger.info(note)
         fixes = apply_torch_version_fixes()
         if fixes and os.environ.get("RANK", "0") == "0":
             logger.info(f"torch {torch.__version__}: torchtitan compatibility fixes applied: {', '.join(fixes)}")

@@ -1,4 +1,4 @@
-"""Short TOML keys of the MoE backends experiment (``[moe]`` table), its start-up checks and run description.
+"""Short TOML keys of the MoE backends experiment (``[moe]`` table), its start-up checks, run description and start-up note.
 
 Every ``moe.*`` key sets one option on every MoE layer of the flavor's model; see
 docs/routing_and_ep.md. A key only converts the TOML spelling (0 = off becomes None); each
@@ -10,10 +10,11 @@ layout or this machine, before any process group is built.
 import os
 from typing import Literal
 
+import torch
 from torchtitan.models.common.moe import GroupedExperts
-from torchtitan_ext.kernels._runtime import triton_available_reason
+from torchtitan_ext.kernels._runtime import interpreter_enabled, triton_available_reason
 from torchtitan_ext.overrides import ConfigError, register_config_check, register_short_key
-from torchtitan_ext.registry import register_run_description
+from torchtitan_ext.registry import register_run_description, register_startup_note
 from torchtitan_ext.validation import data_parallel_shard_degree, launch_command, named
 from torchtitan_ext.validation import world_size as current_world_size
 
@@ -45,6 +46,44 @@ def compute_backend_of_run(config) -> dict:
             for _, experts, _, _ in config.model_spec.model.traverse(GroupedExperts.Config)
         })
     return {"compute_backend": backends[0] if len(backends) == 1 else backends}
+
+
+def routing_dispatchers(config) -> list[RoutingDispatcher.Config]:
+    """The project's token dispatchers of every MoE layer (none for torchtitan's own MoE)."""
+    if config.model_spec is None:
+        return []
+    return [
+        moe.routed_experts.token_dispatcher
+        for _, moe, _, _ in config.model_spec.model.traverse(RoutedMoE.Config)
+        if isinstance(moe.routed_experts.token_dispatcher, RoutingDispatcher.Config)
+    ]
+
+
+@register_run_description
+def ep_transport_of_run(config) -> dict:
+    """``ep_transport`` of the run metadata under expert parallelism: how EP rows move, one name when
+    every MoE layer agrees; nothing without EP or without the project's dispatcher."""
+    transports = sorted({dispatcher.ep_transport for dispatcher in routing_dispatchers(config)})
+    if config.parallelism.expert_parallel_degree <= 1 or not transports:
+        return {}
+    return {"ep_transport": transports[0] if len(transports) == 1 else transports}
+
+
+@register_startup_note
+def symm_mem_within_a_host(config) -> str | None:
+    """A note when EP rows go through all-to-alls on CUDA GPUs although every EP group fits in this
+    host, where ``symm_mem`` moves them with one kernel each way."""
+    ep = config.parallelism.expert_parallel_degree
+    transports = {dispatcher.ep_transport for dispatcher in routing_dispatchers(config)}
+    if ep <= 1 or transports != {"all_to_all"} or not torch.cuda.is_available() or interpreter_enabled():
+        return None
+    if symm_mem_errors(ep):
+        return None
+    return (
+        f"moe.ep_transport = 'all_to_all': every EP group of {ep} ranks fits in this host, where "
+        "moe.ep_transport = 'symm_mem' (--toml examples/ep_symm_mem.toml) moves the rows over NVLink "
+        "with one kernel each way and trains faster (docs/routing_and_ep.md, GPU results)"
+    )
 
 
 def moe_configs(config, key: str) -> list[RoutedMoE.Config]:
