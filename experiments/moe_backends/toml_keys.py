@@ -74,8 +74,9 @@ def symm_mem_within_a_host(config) -> str | None:
     """A note when EP rows go through all-to-alls on CUDA GPUs although every EP group fits in this
     host, where ``symm_mem`` moves them with one kernel each way."""
     ep = config.parallelism.expert_parallel_degree
-    transports = {dispatcher.ep_transport for dispatcher in routing_dispatchers(config)}
-    if ep <= 1 or transports != {"all_to_all"} or not torch.cuda.is_available() or interpreter_enabled():
+    if ep_transport_of_run(config).get("ep_transport") != "all_to_all":
+        return None
+    if not torch.cuda.is_available() or interpreter_enabled():
         return None
     if symm_mem_errors(ep):
         return None
@@ -197,7 +198,7 @@ def check_moe_config(config) -> None:
         if router.top_k != dispatcher.top_k:
             errors.append(f"moe: router top_k ({router.top_k}) differs from the dispatcher's ({dispatcher.top_k}); set moe.top_k")
     errors.extend(parallelism_errors(config, moes))
-    errors.extend(align_size_errors(config, moes))
+    errors.extend(align_size_errors(config))
     if errors:
         raise ConfigError("\n".join(dict.fromkeys(errors)))
 
@@ -232,14 +233,11 @@ MAX_ALIGN_SIZE = 4096
 """Largest ``moe.align_size``: every expert's rows are padded to a multiple of it."""
 
 
-def align_size_errors(config, moes: list[RoutedMoE.Config]) -> list[str]:
+def align_size_errors(config) -> list[str]:
     """``align_size`` at most MAX_ALIGN_SIZE and the routed rows of a step (its lower bound is the dispatcher's)."""
     routed_rows = config.training.local_batch_size * config.training.seq_len
     errors = []
-    for moe in moes:
-        dispatcher = moe.routed_experts.token_dispatcher
-        if not isinstance(dispatcher, RoutingDispatcher.Config):
-            continue
+    for dispatcher in routing_dispatchers(config):
         limit = min(MAX_ALIGN_SIZE, max(1, routed_rows * dispatcher.top_k))
         if dispatcher.align_size > limit:
             errors.append(
