@@ -11,13 +11,14 @@ Why a second kernel: with a few hundred rows per expert (Qwen3-30B-A3B: 512), ea
 reduction is short, so a Triton kernel that pipelines loads only inside a tile waits for its
 first loads at every tile. Here each program walks its tiles with one ring of shared-memory
 stages: the loads of the next tile's first steps are issued while the current tile finishes and
-while its result is stored (asynchronously, through TMA). The reduction order is the Triton
-kernel's (fp32, row steps in order), and the results are bit-identical to it.
+while its result is stored (a 16-bit result asynchronously, through TMA; an fp32 one, the
+gradient of fp32 weights under autocast, straight from the registers). The reduction order is
+the Triton kernel's (fp32, row steps in order), and the results are bit-identical to it.
 
 Rows of a tile's last, partial step that belong to the next expert are zeroed in shared memory
-before the product. Needs a Hopper GPU (wgmma), 16-bit operands and output, M a multiple of
-the tile's 128 rows, TMA-compatible strides, and a Triton whose Gluon this kernel was checked
-with (``VERIFIED_TRITON``).
+before the product. Needs a Hopper GPU (wgmma), 16-bit operands of one dtype, an output of that
+dtype or fp32, M a multiple of the tile's 128 rows, TMA-compatible strides, and a Triton whose
+Gluon this kernel was checked with (``VERIFIED_TRITON``).
 """
 
 from __future__ import annotations
@@ -64,14 +65,16 @@ def usable(a_RM: torch.Tensor, b_RN: torch.Tensor, out_EMN: torch.Tensor) -> boo
         return False
     if not a_RM.is_cuda or compute_capability_major(a_RM.device) != 9:
         return False
-    dtypes = {a_RM.dtype, b_RN.dtype, out_EMN.dtype}
-    if len(dtypes) != 1 or dtypes.pop() not in (torch.bfloat16, torch.float16):
+    if a_RM.dtype != b_RN.dtype or a_RM.dtype not in (torch.bfloat16, torch.float16):
         return False
+    if out_EMN.dtype not in (a_RM.dtype, torch.float32):
+        return False
+    store_through_tma = out_EMN.dtype == a_RM.dtype
     return (
         out_EMN.is_contiguous()
         and out_EMN.shape[1] % BLOCK_M == 0
         and a_RM.shape[0] > 0
-        and tensor_descriptors_usable(a_RM, b_RN, out_EMN)
+        and tensor_descriptors_usable(a_RM, b_RN, *([out_EMN] if store_through_tma else []))
     )
 
 
@@ -132,9 +135,14 @@ if gluon is not None:
         _tma_load(b_desc, [row, n_tile * BLOCK_N], bar, b_smem.index(stage), pred=live)
 
     @gluon.jit
-    def _weight_gradient_kernel(a_desc, b_desc, c_desc, group_end_ptr, num_experts, size_m, size_n, num_programs,
-                                GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-        """Persistent: program p computes output tiles p, p + num_programs, ... of c [E * M, N]."""
+    def _weight_gradient_kernel(a_desc, b_desc, c_desc, c_ptr, group_end_ptr, num_experts, size_m, size_n,
+                                num_programs, STORE_TMA: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                                num_warps: gl.constexpr):
+        """Persistent: program p computes output tiles p, p + num_programs, ... of c [E * M, N].
+
+        STORE_TMA: tiles go out through c_desc (16-bit c, its dtype the operands'); otherwise each
+        thread stores its part of the accumulator through c_ptr (an fp32 c, whose tile staging
+        buffer would not fit beside the load ring)."""
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
@@ -146,7 +154,8 @@ if gluon is not None:
 
         a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_M], a_desc.layout)
         b_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
-        c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+        if STORE_TMA:
+            c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for first_use in gl.static_range(STAGES):
             mbarrier.init(ready.index(first_use), count=1)
@@ -202,12 +211,20 @@ if gluon is not None:
                 )
                 consumed += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if STORE_TMA:
+                tma.store_wait(pendings=0)
+                _cta_barrier()
+                c_smem.store(acc.to(dtype))
+                fence_async_shared()
+                _tma_store(c_desc, [expert * size_m + m_tile * BLOCK_M, n_tile * BLOCK_N], c_smem)
+            else:
+                rows = (expert * size_m + m_tile * BLOCK_M
+                        + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))).to(gl.int64)
+                cols = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+                offsets = gl.expand_dims(rows, 1) * size_n + gl.expand_dims(cols, 0)
+                gl.store(c_ptr + offsets, acc, mask=gl.expand_dims(cols < size_n, 0))
+        if STORE_TMA:
             tma.store_wait(pendings=0)
-            _cta_barrier()
-            c_smem.store(acc.to(dtype))
-            fence_async_shared()
-            _tma_store(c_desc, [expert * size_m + m_tile * BLOCK_M, n_tile * BLOCK_N], c_smem)
-        tma.store_wait(pendings=0)
         for last_use in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(last_use))
 
@@ -227,10 +244,11 @@ def weight_gradient(a_RM: torch.Tensor, b_RN: torch.Tensor, group_end_E: torch.T
 
     a_desc = descriptor(a_RM, [BLOCK_K, BLOCK_M])
     b_desc = descriptor(b_RN, [BLOCK_K, block_n])
-    c_desc = descriptor(out_EMN.view(num_experts * size_m, size_n), [BLOCK_M, block_n])
+    store_tma = out_EMN.dtype == a_RM.dtype
+    c_desc = descriptor(out_EMN.view(num_experts * size_m, size_n), [BLOCK_M, block_n]) if store_tma else None
     tiles = num_experts * (size_m // BLOCK_M) * triton.cdiv(size_n, block_n)
     num_programs = min(tiles, persistent_programs(a_RM.device))
     _weight_gradient_kernel[(num_programs,)](
-        a_desc, b_desc, c_desc, group_end_E, num_experts, size_m, size_n, num_programs,
-        GROUP_M=GROUP_M, STAGES=STAGES, num_warps=NUM_WARPS,
+        a_desc, b_desc, c_desc, out_EMN, group_end_E, num_experts, size_m, size_n, num_programs,
+        STORE_TMA=store_tma, GROUP_M=GROUP_M, STAGES=STAGES, num_warps=NUM_WARPS,
     )

@@ -142,11 +142,13 @@ def test_routing_metadata_kernels_match_the_reference(num_tokens, top_k, num_exp
         assert torch.equal(got.cpu(), expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                              (torch.bfloat16, torch.float32), (torch.float16, torch.float32)])
 @pytest.mark.parametrize("size_m, size_n", [(768, 2048), (2048, 768), (1408, 2048), (256, 200), (128, 704)])
-def test_hopper_weight_gradient_is_the_triton_kernels_bit_for_bit(dtype, size_m, size_n, monkeypatch):
+def test_hopper_weight_gradient_is_the_triton_kernels_bit_for_bit(dtype, out_dtype, size_m, size_n, monkeypatch):
     """The Gluon weight-gradient kernel against the Triton one and an fp64 reference: partial and
-    exact 64-row steps, empty and one-row experts, trailing unassigned rows, N below and past a tile."""
+    exact 64-row steps, empty and one-row experts, trailing unassigned rows, N below and past a tile,
+    and an fp32 output (the gradient of fp32 weights under autocast)."""
     from torchtitan_ext.kernels import hopper_weight_gradient, swiglu_experts
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -158,7 +160,7 @@ def test_hopper_weight_gradient_is_the_triton_kernels_bit_for_bit(dtype, size_m,
     group_end_E = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
     a_RM = torch.randn(sum(counts) + 40, size_m, device="cuda").to(dtype)
     b_RN = torch.randn(sum(counts) + 40, size_n, device="cuda").to(dtype)
-    gluon_out = torch.full((len(counts), size_m, size_n), float("nan"), device="cuda", dtype=dtype)
+    gluon_out = torch.full((len(counts), size_m, size_n), float("nan"), device="cuda", dtype=out_dtype)
     assert hopper_weight_gradient.usable(a_RM, b_RN, gluon_out)
     hopper_weight_gradient.weight_gradient(a_RM, b_RN, group_end_E, gluon_out)
     monkeypatch.setattr(hopper_weight_gradient, "usable", lambda *tensors: False)
