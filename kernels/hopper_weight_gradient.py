@@ -55,6 +55,9 @@ TRITON_MINOR = ".".join(triton.__version__.split(".")[:2])
 BLOCK_M = 128
 BLOCK_K = 64
 STAGES = 3
+STAGES_WITHOUT_STAGING = 4
+"""Load stages when the result is stored from the registers (an fp32 result), which frees the
+staging tile's shared memory: 1-7% faster than 3 stages on an H100 at the four benchmark shapes."""
 NUM_WARPS = 8
 GROUP_M = 8
 
@@ -250,5 +253,6 @@ def weight_gradient(a_RM: torch.Tensor, b_RN: torch.Tensor, group_end_E: torch.T
     num_programs = min(tiles, persistent_programs(a_RM.device))
     _weight_gradient_kernel[(num_programs,)](
         a_desc, b_desc, c_desc, out_EMN, group_end_E, num_experts, size_m, size_n, num_programs,
-        STORE_TMA=store_tma, GROUP_M=GROUP_M, STAGES=STAGES, num_warps=NUM_WARPS,
+        STORE_TMA=store_tma, GROUP_M=GROUP_M, STAGES=STAGES if store_tma else STAGES_WITHOUT_STAGING,
+        num_warps=NUM_WARPS,
     )
