@@ -72,13 +72,17 @@ def usable(a_RM: torch.Tensor, b_RN: torch.Tensor, out_EMN: torch.Tensor) -> boo
         return False
     if out_EMN.dtype not in (a_RM.dtype, torch.float32):
         return False
-    store_through_tma = out_EMN.dtype == a_RM.dtype
     return (
         out_EMN.is_contiguous()
         and out_EMN.shape[1] % BLOCK_M == 0
         and a_RM.shape[0] > 0
-        and tensor_descriptors_usable(a_RM, b_RN, *([out_EMN] if store_through_tma else []))
+        and tensor_descriptors_usable(a_RM, b_RN, *([out_EMN] if _stores_through_tma(a_RM, out_EMN) else []))
     )
+
+
+def _stores_through_tma(a_RM: torch.Tensor, out_EMN: torch.Tensor) -> bool:
+    """A 16-bit result (the operands' dtype) goes out through TMA; an fp32 one from the registers."""
+    return out_EMN.dtype == a_RM.dtype
 
 
 def _block_n(size_n: int) -> int:
@@ -247,7 +251,7 @@ def weight_gradient(a_RM: torch.Tensor, b_RN: torch.Tensor, group_end_E: torch.T
 
     a_desc = descriptor(a_RM, [BLOCK_K, BLOCK_M])
     b_desc = descriptor(b_RN, [BLOCK_K, block_n])
-    store_tma = out_EMN.dtype == a_RM.dtype
+    store_tma = _stores_through_tma(a_RM, out_EMN)
     c_desc = descriptor(out_EMN.view(num_experts * size_m, size_n), [BLOCK_M, block_n]) if store_tma else None
     tiles = num_experts * (size_m // BLOCK_M) * triton.cdiv(size_n, block_n)
     num_programs = min(tiles, persistent_programs(a_RM.device))
