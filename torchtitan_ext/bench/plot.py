@@ -58,6 +58,11 @@ def _rate_or_time(rows: list[dict], rate_key: str, rate_label: str, time_key: st
     return time_key, f"{time_label} (lower is better)"
 
 
+def _same_bytes_GBps(row: dict, name: str, ms: float) -> float:
+    """GB/s of an EP row's ``name`` call's bytes (``{name}_GBps`` over ``ms[name]``) moved in ``ms`` instead."""
+    return row[f"{name}_GBps"] * row["ms"][name] / ms
+
+
 def chart_of(results: dict, only: Iterable[str] | None = None) -> Chart:
     """The bars, axis label and title for any result dict the benchmarks write."""
     only = set(only or ())
@@ -82,17 +87,17 @@ def chart_of(results: dict, only: Iterable[str] | None = None) -> Chart:
                 with_raw.add((panel, group))
                 bars.append(Bar(panel, group, "raw all-to-all", r["raw_a2a_GBps"]))
                 if "raw_a2a_unique" in r["ms"]:
-                    unique_GBps = r["raw_a2a_GBps"] * r["ms"]["raw_a2a"] / r["ms"]["raw_a2a_unique"]
-                    bars.append(Bar(panel, group, "raw all-to-all, each token once per rank", unique_GBps))
+                    bars.append(Bar(panel, group, "raw all-to-all, each token once per rank",
+                                    _same_bytes_GBps(r, "raw_a2a", r["ms"]["raw_a2a_unique"])))
                 if "ms_host_ahead" in r:
-                    ahead_GBps = r["raw_a2a_GBps"] * r["ms"]["raw_a2a"] / r["ms_host_ahead"]["raw_a2a"]
-                    bars.append(Bar(panel, group, "raw all-to-all, host ahead", ahead_GBps))
+                    bars.append(Bar(panel, group, "raw all-to-all, host ahead",
+                                    _same_bytes_GBps(r, "raw_a2a", r["ms_host_ahead"]["raw_a2a"])))
             transport = r.get("transport", "all_to_all")
             how = f"all_to_all, {r['permute_backend']} permute" if transport == "all_to_all" else transport
             bars.append(Bar(panel, group, f"dispatch+combine ({how})", r["dispatch_combine_GBps"]))
             if "ms_host_ahead" in r:
-                ahead_GBps = r["dispatch_combine_GBps"] * r["ms"]["dispatch_combine"] / r["ms_host_ahead"]["dispatch_combine"]
-                bars.append(Bar(panel, group, f"dispatch+combine ({how}), host ahead", ahead_GBps))
+                bars.append(Bar(panel, group, f"dispatch+combine ({how}), host ahead",
+                                _same_bytes_GBps(r, "dispatch_combine", r["ms_host_ahead"]["dispatch_combine"])))
         label = "GB/s per rank: routed rows' remote bytes / time (higher is better)"
         title = f"EP dispatch + combine, {device}"
     else:
