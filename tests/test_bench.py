@@ -11,9 +11,12 @@ from torchtitan_ext.bench.__main__ import main
 from torchtitan_ext.bench.common import TINY_SHAPE
 from torchtitan_ext.experiments.moe_backends.expert_timing import (
     BenchShape,
+    Timer,
     expert_inputs,
     host_issue_ms,
+    interleaved_round,
     make_timer,
+    turn_order,
 )
 from torchtitan_ext.bench.plot import chart_of
 from torchtitan_ext.experiments.moe_backends import auto_backend
@@ -317,22 +320,69 @@ def test_layer_rounds_report_the_median_of_interleaved_timings(tmp_path, capsys,
     from torchtitan_ext.bench import moe_layer
 
     calls = []
-    measured = iter([5.0, 1.0, 3.0, 9.0, 2.0, 4.0] * 4)
+    measured = iter([5.0, 3.0, 1.0, 9.0, 2.0, 5.0, 4.0, 1.0, 3.0, 2.0, 9.0, 4.0])
 
-    def scripted_timer(fn, grad_to_none=None):
-        calls.append("fwd+bwd" if grad_to_none else "fwd")
-        return next(measured)
+    class ScriptedTimer(Timer):
+        def __call__(self, fn, grad_to_none=None):
+            calls.append("fwd+bwd" if grad_to_none else "fwd")
+            return next(measured)
 
-    monkeypatch.setattr(moe_layer, "make_timer", lambda device: scripted_timer)
+    monkeypatch.setattr(moe_layer, "make_timer", lambda device: ScriptedTimer())
     results = run_main(["layer", "--tiny", "--skew", "balanced", "--layers", "for_loop", "--rounds", "3"], tmp_path)
     stock, for_loop = results["rows"]
-    # rounds take turns: stock fwd, stock fwd+bwd, for_loop fwd, for_loop fwd+bwd, then round 2, 3
-    assert calls == ["fwd", "fwd+bwd"] * 6
+    # each round: the forwards of stock and for_loop, then their forward+backwards
+    assert calls == ["fwd", "fwd", "fwd+bwd", "fwd+bwd"] * 3
     assert stock["fwd_ms_rounds"] == [5.0, 2.0, 3.0] and stock["fwd_ms"] == 3.0
     assert stock["fwdbwd_ms_rounds"] == [1.0, 4.0, 9.0] and stock["fwdbwd_ms"] == 4.0
     assert for_loop["fwd_ms_rounds"] == [3.0, 5.0, 2.0] and for_loop["fwd_ms"] == 3.0
     assert for_loop["fwdbwd_ms_rounds"] == [9.0, 1.0, 4.0] and for_loop["fwdbwd_speedup"] == 1.0
-    assert "(round 3 of 3)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "forward: torchtitan, for_loop  (round 3 of 3)" in err
+    assert "forward+backward: torchtitan, for_loop  (round 1 of 3)" in err
+
+
+def test_turn_order_alternates_names_call_by_call():
+    assert turn_order(["a", "b", "c"], 3) == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert turn_order(["a"], 2) == ["a", "a"]
+
+
+def test_interleaved_round_takes_turns_and_reports_each_names_median():
+    leaf = torch.ones(2, requires_grad=True)
+    ran, batches = [], []
+
+    def step(name, ms):
+        def call():
+            assert leaf.grad is None
+            leaf.grad = torch.ones(2)
+            ran.append((name, ms))
+        return call
+
+    def time_calls(fns):
+        batches.append(len(fns))
+        start = len(ran)
+        for fn in fns:
+            fn()
+        return [ms for _, ms in ran[start:]]
+
+    medians = interleaved_round({"slow": (step("slow", 4.0), [leaf]), "fast": (step("fast", 1.0), [leaf])},
+                                time_calls, repeat_ms=20.0, min_calls=3)
+    assert medians == {"slow": 4.0, "fast": 1.0}
+    # one untimed call each, three to estimate each, then 20 ms x 2 names / 5 ms per turn = 8 turns
+    assert batches == [3, 3, 16]
+    assert [name for name, _ in ran[8:]] == turn_order(["slow", "fast"], 8)
+
+
+def test_interleaved_round_calls_each_name_at_least_min_calls_times():
+    counts = {"a": 0, "b": 0}
+
+    def count(name):
+        def call():
+            counts[name] += 1
+        return call
+
+    interleaved_round({"a": (count("a"), []), "b": (count("b"), [])}, lambda fns: [fn() or 50.0 for fn in fns],
+                      repeat_ms=10.0, min_calls=5)
+    assert counts == {"a": 1 + 3 + 5, "b": 1 + 3 + 5}
 
 
 def test_expert_rounds_give_medians_and_per_round_times(tmp_path):

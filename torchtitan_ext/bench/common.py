@@ -172,15 +172,21 @@ TimedCalls = dict[str, tuple[Callable[[], object], Callable[[], None], list[torc
 
 
 def time_in_rounds(calls: TimedCalls, timer: Timer, rounds: int, label: str) -> dict[str, dict[str, list[float]]]:
-    """Each name's forward and forward+backward ms, ``rounds`` times, the names taking turns within
-    a round (a slow stretch of the GPU then touches every name, not all of one name's timings).
-    Progress lines read ``label``, the name and the round. Returns name -> {"fwd_ms": [...], "fwdbwd_ms": [...]}."""
+    """Each name's forward and forward+backward ms, ``rounds`` times: each round times every name's
+    forward, then every name's forward+backward, against each other (``Timer.round``: on a GPU the
+    names take turns call by call). Progress lines read ``label``, what is timed and the round.
+    Returns name -> {"fwd_ms": [...], "fwdbwd_ms": [...]}."""
     times = {name: {"fwd_ms": [], "fwdbwd_ms": []} for name in calls}
+    names = ", ".join(calls)
     for round_index in range(rounds):
-        for name, (forward, forward_backward, grad_to_none) in calls.items():
-            progress(f"{label}  {name}" + (f"  (round {round_index + 1} of {rounds})" if rounds > 1 else ""))
-            times[name]["fwd_ms"].append(timer(forward))
-            times[name]["fwdbwd_ms"].append(timer(forward_backward, grad_to_none=grad_to_none))
+        of_rounds = f"  (round {round_index + 1} of {rounds})" if rounds > 1 else ""
+        for key, what, index in (("fwd_ms", "forward", 0), ("fwdbwd_ms", "forward+backward", 1)):
+            progress(f"{label}  {what}: {names}{of_rounds}")
+            grads = {name: call[2] if index else () for name, call in calls.items()}
+            measured = timer.round({name: (call[index], grads[name]) for name, call in calls.items()})
+            for name, ms in measured.items():
+                times[name][key].append(ms)
+        for _, _, grad_to_none in calls.values():
             for tensor in grad_to_none:
                 tensor.grad = None
     return times
