@@ -200,10 +200,14 @@ def interleaved_round(calls: dict[str, TimedCall], time_calls: Callable[[list[Ca
 
 class CudaTimer(Timer):
     """One function: ``triton.testing.do_bench`` (``warmup_ms`` then ``repeat_ms`` of calls).
-    A round of several: ``interleaved_round``, each call timed alone with CUDA events after the
-    L2 cache is flushed. A GPU under its power limit changes its clocks within a fraction of a
-    second, so functions timed one after the other for 100 ms each can see different clocks;
-    taking turns call by call, they see the same ones."""
+
+    A round of several: ``interleaved_round``. Each timed call comes right after an untimed call
+    of the same function and an L2 flush, and is timed alone with CUDA events: the host issues it
+    while the GPU runs the call before, as in a loop of that function, whatever function ran
+    before the pair. A GPU under its power limit changes its clocks from second to second, so
+    functions timed one after the other for 100 ms each can see different clocks; taking turns
+    call by call, they see the same ones.
+    """
 
     def __init__(self, device: torch.device, warmup_ms: float, repeat_ms: float):
         self.device, self.warmup_ms, self.repeat_ms = device, warmup_ms, repeat_ms
@@ -219,6 +223,7 @@ class CudaTimer(Timer):
             self._flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=self.device)
         events = []
         for fn in fns:
+            fn()
             self._flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
