@@ -341,6 +341,15 @@ def test_layer_rounds_report_the_median_of_interleaved_timings(tmp_path, capsys,
     assert "forward+backward: torchtitan, for_loop  (round 1 of 3)" in err
 
 
+def test_gpu_flop_rates_of_tiny_shapes_stay_above_zero():
+    from torchtitan_ext.bench.common import expert_tflops
+
+    tiny = expert_tflops(TINY_SHAPE, 0.05, torch.device("cuda"), backward=True)
+    assert tiny == 0.04424
+    assert expert_tflops(BenchShape("big", 8192, 4096, 14336, 8, 2), 27.0, torch.device("cuda"), backward=True) == 641.4
+    assert expert_tflops(TINY_SHAPE, 0.05, torch.device("cpu"), backward=True) is None
+
+
 def test_turn_order_alternates_names_call_by_call():
     assert turn_order(["a", "b", "c"], 3) == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
     assert turn_order(["a"], 2) == ["a", "a"]

@@ -68,11 +68,12 @@ def dense_ceiling_tflops(timer: Timer, device: torch.device) -> float:
 
 
 def expert_tflops(shape: BenchShape, ms: float, device: torch.device, *, backward: bool) -> float | None:
-    """Expert FLOP rate on a GPU: 6*N*D*F forward, 18*N*D*F forward+backward (N routed rows); None on CPU."""
+    """Expert FLOP rate on a GPU, to 4 significant digits (a tiny shape's stays above zero): 6*N*D*F
+    forward, 18*N*D*F forward+backward (N routed rows); None on CPU."""
     if device.type == "cpu":
         return None
     flops = (18 if backward else 6) * shape.routed_rows * shape.dim * shape.hidden_dim
-    return round(flops / ms / 1e9, 1)
+    return float(f"{flops / ms / 1e9:.4g}")
 
 
 def memory_mb(forward: Callable[[], torch.Tensor], grad_out: torch.Tensor, device) -> tuple:
