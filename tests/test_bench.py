@@ -54,7 +54,8 @@ def test_expert_tiny_shape(tmp_path, capsys):
     assert "fwd+bwd ms" in out.out and "for_loop" in out.out
     assert "expert block" in out.err  # progress
     assert [row["impl"] for row in results["rows"]] == ["grouped_mm", "for_loop"]
-    assert results["meta"]["device"] == "cpu" and results["meta"]["command"].startswith("python -m torchtitan_ext.bench expert")
+    device = "cpu" if ON_CPU else torch.cuda.get_device_name()
+    assert results["meta"]["device"] == device and results["meta"]["command"].startswith("python -m torchtitan_ext.bench expert")
     for row in results["rows"]:
         assert row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0
     if ON_CPU:  # FLOP rates and memory are GPU figures: neither in the rows nor in the table
@@ -139,6 +140,11 @@ def test_plots_of_cpu_results_show_milliseconds(tmp_path):
     step["rows"][0]["step_ms"] = 0.0
     with pytest.raises(ValueError, match="nothing to plot"):
         chart_of(step)
+    # a GPU run where one backend ran out of memory: its row has no rate and gets no bar
+    gpu_step = {"meta": {"device": "H100"}, "rows": [
+        {"flavor": "f", "layers": 2, "backend": "for_loop", "step_ms": None, "tokens_per_s": None, "error": "out of memory"},
+        {"flavor": "f", "layers": 2, "backend": "triton", "step_ms": 20.0, "tokens_per_s": 1e5, "tflops": 150.0}]}
+    assert [(bar.series, bar.value) for bar in chart_of(gpu_step).bars] == [("triton", 150.0)]
 
 
 @pytest.mark.skipif(not ON_CPU, reason="full-size shapes run on a GPU")

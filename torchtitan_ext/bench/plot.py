@@ -72,12 +72,12 @@ def chart_of(results: dict, only: Iterable[str] | None = None) -> Chart:
     if rows and ("impl" in rows[0] or "layer" in rows[0]):
         series_key = "impl" if "impl" in rows[0] else "layer"
         key, label = _rate_or_time(rows, "fwdbwd_tflops", "fwd+bwd TFLOP/s", "fwdbwd_ms", "fwd+bwd ms")
-        bars = [Bar(_skew_panel(r), _shape_group(r), r[series_key], r[key]) for r in rows]
+        bars = [Bar(_skew_panel(r), _shape_group(r), r[series_key], r.get(key)) for r in rows]
         what = "Expert block per implementation" if series_key == "impl" else "MoE layer per backend vs stock torchtitan"
         title = f"{what}, {device}, {meta.get('dtype')}"
     elif rows and "tokens_per_s" in rows[0]:
         key, label = _rate_or_time(rows, "tflops", "model TFLOP/s", "step_ms", "training step ms")
-        bars = [Bar("", f"{r['flavor']} ({r['layers']} layers)", r["backend"], r[key]) for r in rows]
+        bars = [Bar("", f"{r['flavor']} ({r['layers']} layers)", r["backend"], r.get(key)) for r in rows]
         title = f"Training step per backend, {device}"
     elif _ep_rows(results):
         bars, with_raw = [], set()
