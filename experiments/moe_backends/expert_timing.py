@@ -10,6 +10,7 @@ threads varied up to a thousandfold from run to run; these stay within a few per
 Routing and inputs come from seeded generators, so every run measures the same tokens.
 """
 
+import abc
 import math
 import statistics
 import time
@@ -129,15 +130,16 @@ TimedCall = tuple[Callable[[], object], Sequence[torch.Tensor]]
 """A function to time and the tensors whose ``grad`` is set to None before each of its calls."""
 
 
-class Timer:
+class Timer(abc.ABC):
     """Median milliseconds of calls on one device.
 
     ``timer(fn, grad_to_none=None)`` times one function; ``timer.round(calls)`` times several
     against each other, one round of a comparison (see ``time_in_rounds`` in the benchmarks).
     """
 
+    @abc.abstractmethod
     def __call__(self, fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] | None = None) -> float:
-        raise NotImplementedError
+        """``fn``'s median ms; ``grad_to_none`` tensors lose their grads before each call."""
 
     def round(self, calls: dict[str, TimedCall]) -> dict[str, float]:
         """Each name's median ms, the names timed one after the other."""
