@@ -212,9 +212,9 @@ SHAPE_B = BenchShape("b", 64, 32, 24, 4, 2)
 
 
 def fake_measure(ms_by_shape_and_backend: dict, calls: list):
-    def measure(shape, backend):
-        calls.append((shape.name, backend))
-        return ms_by_shape_and_backend[shape.name, backend]
+    def measure(shape, backends):
+        calls.append((shape.name, tuple(backends)))
+        return {backend: ms_by_shape_and_backend[shape.name, backend] for backend in backends}
 
     return measure
 
@@ -244,11 +244,12 @@ def test_choice_is_cached_per_device_shape_and_dtype(monkeypatch):
     cpu = torch.device("cpu")
     first = auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, expert_parallel=False, may_measure=True,
                                  measure=measure)
-    assert (first.backend, first.cached, len(calls)) == ("batched_mm_padded", False, 3)
+    assert (first.backend, first.cached) == ("batched_mm_padded", False)
+    assert calls == [("a", ("grouped_mm", "for_loop", "batched_mm_padded"))]  # one round of all candidates
     assert first.ms_per_step == {"grouped_mm": 6.0, "for_loop": 4.0, "batched_mm_padded": 2.0}
     again = auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, expert_parallel=False, may_measure=False,
                                  measure=measure)
-    assert (again.backend, again.cached, len(calls)) == ("batched_mm_padded", True, 3)
+    assert (again.backend, again.cached, len(calls)) == ("batched_mm_padded", True, 1)
     cache = json.loads(auto_backend.cache_file().read_text())
     assert list(cache) == [first.cache_key] and "cpu|" in first.cache_key and "float32" in first.cache_key
     assert first.measured == auto_backend.MEASURED_ON_ONE_DEVICE
@@ -258,16 +259,15 @@ def test_choice_is_cached_per_device_shape_and_dtype(monkeypatch):
         auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, expert_parallel=True, may_measure=False, measure=measure)
     auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, expert_parallel=False, may_measure=True, remeasure=True,
                          measure=measure)
-    assert len(calls) == 6
+    assert len(calls) == 2
 
 
 def test_auto_in_toml_resolves_at_startup_and_is_recorded(tmp_path, monkeypatch):
     make_backend_unavailable(monkeypatch, "triton", "needs CUDA")
     one_device_ms = {"grouped_mm": 3.0, "for_loop": 1.0, "batched_mm_padded": 2.0}
     expert_parallel_ms = {"grouped_mm": 1.0, "for_loop": 3.0, "batched_mm_padded": 2.0}
-    monkeypatch.setattr(auto_backend, "layer_measure", lambda device, dtype: lambda shape, backend: one_device_ms[backend])
-    monkeypatch.setattr(auto_backend, "expert_block_measure",
-                        lambda device, dtype: lambda shape, backend: expert_parallel_ms[backend])
+    monkeypatch.setattr(auto_backend, "layer_measure", lambda device, dtype: lambda shape, backends: one_device_ms)
+    monkeypatch.setattr(auto_backend, "expert_block_measure", lambda device, dtype: lambda shape, backends: expert_parallel_ms)
     toml = tmp_path / "auto.toml"
     toml.write_text('[moe]\ncompute_backend = "auto"\n')
     config = FlavorConfigManager().parse_args(["--flavor", "tiny-moe-grouped-mm", "--toml", str(toml)])

@@ -41,8 +41,9 @@ class AutoBackendError(ValueError):
 
 CACHE_FILE_NAME = "auto_backend.json"
 
-Measure = Callable[[BenchShape, str], float]
-"""``measure(shape, backend) -> forward+backward ms`` of one MoE layer or expert block."""
+Measure = Callable[[BenchShape, list[str]], dict[str, float]]
+"""``measure(shape, backends) -> {backend: forward+backward ms}`` of one MoE layer or expert block,
+the backends timed against each other (``Timer.round``: on a GPU they take turns call by call)."""
 
 MEASURED_ON_ONE_DEVICE = "MoE layer"
 MEASURED_UNDER_EP = "expert block"
@@ -88,45 +89,49 @@ def cache_key(device: torch.device, dtype: torch.dtype, layer_shapes: dict[Bench
 
 
 def expert_block_measure(device: torch.device, dtype: torch.dtype) -> Measure:
-    """A short real measurement: a few forward+backward passes, median ms (``make_timer``)."""
+    """A short real measurement: a few forward+backward passes of each backend's expert block on
+    the same grouped rows, median ms (``make_timer``'s ``round``)."""
     timer = make_timer(device, warmup_ms=10, repeat_ms=40)
 
-    def measure(shape: BenchShape, backend: str) -> float:
+    def measure(shape: BenchShape, backends: list[str]) -> dict[str, float]:
         inputs = expert_inputs(shape, 0.0, device, dtype)
-        compute = get_backend(backend).grouped
         grad_RD = torch.randn(inputs.x_RD.shape, device=device, dtype=dtype)
 
-        def forward_backward():
-            torch.autograd.backward(compute(inputs.x_RD, *inputs.weights, inputs.counts_E), grad_RD)
+        def forward_backward(compute):
+            return lambda: torch.autograd.backward(compute(inputs.x_RD, *inputs.weights, inputs.counts_E), grad_RD)
 
-        return timer(forward_backward, grad_to_none=[inputs.x_RD, *inputs.weights])
+        leaves = [inputs.x_RD, *inputs.weights]
+        return timer.round({backend: (forward_backward(get_backend(backend).grouped), leaves) for backend in backends})
 
     return measure
 
 
 def layer_measure(device: torch.device, dtype: torch.dtype) -> Measure:
-    """The whole single-device MoE layer per backend (``moe_layer_config``), seeded weights and tokens."""
+    """The whole single-device MoE layer of each backend (``moe_layer_config``), the same seeded
+    weights and tokens for all."""
     timer = make_timer(device, warmup_ms=10, repeat_ms=40)
 
-    def measure(shape: BenchShape, backend: str) -> float:
-        with torch.device(device):
-            layer = moe_layer_config(compute_backend=backend, **shape.layer_kwargs()).build()
-        layer = layer.to(dtype).train()
+    def measure(shape: BenchShape, backends: list[str]) -> dict[str, float]:
         generator = seeded_generator(device)
 
         def randn(*size: int) -> torch.Tensor:
             return torch.randn(*size, device=device, generator=generator).to(dtype)
 
-        with torch.no_grad():
-            for _, param in sorted(layer.named_parameters()):
-                param.copy_(randn(*param.shape) * param.shape[-1] ** -0.5)
         x_BLD = randn(1, shape.tokens, shape.dim).requires_grad_()
         grad_BLD = randn(*x_BLD.shape)
-
-        def forward_backward():
-            torch.autograd.backward(layer(x_BLD), grad_BLD)
-
-        return timer(forward_backward, grad_to_none=[x_BLD, *layer.parameters()])
+        calls = {}
+        for backend in backends:
+            with torch.device(device):
+                layer = moe_layer_config(compute_backend=backend, **shape.layer_kwargs()).build()
+            layer = layer.to(dtype).train()
+            weight_generator = seeded_generator(device)
+            with torch.no_grad():
+                for _, param in sorted(layer.named_parameters()):
+                    weights = torch.randn(*param.shape, device=device, generator=weight_generator).to(dtype)
+                    param.copy_(weights * param.shape[-1] ** -0.5)
+            calls[backend] = (lambda layer=layer: torch.autograd.backward(layer(x_BLD), grad_BLD),
+                              [x_BLD, *layer.parameters()])
+        return timer.round(calls)
 
     return measure
 
@@ -134,11 +139,12 @@ def layer_measure(device: torch.device, dtype: torch.dtype) -> Measure:
 def choose_backend(layer_shapes: dict[BenchShape, int], candidates: list[str],
                    measure: Measure) -> tuple[str, dict[str, float]]:
     """(fastest candidate, ms per step per candidate); ties go to the earlier candidate."""
-    ms_per_step = {}
-    for backend in candidates:
-        print(f"  auto backend  measuring {backend}", file=sys.stderr, flush=True)
-        ms_per_step[backend] = round(sum(count * measure(shape, backend)
-                                         for shape, count in layer_shapes.items()), 4)
+    ms_per_step = dict.fromkeys(candidates, 0.0)
+    for shape, count in layer_shapes.items():
+        print(f"  auto backend  measuring {', '.join(candidates)} at {shape.name}", file=sys.stderr, flush=True)
+        for backend, ms in measure(shape, candidates).items():
+            ms_per_step[backend] += count * ms
+    ms_per_step = {backend: round(ms, 4) for backend, ms in ms_per_step.items()}
     return min(ms_per_step, key=ms_per_step.get), ms_per_step
 
 
