@@ -112,13 +112,12 @@ def layer_measure(device: torch.device, dtype: torch.dtype) -> Measure:
     timer = make_timer(device, warmup_ms=10, repeat_ms=40)
 
     def measure(shape: BenchShape, backends: list[str]) -> dict[str, float]:
-        generator = seeded_generator(device)
-
-        def randn(*size: int) -> torch.Tensor:
+        def randn(generator: torch.Generator, *size: int) -> torch.Tensor:
             return torch.randn(*size, device=device, generator=generator).to(dtype)
 
-        x_BLD = randn(1, shape.tokens, shape.dim).requires_grad_()
-        grad_BLD = randn(*x_BLD.shape)
+        token_generator = seeded_generator(device)
+        x_BLD = randn(token_generator, 1, shape.tokens, shape.dim).requires_grad_()
+        grad_BLD = randn(token_generator, *x_BLD.shape)
         calls = {}
         for backend in backends:
             with torch.device(device):
@@ -127,8 +126,7 @@ def layer_measure(device: torch.device, dtype: torch.dtype) -> Measure:
             weight_generator = seeded_generator(device)
             with torch.no_grad():
                 for _, param in sorted(layer.named_parameters()):
-                    weights = torch.randn(*param.shape, device=device, generator=weight_generator).to(dtype)
-                    param.copy_(weights * param.shape[-1] ** -0.5)
+                    param.copy_(randn(weight_generator, *param.shape) * param.shape[-1] ** -0.5)
             calls[backend] = (lambda layer=layer: torch.autograd.backward(layer(x_BLD), grad_BLD),
                               [x_BLD, *layer.parameters()])
         return timer.round(calls)

@@ -183,8 +183,7 @@ def time_in_rounds(calls: TimedCalls, timer: Timer, rounds: int, label: str) -> 
         of_rounds = f"  (round {round_index + 1} of {rounds})" if rounds > 1 else ""
         for key, what, index in (("fwd_ms", "forward", 0), ("fwdbwd_ms", "forward+backward", 1)):
             progress(f"{label}  {what}: {names}{of_rounds}")
-            grads = {name: call[2] if index else () for name, call in calls.items()}
-            measured = timer.round({name: (call[index], grads[name]) for name, call in calls.items()})
+            measured = timer.round({name: (call[index], call[2] if index else ()) for name, call in calls.items()})
             for name, ms in measured.items():
                 times[name][key].append(ms)
         for _, _, grad_to_none in calls.values():
