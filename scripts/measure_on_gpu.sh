@@ -16,7 +16,7 @@ out=${OUT:-gpu_results}
 mkdir -p "$out"
 site=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
-# The checkout on PYTHONPATH: torchtitan_ext maps kernels/ and experiments/ onto its namespace.
+# The checkout on PYTHONPATH: every module is the file its dotted name spells.
 export PYTHONPATH=$site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # NVLink multicast stays off on the shared measurement hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDER_OF_PACKAGE = {"torchtitan_ext.kernels": "kernels", "torchtitan_ext.experiments": "experiments"}
 REGISTRATION_MODULES = {"flavors", "toml_keys", "torchtitan_features"}
 """Modules of an experiment that register with the framework (flavors, TOML keys, start-up checks)."""
 
@@ -30,11 +29,7 @@ def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
-    dotted = ".".join(parts)
-    for package, folder in FOLDER_OF_PACKAGE.items():
-        if dotted == folder or dotted.startswith(folder + "."):
-            return package + dotted[len(folder):]
-    return dotted
+    return ".".join(parts)
 
 
 def layer(module: str) -> int:
@@ -71,11 +66,7 @@ def known(module: str, modules: set[str]) -> str:
     return module
 
 
-SOURCES = sorted(
-    path
-    for folder in ("kernels", "experiments", "torchtitan_ext")
-    for path in (ROOT / folder).rglob("*.py")
-)
+SOURCES = sorted((ROOT / "torchtitan_ext").rglob("*.py"))
 
 
 def test_sources_found():
