@@ -68,12 +68,27 @@ class Run:
 
 def launch(run: Run, device_ids: str, port: int, env: dict[str, str]) -> Run:
     """Train ``run`` on ``device_ids`` under torchrun; fill in what rank 0 logged."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={run.gpus}",
-               f"--master_port={port}", "--local-ranks-filter=0", "-m", "torchtitan_ext.train",
-               "--flavor", run.flavor, *run.args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={run.gpus}",
+        f"--master_port={port}",
+        "--local-ranks-filter=0",
+        "-m",
+        "torchtitan_ext.train",
+        "--flavor",
+        run.flavor,
+        *run.args,
+    ]
     started = time.monotonic()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**env, "CUDA_VISIBLE_DEVICES": device_ids})
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**env, "CUDA_VISIBLE_DEVICES": device_ids},
+    )
     lines = []
     for line in process.stdout:
         line = ANSI.sub("", line)
@@ -92,9 +107,12 @@ def launch(run: Run, device_ids: str, port: int, env: dict[str, str]) -> Run:
     run.wall_seconds = round(time.monotonic() - started, 1)
     if run.returncode != 0 or not run.losses:
         run.error_tail = "".join(lines[-60:])
-    print(f"{run.name}: rc {run.returncode}, first step after {run.seconds_to_first_step} s, "
-          f"{len(run.losses)} steps, last loss {run.losses.get(max(run.losses, default=0))}, "
-          f"median tokens/s {median_tokens_per_second(run.tokens_per_second)}", flush=True)
+    print(
+        f"{run.name}: rc {run.returncode}, first step after {run.seconds_to_first_step} s, "
+        f"{len(run.losses)} steps, last loss {run.losses.get(max(run.losses, default=0))}, "
+        f"median tokens/s {median_tokens_per_second(run.tokens_per_second)}",
+        flush=True,
+    )
     return run
 
 
@@ -115,27 +133,53 @@ def tiny_runs() -> list[list[Run]]:
     """Batches of runs that share the host: EP 1 pairs side by side, then each EP 2 run alone."""
     steps = ["--training.steps", "30"]
     ep1 = [Run(f"{b} ep1 1gpu", tiny_flavor_name(b), 1, steps) for b in TINY_BACKENDS]
-    batches = [ep1[i:i + 2] for i in range(0, len(ep1), 2)]
+    batches = [ep1[i : i + 2] for i in range(0, len(ep1), 2)]
     batches.append([Run("triton ep1 1gpu warm cache", "tiny-moe-triton", 1, steps)])
     for transport in ("all_to_all", "symm_mem"):
         for backend in TINY_BACKENDS:
-            batches.append([Run(
-                f"{backend} ep2 {transport}", tiny_flavor_name(backend), 2,
-                [*steps, "--parallelism.expert_parallel_degree", "2",
-                 *(["--toml", "examples/ep_symm_mem.toml"] if transport == "symm_mem" else [])],
-            )])
+            batches.append(
+                [
+                    Run(
+                        f"{backend} ep2 {transport}",
+                        tiny_flavor_name(backend),
+                        2,
+                        [
+                            *steps,
+                            "--parallelism.expert_parallel_degree",
+                            "2",
+                            *(["--toml", "examples/ep_symm_mem.toml"] if transport == "symm_mem" else []),
+                        ],
+                    )
+                ]
+            )
     return batches
 
 
 def full_runs(local_batch_size: int) -> list[list[Run]]:
-    args = ["--training.steps", "20", "--training.local_batch_size", str(local_batch_size), "--training.seq_len", "2048",
-            "--parallelism.expert_parallel_degree", "2", "--metrics.log_freq", "1"]
+    args = [
+        "--training.steps",
+        "20",
+        "--training.local_batch_size",
+        str(local_batch_size),
+        "--training.seq_len",
+        "2048",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--metrics.log_freq",
+        "1",
+    ]
     return [
         [Run("olmoe grouped_mm fsdp2 ep2", "olmoe-1b-7b", 2, args)],
         [Run("olmoe grouped_mm fsdp2 ep2 repeat", "olmoe-1b-7b", 2, args)],
         [Run("olmoe triton fsdp2 ep2", "olmoe-1b-7b", 2, [*args, "--toml", "examples/triton.toml"])],
-        [Run("olmoe triton fsdp2 ep2 symm_mem", "olmoe-1b-7b", 2,
-             [*args, "--toml", "examples/triton.toml", "--toml", "examples/ep_symm_mem.toml"])],
+        [
+            Run(
+                "olmoe triton fsdp2 ep2 symm_mem",
+                "olmoe-1b-7b",
+                2,
+                [*args, "--toml", "examples/triton.toml", "--toml", "examples/ep_symm_mem.toml"],
+            )
+        ],
         [Run("olmoe torchtitan-moe fsdp2 ep2", "olmoe-1b-7b-torchtitan-moe", 2, args)],
     ]
 
@@ -200,17 +244,24 @@ def plot(result_files: list[str], out: str) -> None:
     for path in result_files:
         with open(path) as f:
             results.append(json.load(f))
-    figure, axes = plt.subplots(len(results), 2, figsize=(13, 3.6 * len(results)), squeeze=False,
-                                gridspec_kw={"width_ratios": [3, 2]})
+    figure, axes = plt.subplots(
+        len(results), 2, figsize=(13, 3.6 * len(results)), squeeze=False, gridspec_kw={"width_ratios": [3, 2]}
+    )
     for (loss_axis, speed_axis), result in zip(axes, results):
         env = result["environment"]
-        title = (f"{env['device']} x{env['gpus']}, torch {env['torch']}, triton {env['triton']}, "
-                 f"batch {local_batch_size(result['runs'][0]['args'])}")
+        title = (
+            f"{env['device']} x{env['gpus']}, torch {env['torch']}, triton {env['triton']}, "
+            f"batch {local_batch_size(result['runs'][0]['args'])}"
+        )
         names, speeds = [], []
         for run in result["runs"]:
             steps = sorted(run["losses"], key=int)
-            loss_axis.plot([int(s) for s in steps], [run["losses"][s] for s in steps], label=run["name"],
-                           linestyle="--" if "repeat" in run["name"] else "-")
+            loss_axis.plot(
+                [int(s) for s in steps],
+                [run["losses"][s] for s in steps],
+                label=run["name"],
+                linestyle="--" if "repeat" in run["name"] else "-",
+            )
             names.append(run["name"])
             speeds.append(round(median_tokens_per_second(run["tokens_per_second"]) or 0))
         loss_axis.set(title=f"loss per step ({title})", xlabel="step", ylabel="loss")
@@ -237,8 +288,13 @@ def main() -> int:
     parser.add_argument("suite", choices=("tiny", "full"))
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--only", nargs="+", metavar="REGEX", help="run only the runs whose name matches one of these")
-    parser.add_argument("--local-batch-size", type=int, default=8, metavar="N",
-                        help="full suite: sequences of 2048 tokens per GPU per step (default 8)")
+    parser.add_argument(
+        "--local-batch-size",
+        type=int,
+        default=8,
+        metavar="N",
+        help="full suite: sequences of 2048 tokens per GPU per step (default 8)",
+    )
     args = parser.parse_args()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.suite == "tiny":
@@ -266,8 +322,12 @@ def main() -> int:
     problems += [f"{run.name}: exit code {run.returncode}" for run in runs if run.returncode != 0]
     if args.suite == "full":
         print_throughput_ratios(runs)
-    result = {"environment": environment(), "suite": args.suite, "runs": [asdict(r) for r in runs],
-              "problems": problems}
+    result = {
+        "environment": environment(),
+        "suite": args.suite,
+        "runs": [asdict(r) for r in runs],
+        "problems": problems,
+    }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print("problems:" if problems else "all runs agree", *problems, sep="\n  ")

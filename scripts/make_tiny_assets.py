@@ -18,13 +18,53 @@ NUM_DOCUMENTS = 2500
 VOCAB_SIZE = 1024
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 
-NAMES = ["Ada", "Bruno", "Chloe", "Dmitri", "Esme", "Farid", "Greta", "Hugo", "Ines", "Jonas",
-         "Kira", "Liam", "Mina", "Nils", "Olga", "Pavel", "Rosa", "Sami", "Tess", "Umar"]
+NAMES = [
+    "Ada",
+    "Bruno",
+    "Chloe",
+    "Dmitri",
+    "Esme",
+    "Farid",
+    "Greta",
+    "Hugo",
+    "Ines",
+    "Jonas",
+    "Kira",
+    "Liam",
+    "Mina",
+    "Nils",
+    "Olga",
+    "Pavel",
+    "Rosa",
+    "Sami",
+    "Tess",
+    "Umar",
+]
 ANIMALS = ["cat", "dog", "fox", "owl", "goat", "horse", "rabbit", "duck", "bear", "mouse"]
-PLACES = ["the garden", "the old mill", "the river bank", "the market", "the forest",
-          "the library", "the harbor", "the hill", "the kitchen", "the station"]
-OBJECTS = ["a red ball", "a small key", "a blue kite", "an old map", "a warm loaf",
-           "a silver bell", "a paper boat", "a wooden box", "a green apple", "a long rope"]
+PLACES = [
+    "the garden",
+    "the old mill",
+    "the river bank",
+    "the market",
+    "the forest",
+    "the library",
+    "the harbor",
+    "the hill",
+    "the kitchen",
+    "the station",
+]
+OBJECTS = [
+    "a red ball",
+    "a small key",
+    "a blue kite",
+    "an old map",
+    "a warm loaf",
+    "a silver bell",
+    "a paper boat",
+    "a wooden box",
+    "a green apple",
+    "a long rope",
+]
 FEELINGS = ["happy", "tired", "curious", "brave", "sleepy", "proud", "calm", "surprised"]
 WEATHER = ["sunny", "rainy", "windy", "cold", "bright", "foggy", "warm", "quiet"]
 VERBS = ["found", "carried", "lost", "painted", "shared", "hid", "fixed", "opened"]
@@ -36,7 +76,7 @@ def sentence(rng: random.Random, hero: str, pet: str) -> str:
         lambda: f"The day was {rng.choice(WEATHER)} and {hero} felt {rng.choice(FEELINGS)}.",
         lambda: f"At {rng.choice(PLACES)}, {hero} {rng.choice(VERBS)} {rng.choice(OBJECTS)}.",
         lambda: f"The {pet} {rng.choice(VERBS)} {rng.choice(OBJECTS)} near {rng.choice(PLACES)}.",
-        lambda: f"{hero} said to {rng.choice(NAMES)}, \"Let us go to {rng.choice(PLACES)}.\"",
+        lambda: f'{hero} said to {rng.choice(NAMES)}, "Let us go to {rng.choice(PLACES)}."',
         lambda: f"Then the {pet} was {rng.choice(FEELINGS)}, because it was {rng.choice(WEATHER)}.",
         lambda: f"{hero} counted {rng.randint(2, 9)} birds and {rng.randint(2, 9)} stones.",
     ]

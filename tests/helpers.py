@@ -21,7 +21,7 @@ def assert_weight_gradient_matches(
     segments of ``counts``); an expert without rows must be exactly zero."""
     start = 0
     for expert, count in enumerate(counts):
-        expected = a_RM[start:start + count].double().T @ b_RN[start:start + count].double()
+        expected = a_RM[start : start + count].double().T @ b_RN[start : start + count].double()
         if count:
             assert relative_error(out_EMN[expert].double(), expected) < tolerance, f"expert {expert}"
         else:

@@ -42,7 +42,9 @@ def gradients(layer, x, grad_out, selective: bool) -> dict[str, torch.Tensor]:
     x = x.clone().requires_grad_()
     if selective:
         out = checkpoint(
-            layer, x, use_reentrant=False,
+            layer,
+            x,
+            use_reentrant=False,
             context_fn=lambda: create_selective_checkpoint_contexts(_save_copies_policy),
         )
     else:

@@ -2,10 +2,10 @@
 backend equivalence tests of tests/test_experts.py and builds into the experts module."""
 
 import pytest
+import test_experts as equivalence
 import torch
 import torch.nn.functional as F
 
-import test_experts as equivalence
 from torchtitan_ext.experiments.moe_backends.experts import (
     BACKENDS,
     BackendGroupedExperts,
@@ -23,7 +23,8 @@ def dense_masked_experts(x_RD, w1_EFD, w2_EDF, w3_EFD, num_tokens_per_expert_E):
     dtype = x_RD.dtype
     num_rows = x_RD.shape[0]
     expert_R = torch.repeat_interleave(
-        torch.arange(len(num_tokens_per_expert_E), device=x_RD.device), num_tokens_per_expert_E.long(),
+        torch.arange(len(num_tokens_per_expert_E), device=x_RD.device),
+        num_tokens_per_expert_E.long(),
         output_size=num_rows,
     )
     h_ERF = F.silu(torch.einsum("rd,efd->erf", x_RD, w1_EFD.to(dtype))) * torch.einsum(

@@ -6,9 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_backend_unavailable
 
 from torchtitan_ext.bench.__main__ import main
 from torchtitan_ext.bench.common import TINY_SHAPE
+from torchtitan_ext.bench.plot import chart_of
+from torchtitan_ext.experiments.moe_backends import auto_backend
 from torchtitan_ext.experiments.moe_backends.expert_timing import (
     BenchShape,
     Timer,
@@ -18,14 +21,10 @@ from torchtitan_ext.experiments.moe_backends.expert_timing import (
     make_timer,
     turn_order,
 )
-from torchtitan_ext.bench.plot import chart_of
-from torchtitan_ext.experiments.moe_backends import auto_backend
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts, runnable_backends
 from torchtitan_ext.metrics.metadata import run_metadata
 from torchtitan_ext.overrides import ConfigError
 from torchtitan_ext.train import FlavorConfigManager
-
-from helpers import make_backend_unavailable
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 PNG_MAGIC = b"\x89PNG"
@@ -55,7 +54,9 @@ def test_expert_tiny_shape(tmp_path, capsys):
     assert "expert block" in out.err  # progress
     assert [row["impl"] for row in results["rows"]] == ["grouped_mm", "for_loop"]
     device = "cpu" if ON_CPU else torch.cuda.get_device_name()
-    assert results["meta"]["device"] == device and results["meta"]["command"].startswith("python -m torchtitan_ext.bench expert")
+    assert results["meta"]["device"] == device and results["meta"]["command"].startswith(
+        "python -m torchtitan_ext.bench expert"
+    )
     for row in results["rows"]:
         assert row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0
     if ON_CPU:  # FLOP rates and memory are GPU figures: neither in the rows nor in the table
@@ -64,16 +65,36 @@ def test_expert_tiny_shape(tmp_path, capsys):
 
 
 def test_expert_explicit_dims(tmp_path):
-    results = run_main(["expert", "--dim", "16", "--hidden", "24", "--experts", "4", "--top-k", "2", "--tokens", "16",
-                        "--skew", "skewed", "--impls", "batched_mm_padded"], tmp_path)
+    results = run_main(
+        [
+            "expert",
+            "--dim",
+            "16",
+            "--hidden",
+            "24",
+            "--experts",
+            "4",
+            "--top-k",
+            "2",
+            "--tokens",
+            "16",
+            "--skew",
+            "skewed",
+            "--impls",
+            "batched_mm_padded",
+        ],
+        tmp_path,
+    )
     (row,) = results["rows"]
     assert row["shape"] == "D16-F24-E4-K2-T16" and row["skew"] == 2.0
     assert row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0
 
 
 def test_layer_shapes_from_flavor(tmp_path, capsys):
-    results = run_main(["layer", "--flavor", "tiny-moe-for-loop", "--tokens", "32", "--skew", "balanced",
-                        "--layers", "for_loop"], tmp_path)
+    results = run_main(
+        ["layer", "--flavor", "tiny-moe-for-loop", "--tokens", "32", "--skew", "balanced", "--layers", "for_loop"],
+        tmp_path,
+    )
     assert "err vs stock" in capsys.readouterr().out
     assert [row["layer"] for row in results["rows"]] == ["torchtitan", "for_loop"]
     assert results["rows"][0]["shape"] == "tiny-moe-for-loop"
@@ -81,8 +102,21 @@ def test_layer_shapes_from_flavor(tmp_path, capsys):
 
 
 def test_train_step_tiny_flavor(tmp_path, capsys):
-    results = run_main(["train-step", "--flavor", "tiny-moe-grouped-mm", "--backends", "for_loop", "grouped_mm",
-                        "--batch-size", "2", "--seq-len", "16"], tmp_path)
+    results = run_main(
+        [
+            "train-step",
+            "--flavor",
+            "tiny-moe-grouped-mm",
+            "--backends",
+            "for_loop",
+            "grouped_mm",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+        ],
+        tmp_path,
+    )
     out = capsys.readouterr().out
     assert "tokens/s" in out and "step-1 loss" in out
     for_loop, grouped_mm = results["rows"]
@@ -134,27 +168,43 @@ def test_plots_of_cpu_results_show_milliseconds(tmp_path):
         assert [bar.value for bar in chart.bars] == [row["fwdbwd_ms"] for row in expert["rows"]]
     measured = json.loads((RESULTS / "expert_block_h100.json").read_text())
     assert chart_of(measured).value_label == "fwd+bwd TFLOP/s (higher is better)"
-    step = {"meta": {"device": "cpu"}, "rows": [{"flavor": "f", "layers": 2, "backend": "b", "tokens_per_s": 1e4,
-                                                   "tflops": None, "step_ms": 147.0}]}
+    step = {
+        "meta": {"device": "cpu"},
+        "rows": [{"flavor": "f", "layers": 2, "backend": "b", "tokens_per_s": 1e4, "tflops": None, "step_ms": 147.0}],
+    }
     assert [bar.value for bar in chart_of(step).bars] == [147.0]
     step["rows"][0]["step_ms"] = 0.0
     with pytest.raises(ValueError, match="nothing to plot"):
         chart_of(step)
     # a GPU run where one backend ran out of memory: its row has no rate and gets no bar
-    gpu_step = {"meta": {"device": "H100"}, "rows": [
-        {"flavor": "f", "layers": 2, "backend": "for_loop", "step_ms": None, "tokens_per_s": None, "error": "out of memory"},
-        {"flavor": "f", "layers": 2, "backend": "triton", "step_ms": 20.0, "tokens_per_s": 1e5, "tflops": 150.0}]}
+    gpu_step = {
+        "meta": {"device": "H100"},
+        "rows": [
+            {
+                "flavor": "f",
+                "layers": 2,
+                "backend": "for_loop",
+                "step_ms": None,
+                "tokens_per_s": None,
+                "error": "out of memory",
+            },
+            {"flavor": "f", "layers": 2, "backend": "triton", "step_ms": 20.0, "tokens_per_s": 1e5, "tflops": 150.0},
+        ],
+    }
     assert [(bar.series, bar.value) for bar in chart_of(gpu_step).bars] == [("triton", 150.0)]
 
 
 @pytest.mark.skipif(not ON_CPU, reason="full-size shapes run on a GPU")
-@pytest.mark.parametrize("argv, refused", [
-    (["expert", "--flavor", "qwen3-30b-a3b"], "bench expert: qwen3-30b-a3b (dim 2048) is full-size"),
-    (["layer", "--shapes", "mixtral-8x7b"], "bench layer: mixtral-8x7b (dim 4096) is full-size"),
-    (["expert", "--dim", "2048", "--hidden", "8", "--experts", "4", "--top-k", "2"], "is full-size"),
-    (["train-step", "--flavor", "qwen3-30b-a3b", "--backends", "for_loop"], "flavor qwen3-30b-a3b (dim 2048)"),
-    (["auto", "--flavor", "olmoe-1b-7b"], "bench auto: flavor olmoe-1b-7b (dim 2048) is full-size"),
-])
+@pytest.mark.parametrize(
+    "argv, refused",
+    [
+        (["expert", "--flavor", "qwen3-30b-a3b"], "bench expert: qwen3-30b-a3b (dim 2048) is full-size"),
+        (["layer", "--shapes", "mixtral-8x7b"], "bench layer: mixtral-8x7b (dim 4096) is full-size"),
+        (["expert", "--dim", "2048", "--hidden", "8", "--experts", "4", "--top-k", "2"], "is full-size"),
+        (["train-step", "--flavor", "qwen3-30b-a3b", "--backends", "for_loop"], "flavor qwen3-30b-a3b (dim 2048)"),
+        (["auto", "--flavor", "olmoe-1b-7b"], "bench auto: flavor olmoe-1b-7b (dim 2048) is full-size"),
+    ],
+)
 def test_full_size_shapes_are_refused_on_cpu(argv, refused, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -168,7 +218,9 @@ def test_ep_plot_shows_host_ahead_bandwidth_next_to_back_to_back():
     bars = {(bar.panel, bar.group, bar.series): bar.value for bar in chart_of(measured).bars}
     where = (f"2 ranks, {row['routing']} routing", f"T{row['tokens_per_rank']} D{row['dim']}")
     ratio = row["ms"]["dispatch_combine"] / row["ms_host_ahead"]["dispatch_combine"]
-    assert bars[(*where, "dispatch+combine (symm_mem), host ahead")] == pytest.approx(row["dispatch_combine_GBps"] * ratio)
+    assert bars[(*where, "dispatch+combine (symm_mem), host ahead")] == pytest.approx(
+        row["dispatch_combine_GBps"] * ratio
+    )
     raw_ratio = row["ms"]["raw_a2a"] / row["ms_host_ahead"]["raw_a2a"]
     assert bars[(*where, "raw all-to-all, host ahead")] == pytest.approx(row["raw_a2a_GBps"] * raw_ratio)
     del row["ms_host_ahead"]
@@ -177,22 +229,33 @@ def test_ep_plot_shows_host_ahead_bandwidth_next_to_back_to_back():
     }
 
 
-@pytest.mark.parametrize("name", ["expert_block_h100.json", "moe_layer_h100.json", "ep_dispatch_h200_2026-11-21.json", "ep_dispatch_h200x2_2026-11-24.json"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "expert_block_h100.json",
+        "moe_layer_h100.json",
+        "ep_dispatch_h200_2026-11-21.json",
+        "ep_dispatch_h200x2_2026-11-24.json",
+    ],
+)
 def test_plot_measured_results(tmp_path, name):
     out = tmp_path / "plot.png"
     assert main(["plot", "--from", str(RESULTS / name), "--out", str(out)]) == 0
     assert out.read_bytes()[:4] == PNG_MAGIC
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["expert", "--dim", "16"], "need all of --dim --hidden --experts --top-k"),
-    (["expert", "--tiny", "--shapes", "mixtral-8x7b"], "choose one shape source"),
-    (["expert", "--impls", "nope"], "invalid choice: 'nope'"),
-    (["layer", "--tiny", "--batch", "5"], "--batch 5 must be >= 1 and divide"),
-    (["train-step", "--backends", "for_loop"], "the following arguments are required: --flavor"),
-    (["plot", "--from", "missing.json", "--out", "x.png"], "No such file"),
-    (["ep"], "run it under torchrun with >= 2 CUDA GPUs"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["expert", "--dim", "16"], "need all of --dim --hidden --experts --top-k"),
+        (["expert", "--tiny", "--shapes", "mixtral-8x7b"], "choose one shape source"),
+        (["expert", "--impls", "nope"], "invalid choice: 'nope'"),
+        (["layer", "--tiny", "--batch", "5"], "--batch 5 must be >= 1 and divide"),
+        (["train-step", "--backends", "for_loop"], "the following arguments are required: --flavor"),
+        (["plot", "--from", "missing.json", "--out", "x.png"], "No such file"),
+        (["ep"], "run it under torchrun with >= 2 CUDA GPUs"),
+    ],
+)
 def test_bad_arguments_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -222,8 +285,9 @@ def fake_measure(ms_by_shape_and_backend: dict, calls: list):
 def test_choice_sums_layers_and_breaks_ties_by_order():
     ms = {("a", "for_loop"): 1.0, ("a", "grouped_mm"): 2.0, ("b", "for_loop"): 5.0, ("b", "grouped_mm"): 2.0}
     # for_loop: 3*1 + 1*5 = 8; grouped_mm: 3*2 + 1*2 = 8 -> tie, the earlier candidate wins
-    backend, totals = auto_backend.choose_backend({SHAPE_A: 3, SHAPE_B: 1}, ["grouped_mm", "for_loop"],
-                                                  fake_measure(ms, []))
+    backend, totals = auto_backend.choose_backend(
+        {SHAPE_A: 3, SHAPE_B: 1}, ["grouped_mm", "for_loop"], fake_measure(ms, [])
+    )
     assert (backend, totals) == ("grouped_mm", {"grouped_mm": 8.0, "for_loop": 8.0})
     backend, _ = auto_backend.choose_backend({SHAPE_A: 1, SHAPE_B: 1}, ["grouped_mm", "for_loop"], fake_measure(ms, []))
     assert backend == "grouped_mm"  # 4 vs 6
@@ -242,23 +306,30 @@ def test_choice_is_cached_per_device_shape_and_dtype(monkeypatch):
     calls = []
     measure = fake_measure(ms, calls)
     cpu = torch.device("cpu")
-    first = auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, expert_parallel=False, may_measure=True,
-                                 measure=measure)
+    first = auto_backend.resolve(
+        {SHAPE_A: 2}, cpu, torch.float32, expert_parallel=False, may_measure=True, measure=measure
+    )
     assert (first.backend, first.cached) == ("batched_mm_padded", False)
     assert calls == [("a", ("grouped_mm", "for_loop", "batched_mm_padded"))]  # one round of all candidates
     assert first.ms_per_step == {"grouped_mm": 6.0, "for_loop": 4.0, "batched_mm_padded": 2.0}
-    again = auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, expert_parallel=False, may_measure=False,
-                                 measure=measure)
+    again = auto_backend.resolve(
+        {SHAPE_A: 2}, cpu, torch.float32, expert_parallel=False, may_measure=False, measure=measure
+    )
     assert (again.backend, again.cached, len(calls)) == ("batched_mm_padded", True, 1)
     cache = json.loads(auto_backend.cache_file().read_text())
     assert list(cache) == [first.cache_key] and "cpu|" in first.cache_key and "float32" in first.cache_key
     assert first.measured == auto_backend.MEASURED_ON_ONE_DEVICE
-    with pytest.raises(auto_backend.AutoBackendError, match="no cached choice"):  # another dtype: a miss, and no measuring allowed
-        auto_backend.resolve({SHAPE_A: 2}, cpu, torch.bfloat16, expert_parallel=False, may_measure=False, measure=measure)
+    with pytest.raises(
+        auto_backend.AutoBackendError, match="no cached choice"
+    ):  # another dtype: a miss, and no measuring allowed
+        auto_backend.resolve(
+            {SHAPE_A: 2}, cpu, torch.bfloat16, expert_parallel=False, may_measure=False, measure=measure
+        )
     with pytest.raises(auto_backend.AutoBackendError, match="no cached choice"):  # under EP another thing is measured
         auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, expert_parallel=True, may_measure=False, measure=measure)
-    auto_backend.resolve({SHAPE_A: 2}, cpu, torch.float32, expert_parallel=False, may_measure=True, remeasure=True,
-                         measure=measure)
+    auto_backend.resolve(
+        {SHAPE_A: 2}, cpu, torch.float32, expert_parallel=False, may_measure=True, remeasure=True, measure=measure
+    )
     assert len(calls) == 2
 
 
@@ -267,7 +338,9 @@ def test_auto_in_toml_resolves_at_startup_and_is_recorded(tmp_path, monkeypatch)
     one_device_ms = {"grouped_mm": 3.0, "for_loop": 1.0, "batched_mm_padded": 2.0}
     expert_parallel_ms = {"grouped_mm": 1.0, "for_loop": 3.0, "batched_mm_padded": 2.0}
     monkeypatch.setattr(auto_backend, "layer_measure", lambda device, dtype: lambda shape, backends: one_device_ms)
-    monkeypatch.setattr(auto_backend, "expert_block_measure", lambda device, dtype: lambda shape, backends: expert_parallel_ms)
+    monkeypatch.setattr(
+        auto_backend, "expert_block_measure", lambda device, dtype: lambda shape, backends: expert_parallel_ms
+    )
     toml = tmp_path / "auto.toml"
     toml.write_text('[moe]\ncompute_backend = "auto"\n')
     config = FlavorConfigManager().parse_args(["--flavor", "tiny-moe-grouped-mm", "--toml", str(toml)])
@@ -294,14 +367,29 @@ def test_unresolved_auto_cannot_build():
 def test_real_tiny_measurement(monkeypatch, capsys):
     make_backend_unavailable(monkeypatch, "triton", "needs CUDA")
     for expert_parallel in (False, True):
-        choice = auto_backend.resolve({TINY_SHAPE: 2}, torch.device("cpu"), torch.float32,
-                                      expert_parallel=expert_parallel, may_measure=True)
+        choice = auto_backend.resolve(
+            {TINY_SHAPE: 2}, torch.device("cpu"), torch.float32, expert_parallel=expert_parallel, may_measure=True
+        )
         assert choice.backend in TORCH_BACKENDS and set(choice.ms_per_step) == set(TORCH_BACKENDS)
         assert all(ms > 0 for ms in choice.ms_per_step.values())
     assert main(["auto", "--flavor", "tiny-moe-for-loop", "--batch-size", "2", "--seq-len", "16"]) == 0
     assert "MoE layer forward+backward" in capsys.readouterr().out
-    assert main(["auto", "--flavor", "tiny-moe-for-loop", "--batch-size", "2", "--seq-len", "16",
-                 "--expert-parallel-degree", "2"]) == 0
+    assert (
+        main(
+            [
+                "auto",
+                "--flavor",
+                "tiny-moe-for-loop",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "16",
+                "--expert-parallel-degree",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "expert block forward+backward" in capsys.readouterr().out
 
 
@@ -370,6 +458,7 @@ def test_interleaved_round_takes_turns_and_reports_each_names_median():
             assert leaf.grad is None
             leaf.grad = torch.ones(2)
             ran.append((name, ms))
+
         return call
 
     def time_calls(fns):
@@ -379,8 +468,12 @@ def test_interleaved_round_takes_turns_and_reports_each_names_median():
             fn()
         return [ms for _, ms in ran[start:]]
 
-    medians = interleaved_round({"slow": (step("slow", 4.0), [leaf]), "fast": (step("fast", 1.0), [leaf])},
-                                time_calls, repeat_ms=20.0, min_calls=3)
+    medians = interleaved_round(
+        {"slow": (step("slow", 4.0), [leaf]), "fast": (step("fast", 1.0), [leaf])},
+        time_calls,
+        repeat_ms=20.0,
+        min_calls=3,
+    )
     assert medians == {"slow": 4.0, "fast": 1.0}
     # one untimed call each, three to estimate each, then 20 ms x 2 names / 5 ms per turn = 8 turns
     assert batches == [3, 3, 16]
@@ -393,16 +486,22 @@ def test_interleaved_round_calls_each_name_at_least_min_calls_times():
     def count(name):
         def call():
             counts[name] += 1
+
         return call
 
-    interleaved_round({"a": (count("a"), []), "b": (count("b"), [])}, lambda fns: [fn() or 50.0 for fn in fns],
-                      repeat_ms=10.0, min_calls=5)
+    interleaved_round(
+        {"a": (count("a"), []), "b": (count("b"), [])},
+        lambda fns: [fn() or 50.0 for fn in fns],
+        repeat_ms=10.0,
+        min_calls=5,
+    )
     assert counts == {"a": 1 + 3 + 5, "b": 1 + 3 + 5}
 
 
 def test_expert_rounds_give_medians_and_per_round_times(tmp_path):
-    results = run_main(["expert", "--tiny", "--skew", "balanced", "--impls", "grouped_mm", "for_loop",
-                        "--rounds", "3"], tmp_path)
+    results = run_main(
+        ["expert", "--tiny", "--skew", "balanced", "--impls", "grouped_mm", "for_loop", "--rounds", "3"], tmp_path
+    )
     for row in results["rows"]:
         for key in ("fwd_ms", "fwdbwd_ms"):
             assert len(row[f"{key}_rounds"]) == 3
@@ -419,6 +518,7 @@ def test_rounds_must_be_positive(command, tmp_path, capsys):
 
 def synthetic_gpu_trace(path: Path) -> None:
     """One 1 ms profiler step: overlapping kernels on two streams, a copy, host syncs and launches."""
+
     def event(name, cat, ts, dur, tid=7):
         return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
 
@@ -494,8 +594,21 @@ def test_train_step_goes_on_after_a_backend_runs_out_of_memory(tmp_path, capsys,
         return measure(config, backend, device, timer)
 
     monkeypatch.setattr(train_step, "bench_backend", out_of_memory_for_loop)
-    results = run_main(["train-step", "--flavor", "tiny-moe-grouped-mm", "--backends", "for_loop", "grouped_mm",
-                        "--batch-size", "2", "--seq-len", "16"], tmp_path)
+    results = run_main(
+        [
+            "train-step",
+            "--flavor",
+            "tiny-moe-grouped-mm",
+            "--backends",
+            "for_loop",
+            "grouped_mm",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+        ],
+        tmp_path,
+    )
     captured = capsys.readouterr()
     for_loop, grouped_mm = results["rows"]
     assert for_loop["step_ms"] is None and "out of memory" in for_loop["error"] and for_loop["tokens"] == 32
@@ -508,8 +621,9 @@ def test_train_step_times_a_stock_flavor_as_one_torchtitan_row(capsys):
 
     assert train_step.backends_to_run("olmoe-1b-7b-torchtitan-moe", [], None, ["grouped_mm"]) == [train_step.STOCK_MOE]
     assert train_step.backends_to_run("olmoe-1b-7b", [], None, ["grouped_mm", "triton"]) == ["grouped_mm", "triton"]
-    config = train_step.step_config("olmoe-1b-7b-torchtitan-moe", [], train_step.STOCK_MOE, batch_size=1, seq_len=8,
-                                    num_layers=1)
+    config = train_step.step_config(
+        "olmoe-1b-7b-torchtitan-moe", [], train_step.STOCK_MOE, batch_size=1, seq_len=8, num_layers=1
+    )
     assert not train_step.has_switchable_experts(config) and len(config.model_spec.model.layers) == 1
     assert main(["train-step", "--flavor", "olmoe-1b-7b-torchtitan-moe", "--backends", "grouped_mm"]) == 2
     assert "built with torchtitan's own MoE layers" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import free_port
 from torch import nn
 
 from torchtitan_ext.checkpoint_integrity import (
@@ -18,8 +19,6 @@ from torchtitan_ext.checkpoint_integrity import (
     CheckpointIntegrityError,
     IntegrityCheckpointManager,
 )
-
-from helpers import free_port
 
 
 class OptimizerState:
@@ -87,9 +86,14 @@ DAMAGE = {
     "missing .metadata": (lambda f: (f / ".metadata").unlink(), r"\.metadata: missing"),
     "emptied folder": (empty_folder, r"no integrity\.json \(the folder is empty\)"),
     "flipped bytes in a .distcp shard": (lambda f: flip_bytes(distcp_shard(f)), r"\.distcp: sha256 differs"),
-    "truncated .distcp shard": (lambda f: os.truncate(distcp_shard(f), 1000), r"\.distcp: size 1000 bytes, \d+ when saved"),
-    "garbage .metadata": (lambda f: (f / ".metadata").write_bytes(os.urandom((f / ".metadata").stat().st_size)),
-                          r"\.metadata: sha256 differs"),
+    "truncated .distcp shard": (
+        lambda f: os.truncate(distcp_shard(f), 1000),
+        r"\.distcp: size 1000 bytes, \d+ when saved",
+    ),
+    "garbage .metadata": (
+        lambda f: (f / ".metadata").write_bytes(os.urandom((f / ".metadata").stat().st_size)),
+        r"\.metadata: sha256 differs",
+    ),
     "missing manifest": (lambda f: (f / MANIFEST_NAME).unlink(), r"no integrity\.json \(files: \.metadata, "),
     "garbage manifest": (lambda f: (f / MANIFEST_NAME).write_bytes(b"\x80garbage"), r"integrity\.json is unreadable"),
 }
@@ -182,14 +186,24 @@ def test_async_save_gets_its_manifest_when_waited_for(tmp_path, world_of_one):
 # --- through the train entry: exit codes and resumed losses --------------------------------
 
 STEP_LOSS = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
-CHECKPOINTED_RUN = ["--flavor", "tiny-moe-grouped-mm", "--checkpoint.enable", "--checkpoint.interval", "2",
-                    "--training.steps", "4", "--metrics.disable_color_printing"]
+CHECKPOINTED_RUN = [
+    "--flavor",
+    "tiny-moe-grouped-mm",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "2",
+    "--training.steps",
+    "4",
+    "--metrics.disable_color_printing",
+]
 
 
 def train(dump_folder) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torchtitan_ext.train", *CHECKPOINTED_RUN, "--dump_folder", str(dump_folder)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 

@@ -26,8 +26,9 @@ def test_short_keys_split_from_the_command_line_with_toml_values():
 
 
 def test_short_keys_on_the_command_line_take_effect():
-    config = parse("--moe.compute_backend", "for_loop", "--training.lr", "1e-3", "--parallelism.ep", "1",
-                   "--training.steps", "3")
+    config = parse(
+        "--moe.compute_backend", "for_loop", "--training.lr", "1e-3", "--parallelism.ep", "1", "--training.steps", "3"
+    )
     backends = {e.compute_backend for _, e, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)}
     assert backends == {"for_loop"}
     assert {g.optimizer_kwargs["lr"] for g in config.optimizer.param_groups} == {1e-3}
@@ -45,7 +46,10 @@ def test_command_line_beats_toml(tmp_path):
 @pytest.mark.parametrize(
     "args,fragments",
     [
-        (["--moe.compute_backend", "for_lop"], ["command line: moe.compute_backend = 'for_lop' is not one of the valid choices"]),
+        (
+            ["--moe.compute_backend", "for_lop"],
+            ["command line: moe.compute_backend = 'for_lop' is not one of the valid choices"],
+        ),
         (["--training.lr", "nan"], ["training.lr = nan: must be a finite number > 0"]),
         (["--parallelism.epp", "2"], ["unknown option --parallelism.epp; did you mean", "--parallelism.ep"]),
         (["--training.steps", "x"], ["--training.steps", "invalid literal for int()"]),
@@ -85,12 +89,15 @@ def test_run_metadata_and_start_up_line_name_the_ep_transport_under_ep(monkeypat
     assert "ep_transport" not in run_metadata()
 
 
-@pytest.mark.parametrize("cuda, processes_per_host, transport, noted", [
-    (True, "2", "all_to_all", True),
-    (True, "1", "all_to_all", False),  # an EP group spans hosts
-    (True, "2", "symm_mem", False),
-    (False, "2", "all_to_all", False),
-])
+@pytest.mark.parametrize(
+    "cuda, processes_per_host, transport, noted",
+    [
+        (True, "2", "all_to_all", True),
+        (True, "1", "all_to_all", False),  # an EP group spans hosts
+        (True, "2", "symm_mem", False),
+        (False, "2", "all_to_all", False),
+    ],
+)
 def test_all_to_all_within_a_gpu_host_notes_symm_mem(monkeypatch, caplog, cuda, processes_per_host, transport, noted):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", processes_per_host)

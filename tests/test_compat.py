@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 import torchtitan.components.metrics as titan_metrics
 import torchtitan.distributed.fsdp as titan_fsdp
 import torchtitan.distributed.utils as titan_dist_utils
 import torchtitan.tools.utils as titan_utils
+from helpers import free_port
 from torchtitan.config.configs import ParallelismConfig
 from torchtitan.models.common.attention import (
     FlexAttention,
@@ -29,16 +29,14 @@ from torchtitan.models.common.attention import (
 from torchtitan.models.common.decoder import Decoder
 
 from torchtitan_ext.compat import cpu as cpu_support
+from torchtitan_ext.compat import torch_versions
 from torchtitan_ext.compat.cpu import (
     DocumentCausalSDPA,
     adapt_config_for_cpu,
     document_causal_mask,
     patch_torchtitan_for_cpu,
 )
-from torchtitan_ext.compat import torch_versions
 from torchtitan_ext.registry import get_flavor
-
-from helpers import free_port
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo fixes apply only without CUDA")
 
@@ -55,7 +53,7 @@ def patched():
 
 @cpu_only
 def test_torchtitan_still_defaults_device_type_to_cuda():
-    assert "or \"cuda\"" in inspect.getsource(titan_utils.get_device_info)
+    assert 'or "cuda"' in inspect.getsource(titan_utils.get_device_info)
     assert titan_utils.get_device_info()[0] == "cuda"
 
 
@@ -63,8 +61,8 @@ def test_torchtitan_still_defaults_device_type_to_cuda():
 def test_device_type_is_cpu_everywhere_after_patch():
     for module in (titan_utils, titan_metrics, titan_dist_utils):
         assert module.device_type == "cpu", module.__name__
-    import torchtitan.distributed.parallel_dims as parallel_dims
-    import torchtitan.models.common.token_dispatcher as token_dispatcher
+    from torchtitan.distributed import parallel_dims
+    from torchtitan.models.common import token_dispatcher
 
     assert parallel_dims.device_type == "cpu" and token_dispatcher.device_type == "cpu"
     assert titan_metrics.device_module is cpu_support.CPU_DEVICE_MODULE

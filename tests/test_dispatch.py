@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-
 from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
 from torchtitan_ext.experiments.moe_backends.dispatcher import (
     RoutingDispatcher,
     padded_group_rows,
@@ -52,9 +52,11 @@ def dispatch_combine(dispatcher, x_TD, scores_TK, ids_TK, counts_E, weights_EDD)
 
 
 def dispatcher(align_size: int = 1, permute_backend: str = "torch") -> RoutingDispatcher:
-    return RoutingDispatcher(RoutingDispatcher.Config(
-        num_experts=NUM_EXPERTS, top_k=TOP_K, align_size=align_size, permute_backend=permute_backend
-    ))
+    return RoutingDispatcher(
+        RoutingDispatcher.Config(
+            num_experts=NUM_EXPERTS, top_k=TOP_K, align_size=align_size, permute_backend=permute_backend
+        )
+    )
 
 
 WEIGHTS_EDD = torch.randn(NUM_EXPERTS, DIM, DIM, generator=torch.Generator().manual_seed(9))
@@ -160,10 +162,12 @@ def test_reference_permute_matches_definition():
         if dest >= 0:
             assert torch.equal(rows[dest], x_TD[slot // TOP_K])
     out = moe_permute.unpermute_tokens_reference(rows, plan.dest_row_S, scores_TK.flatten(), TOP_K)
-    expected = torch.stack([
-        sum((scores_TK[t, k] * x_TD[t] for k in range(TOP_K) if ids_TK[t, k] < NUM_EXPERTS), torch.zeros(DIM))
-        for t in range(5)
-    ])
+    expected = torch.stack(
+        [
+            sum((scores_TK[t, k] * x_TD[t] for k in range(TOP_K) if ids_TK[t, k] < NUM_EXPERTS), torch.zeros(DIM))
+            for t in range(5)
+        ]
+    )
     torch.testing.assert_close(out, expected)
 
 
@@ -179,9 +183,9 @@ def test_padded_group_rows_keep_each_group_in_order(align_size):
         buffer[dest] = arrival
     start = 0
     for expert, size in enumerate(rows_per_expert_e.tolist()):
-        group = [row for row in buffer[start:start + size] if row is not None]
+        group = [row for row in buffer[start : start + size] if row is not None]
         assert group == [row for row in arrivals if row[0] == expert]  # arrival order
-        assert buffer[start:start + len(group)] == group  # real rows first, padding after
+        assert buffer[start : start + len(group)] == group  # real rows first, padding after
         assert size % align_size == 0 or expert == 2
         start += size
 
@@ -210,9 +214,18 @@ def test_parallelism_misconfiguration_is_reported():
 
 def test_ep_misconfiguration_exits_before_training():
     result = subprocess.run(
-        [sys.executable, "-m", "torchtitan_ext.train", "--flavor", "tiny-moe-for-loop",
-         "--parallelism.expert_parallel_degree", "3"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "torchtitan_ext.train",
+            "--flavor",
+            "tiny-moe-for-loop",
+            "--parallelism.expert_parallel_degree",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert "expert_parallel_degree (3) does not divide the number of experts (8)" in result.stderr
@@ -263,7 +276,9 @@ def triton_checks() -> None:
         out = moe_permute.sum_token_rows(rows_RD, index_N, 1)
         out.backward(torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype))
         assert torch.equal(out, rows_RD[index_N])
-        expected_grad = torch.zeros_like(rows_RD).index_copy(0, index_N, torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype))
+        expected_grad = torch.zeros_like(rows_RD).index_copy(
+            0, index_N, torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype)
+        )
         assert torch.equal(rows_RD.grad, expected_grad)
 
     x_TD, scores_TK, ids_TK, counts_E = routing(8, seed=6, drop_every=5)
@@ -280,7 +295,9 @@ def test_auto_permute_takes_the_kernels_for_cuda_tokens_only(monkeypatch):
 
     calls = []
     for name in ("torch", "triton"):
-        monkeypatch.setitem(dispatcher_module._ROW_OPS[name], "permute_tokens", lambda *args, name=name: calls.append(name))
+        monkeypatch.setitem(
+            dispatcher_module._ROW_OPS[name], "permute_tokens", lambda *args, name=name: calls.append(name)
+        )
 
     class CudaRows:
         is_cuda = True
@@ -295,7 +312,10 @@ def test_auto_permute_takes_the_kernels_for_cuda_tokens_only(monkeypatch):
 
 def test_triton_permute_matches_torch_under_interpreter():
     result = subprocess.run(
-        [sys.executable, __file__], capture_output=True, text=True, timeout=300,
+        [sys.executable, __file__],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "TRITON_INTERPRET": "1"},
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]

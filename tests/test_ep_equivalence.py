@@ -22,19 +22,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import free_port
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.distributed.utils import set_spmd_backend
+
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process
 from torchtitan_ext.experiments.moe_backends.experts import runnable_backends
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 from torchtitan_ext.kernels._runtime import triton_available_reason
-
-from helpers import free_port
 
 NUM_EXPERTS, TOP_K, DIM, HIDDEN = 8, 2, 16, 24
 BATCH_PER_RANK, SEQ_LEN = 2, 6
@@ -53,11 +52,17 @@ LOSS_CASES = [
 def build_layer(compute_backend: str, *, aux_loss_coeff, z_loss_coeff, aux_loss_type):
     """A RoutedMoE layer with deterministic weights (identical in every process)."""
     config = moe_layer_config(
-        compute_backend=compute_backend, dim=DIM, hidden_dim=HIDDEN, num_experts=NUM_EXPERTS,
-        top_k=TOP_K, load_balance_coeff=None,
+        compute_backend=compute_backend,
+        dim=DIM,
+        hidden_dim=HIDDEN,
+        num_experts=NUM_EXPERTS,
+        top_k=TOP_K,
+        load_balance_coeff=None,
     )
     config.aux_loss_coeff, config.z_loss_coeff, config.aux_loss_type = (
-        aux_loss_coeff, z_loss_coeff, aux_loss_type,
+        aux_loss_coeff,
+        z_loss_coeff,
+        aux_loss_type,
     )
     layer = config.build()
     generator = torch.Generator().manual_seed(0)
@@ -103,7 +108,8 @@ class AllToAllCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += func.overloadpacket in (
-            torch.ops._c10d_functional.all_to_all_single, torch.ops.c10d.alltoall_base_
+            torch.ops._c10d_functional.all_to_all_single,
+            torch.ops.c10d.alltoall_base_,
         )
         return func(*args, **(kwargs or {}))
 
@@ -131,7 +137,10 @@ def check_selective_checkpointing_saves_the_all_to_alls(ep_mesh) -> None:
         return CheckpointPolicy.MUST_SAVE if func in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
     out_TD = checkpoint(
-        block, x_TD, scores_TK, use_reentrant=False,
+        block,
+        x_TD,
+        scores_TK,
+        use_reentrant=False,
         context_fn=lambda: create_selective_checkpoint_contexts(policy),
     )
     with AllToAllCounter() as counter:
@@ -209,12 +218,26 @@ def test_skewed_router_leaves_last_experts_empty():
 def train_losses(tmp_path: Path, expert_parallel_degree: int, toml: Path | None = None) -> list[float]:
     """Losses of the first steps of a 2-process torchrun training run (rank 0's log)."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        f"--master_port={free_port()}", "--local-ranks-filter=0", "-m", "torchtitan_ext.train",
-        "--flavor", "tiny-moe-for-loop",
-        "--training.steps", "3", "--training.local_batch_size", "2", "--training.seq_len", "32",
-        "--parallelism.expert_parallel_degree", str(expert_parallel_degree),
-        "--dump_folder", str(tmp_path / f"ep{expert_parallel_degree}-{toml.stem if toml else 'default'}"),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "--local-ranks-filter=0",
+        "-m",
+        "torchtitan_ext.train",
+        "--flavor",
+        "tiny-moe-for-loop",
+        "--training.steps",
+        "3",
+        "--training.local_batch_size",
+        "2",
+        "--training.seq_len",
+        "32",
+        "--parallelism.expert_parallel_degree",
+        str(expert_parallel_degree),
+        "--dump_folder",
+        str(tmp_path / f"ep{expert_parallel_degree}-{toml.stem if toml else 'default'}"),
         "--metrics.disable_color_printing",
     ] + (["--toml", str(toml)] if toml else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

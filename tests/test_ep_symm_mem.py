@@ -13,15 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import init_device_mesh
-
 from test_ep_equivalence import free_port
+from torch.distributed.device_mesh import init_device_mesh
 from torchtitan.distributed.utils import set_spmd_backend
+
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.toml_keys import symm_mem_errors
+from torchtitan_ext.kernels._runtime import triton_available_reason
 from torchtitan_ext.kernels.moe_permute import stable_expert_order
 from torchtitan_ext.kernels.symm_mem_rows import publish_routing, receive_layout, route_pairs
-from torchtitan_ext.kernels._runtime import triton_available_reason
 
 NUM_EXPERTS, TOP_K, DIM, TOKENS = 8, 3, 12, 10
 
@@ -71,12 +71,12 @@ def test_receive_layout_kernel_matches_a_direct_enumeration():
                     expected += [(source, first + i) for i in range(int(counts_WE[source, expert]))]
             got = []
             for block in range(local * world):
-                start, end = layout.block_start_G1[block:block + 2].tolist()
+                start, end = layout.block_start_G1[block : block + 2].tolist()
                 source = block % world
                 got += [(source, int(layout.source_start_G[block]) + i) for i in range(end - start)]
             assert got == expected
             assert int(layout.block_start_G1[-1]) == len(expected)
-            mine = counts_WE[:, rank * local:(rank + 1) * local]
+            mine = counts_WE[:, rank * local : (rank + 1) * local]
             assert layout.rows_per_local_expert_e.tolist() == mine.sum(0).tolist()
             assert layout.tokens_per_rank_W.tolist() == [7 + s for s in range(world)]
 
@@ -118,7 +118,9 @@ def test_pair_table_kernel_matches_a_direct_enumeration():
                         expected_row = received.index((source, slot)) if here else -1
                         assert int(pairs.recv_row_PK[pair, k]) == expected_row
                         assert float(pairs.recv_score_PK[pair, k]) == (float(score_WS[source, slot]) if here else 0.0)
-                    ranks = {int(expert_WS[source, slot]) // local for slot in slots if expert_WS[source, slot] < experts}
+                    ranks = {
+                        int(expert_WS[source, slot]) // local for slot in slots if expert_WS[source, slot] < experts
+                    }
                     expected_ordinal = len([r for r in ranks if r < rank]) if rank in ranks else -1
                     assert int(pairs.ordinal_P[pair]) == expected_ordinal
 
@@ -137,7 +139,9 @@ def moe_block(dispatcher, x_TD, scores_TK, ids_TK, weights_LDD):
     """dispatch -> rows of local expert l times weights_LDD[l] -> combine."""
     counts_E = torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS + 1)[:NUM_EXPERTS]
     rows_RD, rows_per_expert_L, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
-    expert_R = torch.repeat_interleave(torch.arange(weights_LDD.shape[0]), rows_per_expert_L, output_size=rows_RD.shape[0])
+    expert_R = torch.repeat_interleave(
+        torch.arange(weights_LDD.shape[0]), rows_per_expert_L, output_size=rows_RD.shape[0]
+    )
     out_RD = torch.bmm(rows_RD.unsqueeze(1), weights_LDD[expert_R]).squeeze(1)
     return dispatcher.combine(out_RD, metadata, x_TD)
 
@@ -145,15 +149,20 @@ def moe_block(dispatcher, x_TD, scores_TK, ids_TK, weights_LDD):
 def run_two_layers(mesh, transport: str, align_size: int, dtype: torch.dtype):
     rank, world = dist.get_rank(), dist.get_world_size()
     local = NUM_EXPERTS // world
-    dispatcher = RoutingDispatcher(RoutingDispatcher.Config(
-        num_experts=NUM_EXPERTS, top_k=TOP_K, permute_backend="triton", align_size=align_size,
-        ep_transport=transport,
-    ))
+    dispatcher = RoutingDispatcher(
+        RoutingDispatcher.Config(
+            num_experts=NUM_EXPERTS,
+            top_k=TOP_K,
+            permute_backend="triton",
+            align_size=align_size,
+            ep_transport=transport,
+        )
+    )
     dispatcher.wire_meshes(ep_mesh=mesh)
     x_TD, scores_TK, ids_TK = routing(rank, dtype)
     generator = torch.Generator().manual_seed(99)
-    all_weights = torch.randn(2, NUM_EXPERTS, DIM, DIM, generator=generator, dtype=dtype) * DIM ** -0.5
-    weights = all_weights[:, rank * local:(rank + 1) * local].clone().requires_grad_()
+    all_weights = torch.randn(2, NUM_EXPERTS, DIM, DIM, generator=generator, dtype=dtype) * DIM**-0.5
+    weights = all_weights[:, rank * local : (rank + 1) * local].clone().requires_grad_()
     x = x_TD.clone().requires_grad_()
     scores = scores_TK.clone().requires_grad_()
     hidden = moe_block(dispatcher, x, scores, ids_TK, weights[0])
@@ -175,7 +184,10 @@ def exchange_worker(rank: int, world: int, port: int) -> None:
                 actual = run_two_layers(mesh, "symm_mem", align_size, dtype)
                 for name, e, a in zip(("output", "x grad", "score grad", "weight grad"), expected, actual):
                     torch.testing.assert_close(
-                        a, e, atol=tol, rtol=tol,
+                        a,
+                        e,
+                        atol=tol,
+                        rtol=tol,
                         msg=lambda m: f"rank {rank}/{world} {dtype} align {align_size} {name}: {m}",
                     )
     finally:

@@ -129,9 +129,7 @@ def test_module_uses_configured_backend_and_matches_reference():
     torch.manual_seed(0)
     outputs = {}
     for backend in backend_names():
-        experts = BackendGroupedExperts.Config(
-            dim=16, hidden_dim=24, num_experts=4, compute_backend=backend
-        ).build()
+        experts = BackendGroupedExperts.Config(dim=16, hidden_dim=24, num_experts=4, compute_backend=backend).build()
         torch.manual_seed(1)
         for weight in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD):
             torch.nn.init.normal_(weight, std=0.1)
@@ -252,6 +250,7 @@ def test_experts_compute_in_the_autocast_dtype(backend):
         def record_dtype(x, *args):
             seen_dtypes.append(x.dtype)
             return compute(x, *args)
+
         return record_dtype
 
     layer.routed_experts.inner_experts.backend = dataclasses.replace(
@@ -262,6 +261,9 @@ def test_experts_compute_in_the_autocast_dtype(backend):
         out = layer(x)
     out.float().sum().backward()
     assert seen_dtypes == [torch.float16]
-    assert all(param.grad.dtype == torch.float32 and torch.isfinite(param.grad).all()
-               for param in layer.parameters() if param.grad is not None)
+    assert all(
+        param.grad.dtype == torch.float32 and torch.isfinite(param.grad).all()
+        for param in layer.parameters()
+        if param.grad is not None
+    )
     assert x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()

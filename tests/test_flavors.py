@@ -25,8 +25,9 @@ def test_cached_listing_imports_neither_torch_nor_torchtitan(capsys):
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchtitan'))\n"
         "print('heavy modules:', heavy)\n"
     )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                            env=os.environ.copy())
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=os.environ.copy()
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.endswith("heavy modules: []\n")
     assert result.stdout.removesuffix("heavy modules: []\n") == listing
@@ -82,10 +83,13 @@ def test_show_full_is_json_with_readable_functions(capsys):
     assert shown["model"]["tok_embeddings"]["param_init"]["weight"] == "normal_(std=0.02)"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--full"], "--full only applies together with --show NAME"),
-    (["--toml", "x.toml"], "--toml only applies together with --show NAME"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--full"], "--full only applies together with --show NAME"),
+        (["--toml", "x.toml"], "--toml only applies together with --show NAME"),
+    ],
+)
 def test_flags_without_show_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

@@ -16,8 +16,11 @@ pytestmark = pytest.mark.skipif(triton_available_reason() is not None, reason="T
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-SHAPE = (dict(dim=256, hidden_dim=192, num_experts=16, top_k=4) if ON_GPU
-         else dict(dim=16, hidden_dim=24, num_experts=6, top_k=2))
+SHAPE = (
+    dict(dim=256, hidden_dim=192, num_experts=16, top_k=4)
+    if ON_GPU
+    else dict(dim=16, hidden_dim=24, num_experts=6, top_k=2)
+)
 TOKENS = (4, 96) if ON_GPU else (2, 7)
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 TOLERANCE = 2e-2 if ON_GPU else 1e-5
@@ -54,7 +57,8 @@ def test_fused_layer_equals_dispatch_path(capacity_factor, monkeypatch):
     fused = build_layer("triton", capacity_factor, DTYPE)
     assert isinstance(fused.routed_experts, FusedRoutedExperts)
     monkeypatch.setattr(
-        fused.routed_experts.token_dispatcher, "dispatch",
+        fused.routed_experts.token_dispatcher,
+        "dispatch",
         lambda *args, **kwargs: pytest.fail("the fused single-device path must not dispatch"),
     )
     expected_out, expected_dx, expected_grads = run(reference, DTYPE)

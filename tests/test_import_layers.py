@@ -95,12 +95,19 @@ FRAMEWORK_SOURCES = [path for path in SOURCES if layer(module_name(path)) == FRA
 
 
 def experiment_imports(path: Path) -> list[str]:
-    return sorted(name for name in project_imports(path, module_name(path)) if name.startswith("torchtitan_ext.experiments"))
+    return sorted(
+        name for name in project_imports(path, module_name(path)) if name.startswith("torchtitan_ext.experiments")
+    )
 
 
 def test_framework_sources_found():
     names = {module_name(p) for p in FRAMEWORK_SOURCES}
-    assert {REGISTRY, "torchtitan_ext.metrics.observer", "torchtitan_ext.metrics.metadata", "torchtitan_ext.validation"} <= names
+    assert {
+        REGISTRY,
+        "torchtitan_ext.metrics.observer",
+        "torchtitan_ext.metrics.metadata",
+        "torchtitan_ext.validation",
+    } <= names
 
 
 @pytest.mark.parametrize("path", FRAMEWORK_SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -109,7 +116,9 @@ def test_the_framework_reaches_the_experiments_only_through_the_registry(path):
     if module_name(path) == REGISTRY:
         assert imported == ["torchtitan_ext.experiments"], imported  # the package, for discovery
     else:
-        assert not imported, f"{module_name(path)} imports experiment modules {imported}; use the registry or duck types"
+        assert not imported, (
+            f"{module_name(path)} imports experiment modules {imported}; use the registry or duck types"
+        )
 
 
 def test_layer_expert_and_ep_benchmarks_do_not_load_the_trainer_stack():

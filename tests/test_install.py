@@ -26,8 +26,9 @@ def test_python_version_and_parallel_tests():
     assert "-n" in addopts and "-rfEs" in addopts
 
 
-@pytest.mark.parametrize("command, entry", [("moe-train", "torchtitan_ext.train:cli"),
-                                            ("moe-flavors", "torchtitan_ext.flavors:main")])
+@pytest.mark.parametrize(
+    "command, entry", [("moe-train", "torchtitan_ext.train:cli"), ("moe-flavors", "torchtitan_ext.flavors:main")]
+)
 def test_installed_commands_point_at_the_entry_points(command, entry):
     assert PYPROJECT["project"]["scripts"][command] == entry
     module, function = entry.split(":")
@@ -36,8 +37,9 @@ def test_installed_commands_point_at_the_entry_points(command, entry):
 
 
 def test_readme_moe_train_commands_parse(monkeypatch):
-    commands = [line for line in (ROOT / "README.md").read_text().splitlines()
-                if re.search(r"(^|--no-python )moe-train ", line)]
+    commands = [
+        line for line in (ROOT / "README.md").read_text().splitlines() if re.search(r"(^|--no-python )moe-train ", line)
+    ]
     assert len(commands) >= 2
     for line in commands:
         nproc = re.search(r"--nproc_per_node[= ](\d+)", line)
@@ -71,7 +73,11 @@ def test_every_source_file_imports_under_the_name_of_its_folder(tmp_path):
         "    print(name, importlib.import_module(name).__file__)\n"
     )
     result = subprocess.run(
-        [sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-S", "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{site_packages}"},
     )
     assert result.returncode == 0, result.stderr[-3000:]

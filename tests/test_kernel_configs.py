@@ -5,10 +5,10 @@ import torch
 import triton
 
 from torchtitan_ext.kernels._runtime import (
-    FittedKernel,
     GATE_UP_FORWARD_CONFIGS,
     PLAIN_GEMM_CONFIGS,
     WEIGHT_GRADIENT_CONFIGS,
+    FittedKernel,
     fit_to_shape,
 )
 
@@ -23,7 +23,13 @@ def choose(configs, *, dim, hidden, dtype=torch.bfloat16, **operands):
 
 
 def blocks(chosen):
-    return (chosen.kwargs["BLOCK_M"], chosen.kwargs["BLOCK_N"], chosen.kwargs["BLOCK_K"], chosen.num_warps, chosen.num_stages)
+    return (
+        chosen.kwargs["BLOCK_M"],
+        chosen.kwargs["BLOCK_N"],
+        chosen.kwargs["BLOCK_K"],
+        chosen.num_warps,
+        chosen.num_stages,
+    )
 
 
 def test_full_size_shapes_take_the_first_config():
@@ -79,13 +85,18 @@ def test_fitted_kernel_chooses_once_per_shape_and_sets_the_divisibility_flags():
         return rule(configs, named_args, element_size)
 
     configs = [
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=4,
-                      pre_hook=lambda named: hooked.append((named["BLOCK_N"], named["dim"]))),
+        triton.Config(
+            {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64},
+            num_warps=8,
+            num_stages=4,
+            pre_hook=lambda named: hooked.append((named["BLOCK_N"], named["dim"])),
+        ),
         triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=3),
     ]
     recorder = RecordingKernel()
-    kernel = FittedKernel(recorder, configs, key=["dim", "hidden", "USE_TMA"], fit=counting_fit,
-                          divides={"EVEN_K": ("dim", "BLOCK_K")})
+    kernel = FittedKernel(
+        recorder, configs, key=["dim", "hidden", "USE_TMA"], fit=counting_fit, divides={"EVEN_K": ("dim", "BLOCK_K")}
+    )
     x = torch.empty(4, dtype=torch.bfloat16)
 
     kernel[(7,)](x, 2048, 768, USE_TMA=True)
@@ -96,8 +107,15 @@ def test_fitted_kernel_chooses_once_per_shape_and_sets_the_divisibility_flags():
     assert fits == [(2048, 768, 2), (40, 40, 2), (2048, 768, 4)]
     grid, args, options = recorder.launches[0]
     assert grid == (7,) and args == (x, 2048, 768)
-    assert options == {"USE_TMA": True, "EVEN_K": True, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64,
-                       "num_warps": 8, "num_stages": 4}
+    assert options == {
+        "USE_TMA": True,
+        "EVEN_K": True,
+        "BLOCK_M": 128,
+        "BLOCK_N": 256,
+        "BLOCK_K": 64,
+        "num_warps": 8,
+        "num_stages": 4,
+    }
     _, _, small = recorder.launches[2]
     assert (small["BLOCK_K"], small["EVEN_K"], small["num_warps"]) == (64, False, 4)
     _, _, fp32 = recorder.launches[3]

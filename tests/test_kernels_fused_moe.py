@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import assert_weight_gradient_matches
 
+from torchtitan_ext.kernels._runtime import interpreter_enabled
 from torchtitan_ext.kernels.fused_moe import (
     fused_moe_grouped,
     fused_moe_routed,
@@ -18,7 +19,6 @@ from torchtitan_ext.kernels.fused_moe import (
     reference_routed,
     triton_available_reason,
 )
-from torchtitan_ext.kernels._runtime import interpreter_enabled
 from torchtitan_ext.kernels.moe_permute import reference_routing_metadata, routing_metadata
 
 pytestmark = pytest.mark.skipif(
@@ -75,7 +75,12 @@ def routed_inputs(tokens, dim, hidden, num_experts, top_k, dtype, seed, skew=0.0
     logits = torch.randn(tokens, num_experts, generator=generator) + torch.linspace(skew, 0, num_experts)
     scores, ids = logits.softmax(-1).topk(top_k, dim=-1)
     x = torch.randn(tokens, dim, generator=generator).to(dtype).requires_grad_()
-    return [x, *make_experts(num_experts, dim, hidden, dtype, generator), ids, scores.to(dtype).requires_grad_()], generator
+    return [
+        x,
+        *make_experts(num_experts, dim, hidden, dtype, generator),
+        ids,
+        scores.to(dtype).requires_grad_(),
+    ], generator
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -169,14 +174,17 @@ def test_backward_frees_d_gate_before_returning(monkeypatch):
     class WeightSizedAllocations(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             result = func(*args, **(kwargs or {}))
-            if (func.overloadpacket in (torch.ops.aten.empty_like, torch.ops.aten.empty)
-                    and result.numel() == num_experts * dim * hidden):
+            if (
+                func.overloadpacket in (torch.ops.aten.empty_like, torch.ops.aten.empty)
+                and result.numel() == num_experts * dim * hidden
+            ):
                 events.append("allocate weight gradient")
             return result
 
     release = swiglu_experts._release_saved_buffer
-    monkeypatch.setattr(swiglu_experts, "_release_saved_buffer",
-                        lambda buffer: (events.append("release d gate"), release(buffer)))
+    monkeypatch.setattr(
+        swiglu_experts, "_release_saved_buffer", lambda buffer: (events.append("release d gate"), release(buffer))
+    )
     saved = []
 
     def keep(tensor):
@@ -326,7 +334,13 @@ def test_gate_up_in_two_passes(use_descriptors, dtype, monkeypatch):
     grouped = [x, *make_experts(4, 40, 24, dtype, generator), torch.tensor([6, 0, 9, 3])]
     assert_matches(fused_moe_grouped, reference_grouped, grouped, dtype, generator)
     with torch.no_grad():
-        assert rel_err(fused_moe_routed(*inputs), reference_routed(*[t.double() if t.is_floating_point() else t for t in inputs])) < TOLERANCE[dtype]
+        assert (
+            rel_err(
+                fused_moe_routed(*inputs),
+                reference_routed(*[t.double() if t.is_floating_point() else t for t in inputs]),
+            )
+            < TOLERANCE[dtype]
+        )
 
 
 def test_only_large_experts_take_two_gate_up_passes():

@@ -127,7 +127,9 @@ def test_deterministic():
         assert torch.equal(first, second)
 
 
-@pytest.mark.parametrize("num_tokens, top_k, num_experts", [(8192, 8, 128), (8192, 2, 8), (3001, 6, 64), (777, 4, 1000)])
+@pytest.mark.parametrize(
+    "num_tokens, top_k, num_experts", [(8192, 8, 128), (8192, 2, 8), (3001, 6, 64), (777, 4, 1000)]
+)
 def test_routing_metadata_kernels_match_the_reference(num_tokens, top_k, num_experts):
     """The grouping kernels on CUDA (several programs, dropped slots, poisoned outputs) against
     the per-expert loop."""
@@ -142,8 +144,15 @@ def test_routing_metadata_kernels_match_the_reference(num_tokens, top_k, num_exp
         assert torch.equal(got.cpu(), expected)
 
 
-@pytest.mark.parametrize("dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-                                              (torch.bfloat16, torch.float32), (torch.float16, torch.float32)])
+@pytest.mark.parametrize(
+    "dtype, out_dtype",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+    ],
+)
 @pytest.mark.parametrize("size_m, size_n", [(768, 2048), (2048, 768), (1408, 2048), (256, 200), (128, 704)])
 def test_hopper_weight_gradient_is_the_triton_kernels_bit_for_bit(dtype, out_dtype, size_m, size_n, monkeypatch):
     """The Gluon weight-gradient kernel against the Triton one and an fp64 reference: partial and
@@ -154,7 +163,9 @@ def test_hopper_weight_gradient_is_the_triton_kernels_bit_for_bit(dtype, out_dty
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon weight-gradient kernel runs on Hopper GPUs")
     if hopper_weight_gradient.TRITON_MINOR not in hopper_weight_gradient.VERIFIED_TRITON:
-        pytest.skip(f"triton {hopper_weight_gradient.TRITON_MINOR} is not among {hopper_weight_gradient.VERIFIED_TRITON}")
+        pytest.skip(
+            f"triton {hopper_weight_gradient.TRITON_MINOR} is not among {hopper_weight_gradient.VERIFIED_TRITON}"
+        )
     torch.manual_seed(4)
     counts = [0, 37, 512, 1, 0, 300, 64, 95, 128]
     group_end_E = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)

@@ -20,9 +20,21 @@ def test_leading_torchrun_options_are_split_from_training_arguments():
 @pytest.mark.slow
 def test_startup_error_of_the_workers_is_the_last_line_and_exit_code_2(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "torchtitan_ext.train", "--nproc_per_node=1", "--flavor", "tiny-moe-grouped-mm",
-         "--parallelism.expert_parallel_degree", "2", "--dump_folder", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torchtitan_ext.train",
+            "--nproc_per_node=1",
+            "--flavor",
+            "tiny-moe-grouped-mm",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--dump_folder",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 2, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]

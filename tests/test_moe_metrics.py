@@ -49,9 +49,9 @@ def read_wandb_records(path):
         if block_size - position % block_size < 7:  # block trailer too short for a header
             position += block_size - position % block_size
             continue
-        length = int.from_bytes(data[position + 4:position + 6], "little")
+        length = int.from_bytes(data[position + 4 : position + 6], "little")
         chunk_type = data[position + 6]
-        pending += data[position + 7:position + 7 + length]
+        pending += data[position + 7 : position + 7 + length]
         position += 7 + length
         if chunk_type in (1, 4):  # FULL or LAST chunk: a record is complete
             record = wandb_internal_pb2.Record()
@@ -96,13 +96,34 @@ def offline_run(tmp_path_factory) -> OfflineRun:
         "[moe_metrics]\nheatmap_every = 3\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update(HOME=str(root / "home"), NETRC=str(root / "no-netrc"),
-               WANDB_CONFIG_DIR=str(root / "wandb-config"), WANDB_CACHE_DIR=str(root / "wandb-cache"))
+    env.update(
+        HOME=str(root / "home"),
+        NETRC=str(root / "no-netrc"),
+        WANDB_CONFIG_DIR=str(root / "wandb-config"),
+        WANDB_CACHE_DIR=str(root / "wandb-cache"),
+    )
     result = subprocess.run(
-        [sys.executable, "-m", "torchtitan_ext.train", "--flavor", "tiny-moe-batched-mm-padded",
-         "--toml", str(toml), "--training.steps", "4", "--metrics.log_freq", "2",
-         "--metrics.enable_tensorboard", "--dump_folder", str(root / "dump")],
-        capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "torchtitan_ext.train",
+            "--flavor",
+            "tiny-moe-batched-mm-padded",
+            "--toml",
+            str(toml),
+            "--training.steps",
+            "4",
+            "--metrics.log_freq",
+            "2",
+            "--metrics.enable_tensorboard",
+            "--dump_folder",
+            str(root / "dump"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     run_files = glob.glob(str(root / "dump" / "tb" / "*" / "wandb" / "offline-run-*" / "run-*.wandb"))
@@ -140,7 +161,8 @@ def test_offline_run_logs_moe_metrics_per_layer(offline_run):
         assert sum(row[model + "tokens_per_expert/values"]) == len(LAYERS) * ROUTED_PER_STEP * window_steps
         assert row[model + "load_imbalance_max"] == max(row[f"moe/{s}/load_imbalance"] for s in LAYERS)
         assert row[model + "padding_rows_per_step"] == pytest.approx(
-            sum(row[f"moe/{s}/padding_rows_per_step"] for s in LAYERS))
+            sum(row[f"moe/{s}/padding_rows_per_step"] for s in LAYERS)
+        )
         assert "loss_metrics/global_avg_loss" in row  # torchtitan's own metrics in the same rows
     assert history[1]["moe/model/tokens_per_expert_heatmap/_type"] == "image-file"
     assert "moe/model/tokens_per_expert_heatmap/_type" not in history[2]  # next due at step >= 4
@@ -186,9 +208,12 @@ def test_console_has_moe_line_after_each_step_line_and_no_colour_codes(offline_r
 def test_console_ends_with_run_summary_and_wandb_sync_command(offline_run):
     messages = console_messages(offline_run.stdout)
     summary_start = next(i for i, m in enumerate(messages) if m.startswith("run summary:"))
-    summary = messages[summary_start:summary_start + 4]
-    assert re.fullmatch(r"run summary: 4 steps run \(last step 4\), loss \d+\.\d{4} \(step 1\) -> "
-                        r"\d+\.\d{4} \(step 4\), wall time \d+\.\d s", summary[0])
+    summary = messages[summary_start : summary_start + 4]
+    assert re.fullmatch(
+        r"run summary: 4 steps run \(last step 4\), loss \d+\.\d{4} \(step 1\) -> "
+        r"\d+\.\d{4} \(step 4\), wall time \d+\.\d s",
+        summary[0],
+    )
     assert summary[1] == f"  output folder:     {offline_run.root / 'dump'}"
     assert summary[2] == "  checkpoint folder: none (checkpoint.enable is false)"
     folder = offline_run.run_folder
@@ -202,8 +227,9 @@ def test_run_summary_lines():
     progress.record_loss(1, 6.5)
     progress.record_loss(20, 2.25)
     online = WandbRunLocation(folder="/runs/run-1", url="https://wandb.ai/team/project/runs/1")
-    lines = run_summary_lines(progress, output_folder="/out", checkpoint_folder="/out/checkpoint",
-                              wandb_run=online, wall_seconds=12.34)
+    lines = run_summary_lines(
+        progress, output_folder="/out", checkpoint_folder="/out/checkpoint", wandb_run=online, wall_seconds=12.34
+    )
     assert lines == [
         "run summary: 20 steps run (last step 20), loss 6.5000 (step 1) -> 2.2500 (step 20), wall time 12.3 s",
         "  output folder:     /out",
@@ -212,8 +238,9 @@ def test_run_summary_lines():
     ]
     assert online.sync_command is None
     assert WandbRunLocation(folder="/a b", url=None).sync_command == "wandb sync '/a b'"
-    nothing = run_summary_lines(RunProgress(), output_folder="/out", checkpoint_folder=None, wandb_run=None,
-                                wall_seconds=0.0)
+    nothing = run_summary_lines(
+        RunProgress(), output_folder="/out", checkpoint_folder=None, wandb_run=None, wall_seconds=0.0
+    )
     assert nothing[0] == "run summary: 0 steps run, no loss logged, wall time 0.0 s" and len(nothing) == 3
 
 
@@ -260,7 +287,8 @@ def test_heatmaps_of_different_steps_share_one_colour_scale():
     names = ["layer_0", "layer_1"]
     # the balanced layer (top row) keeps its colour whatever the other layer's range
     assert pixel(routing_heatmap_png(mild, names, 1), (0.3, 0.3)) == pixel(
-        routing_heatmap_png(extreme, names, 2), (0.3, 0.3))
+        routing_heatmap_png(extreme, names, 2), (0.3, 0.3)
+    )
 
 
 def test_routing_scalars_on_crafted_loads():
@@ -342,10 +370,16 @@ def test_wandb_goes_offline_without_credentials(monkeypatch, tmp_path):
 
 def test_toml_short_keys_set_metrics_fields():
     config = resolve_config("tiny-moe-for-loop", [])
-    config = apply_overrides(config, {
-        "moe_metrics.enable": False, "moe_metrics.heatmap_every": 7,
-        "wandb.project": "p", "wandb.entity": "e", "wandb.run_name": "r",
-    })
+    config = apply_overrides(
+        config,
+        {
+            "moe_metrics.enable": False,
+            "moe_metrics.heatmap_every": 7,
+            "wandb.project": "p",
+            "wandb.entity": "e",
+            "wandb.run_name": "r",
+        },
+    )
     metrics = config.metrics
     assert (metrics.moe_metrics, metrics.heatmap_every) == (False, 7)
     assert (metrics.wandb_project, metrics.wandb_entity, metrics.wandb_run_name) == ("p", "e", "r")

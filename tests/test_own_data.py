@@ -31,10 +31,26 @@ def own_data_toml(tmp_path, corpus: Path | None) -> Path:
 
 def train(toml: Path, dump_folder: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "torchtitan_ext.train", "--flavor", "tiny-moe-grouped-mm", "--toml", str(toml),
-         "--training.steps", "2", "--training.local_batch_size", "2", "--training.seq_len", "32",
-         "--dump_folder", str(dump_folder)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torchtitan_ext.train",
+            "--flavor",
+            "tiny-moe-grouped-mm",
+            "--toml",
+            str(toml),
+            "--training.steps",
+            "2",
+            "--training.local_batch_size",
+            "2",
+            "--training.seq_len",
+            "32",
+            "--dump_folder",
+            str(dump_folder),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

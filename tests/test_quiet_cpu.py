@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import get_peak_flops
 

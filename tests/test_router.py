@@ -6,13 +6,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
+from helpers import assert_bf16_rounds_like
 from torchtitan.models.common.config_utils import (
     make_moe_config,
     make_routed_experts_config,
     make_router_config,
 )
 from torchtitan.models.common.moe import TokenChoiceTopKRouter
+
 from torchtitan_ext.experiments.moe_backends.layer import stock_moe_config, use_backend_experts, use_routing
 from torchtitan_ext.experiments.moe_backends.moe import load_balancing_loss, router_z_loss
 from torchtitan_ext.experiments.moe_backends.router import (
@@ -27,8 +28,6 @@ from torchtitan_ext.kernels.moe_permute import slot_counts
 from torchtitan_ext.overrides import ConfigError, apply_overrides
 from torchtitan_ext.registry import get_flavor
 
-from helpers import assert_bf16_rounds_like
-
 DIM = 8
 
 
@@ -36,9 +35,9 @@ def router_pair(**options):
     """torchtitan's router and ours, same config and weights."""
     config = make_router_config(dim=DIM, num_experts=8, gate_param_init={}, **options)
     titan = TokenChoiceTopKRouter(config)
-    ours = BalancedTopKRouter(BalancedTopKRouter.Config(**{
-        f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init
-    }))
+    ours = BalancedTopKRouter(
+        BalancedTopKRouter.Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init})
+    )
     torch.nn.init.normal_(titan.gate.weight, generator=torch.Generator().manual_seed(0))
     ours.gate.weight.data.copy_(titan.gate.weight)
     return titan, ours
@@ -101,11 +100,13 @@ def test_routed_layers_get_the_router_gate_with_torchtitans_parameters():
 def hand_router(logits_E: list[float], **options) -> BalancedTopKRouter:
     """A router whose gate maps the one-hot token e_0 to ``logits_E``."""
     num_experts = len(logits_E)
-    router = BalancedTopKRouter(BalancedTopKRouter.Config(
-        num_experts=num_experts,
-        gate=make_router_config(dim=1, num_experts=num_experts, gate_param_init={}).gate,
-        **options,
-    ))
+    router = BalancedTopKRouter(
+        BalancedTopKRouter.Config(
+            num_experts=num_experts,
+            gate=make_router_config(dim=1, num_experts=num_experts, gate_param_init={}).gate,
+            **options,
+        )
+    )
     router.gate.weight.data = torch.tensor(logits_E).view(num_experts, 1)
     return router
 
@@ -185,10 +186,12 @@ def test_z_loss_by_hand():
 def build_layer(**moe_options):
     config = make_moe_config(
         num_experts=4,
-        router=make_router_config(dim=DIM, num_experts=4, gate_param_init={}, top_k=2,
-                                  score_func=moe_options.pop("score_func", "softmax")),
-        routed_experts=make_routed_experts_config(dim=DIM, hidden_dim=12, num_experts=4, top_k=2,
-                                                  param_init={}, comm_backend="standard"),
+        router=make_router_config(
+            dim=DIM, num_experts=4, gate_param_init={}, top_k=2, score_func=moe_options.pop("score_func", "softmax")
+        ),
+        routed_experts=make_routed_experts_config(
+            dim=DIM, hidden_dim=12, num_experts=4, top_k=2, param_init={}, comm_backend="standard"
+        ),
         load_balance_coeff=None,
     )
     config = use_routing(use_backend_experts(config, "for_loop"))
@@ -225,8 +228,9 @@ def test_aux_and_z_loss_gradients_match_autograd(score_func, aux_loss_type):
     x_BLD = torch.randn(3, 5, DIM, generator=torch.Generator().manual_seed(2))
     grad_BLD = torch.randn(x_BLD.shape, generator=torch.Generator().manual_seed(3))
 
-    layer = build_layer(score_func=score_func, aux_loss_coeff=aux_coeff, z_loss_coeff=z_coeff,
-                        aux_loss_type=aux_loss_type)
+    layer = build_layer(
+        score_func=score_func, aux_loss_coeff=aux_coeff, z_loss_coeff=z_coeff, aux_loss_type=aux_loss_type
+    )
     x = x_BLD.clone().requires_grad_()
     out = layer(x)
     out.backward(grad_BLD)
@@ -279,12 +283,24 @@ def tiny_config():
 
 
 def test_toml_keys_set_every_layer():
-    config = apply_overrides(tiny_config(), {
-        "moe.score_func": "sigmoid", "moe.top_k": 3, "moe.route_norm": False, "moe.route_scale": 2.0,
-        "moe.num_expert_groups": 4, "moe.num_limited_groups": 2, "moe.load_balance_coeff": 0,
-        "moe.aux_loss_coeff": 0.01, "moe.aux_loss_type": "seq", "moe.z_loss_coeff": 1e-3,
-        "moe.capacity_factor": 1.25, "moe.permute_backend": "torch", "moe.align_size": 8,
-    })
+    config = apply_overrides(
+        tiny_config(),
+        {
+            "moe.score_func": "sigmoid",
+            "moe.top_k": 3,
+            "moe.route_norm": False,
+            "moe.route_scale": 2.0,
+            "moe.num_expert_groups": 4,
+            "moe.num_limited_groups": 2,
+            "moe.load_balance_coeff": 0,
+            "moe.aux_loss_coeff": 0.01,
+            "moe.aux_loss_type": "seq",
+            "moe.z_loss_coeff": 1e-3,
+            "moe.capacity_factor": 1.25,
+            "moe.permute_backend": "torch",
+            "moe.align_size": 8,
+        },
+    )
     for layer in config.model_spec.model.layers:
         moe = layer.moe
         assert (moe.router.score_func, moe.router.top_k, moe.routed_experts.token_dispatcher.top_k) == ("sigmoid", 3, 3)
@@ -305,7 +321,10 @@ def test_toml_keys_set_every_layer():
         ({"moe.capacity_factor": -0.5}, "moe.capacity_factor = -0.5: must be > 0"),
         ({"moe.route_scale": 0.0}, "moe.route_scale = 0.0: must be > 0"),
         ({"moe.load_balance_coeff": -1.0}, "moe.load_balance_coeff = -1.0: must be > 0"),
-        ({"moe.num_expert_groups": 3, "moe.num_limited_groups": 1}, "moe.num_expert_groups = 3: must divide the number of experts (8)"),
+        (
+            {"moe.num_expert_groups": 3, "moe.num_limited_groups": 1},
+            "moe.num_expert_groups = 3: must divide the number of experts (8)",
+        ),
         ({"moe.num_expert_groups": 4}, "moe.num_expert_groups = 4: needs num_limited_groups too"),
         ({"moe.align_size": 0}, "moe.align_size = 0: must be an integer >= 1"),
         ({"moe.score_func": "relu"}, "'softmax', 'sigmoid'"),
@@ -320,9 +339,15 @@ def test_bad_toml_values_name_the_key(overrides, message):
 
 
 def test_short_keys_convert_and_the_configs_check_once_reporting_every_problem():
-    config = apply_overrides(tiny_config(), {
-        "moe.route_scale": -1.0, "moe.capacity_factor": 0, "moe.aux_loss_coeff": -2.0, "moe.align_size": 0,
-    })
+    config = apply_overrides(
+        tiny_config(),
+        {
+            "moe.route_scale": -1.0,
+            "moe.capacity_factor": 0,
+            "moe.aux_loss_coeff": -2.0,
+            "moe.align_size": 0,
+        },
+    )
     assert config.model_spec.model.layers[0].moe.router.capacity_factor is None  # 0 = off
     with pytest.raises(ConfigError) as error:
         check_moe_config(config)
@@ -336,8 +361,11 @@ def test_short_keys_convert_and_the_configs_check_once_reporting_every_problem()
 def test_a_config_built_in_python_reports_every_bad_option():
     with pytest.raises(ValueError) as error:
         BalancedTopKRouter.Config(
-            num_experts=8, gate=make_router_config(dim=1, num_experts=8, gate_param_init={}).gate,
-            top_k=9, route_scale=0.0, capacity_factor=-1.0,
+            num_experts=8,
+            gate=make_router_config(dim=1, num_experts=8, gate_param_init={}).gate,
+            top_k=9,
+            route_scale=0.0,
+            capacity_factor=-1.0,
         )
     assert str(error.value) == (
         "top_k = 9: must be in [1, 8] (the number of experts); route_scale = 0.0: must be > 0; "

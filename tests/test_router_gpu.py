@@ -3,10 +3,9 @@ fp32 gate, and the top-k routing kernels against torchtitan's routing (skipped w
 
 import pytest
 import torch
+from helpers import assert_bf16_rounds_like
 
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config, stock_moe_config
-
-from helpers import assert_bf16_rounds_like
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,8 +52,10 @@ def test_routing_matches_torchtitans_router():
     same_experts = (stock_ids.sort(dim=-1).values == our_ids.sort(dim=-1).values).all(dim=-1)
     assert same_experts.float().mean() >= 0.999
     torch.testing.assert_close(
-        our_scores.sort(dim=-1).values[same_experts], stock_scores.sort(dim=-1).values[same_experts],
-        rtol=1e-5, atol=1e-6,
+        our_scores.sort(dim=-1).values[same_experts],
+        stock_scores.sort(dim=-1).values[same_experts],
+        rtol=1e-5,
+        atol=1e-6,
     )
 
 

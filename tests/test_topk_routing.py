@@ -8,17 +8,15 @@ random logits; plus ties, and the counts.
 import pytest
 import torch
 
+from torchtitan_ext.kernels.fused_moe import triton_available_reason
 from torchtitan_ext.kernels.topk_routing import (
     MAX_EXPERTS,
     topk_routing,
     topk_routing_reference,
     topk_routing_unsupported_reason,
 )
-from torchtitan_ext.kernels.fused_moe import triton_available_reason
 
-pytestmark = pytest.mark.skipif(
-    triton_available_reason() is not None, reason="needs CUDA or TRITON_INTERPRET=1"
-)
+pytestmark = pytest.mark.skipif(triton_available_reason() is not None, reason="needs CUDA or TRITON_INTERPRET=1")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -42,7 +40,12 @@ def routed_pair(num_tokens, num_experts, top_k, score_func, route_norm, route_sc
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 @pytest.mark.parametrize(
     "num_tokens, num_experts, top_k, route_norm, route_scale, with_bias",
-    [(37, 8, 2, True, 1.0, False), (19, 64, 6, False, 2.5, True), (5, 130, 8, True, 1.0, True), (3, 4, 4, True, 0.5, False)],
+    [
+        (37, 8, 2, True, 1.0, False),
+        (19, 64, 6, False, 2.5, True),
+        (5, 130, 8, True, 1.0, True),
+        (3, 4, 4, True, 0.5, False),
+    ],
 )
 def test_routing_and_gradients_match_the_reference(
     score_func, num_tokens, num_experts, top_k, route_norm, route_scale, with_bias

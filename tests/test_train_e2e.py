@@ -7,11 +7,10 @@ import sys
 
 import pytest
 import torch
+from helpers import free_port
 
 from torchtitan_ext.experiments.moe_backends.experts import backend_names
 from torchtitan_ext.experiments.moe_backends.flavors import tiny_flavor_name
-
-from helpers import free_port
 
 pytestmark = [
     pytest.mark.slow,
@@ -26,13 +25,29 @@ def train(args: list[str], dump_folder, nproc: int = 1, subcommands: tuple[str, 
 
     ``subcommands`` (torchtitan's choices such as ``activation-checkpoint:full``) go last.
     """
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                f"--master_port={free_port()}", "--local-ranks-filter=0", "-m"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        "--local-ranks-filter=0",
+        "-m",
+    ]
     command = launcher if nproc > 1 else [sys.executable, "-m"]
     result = subprocess.run(
-        [*command, "torchtitan_ext.train", *args, "--dump_folder", str(dump_folder),
-         "--metrics.disable_color_printing", *subcommands],
-        capture_output=True, text=True, timeout=600,
+        [
+            *command,
+            "torchtitan_ext.train",
+            *args,
+            "--dump_folder",
+            str(dump_folder),
+            "--metrics.disable_color_printing",
+            *subcommands,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
@@ -52,8 +67,14 @@ def ep2_runs(tmp_path_factory):
     """Six steps of each backend's tiny flavor, 2 processes, expert parallel degree 2."""
     return {
         backend: train(
-            ["--flavor", tiny_flavor_name(backend), "--training.steps", "6",
-             "--parallelism.expert_parallel_degree", "2"],
+            [
+                "--flavor",
+                tiny_flavor_name(backend),
+                "--training.steps",
+                "6",
+                "--parallelism.expert_parallel_degree",
+                "2",
+            ],
             tmp_path_factory.mktemp(backend),
             nproc=2,
         )
@@ -76,8 +97,9 @@ def test_backends_give_the_same_first_step_loss(ep2_runs):
 def test_triton_backend_trains_like_the_reference(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     losses = {
-        backend: train(["--flavor", tiny_flavor_name(backend), "--training.steps", "2", *SMALL_BATCH],
-                       tmp_path / backend)
+        backend: train(
+            ["--flavor", tiny_flavor_name(backend), "--training.steps", "2", *SMALL_BATCH], tmp_path / backend
+        )
         for backend in ("for_loop", "triton")
     }
     for step in (1, 2):
@@ -109,8 +131,15 @@ def test_activation_checkpointing_modes_train_like_no_checkpointing(tmp_path):
     (symm_mem with the flavors' default selective checkpointing is compared with EP=1 in
     tests/test_ep_equivalence.py.)
     """
-    args = ["--flavor", "tiny-moe-grouped-mm", "--training.steps", "2", *SMALL_BATCH,
-            "--parallelism.expert_parallel_degree", "2"]
+    args = [
+        "--flavor",
+        "tiny-moe-grouped-mm",
+        "--training.steps",
+        "2",
+        *SMALL_BATCH,
+        "--parallelism.expert_parallel_degree",
+        "2",
+    ]
     losses = {
         mode: train(args, tmp_path / mode, nproc=2, subcommands=(f"activation-checkpoint:{mode}",))
         for mode in ("none", "selective", "full")

@@ -35,8 +35,14 @@ def assert_refused(capsys, args, *fragments):
         # Class 1: keys a flavor fixed at build time, one per kind.
         ("[model]\ndim = 32\n", ["bad.toml:2: model.dim cannot be overridden", "pick a flavor"]),
         ("[model]\nvocab_size = 100\n", ["model.vocab_size cannot be overridden"]),
-        ("[model.layers.0.moe]\nnum_experts = 4\n", ["model.layers.0.moe.num_experts cannot be overridden", "router, dispatcher and experts"]),
-        ("[model.layers.0.moe.router]\nnum_experts = 4\n", ["model.layers.0.moe.router.num_experts cannot be overridden"]),
+        (
+            "[model.layers.0.moe]\nnum_experts = 4\n",
+            ["model.layers.0.moe.num_experts cannot be overridden", "router, dispatcher and experts"],
+        ),
+        (
+            "[model.layers.0.moe.router]\nnum_experts = 4\n",
+            ["model.layers.0.moe.router.num_experts cannot be overridden"],
+        ),
         # Class 2: silent nonsense.
         ("[training]\nsteps = 0\n", ["bad.toml:2: training.steps = 0: must be >= 1"]),
         ("[training]\nsteps = -5\n", ["training.steps = -5: must be >= 1"]),
@@ -46,8 +52,14 @@ def assert_refused(capsys, args, *fragments):
         ("[moe]\ncapacity_factor = inf\n", ["capacity_factor = inf: must be a finite number"]),
         ("[moe]\nroute_scale = nan\n", ["route_scale = nan: must be a finite number"]),
         ("[moe]\nalign_size = 100000000000\n", ["bad.toml:2: moe.align_size = 100000000000: must be in [1, 2048]"]),
-        ("[moe]\nroute_scale = 0\ntop_k = 9\n", ["bad.toml:2: moe.route_scale = 0.0: must be > 0", "bad.toml:3: moe.top_k = 9: must be in [1, 8]"]),
-        ("[moe]\nalign_size = 4096\n[training]\nbatch_size = 1\nseq_len = 64\n", ["moe.align_size = 4096: must be in [1, 128]"]),
+        (
+            "[moe]\nroute_scale = 0\ntop_k = 9\n",
+            ["bad.toml:2: moe.route_scale = 0.0: must be > 0", "bad.toml:3: moe.top_k = 9: must be in [1, 8]"],
+        ),
+        (
+            "[moe]\nalign_size = 4096\n[training]\nbatch_size = 1\nseq_len = 64\n",
+            ["moe.align_size = 4096: must be in [1, 128]"],
+        ),
         ("[training]\nbatch_size = 0\n", ["training.local_batch_size = 0: must be >= 1"]),
         ("[training]\nseq_len = -8\n", ["training.seq_len = -8: must be >= 1"]),
         ("[training]\nseq_len = 100\n", ["training.seq_len = 100", "use a multiple of 8"]),
@@ -65,38 +77,57 @@ def test_paths_without_data_or_tokenizer_and_a_file_as_dump_folder(tmp_path, cap
     (tmp_path / "empty").mkdir()
     (tmp_path / "no_tokenizer").mkdir()
     (tmp_path / "a_file").write_text("x")
-    toml = write_toml(tmp_path, f"""\
-        dump_folder = "{tmp_path / 'a_file' / 'out'}"
+    toml = write_toml(
+        tmp_path,
+        f"""\
+        dump_folder = "{tmp_path / "a_file" / "out"}"
         [data]
-        path = "{tmp_path / 'empty'}"
-        tokenizer = "{tmp_path / 'no_tokenizer'}"
-        """)
+        path = "{tmp_path / "empty"}"
+        tokenizer = "{tmp_path / "no_tokenizer"}"
+        """,
+    )
     assert_refused(
-        capsys, ["--toml", toml],
-        "bad.toml:3: dataloader.dataset_path", "the folder holds no data files",
-        "bad.toml:4: hf_assets_path", "the folder has none of tokenizer.json",
-        "bad.toml:1: dump_folder", "is a file; dump_folder must be a folder",
+        capsys,
+        ["--toml", toml],
+        "bad.toml:3: dataloader.dataset_path",
+        "the folder holds no data files",
+        "bad.toml:4: hf_assets_path",
+        "the folder has none of tokenizer.json",
+        "bad.toml:1: dump_folder",
+        "is a file; dump_folder must be a folder",
     )
 
 
 def test_every_problem_of_a_run_is_reported_together(tmp_path, capsys):
-    toml = write_toml(tmp_path, """\
+    toml = write_toml(
+        tmp_path,
+        """\
         [training]
         steps = 0
         seq_len = 100
         [moe]
         route_scale = nan
-        """)
-    assert_refused(capsys, ["--toml", toml, "--training.batch_size", "0"],
-                   "training.steps = 0", "training.seq_len = 100", "route_scale = nan",
-                   "command line: training.local_batch_size = 0")
+        """,
+    )
+    assert_refused(
+        capsys,
+        ["--toml", toml, "--training.batch_size", "0"],
+        "training.steps = 0",
+        "training.seq_len = 100",
+        "route_scale = nan",
+        "command line: training.local_batch_size = 0",
+    )
 
 
 def test_toml_that_is_not_utf8(tmp_path, capsys):
-    toml = write_toml(tmp_path, '[training]\n# caf\u00e9\nsteps = 3\n', encoding="latin-1")
+    toml = write_toml(tmp_path, "[training]\n# caf\u00e9\nsteps = 3\n", encoding="latin-1")
     assert_refused(capsys, ["--toml", toml], "bad.toml:2: not a UTF-8 text file", "TOML files must be UTF-8")
 
 
 def test_expert_parallel_degree_above_world_suggests_torchrun(capsys):
-    assert_refused(capsys, ["--parallelism.expert_parallel_degree", "2"],
-                   "needs at least 2 processes", "torchrun --nproc_per_node=2 -m torchtitan_ext.train")
+    assert_refused(
+        capsys,
+        ["--parallelism.expert_parallel_degree", "2"],
+        "needs at least 2 processes",
+        "torchrun --nproc_per_node=2 -m torchtitan_ext.train",
+    )

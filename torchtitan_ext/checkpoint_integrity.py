@@ -173,7 +173,9 @@ def verify_checkpoint(checkpoint_dir: str, allow_unverified: bool = False) -> bo
         )
     rank, world = _rank_and_world()
     names = sorted(expected)[rank::world]
-    problems = _gathered({name: problem for name in names if (problem := file_problem(checkpoint_dir, name, expected[name]))})
+    problems = _gathered(
+        {name: problem for name in names if (problem := file_problem(checkpoint_dir, name, expected[name]))}
+    )
     if problems:
         raise CheckpointIntegrityError(
             f"checkpoint {checkpoint_dir} is damaged: " + "; ".join(problems[name] for name in sorted(problems))

@@ -41,8 +41,11 @@ def source_fingerprint() -> str:
     import torchtitan_ext.experiments
     import torchtitan_ext.kernels
 
-    roots = [Path(p) for package in (torchtitan_ext, torchtitan_ext.experiments, torchtitan_ext.kernels)
-             for p in package.__path__]
+    roots = [
+        Path(p)
+        for package in (torchtitan_ext, torchtitan_ext.experiments, torchtitan_ext.kernels)
+        for p in package.__path__
+    ]
     installed = f"{sys.prefix}|{_installed_version('torch')}|{_installed_version('torchtitan')}"
     return files_fingerprint(roots, installed)
 
@@ -122,8 +125,7 @@ def listing_rows() -> list[list[str]]:
     for flavor in all_flavors():
         model_config = flavor.build().model_spec.model
         total, active = parameter_counts(model_config)
-        rows.append([flavor.name, _human(total), _human(active), compute_backends(model_config),
-                     flavor.description])
+        rows.append([flavor.name, _human(total), _human(active), compute_backends(model_config), flavor.description])
     return rows
 
 
@@ -137,8 +139,11 @@ def cached_listing_rows() -> list[list[str]]:
             return cached["rows"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    print("building the flavor list (first listing after an install or an edit; cached after)",
-          file=sys.stderr, flush=True)
+    print(
+        "building the flavor list (first listing after an install or an edit; cached after)",
+        file=sys.stderr,
+        flush=True,
+    )
     rows = listing_rows()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -165,8 +170,10 @@ def moe_layer_summary(model_config) -> str:
     for _, moe, _, _ in model_config.traverse(MoE.Config):
         experts = moe.routed_experts.inner_experts
         shared = ", shared experts" if getattr(moe, "shared_experts", None) is not None else ""
-        kinds[f"{experts.num_experts} experts, top-{moe.router.top_k}, expert hidden {experts.hidden_dim}, "
-              f"compute_backend {_backend(experts)}, router {moe.router.score_func}{shared}"] += 1
+        kinds[
+            f"{experts.num_experts} experts, top-{moe.router.top_k}, expert hidden {experts.hidden_dim}, "
+            f"compute_backend {_backend(experts)}, router {moe.router.score_func}{shared}"
+        ] += 1
     return "; ".join(f"{count} x ({kind})" for kind, count in kinds.items()) or "none"
 
 
@@ -181,25 +188,41 @@ def concise_view(name: str, tomls: list[str], config) -> list[str]:
     moe_metrics = "on" if getattr(metrics, "moe_metrics", False) else "off"
     if moe_metrics == "on":
         moe_metrics += f" (heatmap_every {metrics.heatmap_every})"
-    dataset = config.dataloader.dataset + (f" from {config.dataloader.dataset_path}"
-                                           if config.dataloader.dataset_path else "")
-    checkpoints = (f"every {checkpoint.interval} steps to {os.path.join(config.dump_folder, checkpoint.folder)}"
-                   if checkpoint.enable else "off")
+    dataset = config.dataloader.dataset + (
+        f" from {config.dataloader.dataset_path}" if config.dataloader.dataset_path else ""
+    )
+    checkpoints = (
+        f"every {checkpoint.interval} steps to {os.path.join(config.dump_folder, checkpoint.folder)}"
+        if checkpoint.enable
+        else "off"
+    )
     sections = [
-        ("model", f"{config.model_spec.name}: {len(model_config.layers)} layers, dim {model_config.dim}, "
-                  f"vocab {model_config.vocab_size}; {_human(total)} parameters, {_human(active)} active per token"),
+        (
+            "model",
+            f"{config.model_spec.name}: {len(model_config.layers)} layers, dim {model_config.dim}, "
+            f"vocab {model_config.vocab_size}; {_human(total)} parameters, {_human(active)} active per token",
+        ),
         ("moe", moe_layer_summary(model_config)),
-        ("training", f"steps {training.steps}, batch_size {training.local_batch_size}, seq_len {training.seq_len}, "
-                     f"lr {lr} (warmup {lr_scheduler.warmup_steps} steps, {lr_scheduler.decay_type} decay), "
-                     f"params in {training.mixed_precision_param}"),
-        ("parallelism", f"dp_shard {parallelism.data_parallel_shard_degree}, "
-                        f"dp_replicate {parallelism.data_parallel_replicate_degree}, "
-                        f"tp {parallelism.tensor_parallel_degree}, pp {parallelism.pipeline_parallel_degree}, "
-                        f"cp {parallelism.context_parallel_degree}, ep {parallelism.expert_parallel_degree}"),
+        (
+            "training",
+            f"steps {training.steps}, batch_size {training.local_batch_size}, seq_len {training.seq_len}, "
+            f"lr {lr} (warmup {lr_scheduler.warmup_steps} steps, {lr_scheduler.decay_type} decay), "
+            f"params in {training.mixed_precision_param}",
+        ),
+        (
+            "parallelism",
+            f"dp_shard {parallelism.data_parallel_shard_degree}, "
+            f"dp_replicate {parallelism.data_parallel_replicate_degree}, "
+            f"tp {parallelism.tensor_parallel_degree}, pp {parallelism.pipeline_parallel_degree}, "
+            f"cp {parallelism.context_parallel_degree}, ep {parallelism.expert_parallel_degree}",
+        ),
         ("data", f"{dataset}; tokenizer {config.hf_assets_path}"),
-        ("metrics", f"log_freq {metrics.log_freq}; moe_metrics {moe_metrics}; "
-                    f"wandb {'on' if metrics.enable_wandb else 'off'}; "
-                    f"tensorboard {'on' if metrics.enable_tensorboard else 'off'}"),
+        (
+            "metrics",
+            f"log_freq {metrics.log_freq}; moe_metrics {moe_metrics}; "
+            f"wandb {'on' if metrics.enable_wandb else 'off'}; "
+            f"tensorboard {'on' if metrics.enable_tensorboard else 'off'}",
+        ),
         ("checkpoint", checkpoints),
         ("dump_folder", config.dump_folder),
     ]
@@ -261,10 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--show", metavar="NAME", help="print the main settings of flavor NAME")
     parser.add_argument("--full", action="store_true", help="with --show: every config field, as JSON")
-    parser.add_argument("--keys", action="store_true",
-                        help="list the short TOML keys (any config field path also works)")
-    parser.add_argument("--toml", action="append", default=[], metavar="FILE",
-                        help="TOML overrides applied before --show (repeatable, later wins)")
+    parser.add_argument(
+        "--keys", action="store_true", help="list the short TOML keys (any config field path also works)"
+    )
+    parser.add_argument(
+        "--toml",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="TOML overrides applied before --show (repeatable, later wins)",
+    )
     args = parser.parse_args(argv)
     if args.toml and not args.show:
         parser.error("--toml only applies together with --show NAME")

@@ -32,8 +32,8 @@ def _torchrun_options() -> dict[str, bool]:
     return {
         option: action.nargs != 0
         for option, action in get_args_parser()._option_string_actions.items()
-        if option.startswith("--") and option not in ("--help", "--module", "--no-python", "--no_python",
-                                                      "--run-path", "--run_path")
+        if option.startswith("--")
+        and option not in ("--help", "--module", "--no-python", "--no_python", "--run-path", "--run_path")
     }
 
 

@@ -110,10 +110,10 @@ def _field_alias(key: str, path: str, annotation: Any, help: str) -> None:
 _field_alias("training.batch_size", "training.local_batch_size", int, "per-rank batch size")
 _field_alias("training.seed", "debug.seed", int | None, "random seed")
 _field_alias("parallelism.ep", "parallelism.expert_parallel_degree", int, "expert parallel degree")
-_field_alias("parallelism.dp_shard", "parallelism.data_parallel_shard_degree", int,
-             "FSDP degree (-1: all remaining ranks)")
-_field_alias("parallelism.dp_replicate", "parallelism.data_parallel_replicate_degree", int,
-             "DDP/HSDP replicate degree")
+_field_alias(
+    "parallelism.dp_shard", "parallelism.data_parallel_shard_degree", int, "FSDP degree (-1: all remaining ranks)"
+)
+_field_alias("parallelism.dp_replicate", "parallelism.data_parallel_replicate_degree", int, "DDP/HSDP replicate degree")
 _field_alias("parallelism.tp", "parallelism.tensor_parallel_degree", int, "tensor parallel degree")
 _field_alias("parallelism.pp", "parallelism.pipeline_parallel_degree", int, "pipeline parallel degree")
 _field_alias("wandb.enable", "metrics.enable_wandb", bool, "log to Weights & Biases")
@@ -186,11 +186,7 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]
 def _children(node: Any) -> dict[str, Any]:
     """Named children of a config node: dataclass fields or list indices."""
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        return {
-            f.name: getattr(node, f.name)
-            for f in dataclasses.fields(node)
-            if not f.name.startswith("_")
-        }
+        return {f.name: getattr(node, f.name) for f in dataclasses.fields(node) if not f.name.startswith("_")}
     if isinstance(node, list):
         return {str(i): item for i, item in enumerate(node)}
     return {}

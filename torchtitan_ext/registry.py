@@ -66,8 +66,7 @@ def register_flavor(name: str, description: str):
             raise ValueError(f"flavor {name!r}: register a named function, not a lambda")
         if name in _FLAVORS:
             raise ValueError(
-                f"flavor {name!r} is registered twice "
-                f"({_FLAVORS[name].experiment} and {build.__module__})"
+                f"flavor {name!r} is registered twice ({_FLAVORS[name].experiment} and {build.__module__})"
             )
         experiment = build.__module__.removeprefix(experiments_package.__name__ + ".")
         _FLAVORS[name] = Flavor(name, description, experiment.split(".")[0], build)
@@ -95,8 +94,7 @@ def get_flavor(name: str) -> Flavor:
     close = difflib.get_close_matches(name, list(_FLAVORS), n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise UnknownFlavorError(
-        f"unknown flavor {name!r}{hint} "
-        "(run `python -m torchtitan_ext.flavors` to list all flavors)"
+        f"unknown flavor {name!r}{hint} (run `python -m torchtitan_ext.flavors` to list all flavors)"
     )
 
 

@@ -203,8 +203,7 @@ def parse_with_tyro(parse):
             raise
         text = re.sub(r"[\u2500-\u257f]", " ", captured.getvalue())
         lines = [
-            line.strip() for line in text.splitlines()
-            if line.strip().strip("-") and "For full helptext" not in line
+            line.strip() for line in text.splitlines() if line.strip().strip("-") and "For full helptext" not in line
         ]
         raise ConfigError(f"{COMMAND_LINE}: " + "\n".join(lines or [f"invalid arguments (exit {e.code})"])) from None
     except ConfigError:

@@ -71,7 +71,12 @@ def data_parallel_shard_degree(parallelism, world: int) -> int:
     p = parallelism
     if p.data_parallel_shard_degree != -1:
         return p.data_parallel_shard_degree
-    others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
+    others = (
+        p.data_parallel_replicate_degree
+        * p.context_parallel_degree
+        * p.tensor_parallel_degree
+        * p.pipeline_parallel_degree
+    )
     return world // others if others > 0 else 0
 
 
@@ -82,7 +87,9 @@ def training_errors(config, world: int) -> list[str]:
     if t.steps < 1:
         errors.append(f"{named('training.steps')} = {t.steps}: must be >= 1")
     if t.local_batch_size < 1:
-        errors.append(f"{named('training.local_batch_size', 'training.batch_size')} = {t.local_batch_size}: must be >= 1")
+        errors.append(
+            f"{named('training.local_batch_size', 'training.batch_size')} = {t.local_batch_size}: must be >= 1"
+        )
     dp = config.parallelism.data_parallel_replicate_degree * data_parallel_shard_degree(config.parallelism, world)
     if t.global_batch_size != -1 and t.local_batch_size >= 1 and dp >= 1:
         per_step = t.local_batch_size * dp
@@ -109,9 +116,11 @@ def sequence_length_errors(config) -> list[str]:
         return [f"{key} = {seq_len}: must be >= 1"]
     errors = []
     if config.model_spec is not None:
-        limits = {getattr(node, "max_seq_len") for node in _config_nodes(config.model_spec.model) if hasattr(node, "max_seq_len")}
+        limits = {node.max_seq_len for node in _config_nodes(config.model_spec.model) if hasattr(node, "max_seq_len")}
         if limits and seq_len > min(limits):
-            errors.append(f"{key} = {seq_len}: exceeds the model's RoPE length (max_seq_len = {min(limits)}); use at most {min(limits)}")
+            errors.append(
+                f"{key} = {seq_len}: exceeds the model's RoPE length (max_seq_len = {min(limits)}); use at most {min(limits)}"
+            )
     num_chunks = getattr(config.loss, "num_chunks", None)
     if isinstance(num_chunks, int) and num_chunks > 0 and seq_len % num_chunks:
         errors.append(
@@ -136,13 +145,15 @@ def data_errors(config) -> list[str]:
     """Dataset name known to torchtitan, local data paths that hold data, tokenizer folder."""
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
-    import torchtitan_ext.data  # noqa: F401  (registers the shipped dataset)
+    import torchtitan_ext.data
 
     errors = []
     loader = config.dataloader
     name = getattr(loader, "dataset", None)
     if name is not None and name not in DATASETS:
-        errors.append(f"{named('dataloader.dataset', 'data.dataset')} = {name!r}: unknown dataset; known: {', '.join(sorted(DATASETS))}")
+        errors.append(
+            f"{named('dataloader.dataset', 'data.dataset')} = {name!r}: unknown dataset; known: {', '.join(sorted(DATASETS))}"
+        )
     elif name == torchtitan_ext.data.JSONL_TEXT and not getattr(loader, "dataset_path", None):
         errors.append(
             f"{named('dataloader.dataset', 'data.dataset')} = {name!r} needs "
@@ -159,9 +170,13 @@ def data_errors(config) -> list[str]:
     tokenizer = Path(config.hf_assets_path).expanduser()
     tokenizer_key = named("hf_assets_path", "data.tokenizer")
     if not tokenizer.is_dir():
-        errors.append(f"{tokenizer_key} = {str(config.hf_assets_path)!r}: no such folder (a folder with {' or '.join(TOKENIZER_FILES)})")
+        errors.append(
+            f"{tokenizer_key} = {str(config.hf_assets_path)!r}: no such folder (a folder with {' or '.join(TOKENIZER_FILES)})"
+        )
     elif not any((tokenizer / f).is_file() for f in TOKENIZER_FILES):
-        errors.append(f"{tokenizer_key} = {str(config.hf_assets_path)!r}: the folder has none of {', '.join(TOKENIZER_FILES)}")
+        errors.append(
+            f"{tokenizer_key} = {str(config.hf_assets_path)!r}: the folder has none of {', '.join(TOKENIZER_FILES)}"
+        )
     else:
         errors += tokenizer_vocabulary_errors(tokenizer, tokenizer_key, config)
     return errors
@@ -192,7 +207,9 @@ def output_errors(config) -> list[str]:
     folder = Path(config.dump_folder).expanduser()
     for path in (folder, *folder.parents):
         if path.exists() and not path.is_dir():
-            return [f"{named('dump_folder')} = {str(config.dump_folder)!r}: {path} is a file; dump_folder must be a folder"]
+            return [
+                f"{named('dump_folder')} = {str(config.dump_folder)!r}: {path} is a file; dump_folder must be a folder"
+            ]
     return []
 
 

@@ -32,10 +32,10 @@ from torchtitan_ext.bench.common import (
     refuse_full_size_on_cpu,
     write_json,
 )
-from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape
 from torchtitan_ext.compat.quiet_cpu import quiet_cpu_warnings
 from torchtitan_ext.experiments.moe_backends import auto_backend
 from torchtitan_ext.experiments.moe_backends.dispatcher import PERMUTE_BACKENDS
+from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape
 from torchtitan_ext.experiments.moe_backends.experts import AUTO_BACKEND, BACKENDS, runnable_backends
 from torchtitan_ext.overrides import ConfigError
 
@@ -49,20 +49,39 @@ def _trainer_stack():
     from torchtitan_ext.train import resolve_config
 
     return train_step, resolve_config
+
+
 SKEW_CHOICES = {"balanced": (0.0,), "skewed": (2.0,), "both": (0.0, 2.0)}
-EP_TABLE = [("world", "world"), ("tokens_per_rank", "T/rank"), ("dim", "D"), ("routing", "routing"),
-            ("transport", "transport"), ("permute_backend", "permute"), ("dispatch_combine_ms", "d+c ms"), ("raw_a2a_ms", "raw a2a ms"),
-            ("raw_a2a_unique_ms", "raw a2a unique ms"), ("dispatch_combine_GBps", "d+c GB/s"),
-            ("raw_a2a_GBps", "raw GB/s"), ("fraction_of_raw", "fraction"), ("fraction_of_raw_unique", "fraction unique"),
-            ("dispatch_combine_host_ahead_ms", "d+c ms host ahead"), ("raw_a2a_host_ahead_ms", "raw ms host ahead"),
-            ("fraction_of_raw_host_ahead", "fraction host ahead")]
+EP_TABLE = [
+    ("world", "world"),
+    ("tokens_per_rank", "T/rank"),
+    ("dim", "D"),
+    ("routing", "routing"),
+    ("transport", "transport"),
+    ("permute_backend", "permute"),
+    ("dispatch_combine_ms", "d+c ms"),
+    ("raw_a2a_ms", "raw a2a ms"),
+    ("raw_a2a_unique_ms", "raw a2a unique ms"),
+    ("dispatch_combine_GBps", "d+c GB/s"),
+    ("raw_a2a_GBps", "raw GB/s"),
+    ("fraction_of_raw", "fraction"),
+    ("fraction_of_raw_unique", "fraction unique"),
+    ("dispatch_combine_host_ahead_ms", "d+c ms host ahead"),
+    ("raw_a2a_host_ahead_ms", "raw ms host ahead"),
+    ("fraction_of_raw_host_ahead", "fraction host ahead"),
+]
 AUTO_TABLE = [("backend", "backend"), ("ms_per_step", "fwd+bwd ms per step"), ("chosen", "chosen")]
 
 
 def add_rounds_option(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument("--rounds", type=int, default=1, metavar="N",
-                        help=f"time every {what} N times, taking turns, and report the medians "
-                             "(per-round times in the JSON); evens out a GPU's slow stretches")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help=f"time every {what} N times, taking turns, and report the medians "
+        "(per-round times in the JSON); evens out a GPU's slow stretches",
+    )
 
 
 def check_rounds(parser: argparse.ArgumentParser, rounds: int) -> None:
@@ -87,48 +106,75 @@ def add_shape_options(parser: argparse.ArgumentParser) -> None:
     shapes.add_argument("--tiny", action="store_true", help=f"the tiny shape {TINY_SHAPE}")
     shapes.add_argument("--tokens", type=int, help="tokens per step (overrides the shape's)")
     parser.add_argument("--skew", choices=SKEW_CHOICES, default="both", help="routing: balanced, skewed or both")
-    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
-                        help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="auto: bfloat16 on CUDA, float32 on CPU",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:9]))
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:9]),
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     expert = commands.add_parser("expert", help="the expert block (3 GEMMs) per compute backend, fwd and fwd+bwd")
     add_shape_options(expert)
-    expert.add_argument("--impls", nargs="+", choices=expert_block.IMPLS,
-                        help="implementations (default: every one that runs here)")
+    expert.add_argument(
+        "--impls", nargs="+", choices=expert_block.IMPLS, help="implementations (default: every one that runs here)"
+    )
     add_rounds_option(expert, "implementation")
     add_output_options(expert)
 
     layer = commands.add_parser("layer", help="the whole MoE layer per backend vs stock torchtitan")
     add_shape_options(layer)
-    layer.add_argument("--layers", nargs="+", choices=moe_layer.KINDS,
-                       help=f"layers (default: every one that runs here; {moe_layer.STOCK} always runs first)")
+    layer.add_argument(
+        "--layers",
+        nargs="+",
+        choices=moe_layer.KINDS,
+        help=f"layers (default: every one that runs here; {moe_layer.STOCK} always runs first)",
+    )
     layer.add_argument("--batch", type=int, default=2, help="batch B of the (B, tokens/B, D) input")
     add_rounds_option(layer, "layer")
-    layer.add_argument("--profile", type=int, default=0, metavar="N",
-                       help="also list each layer's N slowest GPU kernels (CPU: operators) in one forward+backward")
+    layer.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also list each layer's N slowest GPU kernels (CPU: operators) in one forward+backward",
+    )
     add_output_options(layer)
 
     ep = commands.add_parser("ep", help="EP dispatch+combine vs raw NCCL all-to-all (torchrun, >= 2 GPUs)")
     ep.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192], help="tokens per rank")
     ep.add_argument("--dims", type=int, nargs="+", default=[2048, 7168], help="model dims")
     ep.add_argument("--check", action="store_true", help="run the EP equivalence check first")
-    ep.add_argument("--check-backends", nargs="+", choices=tuple(BACKENDS),
-                    help="compute backends the equivalence check covers (default: every one)")
-    ep.add_argument("--permute-backends", nargs="+", default=["triton"], choices=PERMUTE_BACKENDS,
-                    help="permute backend(s) of the all_to_all transport")
+    ep.add_argument(
+        "--check-backends",
+        nargs="+",
+        choices=tuple(BACKENDS),
+        help="compute backends the equivalence check covers (default: every one)",
+    )
+    ep.add_argument(
+        "--permute-backends",
+        nargs="+",
+        default=["triton"],
+        choices=PERMUTE_BACKENDS,
+        help="permute backend(s) of the all_to_all transport",
+    )
     add_output_options(ep)
 
     step = commands.add_parser("train-step", help="one training step (fwd+bwd+AdamW) of a flavor per backend")
     step.add_argument("--flavor", required=True, help="flavor to build (python -m torchtitan_ext.flavors)")
     step.add_argument("--toml", action="append", default=[], metavar="FILE", help="TOML overrides (repeatable)")
-    step.add_argument("--backends", nargs="+", choices=tuple(BACKENDS),
-                      help="compute backends (default: every one that runs here)")
+    step.add_argument(
+        "--backends", nargs="+", choices=tuple(BACKENDS), help="compute backends (default: every one that runs here)"
+    )
     step.add_argument("--batch-size", type=int, help="local batch size (default: the flavor's)")
     step.add_argument("--seq-len", type=int, help="sequence length (default: the flavor's)")
     step.add_argument("--num-layers", type=int, help="keep only the first N layers (full-size flavors on one GPU)")
@@ -139,9 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     auto.add_argument("--toml", action="append", default=[], metavar="FILE", help="TOML overrides (repeatable)")
     auto.add_argument("--batch-size", type=int, help="local batch size of the run (default: the flavor's)")
     auto.add_argument("--seq-len", type=int, help="sequence length of the run (default: the flavor's)")
-    auto.add_argument("--expert-parallel-degree", type=int, metavar="N",
-                      help="the run's expert parallel degree (default: the flavor's); above 1 the expert block "
-                           "is measured, at 1 the whole single-device MoE layer")
+    auto.add_argument(
+        "--expert-parallel-degree",
+        type=int,
+        metavar="N",
+        help="the run's expert parallel degree (default: the flavor's); above 1 the expert block "
+        "is measured, at 1 the whole single-device MoE layer",
+    )
     auto.add_argument("--remeasure", action="store_true", help="measure again even if the cache has a choice")
     auto.add_argument("--json", metavar="PATH", help="write the choice as JSON")
 
@@ -150,13 +200,28 @@ def build_parser() -> argparse.ArgumentParser:
     plot_command.add_argument("--out", required=True, metavar="FILE.png", help="PNG to write")
     plot_command.add_argument("--only", nargs="+", metavar="NAME", help="plot only these series (backends)")
     trace_command = commands.add_parser(
-        "trace", help="where a profiled step's time went (GPU busy, kernels by kind, host syncs), from torch.profiler traces")
-    trace_command.add_argument("traces", nargs="+", metavar="TRACE.json[.gz]",
-                               help="Chrome traces, e.g. torchtitan's profiling/traces/iteration_N/rank0_trace.json.gz")
-    trace_command.add_argument("--top", type=int, default=15, metavar="N", help="list the N slowest kernels (default 15)")
+        "trace",
+        help="where a profiled step's time went (GPU busy, kernels by kind, host syncs), from torch.profiler traces",
+    )
+    trace_command.add_argument(
+        "traces",
+        nargs="+",
+        metavar="TRACE.json[.gz]",
+        help="Chrome traces, e.g. torchtitan's profiling/traces/iteration_N/rank0_trace.json.gz",
+    )
+    trace_command.add_argument(
+        "--top", type=int, default=15, metavar="N", help="list the N slowest kernels (default 15)"
+    )
     trace_command.add_argument("--json", metavar="PATH", help="write the summaries as JSON")
-    for subparser, handler in ((expert, run_expert), (layer, run_layer), (ep, run_ep), (step, run_train_step),
-                               (auto, run_auto), (plot_command, run_plot), (trace_command, run_trace)):
+    for subparser, handler in (
+        (expert, run_expert),
+        (layer, run_layer),
+        (ep, run_ep),
+        (step, run_train_step),
+        (auto, run_auto),
+        (plot_command, run_plot),
+        (trace_command, run_trace),
+    ):
         subparser.set_defaults(handler=handler, subparser=subparser)
     return parser
 
@@ -169,8 +234,10 @@ def flavor_shapes(flavor: str, tomls: list[str], tokens: int | None) -> list[Ben
     layer_shapes = auto_backend.moe_layer_shapes(config.model_spec.model, tokens)
     if not layer_shapes:
         raise ConfigError(f"flavor {flavor!r} has no MoE layers")
-    return [dataclasses.replace(shape, name=flavor if len(layer_shapes) == 1 else f"{flavor}-{shape.name}")
-            for shape in layer_shapes]
+    return [
+        dataclasses.replace(shape, name=flavor if len(layer_shapes) == 1 else f"{flavor}-{shape.name}")
+        for shape in layer_shapes
+    ]
 
 
 def selected_shapes(parser, args, device: torch.device) -> list[BenchShape]:
@@ -232,9 +299,16 @@ def run_expert(parser, args, device, command) -> None:
     reject_unrunnable(parser, "--impls", args.impls, expert_block.unavailable_reason)
     check_rounds(parser, args.rounds)
     shapes = selected_shapes(parser, args, device)
-    results = expert_block.run(shapes, args.impls or expert_block.default_impls(), device,
-                               measurement_dtype(args, device), command, out=args.json,
-                               skews=SKEW_CHOICES[args.skew], rounds=args.rounds)
+    results = expert_block.run(
+        shapes,
+        args.impls or expert_block.default_impls(),
+        device,
+        measurement_dtype(args, device),
+        command,
+        out=args.json,
+        skews=SKEW_CHOICES[args.skew],
+        rounds=args.rounds,
+    )
     finish(results, results["rows"], expert_block.TABLE, args)
 
 
@@ -248,9 +322,18 @@ def run_layer(parser, args, device, command) -> None:
         parser.error(f"--profile must be >= 0 (0: off), got {args.profile}")
     check_rounds(parser, args.rounds)
     kinds = [moe_layer.STOCK, *(k for k in (args.layers or moe_layer.default_kinds()) if k != moe_layer.STOCK)]
-    results = moe_layer.run(shapes, kinds, device, measurement_dtype(args, device), args.batch, command,
-                            out=args.json, skews=SKEW_CHOICES[args.skew], profile_top=args.profile,
-                            rounds=args.rounds)
+    results = moe_layer.run(
+        shapes,
+        kinds,
+        device,
+        measurement_dtype(args, device),
+        args.batch,
+        command,
+        out=args.json,
+        skews=SKEW_CHOICES[args.skew],
+        profile_top=args.profile,
+        rounds=args.rounds,
+    )
     finish(results, results["rows"], moe_layer.TABLE, args)
     print_kernel_profiles(results["rows"], ("shape", "skew", "layer"), device)
 
@@ -258,19 +341,25 @@ def run_layer(parser, args, device, command) -> None:
 def run_ep(parser, args, device, command) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if device.type != "cuda" or world < 2:
-        parser.error("ep measures NCCL all-to-all between GPUs: run it under torchrun with >= 2 CUDA GPUs, "
-                     f"e.g. torchrun --nproc_per_node=4 -m torchtitan_ext.bench ep --json ep.json "
-                     f"(found {'CUDA' if device.type == 'cuda' else 'no CUDA'}, WORLD_SIZE={world})")
+        parser.error(
+            "ep measures NCCL all-to-all between GPUs: run it under torchrun with >= 2 CUDA GPUs, "
+            f"e.g. torchrun --nproc_per_node=4 -m torchtitan_ext.bench ep --json ep.json "
+            f"(found {'CUDA' if device.type == 'cuda' else 'no CUDA'}, WORLD_SIZE={world})"
+        )
     import torch.distributed as dist
 
     from torchtitan_ext.bench import ep_dispatch
 
     report = ep_dispatch.run(args.tokens, args.dims, args.check, args.permute_backends, command, args.check_backends)
     if dist.get_rank() == 0:
-        rows = [{
-            **row, **{f"{name}_ms": row["ms"][name] for name in ("dispatch_combine", "raw_a2a", "raw_a2a_unique")},
-            **{f"{name}_host_ahead_ms": row["ms_host_ahead"][name] for name in ("dispatch_combine", "raw_a2a")},
-        } for row in report["bench"]]
+        rows = [
+            {
+                **row,
+                **{f"{name}_ms": row["ms"][name] for name in ("dispatch_combine", "raw_a2a", "raw_a2a_unique")},
+                **{f"{name}_host_ahead_ms": row["ms_host_ahead"][name] for name in ("dispatch_combine", "raw_a2a")},
+            }
+            for row in report["bench"]
+        ]
         finish(report, rows, EP_TABLE, args)
     dist.destroy_process_group()
 
@@ -283,8 +372,17 @@ def run_train_step(parser, args, device, command) -> None:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     train_step, _ = _trainer_stack()
     backends = train_step.backends_to_run(args.flavor, args.toml, args.backends, runnable_backends())
-    results = train_step.run(args.flavor, args.toml, backends, device, command, batch_size=args.batch_size,
-                             seq_len=args.seq_len, num_layers=args.num_layers, out=args.json)
+    results = train_step.run(
+        args.flavor,
+        args.toml,
+        backends,
+        device,
+        command,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        num_layers=args.num_layers,
+        out=args.json,
+    )
     finish(results, results["rows"], train_step.TABLE, args)
 
 
@@ -292,21 +390,36 @@ def run_auto(parser, args, device, command) -> None:
     train_step, _ = _trainer_stack()
     if args.expert_parallel_degree is not None and args.expert_parallel_degree < 1:
         parser.error(f"--expert-parallel-degree must be >= 1, got {args.expert_parallel_degree}")
-    config = train_step.step_config(args.flavor, args.toml, AUTO_BACKEND, batch_size=args.batch_size,
-                                    seq_len=args.seq_len, num_layers=None)
+    config = train_step.step_config(
+        args.flavor, args.toml, AUTO_BACKEND, batch_size=args.batch_size, seq_len=args.seq_len, num_layers=None
+    )
     if args.expert_parallel_degree is not None:
         config.parallelism.expert_parallel_degree = args.expert_parallel_degree
-    refuse_full_size_on_cpu("auto", {f"flavor {args.flavor}": config.model_spec.model.dim}, device,
-                            hint=TINY_FLAVORS_HINT)
+    refuse_full_size_on_cpu(
+        "auto", {f"flavor {args.flavor}": config.model_spec.model.dim}, device, hint=TINY_FLAVORS_HINT
+    )
     choice = auto_backend.resolve_for_config(config, remeasure=args.remeasure)
-    rows = [{"backend": name, "ms_per_step": ms, "chosen": "*" if name == choice.backend else ""}
-            for name, ms in choice.ms_per_step.items()]
+    rows = [
+        {"backend": name, "ms_per_step": ms, "chosen": "*" if name == choice.backend else ""}
+        for name, ms in choice.ms_per_step.items()
+    ]
     print_table(rows, AUTO_TABLE)
-    print(f"auto -> {choice.backend} ({'cached' if choice.cached else 'measured'}: {choice.measured} forward+backward "
-          f"over the flavor's MoE layers; {auto_backend.cache_file()})")
-    write_json(args.json, {"flavor": args.flavor, "backend": choice.backend, "ms_per_step": choice.ms_per_step,
-                           "measured": choice.measured, "cached": choice.cached, "cache_key": choice.cache_key,
-                           "command": command})
+    print(
+        f"auto -> {choice.backend} ({'cached' if choice.cached else 'measured'}: {choice.measured} forward+backward "
+        f"over the flavor's MoE layers; {auto_backend.cache_file()})"
+    )
+    write_json(
+        args.json,
+        {
+            "flavor": args.flavor,
+            "backend": choice.backend,
+            "ms_per_step": choice.ms_per_step,
+            "measured": choice.measured,
+            "cached": choice.cached,
+            "cache_key": choice.cache_key,
+            "command": command,
+        },
+    )
 
 
 def run_plot(parser, args, device, command) -> None:

@@ -19,7 +19,6 @@ import torch
 from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, Timer
 from torchtitan_ext.overrides import ConfigError
 
-
 SHAPES = {
     shape.name: shape
     for shape in (
@@ -40,8 +39,9 @@ SMALL_SHAPES_HINT = f"--tiny, a tiny flavor (--flavor tiny-moe-grouped-mm) or di
 TINY_FLAVORS_HINT = "a tiny flavor (python -m torchtitan_ext.flavors lists them)"
 
 
-def refuse_full_size_on_cpu(command: str, named_dims: dict[str, int], device: torch.device, *,
-                            hint: str = SMALL_SHAPES_HINT) -> None:
+def refuse_full_size_on_cpu(
+    command: str, named_dims: dict[str, int], device: torch.device, *, hint: str = SMALL_SHAPES_HINT
+) -> None:
     """``ConfigError`` on CPU when any of ``{name: model dim}`` is full-size (dim >= ``FULL_SIZE_MIN_DIM``).
 
     ``hint`` names what to measure on CPU instead.
@@ -144,9 +144,10 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def source_commit() -> str | None:
     """The measured code's commit: ``SOURCE_COMMIT`` when set (a copied checkout's ``.git`` may lag
     its files), else ``git rev-parse --short HEAD``; None outside a git checkout."""
-    commit = os.environ.get("SOURCE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = (
+        os.environ.get("SOURCE_COMMIT")
+        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    )
     return commit or None
 
 
@@ -204,7 +205,9 @@ def median_fields(times: dict[str, list[float]]) -> dict:
 def write_json(path: str | None, results: dict) -> None:
     if path:
         with open(path, "w") as f:
-            json.dump(results, f, indent=1, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
+            json.dump(
+                results, f, indent=1, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)
+            )
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:

@@ -47,8 +47,7 @@ import torch.distributed as dist
 from torch.distributed import _symmetric_memory as symm_mem
 from torch.distributed.device_mesh import init_device_mesh
 
-
-from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes  # noqa: E402
+from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
 
 apply_torch_version_fixes()
 
@@ -56,9 +55,11 @@ from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 
 from torchtitan_ext.bench.common import environment  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.dispatcher import (  # noqa: E402
-    EP_TRANSPORTS, RoutingDispatcher, all_to_all_rows, send_buffer_rows,
+    EP_TRANSPORTS,
+    RoutingDispatcher,
+    all_to_all_rows,
+    send_buffer_rows,
 )
-from torchtitan_ext.kernels import symm_mem_rows as exchange_kernels  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.experts import (  # noqa: E402
     backend_names,
@@ -66,6 +67,7 @@ from torchtitan_ext.experiments.moe_backends.experts import (  # noqa: E402
     grouped_mm_experts,
 )
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config  # noqa: E402
+from torchtitan_ext.kernels import symm_mem_rows as exchange_kernels  # noqa: E402
 
 NUM_EXPERTS, TOP_K = 64, 8
 HOST_AHEAD_MS = 3.0
@@ -97,9 +99,11 @@ def spin_cycles(ms: float) -> int:
 def host_ahead_ms(fn, cycles: int, spin_ms: float) -> float:
     """``fn``'s time on the GPU's timeline when the host queues it behind ``cycles`` of spinning
     (``spin_ms``, timed alone): the host's launches before a sync overlap the spin."""
+
     def run():
         torch.cuda._sleep(cycles)
         fn()
+
     return cuda_time_ms(run) - spin_ms
 
 
@@ -121,9 +125,11 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
     scores_TK = torch.rand(num_tokens, TOP_K, device="cuda")
     counts_E = torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS)
     dispatchers = {
-        transport: RoutingDispatcher(RoutingDispatcher.Config(
-            num_experts=NUM_EXPERTS, top_k=TOP_K, permute_backend=permute_backend, ep_transport=transport
-        ))
+        transport: RoutingDispatcher(
+            RoutingDispatcher.Config(
+                num_experts=NUM_EXPERTS, top_k=TOP_K, permute_backend=permute_backend, ep_transport=transport
+            )
+        )
         for transport in EP_TRANSPORTS
     }
     for dispatcher in dispatchers.values():
@@ -218,17 +224,26 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
         def run():
             rows, _, meta = dispatchers[transport].dispatch(x_TD, scores_TK, ids_TK, counts_E)
             dispatchers[transport].combine(rows, meta, x_TD)
+
         return run
 
     parts = {
         "all_to_all": {
-            "dispatch": a2a_dispatch, "combine": a2a_combine, "counts_and_host_sync": counts_and_host_sync,
-            "sender_rows": sender_rows, "receiver_rows": receiver_rows,
+            "dispatch": a2a_dispatch,
+            "combine": a2a_combine,
+            "counts_and_host_sync": counts_and_host_sync,
+            "sender_rows": sender_rows,
+            "receiver_rows": receiver_rows,
         },
         "symm_mem": {
-            "dispatch": symm_dispatch, "combine": symm_combine, "publish": symm_publish, "barrier": symm_barrier,
-            "layout_pairs_and_host_sync": symm_layout_pairs_and_host_sync, "owner_sum": symm_owner_sum,
-            "pull_kernel": symm_pull_kernel, "push_kernel": symm_push_kernel,
+            "dispatch": symm_dispatch,
+            "combine": symm_combine,
+            "publish": symm_publish,
+            "barrier": symm_barrier,
+            "layout_pairs_and_host_sync": symm_layout_pairs_and_host_sync,
+            "owner_sum": symm_owner_sum,
+            "pull_kernel": symm_pull_kernel,
+            "push_kernel": symm_push_kernel,
         },
     }
     raw_ms = cuda_time_ms(raw_a2a)
@@ -248,35 +263,46 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
     for transport in EP_TRANSPORTS:
         total_ms = cuda_time_ms(dispatch_combine(transport))
         ahead_ms = host_ahead_ms(dispatch_combine(transport), cycles, spin_ms)
-        rows.append({
-            "world": world, "tokens_per_rank": num_tokens, "dim": dim, "top_k": TOP_K,
-            "num_experts": NUM_EXPERTS, "routing": "skewed" if skewed else "balanced",
-            "transport": transport, "permute_backend": permute_backend,
-            "ms": {
-                "dispatch_combine": round(total_ms, 4), "raw_a2a": round(raw_ms, 4),
-                "raw_a2a_unique": round(raw_unique_ms, 4),
-            } | {
-                name: round(cuda_time_ms(fn), 4) for name, fn in parts[transport].items()
-            },
-            "ms_host_ahead": {"dispatch_combine": round(ahead_ms, 4), "raw_a2a": round(raw_ahead_ms, 4)} | {
-                name: round(host_ahead_ms(fn, cycles, spin_ms), 4) for name, fn in parts[transport].items()
-            },
-            "remote_MB_per_rank_max": round(remote_bytes / 1e6, 1),
-            "remote_unique_MB_per_rank_max": round(remote_unique_bytes / 1e6, 1),
-            "dispatch_combine_GBps": round(remote_bytes / total_ms / 1e6, 1),
-            "raw_a2a_GBps": round(remote_bytes / raw_ms / 1e6, 1),
-            "fraction_of_raw": round(raw_ms / total_ms, 3),
-            "fraction_of_raw_unique": round(raw_unique_ms / total_ms, 3),
-            "fraction_of_raw_host_ahead": round(raw_ahead_ms / ahead_ms, 3),
-        })
+        rows.append(
+            {
+                "world": world,
+                "tokens_per_rank": num_tokens,
+                "dim": dim,
+                "top_k": TOP_K,
+                "num_experts": NUM_EXPERTS,
+                "routing": "skewed" if skewed else "balanced",
+                "transport": transport,
+                "permute_backend": permute_backend,
+                "ms": {
+                    "dispatch_combine": round(total_ms, 4),
+                    "raw_a2a": round(raw_ms, 4),
+                    "raw_a2a_unique": round(raw_unique_ms, 4),
+                }
+                | {name: round(cuda_time_ms(fn), 4) for name, fn in parts[transport].items()},
+                "ms_host_ahead": {"dispatch_combine": round(ahead_ms, 4), "raw_a2a": round(raw_ahead_ms, 4)}
+                | {name: round(host_ahead_ms(fn, cycles, spin_ms), 4) for name, fn in parts[transport].items()},
+                "remote_MB_per_rank_max": round(remote_bytes / 1e6, 1),
+                "remote_unique_MB_per_rank_max": round(remote_unique_bytes / 1e6, 1),
+                "dispatch_combine_GBps": round(remote_bytes / total_ms / 1e6, 1),
+                "raw_a2a_GBps": round(remote_bytes / raw_ms / 1e6, 1),
+                "fraction_of_raw": round(raw_ms / total_ms, 3),
+                "fraction_of_raw_unique": round(raw_unique_ms / total_ms, 3),
+                "fraction_of_raw_host_ahead": round(raw_ahead_ms / ahead_ms, 3),
+            }
+        )
     return rows
 
 
 def build_layer(compute_backend: str, transport: str, permute_backend: str, dim: int = 256, hidden: int = 384):
     """The project's MoE layer (sigmoid routing, aux and z losses on) with uneven expert loads."""
     config = moe_layer_config(
-        compute_backend=compute_backend, dim=dim, hidden_dim=hidden, num_experts=NUM_EXPERTS,
-        top_k=TOP_K, score_func="sigmoid", load_balance_coeff=None,
+        compute_backend=compute_backend,
+        dim=dim,
+        hidden_dim=hidden,
+        num_experts=NUM_EXPERTS,
+        top_k=TOP_K,
+        score_func="sigmoid",
+        load_balance_coeff=None,
     )
     config.routed_experts.token_dispatcher.permute_backend = permute_backend
     config.routed_experts.token_dispatcher.ep_transport = transport
@@ -287,7 +313,7 @@ def build_layer(compute_backend: str, transport: str, permute_backend: str, dim:
     with torch.no_grad():
         for _, param in sorted(layer.named_parameters()):
             param.copy_(torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5)
-        layer.router.gate.weight[-NUM_EXPERTS // 8:] -= 0.2  # uneven splits
+        layer.router.gate.weight[-NUM_EXPERTS // 8 :] -= 0.2  # uneven splits
     return layer
 
 
@@ -306,24 +332,30 @@ def check_equivalence(mesh, compute_backends: list[str]) -> list[dict]:
         for transport, permute_backend in (("all_to_all", "torch"), ("all_to_all", "triton"), ("symm_mem", "triton")):
             # torch._grouped_mm is checked in bf16, the dtype it runs in on GPUs; the rest in fp32.
             dtype = torch.bfloat16 if get_backend(compute_backend).grouped is grouped_mm_experts else torch.float32
-            reference, layer = (
-                build_layer(compute_backend, transport, permute_backend).to(dtype) for _ in range(2)
-            )
+            reference, layer = (build_layer(compute_backend, transport, permute_backend).to(dtype) for _ in range(2))
             pairs = compare_with_single_process(reference, layer, x_all.to(dtype), grad_all.to(dtype), mesh)
             errors = {quantity: rel_err(actual, expected) for quantity, (actual, expected) in pairs.items()}
             worst = torch.tensor(list(errors.values()), device="cuda")
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            results.append({
-                "world": world, "compute_backend": compute_backend, "transport": transport,
-                "permute_backend": permute_backend,
-                "dtype": str(dtype).removeprefix("torch."),
-                "max_rel_err_over_ranks": dict(zip(errors, [float(f"{v:.3g}") for v in worst.tolist()])),
-            })
+            results.append(
+                {
+                    "world": world,
+                    "compute_backend": compute_backend,
+                    "transport": transport,
+                    "permute_backend": permute_backend,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "max_rel_err_over_ranks": dict(zip(errors, [float(f"{v:.3g}") for v in worst.tolist()])),
+                }
+            )
     return results
 
 
 def run(
-    token_counts: list[int], dims: list[int], check: bool, permute_backends: list[str], command: str,
+    token_counts: list[int],
+    dims: list[int],
+    check: bool,
+    permute_backends: list[str],
+    command: str,
     check_backends: list[str] | None = None,
 ) -> dict:
     """Under torchrun: NCCL process group, optional equivalence check, every case; the report
@@ -337,8 +369,10 @@ def run(
     set_spmd_backend("partial_dtensor")
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("ep",))
     report = {
-        **environment(command, torch.device("cuda"), torch.bfloat16), "world": world,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())), "symm_mem_backend": symm_mem.get_backend("cuda"),
+        **environment(command, torch.device("cuda"), torch.bfloat16),
+        "world": world,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "symm_mem_backend": symm_mem.get_backend("cuda"),
     }
     if check:
         try:

@@ -15,28 +15,28 @@ FLOPs (reported on GPUs): 6*N*D*F forward, 18*N*D*F forward+backward, N = T*K ro
     python -m torchtitan_ext.bench expert --tiny        # CPU smoke run
 """
 
-
 import torch
 
 from torchtitan_ext.bench.common import (
-    SHAPES,
     SKEWS,
-    TINY_SHAPE,
     dense_ceiling_tflops,
     environment,
     expert_tflops,
     max_over_mean,
     median_fields,
     memory_mb,
-    print_table,
     refuse_full_size_on_cpu,
     relative_error,
     time_in_rounds,
     write_json,
 )
-from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, expert_inputs, make_timer, seeded_generator
-
-from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes  # noqa: E402
+from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
+from torchtitan_ext.experiments.moe_backends.expert_timing import (
+    BenchShape,
+    expert_inputs,
+    make_timer,
+    seeded_generator,
+)
 
 apply_torch_version_fixes()
 
@@ -66,17 +66,25 @@ def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype, rou
     """One row per implementation: ms (medians of ``rounds`` rounds in which the implementations take
     turns, ``common.time_in_rounds``), TFLOP/s and memory (GPU), error vs grouped_mm."""
     ids_TK, scores_TK, counts_E, x_TD, x_RD, weights = expert_inputs(shape, skew, device, dtype)
-    forwards = {name: (lambda fn=spec.grouped: fn(x_RD, *weights, counts_E), [x_RD, *weights])
-                for name, spec in BACKENDS.items()}
-    forwards["torch_routed"] = (lambda: torch_routed_experts(x_TD, *weights, ids_TK, scores_TK),
-                                [x_TD, *weights, scores_TK])
-    forwards["fused_routed"] = (lambda: fused_moe_routed(x_TD, *weights, ids_TK, scores_TK),
-                                [x_TD, *weights, scores_TK])
+    forwards = {
+        name: (lambda fn=spec.grouped: fn(x_RD, *weights, counts_E), [x_RD, *weights])
+        for name, spec in BACKENDS.items()
+    }
+    forwards["torch_routed"] = (
+        lambda: torch_routed_experts(x_TD, *weights, ids_TK, scores_TK),
+        [x_TD, *weights, scores_TK],
+    )
+    forwards["fused_routed"] = (
+        lambda: fused_moe_routed(x_TD, *weights, ids_TK, scores_TK),
+        [x_TD, *weights, scores_TK],
+    )
     with torch.no_grad():
         references = {"grouped": forwards[DEFAULT_BACKEND][0](), "routed": forwards["torch_routed"][0]()}
 
-    grad_outs = {kind: torch.randn(reference.shape, device=device, generator=seeded_generator(device, 1)).to(dtype)
-                 for kind, reference in references.items()}
+    grad_outs = {
+        kind: torch.randn(reference.shape, device=device, generator=seeded_generator(device, 1)).to(dtype)
+        for kind, reference in references.items()
+    }
 
     def kind_of(name):
         return "routed" if name in ROUTED_IMPLS else "grouped"
@@ -98,20 +106,30 @@ def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype, rou
             tensor.grad = None
         measured = median_fields(times[name])
         fwd_ms, fwdbwd_ms = measured.pop("fwd_ms"), measured.pop("fwdbwd_ms")
-        rows.append({
-            "shape": shape.name, "skew": skew, "max_over_mean": max_over_mean(counts_E), "impl": name,
-            "fwd_ms": round(fwd_ms, 3), "fwd_tflops": expert_tflops(shape, fwd_ms, device, backward=False),
-            "fwdbwd_ms": round(fwdbwd_ms, 3),
-            "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, device, backward=True),
-            "fwd_held_mb": held_mb, "fwdbwd_peak_mb": peak_mb, "rel_err": f"{error:.1e}", **measured,
-        })
+        rows.append(
+            {
+                "shape": shape.name,
+                "skew": skew,
+                "max_over_mean": max_over_mean(counts_E),
+                "impl": name,
+                "fwd_ms": round(fwd_ms, 3),
+                "fwd_tflops": expert_tflops(shape, fwd_ms, device, backward=False),
+                "fwdbwd_ms": round(fwdbwd_ms, 3),
+                "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, device, backward=True),
+                "fwd_held_mb": held_mb,
+                "fwdbwd_peak_mb": peak_mb,
+                "rel_err": f"{error:.1e}",
+                **measured,
+            }
+        )
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
-def run(shapes: list[BenchShape], impls, device, dtype, command: str, out: str | None = None,
-        skews=SKEWS, rounds: int = 1) -> dict:
+def run(
+    shapes: list[BenchShape], impls, device, dtype, command: str, out: str | None = None, skews=SKEWS, rounds: int = 1
+) -> dict:
     """Measure every shape and skew (``rounds``: ``bench_shape``'s); ``out`` is rewritten after each shape.
 
     Raises ``ConfigError`` for full-size shapes on CPU.
@@ -128,9 +146,18 @@ def run(shapes: list[BenchShape], impls, device, dtype, command: str, out: str |
     return results
 
 
-TABLE = [("shape", "shape"), ("skew", "skew"), ("max_over_mean", "max/mean"), ("impl", "impl"),
-         ("fwd_ms", "fwd ms"), ("fwd_tflops", "fwd TF/s"), ("fwdbwd_ms", "fwd+bwd ms"),
-         ("fwdbwd_tflops", "fwd+bwd TF/s"), ("fwdbwd_peak_mb", "peak MB"), ("rel_err", "rel err")]
+TABLE = [
+    ("shape", "shape"),
+    ("skew", "skew"),
+    ("max_over_mean", "max/mean"),
+    ("impl", "impl"),
+    ("fwd_ms", "fwd ms"),
+    ("fwd_tflops", "fwd TF/s"),
+    ("fwdbwd_ms", "fwd+bwd ms"),
+    ("fwdbwd_tflops", "fwd+bwd TF/s"),
+    ("fwdbwd_peak_mb", "peak MB"),
+    ("rel_err", "rel err"),
+]
 
 
 def unavailable_reason(impl: str) -> str | None:

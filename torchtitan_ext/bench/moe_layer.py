@@ -13,33 +13,28 @@ it reaches the forward+backward ms, the GPU waited on the host).
     python -m torchtitan_ext.bench.moe_layer --tiny          # CPU smoke run
 """
 
-
 import torch
 
 from torchtitan_ext.bench.common import (
-    SHAPES,
     SKEWS,
-    TINY_SHAPE,
     environment,
     expert_tflops,
     kernel_profile,
     max_over_mean,
     median_fields,
     memory_mb,
-    print_table,
     refuse_full_size_on_cpu,
     relative_error,
     time_in_rounds,
     write_json,
 )
+from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
 from torchtitan_ext.experiments.moe_backends.expert_timing import (
     BenchShape,
     host_issue_ms,
     make_timer,
     seeded_generator,
 )
-
-from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes  # noqa: E402
 
 apply_torch_version_fixes()
 
@@ -54,8 +49,11 @@ TARGET_MAX_OVER_MEAN = 3.5
 
 
 def build(kind: str, shape: BenchShape, device, dtype) -> torch.nn.Module:
-    config = (stock_moe_config(**shape.layer_kwargs()) if kind == STOCK
-              else moe_layer_config(compute_backend=kind, **shape.layer_kwargs()))
+    config = (
+        stock_moe_config(**shape.layer_kwargs())
+        if kind == STOCK
+        else moe_layer_config(compute_backend=kind, **shape.layer_kwargs())
+    )
     with torch.device(device):
         layer = config.build()
     return layer.to(dtype).train()
@@ -84,8 +82,9 @@ def calibrate_skew(stock_layer, x_BLD: torch.Tensor, target: float) -> torch.Ten
     return high * ramp_E
 
 
-def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, batch: int,
-                profile_top: int = 0, rounds: int = 1) -> list[dict]:
+def bench_shape(
+    shape: BenchShape, skew: float, kinds, timer, device, dtype, batch: int, profile_top: int = 0, rounds: int = 1
+) -> list[dict]:
     """One row per layer kind (stock first), with the medians of ``rounds`` rounds of timings in
     which the layers take turns (``common.time_in_rounds``)."""
     seq_len = shape.tokens // batch
@@ -114,8 +113,10 @@ def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, bat
     def forward_backward(layer):
         return lambda: torch.autograd.backward(layer(x_BLD), grad_BLD)
 
-    calls = {kind: (lambda layer=layer: layer(x_BLD), forward_backward(layer), [x_BLD, *layer.parameters()])
-             for kind, layer in layers.items()}
+    calls = {
+        kind: (lambda layer=layer: layer(x_BLD), forward_backward(layer), [x_BLD, *layer.parameters()])
+        for kind, layer in layers.items()
+    }
     times = time_in_rounds(calls, timer, rounds, label=f"  MoE layer     {shape.name:18s} skew {skew}")
 
     rows = []
@@ -123,23 +124,33 @@ def bench_shape(shape: BenchShape, skew: float, kinds, timer, device, dtype, bat
         with torch.no_grad():
             error = relative_error(layer(x_BLD), reference)
         _, peak_mb = memory_mb(lambda: layer(x_BLD), grad_BLD, device)
-        kernels = (kernel_profile(forward_backward(layer), device, profile_top, grad_to_none=calls[kind][2])
-                   if profile_top else None)
-        host_ms = (round(host_issue_ms(forward_backward(layer), calls[kind][2]), 3)
-                   if device.type == "cuda" else None)
+        kernels = (
+            kernel_profile(forward_backward(layer), device, profile_top, grad_to_none=calls[kind][2])
+            if profile_top
+            else None
+        )
+        host_ms = round(host_issue_ms(forward_backward(layer), calls[kind][2]), 3) if device.type == "cuda" else None
         for tensor in calls[kind][2]:
             tensor.grad = None
         measured = median_fields(times[kind])
         fwd_ms, fwdbwd_ms = measured.pop("fwd_ms"), measured.pop("fwdbwd_ms")
-        rows.append({
-            "shape": shape.name, "skew": skew, "max_over_mean": max_over_mean(counts_E), "layer": kind,
-            "fwd_ms": round(fwd_ms, 3), "fwdbwd_ms": round(fwdbwd_ms, 3),
-            "fwd_tflops": expert_tflops(shape, fwd_ms, device, backward=False),
-            "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, device, backward=True),
-            "fwdbwd_peak_mb": peak_mb, "rel_err_vs_stock": f"{error:.1e}", **measured,
-            **({"fwdbwd_host_ms": host_ms} if host_ms is not None else {}),
-            **({"kernels": kernels} if kernels else {}),
-        })
+        rows.append(
+            {
+                "shape": shape.name,
+                "skew": skew,
+                "max_over_mean": max_over_mean(counts_E),
+                "layer": kind,
+                "fwd_ms": round(fwd_ms, 3),
+                "fwdbwd_ms": round(fwdbwd_ms, 3),
+                "fwd_tflops": expert_tflops(shape, fwd_ms, device, backward=False),
+                "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, device, backward=True),
+                "fwdbwd_peak_mb": peak_mb,
+                "rel_err_vs_stock": f"{error:.1e}",
+                **measured,
+                **({"fwdbwd_host_ms": host_ms} if host_ms is not None else {}),
+                **({"kernels": kernels} if kernels else {}),
+            }
+        )
     del layers, stock
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -163,15 +174,34 @@ def default_kinds() -> list[str]:
     return [STOCK, *runnable_backends()]
 
 
-TABLE = [("shape", "shape"), ("skew", "skew"), ("max_over_mean", "max/mean"), ("layer", "layer"),
-         ("fwd_ms", "fwd ms"), ("fwdbwd_ms", "fwd+bwd ms"), ("fwdbwd_host_ms", "host ms"),
-         ("fwdbwd_tflops", "fwd+bwd TF/s"),
-         ("fwd_speedup", "fwd x"), ("fwdbwd_speedup", "fwd+bwd x"), ("fwdbwd_peak_mb", "peak MB"),
-         ("rel_err_vs_stock", "err vs stock")]
+TABLE = [
+    ("shape", "shape"),
+    ("skew", "skew"),
+    ("max_over_mean", "max/mean"),
+    ("layer", "layer"),
+    ("fwd_ms", "fwd ms"),
+    ("fwdbwd_ms", "fwd+bwd ms"),
+    ("fwdbwd_host_ms", "host ms"),
+    ("fwdbwd_tflops", "fwd+bwd TF/s"),
+    ("fwd_speedup", "fwd x"),
+    ("fwdbwd_speedup", "fwd+bwd x"),
+    ("fwdbwd_peak_mb", "peak MB"),
+    ("rel_err_vs_stock", "err vs stock"),
+]
 
 
-def run(shapes, kinds, device, dtype, batch: int, command: str, out: str | None = None,
-        skews=SKEWS, profile_top: int = 0, rounds: int = 1) -> dict:
+def run(
+    shapes,
+    kinds,
+    device,
+    dtype,
+    batch: int,
+    command: str,
+    out: str | None = None,
+    skews=SKEWS,
+    profile_top: int = 0,
+    rounds: int = 1,
+) -> dict:
     """Measure every shape and skew; ``out`` is rewritten after each shape. ``profile_top > 0``
     adds each layer's slowest kernels in one forward+backward to its row (``kernels``);
     ``rounds`` is ``bench_shape``'s.

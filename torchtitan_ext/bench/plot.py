@@ -50,8 +50,7 @@ def _ep_rows(results: dict) -> list[dict]:
     return rows
 
 
-def _rate_or_time(rows: list[dict], rate_key: str, rate_label: str, time_key: str,
-                  time_label: str) -> tuple[str, str]:
+def _rate_or_time(rows: list[dict], rate_key: str, rate_label: str, time_key: str, time_label: str) -> tuple[str, str]:
     """(row key, axis label): the FLOP rate where the rows have one (GPU), else the time (CPU)."""
     if any(row.get(rate_key) is not None for row in rows):
         return rate_key, f"{rate_label} (higher is better)"
@@ -73,7 +72,9 @@ def chart_of(results: dict, only: Iterable[str] | None = None) -> Chart:
         series_key = "impl" if "impl" in rows[0] else "layer"
         key, label = _rate_or_time(rows, "fwdbwd_tflops", "fwd+bwd TFLOP/s", "fwdbwd_ms", "fwd+bwd ms")
         bars = [Bar(_skew_panel(r), _shape_group(r), r[series_key], r.get(key)) for r in rows]
-        what = "Expert block per implementation" if series_key == "impl" else "MoE layer per backend vs stock torchtitan"
+        what = (
+            "Expert block per implementation" if series_key == "impl" else "MoE layer per backend vs stock torchtitan"
+        )
         title = f"{what}, {device}, {meta.get('dtype')}"
     elif rows and "tokens_per_s" in rows[0]:
         key, label = _rate_or_time(rows, "tflops", "model TFLOP/s", "step_ms", "training step ms")
@@ -87,17 +88,35 @@ def chart_of(results: dict, only: Iterable[str] | None = None) -> Chart:
                 with_raw.add((panel, group))
                 bars.append(Bar(panel, group, "raw all-to-all", r["raw_a2a_GBps"]))
                 if "raw_a2a_unique" in r["ms"]:
-                    bars.append(Bar(panel, group, "raw all-to-all, each token once per rank",
-                                    _same_bytes_GBps(r, "raw_a2a", r["ms"]["raw_a2a_unique"])))
+                    bars.append(
+                        Bar(
+                            panel,
+                            group,
+                            "raw all-to-all, each token once per rank",
+                            _same_bytes_GBps(r, "raw_a2a", r["ms"]["raw_a2a_unique"]),
+                        )
+                    )
                 if "ms_host_ahead" in r:
-                    bars.append(Bar(panel, group, "raw all-to-all, host ahead",
-                                    _same_bytes_GBps(r, "raw_a2a", r["ms_host_ahead"]["raw_a2a"])))
+                    bars.append(
+                        Bar(
+                            panel,
+                            group,
+                            "raw all-to-all, host ahead",
+                            _same_bytes_GBps(r, "raw_a2a", r["ms_host_ahead"]["raw_a2a"]),
+                        )
+                    )
             transport = r.get("transport", "all_to_all")
             how = f"all_to_all, {r['permute_backend']} permute" if transport == "all_to_all" else transport
             bars.append(Bar(panel, group, f"dispatch+combine ({how})", r["dispatch_combine_GBps"]))
             if "ms_host_ahead" in r:
-                bars.append(Bar(panel, group, f"dispatch+combine ({how}), host ahead",
-                                _same_bytes_GBps(r, "dispatch_combine", r["ms_host_ahead"]["dispatch_combine"])))
+                bars.append(
+                    Bar(
+                        panel,
+                        group,
+                        f"dispatch+combine ({how}), host ahead",
+                        _same_bytes_GBps(r, "dispatch_combine", r["ms_host_ahead"]["dispatch_combine"]),
+                    )
+                )
         label = "GB/s per rank: routed rows' remote bytes / time (higher is better)"
         title = f"EP dispatch + combine, {device}"
     else:
@@ -127,8 +146,9 @@ def plot(results: dict, path: str, only: Iterable[str] | None = None) -> None:
     panels = list(dict.fromkeys(bar.panel for bar in chart.bars))
     series = list(dict.fromkeys(bar.series for bar in chart.bars))
     legend_rows = -(-len(series) // 3)
-    figure, axes = plt.subplots(len(panels), 1, figsize=(11, 3.4 * len(panels) + 0.3 * legend_rows + 0.6),
-                                squeeze=False, layout="constrained")
+    figure, axes = plt.subplots(
+        len(panels), 1, figsize=(11, 3.4 * len(panels) + 0.3 * legend_rows + 0.6), squeeze=False, layout="constrained"
+    )
     width = 0.8 / len(series)
     rotation = 90 if len(series) > 3 else 0
     for axis, panel in zip(axes[:, 0], panels):
@@ -139,8 +159,7 @@ def plot(results: dict, path: str, only: Iterable[str] | None = None) -> None:
             positions = [g + (index - (len(series) - 1) / 2) * width for g, _ in present]
             heights = [value for _, value in present]
             bars = axis.bar(positions, heights, width, label=name, color=f"C{index}")
-            axis.bar_label(bars, labels=[_value_text(h) for h in heights], fontsize=7, padding=2,
-                           rotation=rotation)
+            axis.bar_label(bars, labels=[_value_text(h) for h in heights], fontsize=7, padding=2, rotation=rotation)
         axis.set_xticks(range(len(groups)), groups)
         axis.margins(y=0.18 if rotation else 0.1)
         if panel:

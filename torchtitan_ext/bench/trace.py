@@ -131,8 +131,10 @@ def print_summary(summary: dict) -> None:
         print(f"GPU busy {busy:.1f} ms ({busy / wall:.0%} of the time); the GPU waited for the host the rest")
         print("kernel time by kind (ms): " + ", ".join(f"{kind} {ms:.1f}" for kind, ms in summary["kinds"].items()))
         host = summary["host"]
-        print(f"host: {host['sync_calls']} syncs ({host['sync_ms']:.1f} ms waiting for the GPU), "
-              f"{host['kernel_launches']:,} kernel launches")
+        print(
+            f"host: {host['sync_calls']} syncs ({host['sync_ms']:.1f} ms waiting for the GPU), "
+            f"{host['kernel_launches']:,} kernel launches"
+        )
         rows, heading = summary["top_kernels"], "slowest kernels (total ms, calls)"
     else:
         print("no GPU kernels in this trace (a CPU run): operators by inclusive time instead")

@@ -33,9 +33,8 @@ from torchtitan_ext.bench.common import (
     refuse_full_size_on_cpu,
     write_json,
 )
+from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
 from torchtitan_ext.experiments.moe_backends.expert_timing import make_timer
-
-from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes  # noqa: E402
 
 apply_torch_version_fixes()
 
@@ -47,9 +46,19 @@ from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExpert
 from torchtitan_ext.overrides import ConfigError, apply_overrides, forget_value_sources  # noqa: E402
 from torchtitan_ext.train import resolve_config  # noqa: E402
 
-TABLE = [("flavor", "flavor"), ("backend", "backend"), ("layers", "layers"), ("tokens", "tokens/step"),
-         ("dtype", "dtype"), ("step_ms", "step ms"), ("tokens_per_s", "tokens/s"), ("tflops", "TFLOP/s"),
-         ("mfu", "MFU"), ("first_loss", "step-1 loss"), ("error", "error")]
+TABLE = [
+    ("flavor", "flavor"),
+    ("backend", "backend"),
+    ("layers", "layers"),
+    ("tokens", "tokens/step"),
+    ("dtype", "dtype"),
+    ("step_ms", "step ms"),
+    ("tokens_per_s", "tokens/s"),
+    ("tflops", "TFLOP/s"),
+    ("mfu", "MFU"),
+    ("first_loss", "step-1 loss"),
+    ("error", "error"),
+]
 STOCK_MOE = "torchtitan"
 """Backend label of a flavor built with torchtitan's own MoE layers (nothing to switch)."""
 
@@ -72,8 +81,9 @@ def backends_to_run(flavor: str, tomls: list[str], requested: list[str] | None, 
     return [STOCK_MOE]
 
 
-def step_config(flavor: str, tomls: list[str], backend: str, *, batch_size: int | None, seq_len: int | None,
-                num_layers: int | None):
+def step_config(
+    flavor: str, tomls: list[str], backend: str, *, batch_size: int | None, seq_len: int | None, num_layers: int | None
+):
     """The flavor's ``Trainer.Config`` with the TOML files, ``backend`` (``STOCK_MOE``: as built) and the
     size overrides applied."""
     config = resolve_config(flavor, tomls)
@@ -99,8 +109,9 @@ def uses_flex_attention(model_config) -> bool:
 def bench_backend(config, backend: str, device: torch.device, timer) -> dict:
     """Build the model, time one training step, and return the row for ``backend``."""
     model_config = config.model_spec.model
-    autocast_dtype = (torch.bfloat16 if device.type == "cuda" and config.training.mixed_precision_param == "bfloat16"
-                      else None)
+    autocast_dtype = (
+        torch.bfloat16 if device.type == "cuda" and config.training.mixed_precision_param == "bfloat16" else None
+    )
     batch, seq_len = config.training.local_batch_size, config.training.seq_len
     torch.manual_seed(0)
     with torch.device(device):
@@ -131,12 +142,14 @@ def bench_backend(config, backend: str, device: torch.device, timer) -> dict:
     tokens_per_s = tokens / (step_ms / 1e3)
     on_gpu = device.type == "cuda"
     peak = get_peak_flops(torch.cuda.get_device_name(device)) if on_gpu else None
-    del model, optimizer
+    model = optimizer = None  # free the model's memory before the next backend's
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {
-        **row_identity(config, backend), "dtype": str(autocast_dtype or torch.float32).removeprefix("torch."),
-        "step_ms": round(step_ms, 3), "tokens_per_s": round(tokens_per_s, 1),
+        **row_identity(config, backend),
+        "dtype": str(autocast_dtype or torch.float32).removeprefix("torch."),
+        "step_ms": round(step_ms, 3),
+        "tokens_per_s": round(tokens_per_s, 1),
         "flops_per_token": flops_per_token,
         "tflops": round(flops_per_token * tokens_per_s / 1e12, 3) if on_gpu else None,
         "mfu": f"{flops_per_token * tokens_per_s / peak:.1%}" if peak else None,
@@ -144,15 +157,26 @@ def bench_backend(config, backend: str, device: torch.device, timer) -> dict:
     }
 
 
-def run(flavor: str, tomls: list[str], backends: list[str], device: torch.device, command: str, *,
-        batch_size: int | None = None, seq_len: int | None = None, num_layers: int | None = None,
-        out: str | None = None) -> dict:
+def run(
+    flavor: str,
+    tomls: list[str],
+    backends: list[str],
+    device: torch.device,
+    command: str,
+    *,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    num_layers: int | None = None,
+    out: str | None = None,
+) -> dict:
     """One row per backend; ``out`` is rewritten after each backend.
 
     Raises ``ConfigError`` for a full-size flavor on CPU.
     """
-    configs = {backend: step_config(flavor, tomls, backend, batch_size=batch_size, seq_len=seq_len,
-                                    num_layers=num_layers) for backend in backends}
+    configs = {
+        backend: step_config(flavor, tomls, backend, batch_size=batch_size, seq_len=seq_len, num_layers=num_layers)
+        for backend in backends
+    }
     model_dim = max(config.model_spec.model.dim for config in configs.values())
     refuse_full_size_on_cpu("train-step", {f"flavor {flavor}": model_dim}, device, hint=TINY_FLAVORS_HINT)
     if device.type == "cpu":
@@ -182,7 +206,9 @@ def out_of_memory_row(config, backend: str, device: torch.device) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {
-        **row_identity(config, backend), "step_ms": None, "tokens_per_s": None,
+        **row_identity(config, backend),
+        "step_ms": None,
+        "tokens_per_s": None,
         "error": "out of memory; try a smaller --batch-size or --num-layers",
     }
 
@@ -190,6 +216,8 @@ def out_of_memory_row(config, backend: str, device: torch.device) -> dict:
 def row_identity(config, backend: str) -> dict:
     """What a row measured: flavor, backend, layers and tokens per step."""
     return {
-        "flavor": config.model_spec.flavor, "backend": backend, "layers": len(config.model_spec.model.layers),
+        "flavor": config.model_spec.flavor,
+        "backend": backend,
+        "layers": len(config.model_spec.model.layers),
         "tokens": config.training.local_batch_size * config.training.seq_len,
     }

@@ -21,14 +21,14 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
-
 import torchtitan.distributed.fsdp as titan_fsdp
 import torchtitan.tools.utils as titan_utils
+from torch.distributed.fsdp import FSDPModule
 from torchtitan.config.configs import CommConfig
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.tools.logging import logger
+
 from torchtitan_ext.compat import cpu_training
 
 _patched = False
@@ -54,8 +54,12 @@ class CPUDeviceModule:
     @staticmethod
     def memory_stats(device=None) -> dict[str, int]:
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return {"active_bytes.all.peak": peak_rss, "reserved_bytes.all.peak": peak_rss,
-                "num_alloc_retries": 0, "num_ooms": 0}
+        return {
+            "active_bytes.all.peak": peak_rss,
+            "reserved_bytes.all.peak": peak_rss,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
 
     @staticmethod
     def reset_peak_memory_stats(device=None) -> None:
@@ -80,8 +84,7 @@ class DocumentCausalSDPA(ScaledDotProductAttention):
     class Config(ScaledDotProductAttention.Config):
         pass
 
-    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None,
-                enable_gqa=False, **kwargs):
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):
         out_BNLH = F.scaled_dot_product_attention(
             q_BLNH.transpose(1, 2),
             k_BLNH.transpose(1, 2),

@@ -16,7 +16,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
 import torchtitan.distributed.utils as titan_dist_utils
 
 original_set_pg_timeouts = titan_dist_utils.set_pg_timeouts

@@ -170,7 +170,8 @@ def fit_to_shape(m: str | None, n: str | None, k: str | None, a_tiles: int = 1, 
         }
         limit = _shared_memory_limit()
         fitting = (
-            config for config in configs
+            config
+            for config in configs
             if all(config.kwargs[block] <= cap for block, cap in caps.items())
             and _shared_memory_bytes(config, a_tiles, b_tiles, element_size) <= limit
         )
@@ -366,4 +367,3 @@ def row_copy_configs(configs: list[tuple[int, int, int]]) -> list[triton.Config]
 
 # Rows moved between GPUs (NVLink loads or stores): enough bytes in flight per SM.
 ROW_COPY_CONFIGS = [(4, 1024, 4), (8, 1024, 8), (16, 1024, 8), (8, 512, 4), (16, 512, 4), (32, 256, 4)]
-

@@ -97,8 +97,16 @@ if gluon is not None:
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
     @gluon.jit
-    def _tile_of(tile, total, group_end_ptr, tiles_per_expert, num_m_tiles, num_n_tiles,
-                 GROUP_M: gl.constexpr, BLOCK_K: gl.constexpr):
+    def _tile_of(
+        tile,
+        total,
+        group_end_ptr,
+        tiles_per_expert,
+        num_m_tiles,
+        num_n_tiles,
+        GROUP_M: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+    ):
         """(expert, m tile, n tile, first row, end row, row steps) of output tile ``tile``;
         0 steps when ``tile >= total``."""
         live = tile < total
@@ -116,8 +124,22 @@ if gluon is not None:
         return expert, m_tile, n_tile, row_start, row_end, steps
 
     @gluon.jit
-    def _next_load(tile, step, steps, row_start, m_tile, n_tile, total, num_programs, group_end_ptr,
-                   tiles_per_expert, num_m_tiles, num_n_tiles, GROUP_M: gl.constexpr, BLOCK_K: gl.constexpr):
+    def _next_load(
+        tile,
+        step,
+        steps,
+        row_start,
+        m_tile,
+        n_tile,
+        total,
+        num_programs,
+        group_end_ptr,
+        tiles_per_expert,
+        num_m_tiles,
+        num_n_tiles,
+        GROUP_M: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+    ):
         """The (tile, step) after the given one among this program's loads, skipping tiles without
         rows; tile >= total once there are none left."""
         step += 1
@@ -130,8 +152,23 @@ if gluon is not None:
         return tile, step, steps, row_start, m_tile, n_tile
 
     @gluon.jit
-    def _issue_load(a_desc, b_desc, a_smem, b_smem, ready, stage, tile, step, row_start, m_tile, n_tile, total,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    def _issue_load(
+        a_desc,
+        b_desc,
+        a_smem,
+        b_smem,
+        ready,
+        stage,
+        tile,
+        step,
+        row_start,
+        m_tile,
+        n_tile,
+        total,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+    ):
         """TMA loads of one row step's a [BLOCK_K, BLOCK_M] and b [BLOCK_K, BLOCK_N] into ``stage``
         (nothing when tile >= total)."""
         live = tile < total
@@ -142,9 +179,21 @@ if gluon is not None:
         _tma_load(b_desc, [row, n_tile * BLOCK_N], bar, b_smem.index(stage), pred=live)
 
     @gluon.jit
-    def _weight_gradient_kernel(a_desc, b_desc, c_desc, c_ptr, group_end_ptr, num_experts, size_m, size_n,
-                                num_programs, STORE_TMA: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                                num_warps: gl.constexpr):
+    def _weight_gradient_kernel(
+        a_desc,
+        b_desc,
+        c_desc,
+        c_ptr,
+        group_end_ptr,
+        num_experts,
+        size_m,
+        size_n,
+        num_programs,
+        STORE_TMA: gl.constexpr,
+        GROUP_M: gl.constexpr,
+        STAGES: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
         """Persistent: program p computes output tiles p, p + num_programs, ... of c [E * M, N].
 
         STORE_TMA: tiles go out through c_desc (16-bit c, its dtype the operands'); otherwise each
@@ -179,15 +228,54 @@ if gluon is not None:
         load_m = 0
         load_n = 0
         load_tile, load_step, load_steps, load_row, load_m, load_n = _next_load(
-            load_tile, load_step, load_steps, load_row, load_m, load_n, total, num_programs, group_end_ptr,
-            tiles_per_expert, num_m_tiles, num_n_tiles, GROUP_M, BLOCK_K,
+            load_tile,
+            load_step,
+            load_steps,
+            load_row,
+            load_m,
+            load_n,
+            total,
+            num_programs,
+            group_end_ptr,
+            tiles_per_expert,
+            num_m_tiles,
+            num_n_tiles,
+            GROUP_M,
+            BLOCK_K,
         )
         for prefetched in gl.static_range(STAGES - 1):
-            _issue_load(a_desc, b_desc, a_smem, b_smem, ready, prefetched, load_tile, load_step, load_row, load_m, load_n,
-                        total, BLOCK_M, BLOCK_N, BLOCK_K)
+            _issue_load(
+                a_desc,
+                b_desc,
+                a_smem,
+                b_smem,
+                ready,
+                prefetched,
+                load_tile,
+                load_step,
+                load_row,
+                load_m,
+                load_n,
+                total,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+            )
             load_tile, load_step, load_steps, load_row, load_m, load_n = _next_load(
-                load_tile, load_step, load_steps, load_row, load_m, load_n, total, num_programs, group_end_ptr,
-                tiles_per_expert, num_m_tiles, num_n_tiles, GROUP_M, BLOCK_K,
+                load_tile,
+                load_step,
+                load_steps,
+                load_row,
+                load_m,
+                load_n,
+                total,
+                num_programs,
+                group_end_ptr,
+                tiles_per_expert,
+                num_m_tiles,
+                num_n_tiles,
+                GROUP_M,
+                BLOCK_K,
             )
 
         consumed = 0
@@ -210,11 +298,38 @@ if gluon is not None:
                 acc = warpgroup_mma(a_smem.index(stage).permute((1, 0)), b_smem.index(stage), acc, is_async=True)
                 # The previous step's product is done: its stage takes the load STAGES - 1 steps ahead.
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                _issue_load(a_desc, b_desc, a_smem, b_smem, ready, (consumed + STAGES - 1) % STAGES,
-                            load_tile, load_step, load_row, load_m, load_n, total, BLOCK_M, BLOCK_N, BLOCK_K)
+                _issue_load(
+                    a_desc,
+                    b_desc,
+                    a_smem,
+                    b_smem,
+                    ready,
+                    (consumed + STAGES - 1) % STAGES,
+                    load_tile,
+                    load_step,
+                    load_row,
+                    load_m,
+                    load_n,
+                    total,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
                 load_tile, load_step, load_steps, load_row, load_m, load_n = _next_load(
-                    load_tile, load_step, load_steps, load_row, load_m, load_n, total, num_programs, group_end_ptr,
-                    tiles_per_expert, num_m_tiles, num_n_tiles, GROUP_M, BLOCK_K,
+                    load_tile,
+                    load_step,
+                    load_steps,
+                    load_row,
+                    load_m,
+                    load_n,
+                    total,
+                    num_programs,
+                    group_end_ptr,
+                    tiles_per_expert,
+                    num_m_tiles,
+                    num_n_tiles,
+                    GROUP_M,
+                    BLOCK_K,
                 )
                 consumed += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -225,8 +340,9 @@ if gluon is not None:
                 fence_async_shared()
                 _tma_store(c_desc, [expert * size_m + m_tile * BLOCK_M, n_tile * BLOCK_N], c_smem)
             else:
-                rows = (expert * size_m + m_tile * BLOCK_M
-                        + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))).to(gl.int64)
+                rows = (
+                    expert * size_m + m_tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+                ).to(gl.int64)
                 cols = n_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
                 offsets = gl.expand_dims(rows, 1) * size_n + gl.expand_dims(cols, 0)
                 gl.store(c_ptr + offsets, acc, mask=gl.expand_dims(cols < size_n, 0))
@@ -256,7 +372,17 @@ def weight_gradient(a_RM: torch.Tensor, b_RN: torch.Tensor, group_end_E: torch.T
     tiles = num_experts * (size_m // BLOCK_M) * triton.cdiv(size_n, block_n)
     num_programs = min(tiles, persistent_programs(a_RM.device))
     _weight_gradient_kernel[(num_programs,)](
-        a_desc, b_desc, c_desc, out_EMN, group_end_E, num_experts, size_m, size_n, num_programs,
-        STORE_TMA=store_tma, GROUP_M=GROUP_M, STAGES=STAGES if store_tma else STAGES_WITHOUT_STAGING,
+        a_desc,
+        b_desc,
+        c_desc,
+        out_EMN,
+        group_end_E,
+        num_experts,
+        size_m,
+        size_n,
+        num_programs,
+        STORE_TMA=store_tma,
+        GROUP_M=GROUP_M,
+        STAGES=STAGES if store_tma else STAGES_WITHOUT_STAGING,
         num_warps=NUM_WARPS,
     )

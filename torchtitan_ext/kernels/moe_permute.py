@@ -49,7 +49,6 @@ from torchtitan_ext.kernels._runtime import (
     row_block_d,
 )
 
-
 # ---------------------------------------------------------------- routing metadata
 
 
@@ -120,8 +119,18 @@ def _slot_histogram_kernel(ids_ptr, block_counts_ptr, num_slots, BLOCK_S: tl.con
 
 @triton.jit
 def _group_slots_kernel(
-    ids_ptr, block_counts_ptr, row_slot_ptr, slot_row_ptr, group_end_ptr, num_slots, num_experts, num_blocks,
-    BLOCK_S: tl.constexpr, NUM_BINS: tl.constexpr, SCAN_BLOCKS: tl.constexpr, CHUNK: tl.constexpr,
+    ids_ptr,
+    block_counts_ptr,
+    row_slot_ptr,
+    slot_row_ptr,
+    group_end_ptr,
+    num_slots,
+    num_experts,
+    num_blocks,
+    BLOCK_S: tl.constexpr,
+    NUM_BINS: tl.constexpr,
+    SCAN_BLOCKS: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """Rows of block b's slots: start of its expert's segment + that expert's slots in blocks
     before b + its slots earlier in block b. Program 0 also writes the segment ends."""
@@ -168,9 +177,19 @@ def _group_slots_with_kernels(
     ids_S = expert_of_slot_S.contiguous()
     _slot_histogram_kernel[(num_blocks,)](ids_S, block_counts, num_slots, BLOCK_S=block_s, NUM_BINS=num_bins)
     _group_slots_kernel[(num_blocks,)](
-        ids_S, block_counts, row_slot_S, slot_row_S, group_end_E, num_slots, num_experts, num_blocks,
-        BLOCK_S=block_s, NUM_BINS=num_bins, SCAN_BLOCKS=max(1, min(64, 8192 // num_bins)),
-        CHUNK=min(block_s, max(16, min(128, 16384 // num_bins))), num_warps=4,
+        ids_S,
+        block_counts,
+        row_slot_S,
+        slot_row_S,
+        group_end_E,
+        num_slots,
+        num_experts,
+        num_blocks,
+        BLOCK_S=block_s,
+        NUM_BINS=num_bins,
+        SCAN_BLOCKS=max(1, min(64, 8192 // num_bins)),
+        CHUNK=min(block_s, max(16, min(128, 16384 // num_bins))),
+        num_warps=4,
     )
     return row_slot_S, slot_row_S, group_end_E
 
@@ -206,8 +225,9 @@ def permute_tokens_reference(
     with ``zero_padding=False``, which allows any padding content)."""
     num_tokens, num_slots = x_TD.shape[0], dest_row_S.shape[0]
     source_R = torch.full((num_rows + 1,), num_tokens * top_k, dtype=torch.long, device=x_TD.device)
-    source_R.scatter_(0, torch.where(dest_row_S < 0, num_rows, dest_row_S).long(),
-                      torch.arange(num_slots, device=x_TD.device))
+    source_R.scatter_(
+        0, torch.where(dest_row_S < 0, num_rows, dest_row_S).long(), torch.arange(num_slots, device=x_TD.device)
+    )
     x_with_zero_row = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
     return x_with_zero_row[source_R[:num_rows] // top_k]
 
@@ -246,8 +266,15 @@ def _permute_kernel(x_ptr, rows_ptr, dest_ptr, dim, TOP_K: tl.constexpr, BLOCK_D
 
 @triton.jit
 def _sum_slots_kernel(
-    rows_ptr, dest_ptr, scores_ptr, y_ptr, dim, top_k,
-    WEIGHTED: tl.constexpr, HAS_DEST: tl.constexpr, BLOCK_D: tl.constexpr,
+    rows_ptr,
+    dest_ptr,
+    scores_ptr,
+    y_ptr,
+    dim,
+    top_k,
+    WEIGHTED: tl.constexpr,
+    HAS_DEST: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """y[t] = sum_k rows[dest[t*K+k]], times scores[t*K+k] if ``WEIGHTED`` (fp32; dropped slots skipped).
     Without ``HAS_DEST`` slot s is row s.
@@ -273,7 +300,14 @@ def _sum_slots_kernel(
 
 @triton.jit
 def _unpermute_backward_kernel(
-    rows_ptr, dest_ptr, scores_ptr, grad_y_ptr, grad_rows_ptr, grad_scores_ptr, dim, top_k,
+    rows_ptr,
+    dest_ptr,
+    scores_ptr,
+    grad_y_ptr,
+    grad_rows_ptr,
+    grad_scores_ptr,
+    dim,
+    top_k,
     BLOCK_D: tl.constexpr,
 ):
     """Per slot: grad_rows[dest] = score * grad_y[t]; grad_score = <rows[dest], grad_y[t]>."""
@@ -305,8 +339,15 @@ def sum_slots(rows_RD: torch.Tensor, dest_row_S: torch.Tensor | None, top_k: int
     y_TD = rows_RD.new_empty(num_tokens, dim)
     if num_tokens:
         _sum_slots_kernel[(num_tokens,)](
-            rows_RD, dest_row_S, rows_RD, y_TD, dim, top_k,  # no scores read
-            WEIGHTED=False, HAS_DEST=dest_row_S is not None, BLOCK_D=row_block_d(dim),
+            rows_RD,
+            dest_row_S,
+            rows_RD,
+            y_TD,
+            dim,
+            top_k,  # no scores read
+            WEIGHTED=False,
+            HAS_DEST=dest_row_S is not None,
+            BLOCK_D=row_block_d(dim),
         )
     return y_TD
 
@@ -341,8 +382,15 @@ def weighted_sum_slots(
     y_TD = rows_RD.new_empty(num_tokens, dim)
     if num_tokens:
         _sum_slots_kernel[(num_tokens,)](
-            rows_RD, dest_row_S, scores_S.contiguous(), y_TD, dim, top_k,
-            WEIGHTED=True, HAS_DEST=True, BLOCK_D=row_block_d(dim),
+            rows_RD,
+            dest_row_S,
+            scores_S.contiguous(),
+            y_TD,
+            dim,
+            top_k,
+            WEIGHTED=True,
+            HAS_DEST=True,
+            BLOCK_D=row_block_d(dim),
         )
     return y_TD
 
@@ -383,8 +431,15 @@ class _UnpermuteTokens(torch.autograd.Function):
         grad_scores_S = torch.empty_like(scores_S)
         if dest_row_S.numel():
             _unpermute_backward_kernel[(dest_row_S.shape[0],)](
-                rows_RD, dest_row_S, scores_S, grad_y_TD, grad_rows_RD, grad_scores_S, dim,
-                ctx.top_k, BLOCK_D=row_block_d(dim),
+                rows_RD,
+                dest_row_S,
+                scores_S,
+                grad_y_TD,
+                grad_rows_RD,
+                grad_scores_S,
+                dim,
+                ctx.top_k,
+                BLOCK_D=row_block_d(dim),
             )
         return grad_rows_RD, None, grad_scores_S, None
 

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from torchtitan_ext.kernels import hopper_weight_gradient
 from torchtitan_ext.kernels._runtime import (
     GATE_UP_FORWARD_CONFIGS,
     PLAIN_GEMM_CONFIGS,
@@ -47,7 +48,6 @@ from torchtitan_ext.kernels._runtime import (
     swizzle_tile,
     tensor_descriptors,
 )
-from torchtitan_ext.kernels import hopper_weight_gradient
 from torchtitan_ext.kernels.moe_permute import scatter_token_rows, sum_slots
 
 GROUP_M = 8
@@ -82,8 +82,14 @@ def _destination_rows(rows, row_mask, row_slot_ptr, HAS_GATHER: tl.constexpr):
 
 @triton.jit
 def _program_row_tile(
-    group_end_ptr, num_rows, num_experts, num_cols,
-    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    group_end_ptr,
+    num_rows,
+    num_experts,
+    num_cols,
+    BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """This program's output tile of a row-tile kernel: (expert, first row, end row, column tile).
 
@@ -98,8 +104,15 @@ def _program_row_tile(
 
 @triton.jit
 def _row_tile(
-    a_ptr, row_start, row_end, n_tile, dim, num_cols,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    row_start,
+    row_end,
+    n_tile,
+    dim,
+    num_cols,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """A tile's rows and output columns (with masks against row_end and num_cols), the K offsets
     and the pointers to its first [BLOCK_M, BLOCK_K] block of a [R, dim] grouped-rows operand."""
@@ -125,8 +138,16 @@ def _load_rows(desc, ptrs, k_mask, row_start, k_start, USE_TMA: tl.constexpr, EV
 
 @triton.jit
 def _load_weight_transposed(
-    desc, ptrs, k_mask, expert, n_start, k_start,
-    USE_TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    desc,
+    ptrs,
+    k_mask,
+    expert,
+    n_start,
+    k_start,
+    USE_TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """[BLOCK_K, BLOCK_N] block of w[e].T for w [E, N, K]: through the descriptor (block
     (1, BLOCK_N, BLOCK_K)) or the pointers (masked along K unless EVEN_K)."""
@@ -139,8 +160,16 @@ def _load_weight_transposed(
 
 @triton.jit
 def _transposed_weight_operands(
-    a_ptr, expert, row_start, row_end, n_tile, size_k, size_n,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    expert,
+    row_start,
+    row_end,
+    n_tile,
+    size_k,
+    size_n,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """``_row_tile`` of grouped rows a [R, size_k], and the offsets of the first [BLOCK_K, BLOCK_N]
     block of w[e].T inside a [E, size_n, size_k] weight."""
@@ -154,9 +183,23 @@ def _transposed_weight_operands(
 
 @triton.jit
 def _accumulate_rows_times_weight_transposed(
-    acc, a_desc, w_desc, a_ptr, w_ptr, expert, row_start, row_end, n_tile, size_n, size_k,
-    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    acc,
+    a_desc,
+    w_desc,
+    a_ptr,
+    w_ptr,
+    expert,
+    row_start,
+    row_end,
+    n_tile,
+    size_n,
+    size_k,
+    USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """acc += a[rows] @ w[e].T for grouped rows a [R, size_k] and w [E, size_n, size_k], output
     column tile n_tile.
@@ -196,11 +239,29 @@ _WEIGHT_BLOCK = (1, "BLOCK_N", "BLOCK_K")
 )
 @triton.jit
 def _gate_up_forward_kernel(
-    x_desc, w1_desc, w3_desc, x_ptr, w1_ptr, w3_ptr, gate_ptr, up_ptr, h_ptr, group_end_ptr,
-    num_rows, num_experts, dim, hidden,
-    SAVE_PREACT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_desc,
+    w1_desc,
+    w3_desc,
+    x_ptr,
+    w1_ptr,
+    w3_ptr,
+    gate_ptr,
+    up_ptr,
+    h_ptr,
+    group_end_ptr,
+    num_rows,
+    num_experts,
+    dim,
+    hidden,
+    SAVE_PREACT: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """gate/up [R, F] = x @ w1[e].T / w3[e].T over grouped rows; h = silu(gate) * up. With
     USE_TMA, x [R, D], w1 and w3 [E, F, D] load through tensor descriptors."""
@@ -249,11 +310,28 @@ def _gate_up_forward_kernel(
 )
 @triton.jit
 def _gate_up_pass_kernel(
-    x_desc, w_desc, x_ptr, w_ptr, gate_ptr, up_ptr, h_ptr, group_end_ptr,
-    num_rows, num_experts, dim, hidden,
-    UP_PASS: tl.constexpr, SAVE_UP: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_desc,
+    w_desc,
+    x_ptr,
+    w_ptr,
+    gate_ptr,
+    up_ptr,
+    h_ptr,
+    group_end_ptr,
+    num_rows,
+    num_experts,
+    dim,
+    hidden,
+    UP_PASS: tl.constexpr,
+    SAVE_UP: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """One GEMM of the gate/up forward, for large F x D per expert, with one accumulator.
 
@@ -267,9 +345,23 @@ def _gate_up_pass_kernel(
     if expert >= num_experts:
         return
     acc = _accumulate_rows_times_weight_transposed(
-        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_desc, w_desc, x_ptr, w_ptr,
-        expert, row_start, row_end, n_tile, hidden, dim,
-        USE_TMA, DOT_PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+        x_desc,
+        w_desc,
+        x_ptr,
+        w_ptr,
+        expert,
+        row_start,
+        row_end,
+        n_tile,
+        hidden,
+        dim,
+        USE_TMA,
+        DOT_PRECISION,
+        EVEN_K,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
     )
     rows = row_start + tl.arange(0, BLOCK_M)
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -295,11 +387,27 @@ def _gate_up_pass_kernel(
 )
 @triton.jit
 def _down_forward_kernel(
-    h_desc, w2_desc, h_ptr, w2_ptr, out_ptr, row_slot_ptr, scores_ptr, group_end_ptr,
-    num_rows, num_experts, dim, hidden,
-    HAS_GATHER: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_desc,
+    w2_desc,
+    h_ptr,
+    w2_ptr,
+    out_ptr,
+    row_slot_ptr,
+    scores_ptr,
+    group_end_ptr,
+    num_rows,
+    num_experts,
+    dim,
+    hidden,
+    HAS_GATHER: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """out[dest rows] = (score *) h @ w2[e].T; unassigned trailing rows get zeros.
 
@@ -316,8 +424,23 @@ def _down_forward_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if expert < num_experts:
         acc = _accumulate_rows_times_weight_transposed(
-            acc, h_desc, w2_desc, h_ptr, w2_ptr, expert, row_start, row_end, n_tile, dim, hidden,
-            USE_TMA, DOT_PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+            acc,
+            h_desc,
+            w2_desc,
+            h_ptr,
+            w2_ptr,
+            expert,
+            row_start,
+            row_end,
+            n_tile,
+            dim,
+            hidden,
+            USE_TMA,
+            DOT_PRECISION,
+            EVEN_K,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
         )
     dest = _destination_rows(rows, row_mask, row_slot_ptr, HAS_GATHER)
     if HAS_GATHER:
@@ -340,11 +463,25 @@ def _down_forward_kernel(
 )
 @triton.jit
 def _down_backward_kernel(
-    dy_desc, w2_desc, dy_ptr, w2_ptr, dh_ptr, group_end_ptr,
-    num_rows, num_experts, dim, hidden,
-    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    dy_desc,
+    w2_desc,
+    dy_ptr,
+    w2_ptr,
+    dh_ptr,
+    group_end_ptr,
+    num_rows,
+    num_experts,
+    dim,
+    hidden,
+    USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """dh [R, F] = dy @ w2[e] over grouped rows (rows of no expert are not written); dy [R, D] and
     w2 [E, D, F] load through tensor descriptors when USE_TMA."""
@@ -354,21 +491,47 @@ def _down_backward_kernel(
     if expert >= num_experts:
         return
     dh = _accumulate_rows_times_weight(
-        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), dy_desc, w2_desc, dy_ptr, w2_ptr,
-        expert, row_start, row_end, n_tile, hidden, dim,
-        USE_TMA, DOT_PRECISION, EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K,
+        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+        dy_desc,
+        w2_desc,
+        dy_ptr,
+        w2_ptr,
+        expert,
+        row_start,
+        row_end,
+        n_tile,
+        hidden,
+        dim,
+        USE_TMA,
+        DOT_PRECISION,
+        EVEN_K,
+        EVEN_N,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
     )
     rows = row_start + tl.arange(0, BLOCK_M)
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offsets = rows.to(tl.int64)[:, None] * hidden + cols[None, :]
-    tl.store(dh_ptr + offsets, dh.to(dh_ptr.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < hidden)[None, :])
+    tl.store(
+        dh_ptr + offsets, dh.to(dh_ptr.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < hidden)[None, :]
+    )
 
 
 @triton.jit
 def _swiglu_backward_kernel(
-    dh_ptr, gate_ptr, up_ptr, row_slot_ptr, scores_ptr, dscores_ptr, group_end_ptr,
-    num_experts, hidden,
-    HAS_GATHER: tl.constexpr, ROWS: tl.constexpr, BLOCK_F: tl.constexpr,
+    dh_ptr,
+    gate_ptr,
+    up_ptr,
+    row_slot_ptr,
+    scores_ptr,
+    dscores_ptr,
+    group_end_ptr,
+    num_experts,
+    hidden,
+    HAS_GATHER: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_F: tl.constexpr,
 ):
     """In place over the rows of every expert: gate <- d gate, up <- d up, dh <- (score *) h.
 
@@ -397,7 +560,9 @@ def _swiglu_backward_kernel(
             dscore += tl.sum(dh * h, axis=1)
             dh = dh * score[:, None]
             h = h * score[:, None]
-        tl.store(gate_ptr + offsets, (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(gate_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            gate_ptr + offsets, (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(gate_ptr.dtype.element_ty), mask=mask
+        )
         tl.store(up_ptr + offsets, (dh * silu).to(up_ptr.dtype.element_ty), mask=mask)
         tl.store(dh_ptr + offsets, h.to(dh_ptr.dtype.element_ty), mask=mask)
     if HAS_GATHER:
@@ -406,9 +571,24 @@ def _swiglu_backward_kernel(
 
 @triton.jit
 def _accumulate_rows_times_weight(
-    acc, a_desc, w_desc, a_ptr, w_ptr, expert, row_start, row_end, n_tile, size_n, size_k,
-    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    acc,
+    a_desc,
+    w_desc,
+    a_ptr,
+    w_ptr,
+    expert,
+    row_start,
+    row_end,
+    n_tile,
+    size_n,
+    size_k,
+    USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """acc += a[rows] @ w[e] for grouped rows a [R, size_k] and w [E, size_k, size_n], output
     column tile n_tile.
@@ -440,8 +620,10 @@ def _accumulate_rows_times_weight(
     gemm_configs(
         PLAIN_GEMM_CONFIGS,
         pre_hook=descriptor_blocks(
-            dgate_desc=("BLOCK_M", "BLOCK_K"), dup_desc=("BLOCK_M", "BLOCK_K"),
-            w1_desc=(1, "BLOCK_K", "BLOCK_N"), w3_desc=(1, "BLOCK_K", "BLOCK_N"),
+            dgate_desc=("BLOCK_M", "BLOCK_K"),
+            dup_desc=("BLOCK_M", "BLOCK_K"),
+            w1_desc=(1, "BLOCK_K", "BLOCK_N"),
+            w3_desc=(1, "BLOCK_K", "BLOCK_N"),
         ),
     ),
     key=["dim", "hidden", "HAS_GATHER", "USE_TMA"],
@@ -450,11 +632,31 @@ def _accumulate_rows_times_weight(
 )
 @triton.jit
 def _gate_up_backward_input_kernel(
-    dgate_desc, dup_desc, w1_desc, w3_desc, dgate_ptr, dup_ptr, w1_ptr, w3_ptr, dx_ptr, row_slot_ptr, group_end_ptr,
-    num_rows, num_experts, dim, hidden,
-    HAS_GATHER: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    dgate_desc,
+    dup_desc,
+    w1_desc,
+    w3_desc,
+    dgate_ptr,
+    dup_ptr,
+    w1_ptr,
+    w3_ptr,
+    dx_ptr,
+    row_slot_ptr,
+    group_end_ptr,
+    num_rows,
+    num_experts,
+    dim,
+    hidden,
+    HAS_GATHER: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """dx[dest rows] = dgate @ w1[e] + dup @ w3[e]; unassigned trailing rows get zeros."""
     expert, row_start, row_end, n_tile = _program_row_tile(
@@ -467,12 +669,44 @@ def _gate_up_backward_input_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if expert < num_experts:
         acc = _accumulate_rows_times_weight(
-            acc, dgate_desc, w1_desc, dgate_ptr, w1_ptr, expert, row_start, row_end, n_tile, dim, hidden,
-            USE_TMA, DOT_PRECISION, EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K,
+            acc,
+            dgate_desc,
+            w1_desc,
+            dgate_ptr,
+            w1_ptr,
+            expert,
+            row_start,
+            row_end,
+            n_tile,
+            dim,
+            hidden,
+            USE_TMA,
+            DOT_PRECISION,
+            EVEN_K,
+            EVEN_N,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
         )
         acc = _accumulate_rows_times_weight(
-            acc, dup_desc, w3_desc, dup_ptr, w3_ptr, expert, row_start, row_end, n_tile, dim, hidden,
-            USE_TMA, DOT_PRECISION, EVEN_K, EVEN_N, BLOCK_M, BLOCK_N, BLOCK_K,
+            acc,
+            dup_desc,
+            w3_desc,
+            dup_ptr,
+            w3_ptr,
+            expert,
+            row_start,
+            row_end,
+            n_tile,
+            dim,
+            hidden,
+            USE_TMA,
+            DOT_PRECISION,
+            EVEN_K,
+            EVEN_N,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
         )
     dest = _destination_rows(rows, row_mask, row_slot_ptr, HAS_GATHER)
     tl.store(
@@ -502,11 +736,26 @@ def _expert_rows(group_end_ptr, expert):
 )
 @triton.jit
 def _weight_gradient_kernel(
-    a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, group_end_ptr,
-    num_experts, size_m, size_n, num_programs,
-    USE_TMA: tl.constexpr, STORE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_desc,
+    b_desc,
+    c_desc,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    group_end_ptr,
+    num_experts,
+    size_m,
+    size_n,
+    num_programs,
+    USE_TMA: tl.constexpr,
+    STORE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """c[e] [M, N] = a[rows of e].T @ b[rows of e] for every expert e; a [R, M], b [R, N] grouped rows.
 
@@ -561,7 +810,9 @@ def _weight_gradient_kernel(
             tile = acc.to(c_ptr.dtype.element_ty).reshape(1, BLOCK_M, BLOCK_N)
             c_desc.store([expert, m_tile * BLOCK_M, n_tile * BLOCK_N], tile)
         else:
-            out_offsets = expert.to(tl.int64) * size_m * size_n + m_cols.to(tl.int64)[:, None] * size_n + n_cols[None, :]
+            out_offsets = (
+                expert.to(tl.int64) * size_m * size_n + m_cols.to(tl.int64)[:, None] * size_n + n_cols[None, :]
+            )
             tl.store(c_ptr + out_offsets, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -590,8 +841,21 @@ def _weight_gradient(a_RM: torch.Tensor, b_RN: torch.Tensor, group_end_E: torch.
         return (min(tiles, num_programs),)
 
     _weight_gradient_kernel[grid](
-        a_desc, b_desc, c_desc, a_RM, b_RN, out_EMN, group_end_E, num_experts, size_m, size_n, num_programs,
-        USE_TMA=use_tma, STORE_TMA=store_tma, DOT_PRECISION=dot_precision(a_RM.dtype), GROUP_M=GROUP_M,
+        a_desc,
+        b_desc,
+        c_desc,
+        a_RM,
+        b_RN,
+        out_EMN,
+        group_end_E,
+        num_experts,
+        size_m,
+        size_n,
+        num_programs,
+        USE_TMA=use_tma,
+        STORE_TMA=store_tma,
+        DOT_PRECISION=dot_precision(a_RM.dtype),
+        GROUP_M=GROUP_M,
     )
 
 
@@ -651,22 +915,61 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
         if split:
             for up_pass, w, w_desc in ((False, w1, w1_desc), (True, w3, w3_desc)):
                 _gate_up_pass_kernel[grid](
-                    x_desc, w_desc, x_RD, w, gate_RF, up_RF, h_RF, group_end_E,
-                    num_rows, num_experts, dim, hidden,
-                    UP_PASS=up_pass, SAVE_UP=save_preact, USE_TMA=use_tma, **common,
+                    x_desc,
+                    w_desc,
+                    x_RD,
+                    w,
+                    gate_RF,
+                    up_RF,
+                    h_RF,
+                    group_end_E,
+                    num_rows,
+                    num_experts,
+                    dim,
+                    hidden,
+                    UP_PASS=up_pass,
+                    SAVE_UP=save_preact,
+                    USE_TMA=use_tma,
+                    **common,
                 )
         else:
             _gate_up_forward_kernel[grid](
-                x_desc, w1_desc, w3_desc, x_RD, w1, w3, gate_RF, up_RF, h_RF, group_end_E,
-                num_rows, num_experts, dim, hidden,
-                SAVE_PREACT=save_preact, USE_TMA=use_tma, **common,
+                x_desc,
+                w1_desc,
+                w3_desc,
+                x_RD,
+                w1,
+                w3,
+                gate_RF,
+                up_RF,
+                h_RF,
+                group_end_E,
+                num_rows,
+                num_experts,
+                dim,
+                hidden,
+                SAVE_PREACT=save_preact,
+                USE_TMA=use_tma,
+                **common,
             )
         rows_out = x_XD.new_empty(num_rows, dim)
         use_tma, (h_desc, w2_desc) = tensor_descriptors(h_RF, w2)
         _down_forward_kernel[_row_tile_grid(num_rows, num_experts, dim)](
-            h_desc, w2_desc, h_RF, w2, rows_out, row_slot_S, scores, group_end_E,
-            num_rows, num_experts, dim, hidden,
-            HAS_GATHER=routed, USE_TMA=use_tma, **common,
+            h_desc,
+            w2_desc,
+            h_RF,
+            w2,
+            rows_out,
+            row_slot_S,
+            scores,
+            group_end_E,
+            num_rows,
+            num_experts,
+            dim,
+            hidden,
+            HAS_GATHER=routed,
+            USE_TMA=use_tma,
+            **common,
         )
         out = sum_slots(rows_out, None, top_k, num_rows // top_k) if routed and top_k > 1 else rows_out
         x_for_weight_grads = x_RD if any(ctx.needs_input_grad[1:4]) else None
@@ -691,15 +994,34 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
         dh_RF = gate_RF.new_empty(num_rows, hidden)
         use_tma, (dy_desc, w2_desc) = tensor_descriptors(dout_RD, w2)
         _down_backward_kernel[_row_tile_grid(num_rows, num_experts, hidden)](
-            dy_desc, w2_desc, dout_RD, w2, dh_RF, group_end_E,
-            num_rows, num_experts, dim, hidden,
-            USE_TMA=use_tma, **row_common,
+            dy_desc,
+            w2_desc,
+            dout_RD,
+            w2,
+            dh_RF,
+            group_end_E,
+            num_rows,
+            num_experts,
+            dim,
+            hidden,
+            USE_TMA=use_tma,
+            **row_common,
         )
         dscores_S = torch.zeros(num_rows, device=dout.device, dtype=torch.float32) if routed else None
         rows_per_program, block_f = _elementwise_tile(hidden)
         _swiglu_backward_kernel[(max(1, triton.cdiv(num_rows, rows_per_program)),)](
-            dh_RF, gate_RF, up_RF, row_slot_S, scores, dscores_S, group_end_E, num_experts, hidden,
-            HAS_GATHER=routed, ROWS=rows_per_program, BLOCK_F=block_f,
+            dh_RF,
+            gate_RF,
+            up_RF,
+            row_slot_S,
+            scores,
+            dscores_S,
+            group_end_E,
+            num_experts,
+            hidden,
+            HAS_GATHER=routed,
+            ROWS=rows_per_program,
+            BLOCK_F=block_f,
         )
         for overwritten in (gate_RF, up_RF):
             torch.autograd.graph.increment_version(overwritten)
@@ -718,9 +1040,18 @@ class SwiGLUExpertsFunction(torch.autograd.Function):
             operands = (dgate_RF, dup_RF, w1, w3)
             use_tma, descriptors = tensor_descriptors(*operands)
             _gate_up_backward_input_kernel[_row_tile_grid(num_rows, num_experts, dim)](
-                *descriptors, *operands, dx_rows, row_slot_S, group_end_E,
-                num_rows, num_experts, dim, hidden,
-                HAS_GATHER=routed, USE_TMA=use_tma, **row_common,
+                *descriptors,
+                *operands,
+                dx_rows,
+                row_slot_S,
+                group_end_E,
+                num_rows,
+                num_experts,
+                dim,
+                hidden,
+                HAS_GATHER=routed,
+                USE_TMA=use_tma,
+                **row_common,
             )
             dx = sum_slots(dx_rows, None, top_k, num_rows // top_k) if routed and top_k > 1 else dx_rows
             del dx_rows

@@ -39,8 +39,17 @@ from torchtitan_ext.kernels._runtime import ROW_COPY_CONFIGS, check_runnable, ro
 
 @triton.jit
 def _publish_routing_kernel(
-    order_ptr, expert_ptr, scores_ptr, slot_expert_ptr, slot_score_ptr, slot_position_ptr, counts_ptr,
-    num_slots, num_experts, num_tokens, BLOCK: tl.constexpr,
+    order_ptr,
+    expert_ptr,
+    scores_ptr,
+    slot_expert_ptr,
+    slot_score_ptr,
+    slot_position_ptr,
+    counts_ptr,
+    num_slots,
+    num_experts,
+    num_tokens,
+    BLOCK: tl.constexpr,
 ):
     """Each slot's expert, score and expert-sorted position; per-expert kept counts (zeroed)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -56,8 +65,15 @@ def _publish_routing_kernel(
 
 @triton.jit
 def _receive_layout_kernel(
-    count_ptrs, out_ptr, world, num_experts, rank, local,
-    WORLD_P2: tl.constexpr, EXPERTS_P2: tl.constexpr, LOCAL_P2: tl.constexpr,
+    count_ptrs,
+    out_ptr,
+    world,
+    num_experts,
+    rank,
+    local,
+    WORLD_P2: tl.constexpr,
+    EXPERTS_P2: tl.constexpr,
+    LOCAL_P2: tl.constexpr,
 ):
     """One program: read every rank's counts and write this rank's receive layout (see below)."""
     source = tl.arange(0, WORLD_P2)
@@ -95,10 +111,23 @@ def _destination_ranks(expert, num_experts, local, WORLD_P2: tl.constexpr):
 
 @triton.jit
 def _route_pairs_kernel(
-    slot_expert_ptrs, slot_position_ptrs, slot_score_ptrs, block_start_ptr, source_start_ptr,
-    recv_row_ptr, recv_score_ptr, pair_ordinal_ptr,
-    num_tokens, num_experts, local, world, rank,
-    TOP_K: tl.constexpr, K_P2: tl.constexpr, WORLD_P2: tl.constexpr, ROWS: tl.constexpr,
+    slot_expert_ptrs,
+    slot_position_ptrs,
+    slot_score_ptrs,
+    block_start_ptr,
+    source_start_ptr,
+    recv_row_ptr,
+    recv_score_ptr,
+    pair_ordinal_ptr,
+    num_tokens,
+    num_experts,
+    local,
+    world,
+    rank,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    WORLD_P2: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """For ``ROWS`` pairs: each slot's received row on this rank (-1: not here), its score,
     and the pair's ordinal among the token's destination ranks (-1: the token does not come)."""
@@ -115,13 +144,16 @@ def _route_pairs_kernel(
     block = (expert - rank * local) * world + source
     row = (
         tl.load(block_start_ptr + block, mask=mine, other=0)
-        + position - tl.load(source_start_ptr + block, mask=mine, other=0)
+        + position
+        - tl.load(source_start_ptr + block, mask=mine, other=0)
     )
     table = pairs[:, None] * TOP_K + k[None, :]
     tl.store(recv_row_ptr + table, tl.where(mine, row, -1).to(tl.int32), mask=slot_ok)
     tl.store(recv_score_ptr + table, tl.load(score_base + slots, mask=mine, other=0.0), mask=slot_ok)
     ranks = tl.arange(0, WORLD_P2)
-    ordinal = tl.sum(tl.where(ranks[None, :] < rank, _destination_ranks(expert, num_experts, local, WORLD_P2), 0), axis=1)
+    ordinal = tl.sum(
+        tl.where(ranks[None, :] < rank, _destination_ranks(expert, num_experts, local, WORLD_P2), 0), axis=1
+    )
     arrives = tl.max(mine.to(tl.int32), axis=1) > 0
     tl.store(pair_ordinal_ptr + pairs, tl.where(arrives, ordinal, -1), mask=pair_ok)
 
@@ -143,8 +175,17 @@ def _pair_block(num_tokens, world, rank, ROWS: tl.constexpr):
 @tuned(row_copy_configs(ROW_COPY_CONFIGS), key=["dim", "TOP_K"])
 @triton.jit
 def _pull_pairs_kernel(
-    token_ptrs, recv_row_ptr, pair_ordinal_ptr, out_ptr, num_tokens, world, rank, dim,
-    TOP_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    token_ptrs,
+    recv_row_ptr,
+    pair_ordinal_ptr,
+    out_ptr,
+    num_tokens,
+    world,
+    rank,
+    dim,
+    TOP_K: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """``ROWS`` pairs: read the token's row from its owner once, write it to each of its rows here."""
     source, token, pairs, pair_ok = _pair_block(num_tokens, world, rank, ROWS)
@@ -163,9 +204,20 @@ def _pull_pairs_kernel(
 @tuned(row_copy_configs(ROW_COPY_CONFIGS), key=["dim", "TOP_K", "WEIGHTED"])
 @triton.jit
 def _push_pairs_kernel(
-    rows_ptr, recv_row_ptr, recv_score_ptr, pair_ordinal_ptr, landing_ptrs, num_tokens, world, rank, dim,
-    TOP_K: tl.constexpr, SLOTS_PER_TOKEN: tl.constexpr, WEIGHTED: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    rows_ptr,
+    recv_row_ptr,
+    recv_score_ptr,
+    pair_ordinal_ptr,
+    landing_ptrs,
+    num_tokens,
+    world,
+    rank,
+    dim,
+    TOP_K: tl.constexpr,
+    SLOTS_PER_TOKEN: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """``ROWS`` pairs: sum the pair's rows here (times their scores if ``WEIGHTED``, fp32) and
     write the sum to the owner's ``landing`` row ``t * SLOTS_PER_TOKEN + ordinal``."""
@@ -186,15 +238,29 @@ def _push_pairs_kernel(
                 total += tile.to(tl.float32) * tl.load(recv_score_ptr + pairs * TOP_K + k, mask=hit, other=0.0)[:, None]
             else:
                 total += tile.to(tl.float32)
-        tl.store(destination_rows[:, None] + offs[None, :], total.to(rows_ptr.dtype.element_ty), mask=arrives[:, None] & col_ok)
+        tl.store(
+            destination_rows[:, None] + offs[None, :],
+            total.to(rows_ptr.dtype.element_ty),
+            mask=arrives[:, None] & col_ok,
+        )
 
 
 @tuned(row_copy_configs(ROW_COPY_CONFIGS), key=["dim", "TOP_K"])
 @triton.jit
 def _sum_landing_kernel(
-    landing_ptr, expert_ptr, out_ptr, num_tokens, num_experts, local, dim,
-    TOP_K: tl.constexpr, K_P2: tl.constexpr, WORLD_P2: tl.constexpr, SLOTS_PER_TOKEN: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    landing_ptr,
+    expert_ptr,
+    out_ptr,
+    num_tokens,
+    num_experts,
+    local,
+    dim,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    WORLD_P2: tl.constexpr,
+    SLOTS_PER_TOKEN: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """``ROWS`` tokens of the owner: ``out[t] = sum_j landing[t * J + j]`` over the token's
     destination ranks (fp32); a token with every slot dropped gets zeros."""
@@ -203,7 +269,8 @@ def _sum_landing_kernel(
     k = tl.arange(0, K_P2)
     expert = tl.load(
         expert_ptr + tokens[:, None] * TOP_K + k[None, :],
-        mask=token_ok[:, None] & (k[None, :] < TOP_K), other=num_experts,
+        mask=token_ok[:, None] & (k[None, :] < TOP_K),
+        other=num_experts,
     )
     arrivals = tl.sum(_destination_ranks(expert, num_experts, local, WORLD_P2), axis=1)
     for start in range(0, dim, BLOCK_D):
@@ -214,15 +281,31 @@ def _sum_landing_kernel(
             landing_rows = landing_ptr + (tokens * SLOTS_PER_TOKEN + j) * dim
             ok = token_ok & (j < arrivals)
             total += tl.load(landing_rows[:, None] + offs[None, :], mask=ok[:, None] & col_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + tokens[:, None] * dim + offs[None, :], total.to(out_ptr.dtype.element_ty), mask=token_ok[:, None] & col_ok)
+        tl.store(
+            out_ptr + tokens[:, None] * dim + offs[None, :],
+            total.to(out_ptr.dtype.element_ty),
+            mask=token_ok[:, None] & col_ok,
+        )
 
 
 @tuned(row_copy_configs(ROW_COPY_CONFIGS), key=["dim", "TOP_K"])
 @triton.jit
 def _pull_output_grad_kernel(
-    token_ptrs, recv_row_ptr, recv_score_ptr, pair_ordinal_ptr, rows_ptr, grad_rows_ptr, score_grad_ptrs,
-    num_tokens, world, rank, dim,
-    TOP_K: tl.constexpr, K_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    token_ptrs,
+    recv_row_ptr,
+    recv_score_ptr,
+    pair_ordinal_ptr,
+    rows_ptr,
+    grad_rows_ptr,
+    score_grad_ptrs,
+    num_tokens,
+    world,
+    rank,
+    dim,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Backward of the weighted combine for ``ROWS`` pairs: read ``g = grad_out_s[t]`` once; for
     each of the pair's rows, ``grad_rows[row] = score * g`` and ``score_grad_s[slot] = <g, rows[row]>``."""
@@ -243,7 +326,11 @@ def _pull_output_grad_kernel(
             mask = hit[:, None] & col_ok
             output = tl.load(rows_ptr + row[:, None] * dim + offs[None, :], mask=mask, other=0.0).to(tl.float32)
             dots += tl.where(k_index[None, :] == k, tl.sum(grad * output, axis=1)[:, None], 0.0)
-            tl.store(grad_rows_ptr + row[:, None] * dim + offs[None, :], (grad * score[:, None]).to(grad_rows_ptr.dtype.element_ty), mask=mask)
+            tl.store(
+                grad_rows_ptr + row[:, None] * dim + offs[None, :],
+                (grad * score[:, None]).to(grad_rows_ptr.dtype.element_ty),
+                mask=mask,
+            )
     table = pairs[:, None] * TOP_K + k_index[None, :]
     rows_here = tl.load(recv_row_ptr + table, mask=arrives[:, None] & (k_index[None, :] < TOP_K), other=-1)
     score_grad_base = tl.load(score_grad_ptrs + source).to(tl.pointer_type(tl.float32))
@@ -267,8 +354,17 @@ def publish_routing(
     num_slots = order_S.shape[0]
     block = 1024
     _publish_routing_kernel[(max(1, triton.cdiv(num_slots, block)),)](
-        order_S, expert_S, scores_S, slot_expert, slot_score, slot_position, counts, num_slots, num_experts,
-        num_tokens, BLOCK=block,
+        order_S,
+        expert_S,
+        scores_S,
+        slot_expert,
+        slot_score,
+        slot_position,
+        counts,
+        num_slots,
+        num_experts,
+        num_tokens,
+        BLOCK=block,
     )
 
 
@@ -292,9 +388,9 @@ class ReceiveLayout:
         return cls(
             packed=packed,
             block_start_G1=packed[: blocks + 1],
-            source_start_G=packed[blocks + 1: 2 * blocks + 1],
-            rows_per_local_expert_e=packed[2 * blocks + 1: 2 * blocks + 1 + local],
-            tokens_per_rank_W=packed[2 * blocks + 1 + local:],
+            source_start_G=packed[blocks + 1 : 2 * blocks + 1],
+            rows_per_local_expert_e=packed[2 * blocks + 1 : 2 * blocks + 1 + local],
+            tokens_per_rank_W=packed[2 * blocks + 1 + local :],
         )
 
 
@@ -305,8 +401,14 @@ def receive_layout(count_ptrs_W: torch.Tensor, num_experts: int, rank: int, like
     local = num_experts // world
     packed = torch.empty(2 * local * world + 1 + local + world, dtype=torch.int64, device=like.device)
     _receive_layout_kernel[(1,)](
-        count_ptrs_W, packed, world, num_experts, rank, local,
-        WORLD_P2=triton.next_power_of_2(world), EXPERTS_P2=triton.next_power_of_2(num_experts),
+        count_ptrs_W,
+        packed,
+        world,
+        num_experts,
+        rank,
+        local,
+        WORLD_P2=triton.next_power_of_2(world),
+        EXPERTS_P2=triton.next_power_of_2(num_experts),
         LOCAL_P2=triton.next_power_of_2(local),
     )
     return ReceiveLayout.unpack(packed, local, world)
@@ -357,10 +459,23 @@ def route_pairs(
     )
     if num_pairs:
         _route_pairs_kernel[_row_blocks_grid(num_tokens, world)](
-            slot_expert_ptrs_W, slot_position_ptrs_W, slot_score_ptrs_W, layout.block_start_G1,
-            layout.source_start_G, table.recv_row_PK, table.recv_score_PK, table.ordinal_P,
-            num_tokens, num_experts, num_experts // world, world, rank,
-            TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), WORLD_P2=triton.next_power_of_2(world), ROWS=64,
+            slot_expert_ptrs_W,
+            slot_position_ptrs_W,
+            slot_score_ptrs_W,
+            layout.block_start_G1,
+            layout.source_start_G,
+            table.recv_row_PK,
+            table.recv_score_PK,
+            table.ordinal_P,
+            num_tokens,
+            num_experts,
+            num_experts // world,
+            world,
+            rank,
+            TOP_K=top_k,
+            K_P2=triton.next_power_of_2(top_k),
+            WORLD_P2=triton.next_power_of_2(world),
+            ROWS=64,
         )
     return table
 
@@ -371,8 +486,15 @@ def pull_pairs(token_ptrs_W: torch.Tensor, pairs: PairTable, out_RD: torch.Tenso
     if out_RD.shape[0]:
         world = token_ptrs_W.shape[0]
         _pull_pairs_kernel[_row_blocks_grid(pairs.num_tokens, world)](
-            token_ptrs_W, pairs.recv_row_PK, pairs.ordinal_P, out_RD, pairs.num_tokens, world, pairs.rank,
-            out_RD.shape[1], TOP_K=pairs.top_k,
+            token_ptrs_W,
+            pairs.recv_row_PK,
+            pairs.ordinal_P,
+            out_RD,
+            pairs.num_tokens,
+            world,
+            pairs.rank,
+            out_RD.shape[1],
+            TOP_K=pairs.top_k,
         )
 
 
@@ -388,13 +510,24 @@ def push_pairs(rows_RD: torch.Tensor, pairs: PairTable, landing_ptrs_W: torch.Te
     if rows_RD.shape[0]:
         world = landing_ptrs_W.shape[0]
         _push_pairs_kernel[_row_blocks_grid(pairs.num_tokens, world)](
-            rows_RD, pairs.recv_row_PK, pairs.recv_score_PK, pairs.ordinal_P, landing_ptrs_W,
-            pairs.num_tokens, world, pairs.rank, rows_RD.shape[1], TOP_K=pairs.top_k,
-            SLOTS_PER_TOKEN=slots_per_token(pairs.top_k, world), WEIGHTED=weighted,
+            rows_RD,
+            pairs.recv_row_PK,
+            pairs.recv_score_PK,
+            pairs.ordinal_P,
+            landing_ptrs_W,
+            pairs.num_tokens,
+            world,
+            pairs.rank,
+            rows_RD.shape[1],
+            TOP_K=pairs.top_k,
+            SLOTS_PER_TOKEN=slots_per_token(pairs.top_k, world),
+            WEIGHTED=weighted,
         )
 
 
-def sum_landing(landing_JD: torch.Tensor, expert_S: torch.Tensor, num_experts: int, world: int, top_k: int) -> torch.Tensor:
+def sum_landing(
+    landing_JD: torch.Tensor, expert_S: torch.Tensor, num_experts: int, world: int, top_k: int
+) -> torch.Tensor:
     """``(T, D)``: each token's partial sums from its destination ranks, added (fp32)."""
     check_runnable(landing_JD, expert_S)
     num_tokens = expert_S.shape[0] // top_k
@@ -402,8 +535,16 @@ def sum_landing(landing_JD: torch.Tensor, expert_S: torch.Tensor, num_experts: i
     out_TD = landing_JD.new_empty(num_tokens, dim)
     if num_tokens:
         _sum_landing_kernel[_row_blocks_grid(num_tokens, 1)](
-            landing_JD, expert_S.contiguous(), out_TD, num_tokens, num_experts, num_experts // world, dim,
-            TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), WORLD_P2=triton.next_power_of_2(world),
+            landing_JD,
+            expert_S.contiguous(),
+            out_TD,
+            num_tokens,
+            num_experts,
+            num_experts // world,
+            dim,
+            TOP_K=top_k,
+            K_P2=triton.next_power_of_2(top_k),
+            WORLD_P2=triton.next_power_of_2(world),
             SLOTS_PER_TOKEN=slots_per_token(top_k, world),
         )
     return out_TD
@@ -419,8 +560,18 @@ def pull_output_grad(
     if rows_RD.shape[0]:
         world = token_ptrs_W.shape[0]
         _pull_output_grad_kernel[_row_blocks_grid(pairs.num_tokens, world)](
-            token_ptrs_W, pairs.recv_row_PK, pairs.recv_score_PK, pairs.ordinal_P, rows_RD, grad_rows_RD,
-            score_grad_ptrs_W, pairs.num_tokens, world, pairs.rank, rows_RD.shape[1],
-            TOP_K=pairs.top_k, K_P2=triton.next_power_of_2(pairs.top_k),
+            token_ptrs_W,
+            pairs.recv_row_PK,
+            pairs.recv_score_PK,
+            pairs.ordinal_P,
+            rows_RD,
+            grad_rows_RD,
+            score_grad_ptrs_W,
+            pairs.num_tokens,
+            world,
+            pairs.rank,
+            rows_RD.shape[1],
+            TOP_K=pairs.top_k,
+            K_P2=triton.next_power_of_2(pairs.top_k),
         )
     return grad_rows_RD

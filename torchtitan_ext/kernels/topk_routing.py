@@ -54,10 +54,22 @@ def _scores(logits, e_mask, SIGMOID: tl.constexpr):
 
 @triton.jit
 def _topk_routing_forward_kernel(
-    logits_ptr, bias_ptr, scores_ptr, topk_scores_ptr, topk_ids_ptr, counts_ptr,
-    num_tokens, num_experts, route_scale,
-    TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTE_NORM: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    logits_ptr,
+    bias_ptr,
+    scores_ptr,
+    topk_scores_ptr,
+    topk_ids_ptr,
+    counts_ptr,
+    num_tokens,
+    num_experts,
+    route_scale,
+    TOP_K: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROUTE_NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """One program routes BLOCK_T tokens: scores, K rounds of argmax, normalised top-k scores,
     and its tokens' per-expert slot counts added into counts (integer atomics)."""
@@ -102,11 +114,21 @@ def _topk_routing_forward_kernel(
 
 @triton.jit
 def _topk_routing_backward_kernel(
-    scores_ptr, topk_ids_ptr, grad_topk_ptr, grad_scores_ptr, grad_logits_ptr,
-    num_tokens, num_experts, route_scale,
-    TOP_K: tl.constexpr, SIGMOID: tl.constexpr, ROUTE_NORM: tl.constexpr,
-    HAS_GRAD_TOPK: tl.constexpr, HAS_GRAD_SCORES: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    scores_ptr,
+    topk_ids_ptr,
+    grad_topk_ptr,
+    grad_scores_ptr,
+    grad_logits_ptr,
+    num_tokens,
+    num_experts,
+    route_scale,
+    TOP_K: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    ROUTE_NORM: tl.constexpr,
+    HAS_GRAD_TOPK: tl.constexpr,
+    HAS_GRAD_SCORES: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     """d logits of BLOCK_T tokens from d topk_scores (through the normalisation and the gather)
     and d scores, through the score function."""
@@ -160,11 +182,21 @@ class _TopKRouting(torch.autograd.Function):
         block_t, block_e = _tile(num_experts)
         if num_tokens:
             _topk_routing_forward_kernel[(triton.cdiv(num_tokens, block_t),)](
-                logits_TE, expert_bias_E.contiguous() if expert_bias_E is not None else logits_TE,
-                scores_TE, topk_scores_TK, topk_ids_TK, counts_E,
-                num_tokens, num_experts, float(route_scale),
-                TOP_K=top_k, SIGMOID=score_func == "sigmoid", HAS_BIAS=expert_bias_E is not None,
-                ROUTE_NORM=route_norm, BLOCK_T=block_t, BLOCK_E=block_e,
+                logits_TE,
+                expert_bias_E.contiguous() if expert_bias_E is not None else logits_TE,
+                scores_TE,
+                topk_scores_TK,
+                topk_ids_TK,
+                counts_E,
+                num_tokens,
+                num_experts,
+                float(route_scale),
+                TOP_K=top_k,
+                SIGMOID=score_func == "sigmoid",
+                HAS_BIAS=expert_bias_E is not None,
+                ROUTE_NORM=route_norm,
+                BLOCK_T=block_t,
+                BLOCK_E=block_e,
                 BLOCK_K=triton.next_power_of_2(top_k),
             )
         ctx.mark_non_differentiable(topk_ids_TK, counts_E)
@@ -184,20 +216,26 @@ class _TopKRouting(torch.autograd.Function):
         block_t, block_e = _tile(num_experts)
         if num_tokens:
             _topk_routing_backward_kernel[(triton.cdiv(num_tokens, block_t),)](
-                scores_TE, topk_ids_TK,
+                scores_TE,
+                topk_ids_TK,
                 grad_topk_scores_TK.float().contiguous() if grad_topk_scores_TK is not None else scores_TE,
                 grad_scores_TE.float().contiguous() if grad_scores_TE is not None else scores_TE,
-                grad_logits_TE, num_tokens, num_experts, route_scale,
-                TOP_K=topk_ids_TK.shape[1], SIGMOID=score_func == "sigmoid", ROUTE_NORM=route_norm,
-                HAS_GRAD_TOPK=grad_topk_scores_TK is not None, HAS_GRAD_SCORES=grad_scores_TE is not None,
-                BLOCK_T=block_t, BLOCK_E=block_e,
+                grad_logits_TE,
+                num_tokens,
+                num_experts,
+                route_scale,
+                TOP_K=topk_ids_TK.shape[1],
+                SIGMOID=score_func == "sigmoid",
+                ROUTE_NORM=route_norm,
+                HAS_GRAD_TOPK=grad_topk_scores_TK is not None,
+                HAS_GRAD_SCORES=grad_scores_TE is not None,
+                BLOCK_T=block_t,
+                BLOCK_E=block_e,
             )
         return grad_logits_TE, None, None, None, None, None
 
 
-def topk_routing_unsupported_reason(
-    num_experts: int, top_k: int, score_func: str, dtype: torch.dtype
-) -> str | None:
+def topk_routing_unsupported_reason(num_experts: int, top_k: int, score_func: str, dtype: torch.dtype) -> str | None:
     """Why :func:`topk_routing` cannot route these logits (None: it can)."""
     if score_func not in SCORE_FUNCS:
         return f"score function {score_func!r} is not one of {', '.join(SCORE_FUNCS)}"

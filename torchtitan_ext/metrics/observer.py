@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import _disable_current_modes
-
 from torchtitan.models.common.moe import GroupedExperts
+
 from torchtitan_ext.metrics.statistics import AVERAGED_STATS, LayerSummary
 
 
@@ -88,8 +88,13 @@ class LayerAccumulator:
     sharded_tokens: bool = False
 
     def reset(self) -> None:
-        for t in (self.tokens_per_expert_E, self.entropy_sum, self.padding_rows,
-                  self.computed_a2a_bytes, *self.optional_sums.values()):
+        for t in (
+            self.tokens_per_expert_E,
+            self.entropy_sum,
+            self.padding_rows,
+            self.computed_a2a_bytes,
+            *self.optional_sums.values(),
+        ):
             t.zero_()
         self.num_tokens = 0
         self.optional_counts = dict.fromkeys(self.optional_counts, 0)
@@ -201,9 +206,7 @@ class MoERoutingObserver:
                     probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-30)
                 layer.entropy_sum -= torch.special.xlogy(probs_TE, probs_TE).sum()
                 layer.num_tokens += logits_TE.shape[0]
-            layer.sharded_tokens = isinstance(logits, DTensor) and any(
-                isinstance(p, Shard) for p in logits.placements
-            )
+            layer.sharded_tokens = isinstance(logits, DTensor) and any(isinstance(p, Shard) for p in logits.placements)
 
         return hook
 
@@ -211,7 +214,7 @@ class MoERoutingObserver:
         """Dispatch + combine bytes of the rows routed to experts owned by other EP ranks."""
         per_rank = layer.num_experts // self.expert_parallel.degree
         first = self.expert_parallel.rank * per_rank
-        remote_rows = counts_E.sum() - counts_E[first:first + per_rank].sum()
+        remote_rows = counts_E.sum() - counts_E[first : first + per_rank].sum()
         layer.computed_a2a_bytes += 2 * remote_rows * x.shape[-1] * x.element_size()
 
     def _padded_experts_hook(self, layer: LayerAccumulator) -> Callable:
@@ -257,14 +260,17 @@ def summarize(observer: MoERoutingObserver, *, num_steps: int, reduce_groups: li
     rows = []
     for layer in observer.layers:
         device = layer.entropy_sum.device
-        sums = [layer.optional_sums.get(s, torch.zeros((), dtype=torch.float64, device=device))
-                for s in optional_names]
+        sums = [layer.optional_sums.get(s, torch.zeros((), dtype=torch.float64, device=device)) for s in optional_names]
         counts = [float(layer.optional_counts.get(s, 0)) for s in optional_names]
-        rows.append(torch.cat([
-            layer.tokens_per_expert_E,
-            torch.stack([layer.entropy_sum, layer.padding_rows, layer.computed_a2a_bytes, *sums]),
-            torch.tensor([float(layer.num_tokens), *counts], dtype=torch.float64, device=device),
-        ]))
+        rows.append(
+            torch.cat(
+                [
+                    layer.tokens_per_expert_E,
+                    torch.stack([layer.entropy_sum, layer.padding_rows, layer.computed_a2a_bytes, *sums]),
+                    torch.tensor([float(layer.num_tokens), *counts], dtype=torch.float64, device=device),
+                ]
+            )
+        )
     if not rows:
         return []
     packed = torch.cat(rows)
@@ -282,13 +288,13 @@ def summarize(observer: MoERoutingObserver, *, num_steps: int, reduce_groups: li
     summaries, offset = [], 0
     for index, layer in enumerate(observer.layers):
         num_experts, num_optional = layer.num_experts, len(optional_names)
-        tokens_per_expert = values[offset:offset + num_experts]
+        tokens_per_expert = values[offset : offset + num_experts]
         offset += num_experts
-        entropy_sum, padding_rows, computed_a2a = values[offset:offset + 3]
-        optional_sums = values[offset + 3:offset + 3 + num_optional]
+        entropy_sum, padding_rows, computed_a2a = values[offset : offset + 3]
+        optional_sums = values[offset + 3 : offset + 3 + num_optional]
         offset += 3 + num_optional
         num_tokens = values[offset]
-        optional_counts = values[offset + 1:offset + 1 + num_optional]
+        optional_counts = values[offset + 1 : offset + 1 + num_optional]
         offset += 1 + num_optional
         per_step = {}
         for name, total, count in zip(optional_names, optional_sums, optional_counts):
@@ -299,12 +305,14 @@ def summarize(observer: MoERoutingObserver, *, num_steps: int, reduce_groups: li
         if computed_a2a > 0:
             per_step["a2a_bytes"] = computed_a2a / num_steps
         bias_norm = values[len(packed) + index]
-        summaries.append(LayerSummary(
-            name=layer.name,
-            tokens_per_expert_E=tokens_per_expert,
-            router_entropy=entropy_sum / num_tokens if num_tokens else 0.0,
-            num_tokens=int(num_tokens),
-            optional_per_step={k: float(v) for k, v in per_step.items()},
-            expert_bias_norm=None if math.isnan(bias_norm) else float(bias_norm),
-        ))
+        summaries.append(
+            LayerSummary(
+                name=layer.name,
+                tokens_per_expert_E=tokens_per_expert,
+                router_entropy=entropy_sum / num_tokens if num_tokens else 0.0,
+                num_tokens=int(num_tokens),
+                optional_per_step={k: float(v) for k, v in per_step.items()},
+                expert_bias_norm=None if math.isnan(bias_norm) else float(bias_norm),
+            )
+        )
     return summaries

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import torch.distributed as dist
-
 from torchtitan.components.metrics import (
     BaseLogger,
     MetricsProcessor,
@@ -94,8 +93,14 @@ class RunProgress:
         self.last_loss = (step, loss)
 
 
-def run_summary_lines(progress: RunProgress, *, output_folder: str, checkpoint_folder: str | None,
-                      wandb_run: WandbRunLocation | None, wall_seconds: float) -> list[str]:
+def run_summary_lines(
+    progress: RunProgress,
+    *,
+    output_folder: str,
+    checkpoint_folder: str | None,
+    wandb_run: WandbRunLocation | None,
+    wall_seconds: float,
+) -> list[str]:
     """Closing summary: steps, loss, wall time, and where outputs, checkpoints and wandb went.
 
     ``checkpoint_folder`` is None when checkpointing is off.
@@ -250,8 +255,14 @@ class MoEMetricsProcessor(MetricsProcessor):
     def _heatmap_due(self, step: int) -> bool:
         return bool(self._rich_loggers) and heatmap_due(step, self._last_heatmap_step, self.config.heatmap_every)
 
-    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
-            extra_metrics: dict[str, Any] | None = None):
+    def log(
+        self,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ):
         """torchtitan's metrics and step line, then the MoE metrics' ``moe:`` line."""
         moe_line = None
         if self._observer is not None:
@@ -286,8 +297,11 @@ class MoEMetricsProcessor(MetricsProcessor):
         if rank != 0 and self._wandb_run is None:
             return
         for line in run_summary_lines(
-            self._progress, output_folder=self._output_folder, checkpoint_folder=self._checkpoint_folder,
-            wandb_run=self._wandb_run, wall_seconds=time.perf_counter() - self._progress.started,
+            self._progress,
+            output_folder=self._output_folder,
+            checkpoint_folder=self._checkpoint_folder,
+            wandb_run=self._wandb_run,
+            wall_seconds=time.perf_counter() - self._progress.started,
         ):
             logger.info(line)
 
@@ -313,6 +327,7 @@ def heatmap_due(step: int, last_heatmap_step: int | None, every: int) -> bool:
 
 def moe_console_line(scalars: dict[str, float]) -> str:
     """The ``moe:`` console line from the whole-model scalars of one log step."""
+
     def model(key: str) -> float:
         return scalars[f"{KEY_PREFIX}/{MODEL_SCOPE}/{key}"]
 
@@ -331,12 +346,12 @@ def _checkpoint_folder(dump_folder: str, config_dict: dict[str, Any] | None) -> 
     return os.path.join(dump_folder, checkpoint.get("folder", "checkpoint"))
 
 
-def _log_rich_wandb(wandb_logger: WandBLogger, histograms: dict[str, np.ndarray],
-                    heatmap_png: bytes | None, step: int) -> None:
+def _log_rich_wandb(
+    wandb_logger: WandBLogger, histograms: dict[str, np.ndarray], heatmap_png: bytes | None, step: int
+) -> None:
     wandb = wandb_logger.wandb
     payload: dict[str, Any] = {
-        key: wandb.Histogram(np_histogram=(counts, np.arange(len(counts) + 1)))
-        for key, counts in histograms.items()
+        key: wandb.Histogram(np_histogram=(counts, np.arange(len(counts) + 1))) for key, counts in histograms.items()
     }
     if heatmap_png is not None:
         from PIL import Image
@@ -347,19 +362,25 @@ def _log_rich_wandb(wandb_logger: WandBLogger, histograms: dict[str, np.ndarray]
     wandb.log(payload, step=step)
 
 
-def _log_rich_tensorboard(tb_logger: TensorBoardLogger, histograms: dict[str, np.ndarray],
-                          heatmap_png: bytes | None, step: int) -> None:
+def _log_rich_tensorboard(
+    tb_logger: TensorBoardLogger, histograms: dict[str, np.ndarray], heatmap_png: bytes | None, step: int
+) -> None:
     writer = tb_logger.writer
     for key, counts in histograms.items():
         experts = np.arange(len(counts), dtype=np.float64)
         writer.add_histogram_raw(
-            key, min=0.0, max=float(len(counts)), num=float(counts.sum()),
-            sum=float((experts * counts).sum()), sum_squares=float((experts**2 * counts).sum()),
-            bucket_limits=(experts + 1).tolist(), bucket_counts=counts.tolist(), global_step=step,
+            key,
+            min=0.0,
+            max=float(len(counts)),
+            num=float(counts.sum()),
+            sum=float((experts * counts).sum()),
+            sum_squares=float((experts**2 * counts).sum()),
+            bucket_limits=(experts + 1).tolist(),
+            bucket_counts=counts.tolist(),
+            global_step=step,
         )
     if heatmap_png is not None:
         from PIL import Image
 
         image = np.asarray(Image.open(io.BytesIO(heatmap_png)).convert("RGB"))
-        writer.add_image(f"{KEY_PREFIX}/{MODEL_SCOPE}/tokens_per_expert_heatmap", image, step,
-                         dataformats="HWC")
+        writer.add_image(f"{KEY_PREFIX}/{MODEL_SCOPE}/tokens_per_expert_heatmap", image, step, dataformats="HWC")

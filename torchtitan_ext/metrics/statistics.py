@@ -12,6 +12,7 @@ import numpy as np
 AVERAGED_STATS = ("aux_loss", "z_loss")
 """Router statistics averaged per forward (losses); the others are summed and reported per step."""
 
+
 def routing_scalars(tokens_per_expert_E: np.ndarray) -> dict[str, float]:
     """Load imbalance (max/mean), coefficient of variation (std/mean), dead-expert fraction.
 

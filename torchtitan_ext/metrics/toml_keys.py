@@ -11,8 +11,7 @@ def _set_metrics_field(key: str, field_name: str):
     def apply(config, value) -> None:
         if not hasattr(config.metrics, field_name):
             raise ConfigError(
-                f"{key}: this flavor's metrics ({type(config.metrics).__qualname__}) "
-                "is not MoEMetricsProcessor.Config"
+                f"{key}: this flavor's metrics ({type(config.metrics).__qualname__}) is not MoEMetricsProcessor.Config"
             )
         setattr(config.metrics, field_name, value)
 
@@ -34,7 +33,8 @@ for _key, _field, _annotation, _help in (
     register_short_key(_key, _annotation, _help)(_set_metrics_field(_key, _field))
 
 register_short_key(
-    "moe_metrics.heatmap_every", int,
+    "moe_metrics.heatmap_every",
+    int,
     "layers x experts heatmap at the first log step and at the first log step at or after each "
     "multiple of N, 0: never (= metrics.heatmap_every)",
 )(_heatmap_every)

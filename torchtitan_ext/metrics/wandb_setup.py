@@ -22,14 +22,12 @@ def wandb_has_credentials() -> bool:
         return False
 
 
-def configure_wandb_environment(*, project: str | None, entity: str | None,
-                                run_name: str | None) -> None:
+def configure_wandb_environment(*, project: str | None, entity: str | None, run_name: str | None) -> None:
     """Set the variables torchtitan's ``WandBLogger`` reads; go offline without credentials.
 
     Config values win over the environment; ``WANDB_MODE`` set by the user is kept.
     """
-    for variable, value in (("WANDB_PROJECT", project), ("WANDB_TEAM", entity),
-                            ("WANDB_RUN_NAME", run_name)):
+    for variable, value in (("WANDB_PROJECT", project), ("WANDB_TEAM", entity), ("WANDB_RUN_NAME", run_name)):
         if value is not None:
             os.environ[variable] = value
     if "WANDB_MODE" not in os.environ and not wandb_has_credentials():

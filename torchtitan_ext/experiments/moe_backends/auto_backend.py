@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from torchtitan.models.common.moe import MoE
 from torchtitan.tools.logging import logger
 
@@ -34,6 +33,7 @@ from .cache import CACHE_ENV, cache_dir
 from .expert_timing import BenchShape, expert_inputs, make_timer, seeded_generator
 from .experts import AUTO_BACKEND, BackendGroupedExperts, backend_names, get_backend, runnable_backends
 from .layer import moe_layer_config
+
 
 class AutoBackendError(ValueError):
     """``auto`` cannot be resolved here (a cache miss where measuring is not allowed)."""
@@ -71,7 +71,11 @@ def moe_layer_shapes(model_config, tokens: int) -> dict[BenchShape, int]:
         experts = moe.routed_experts.inner_experts
         shape = BenchShape(
             f"D{experts.dim}-F{experts.hidden_dim}-E{experts.num_experts}-K{moe.router.top_k}",
-            tokens, experts.dim, experts.hidden_dim, experts.num_experts, moe.router.top_k,
+            tokens,
+            experts.dim,
+            experts.hidden_dim,
+            experts.num_experts,
+            moe.router.top_k,
         )
         counts[shape] = counts.get(shape, 0) + 1
     return counts
@@ -81,11 +85,20 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def cache_key(device: torch.device, dtype: torch.dtype, layer_shapes: dict[BenchShape, int],
-              candidates: list[str], measured: str) -> str:
+def cache_key(
+    device: torch.device, dtype: torch.dtype, layer_shapes: dict[BenchShape, int], candidates: list[str], measured: str
+) -> str:
     shapes = ",".join(f"{s.name}-T{s.tokens}x{n}" for s, n in sorted(layer_shapes.items(), key=lambda i: i[0].name))
-    return "|".join([device_name(device), f"torch {torch.__version__}", str(dtype).removeprefix("torch."),
-                     shapes, measured, "+".join(candidates)])
+    return "|".join(
+        [
+            device_name(device),
+            f"torch {torch.__version__}",
+            str(dtype).removeprefix("torch."),
+            shapes,
+            measured,
+            "+".join(candidates),
+        ]
+    )
 
 
 def expert_block_measure(device: torch.device, dtype: torch.dtype) -> Measure:
@@ -127,15 +140,18 @@ def layer_measure(device: torch.device, dtype: torch.dtype) -> Measure:
             with torch.no_grad():
                 for _, param in sorted(layer.named_parameters()):
                     param.copy_(randn(weight_generator, *param.shape) * param.shape[-1] ** -0.5)
-            calls[backend] = (lambda layer=layer: torch.autograd.backward(layer(x_BLD), grad_BLD),
-                              [x_BLD, *layer.parameters()])
+            calls[backend] = (
+                lambda layer=layer: torch.autograd.backward(layer(x_BLD), grad_BLD),
+                [x_BLD, *layer.parameters()],
+            )
         return timer.round(calls)
 
     return measure
 
 
-def choose_backend(layer_shapes: dict[BenchShape, int], candidates: list[str],
-                   measure: Measure) -> tuple[str, dict[str, float]]:
+def choose_backend(
+    layer_shapes: dict[BenchShape, int], candidates: list[str], measure: Measure
+) -> tuple[str, dict[str, float]]:
     """(fastest candidate, ms per step per candidate); ties go to the earlier candidate."""
     ms_per_step = dict.fromkeys(candidates, 0.0)
     for shape, count in layer_shapes.items():
@@ -153,9 +169,16 @@ def _read_cache(path: Path) -> dict:
         return {}
 
 
-def resolve(layer_shapes: dict[BenchShape, int], device: torch.device, dtype: torch.dtype, *,
-            expert_parallel: bool, may_measure: bool, remeasure: bool = False,
-            measure: Measure | None = None) -> AutoChoice:
+def resolve(
+    layer_shapes: dict[BenchShape, int],
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    expert_parallel: bool,
+    may_measure: bool,
+    remeasure: bool = False,
+    measure: Measure | None = None,
+) -> AutoChoice:
     """The cached choice for these shapes here, or (``may_measure``) a fresh measurement, cached.
 
     ``expert_parallel`` selects what is measured (see the module docstring).
@@ -202,8 +225,15 @@ def resolve_for_config(config, *, remeasure: bool = False, measure: Measure | No
     tokens = config.training.local_batch_size * config.training.seq_len
     layer_shapes = moe_layer_shapes(config.model_spec.model, tokens)
     may_measure = int(os.environ.get("WORLD_SIZE", "1")) == 1
-    return resolve(layer_shapes, device, dtype, expert_parallel=config.parallelism.expert_parallel_degree > 1,
-                   may_measure=may_measure, remeasure=remeasure, measure=measure)
+    return resolve(
+        layer_shapes,
+        device,
+        dtype,
+        expert_parallel=config.parallelism.expert_parallel_degree > 1,
+        may_measure=may_measure,
+        remeasure=remeasure,
+        measure=measure,
+    )
 
 
 def resolve_auto_compute_backend(config, *, measure: Measure | None = None) -> AutoChoice | None:
@@ -211,8 +241,11 @@ def resolve_auto_compute_backend(config, *, measure: Measure | None = None) -> A
 
     Returns the choice, or None when no layer asks for "auto".
     """
-    experts = [experts for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)
-               if experts.compute_backend == AUTO_BACKEND]
+    experts = [
+        experts
+        for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)
+        if experts.compute_backend == AUTO_BACKEND
+    ]
     if not experts:
         return None
     choice = resolve_for_config(config, measure=measure)
@@ -220,6 +253,8 @@ def resolve_auto_compute_backend(config, *, measure: Measure | None = None) -> A
         experts_config.compute_backend = choice.backend
     if os.environ.get("RANK", "0") == "0":
         source = "cached" if choice.cached else "measured"
-        logger.info(f"moe.compute_backend = 'auto' -> {choice.backend!r} ({source}: {choice.measured} fwd+bwd "
-                    f"ms per step {choice.ms_per_step}; key {choice.cache_key}; cache {cache_file()})")
+        logger.info(
+            f"moe.compute_backend = 'auto' -> {choice.backend!r} ({source}: {choice.measured} fwd+bwd "
+            f"ms per step {choice.ms_per_step}; key {choice.cache_key}; cache {cache_file()})"
+        )
     return choice

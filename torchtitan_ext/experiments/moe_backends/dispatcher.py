@@ -45,10 +45,10 @@ from typing import Literal, get_args
 import spmd_types as spmd
 import torch
 import torch.distributed as dist
-
 from torchtitan.distributed.spmd_types import current_spmd_mesh, maybe_set_sparse_mesh
 from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
 from torchtitan_ext.experiments.moe_backends import ep_symm_mem
 from torchtitan_ext.kernels import moe_permute
 
@@ -73,9 +73,7 @@ def padded_num_rows(num_real_rows: int, num_groups: int, align_size: int) -> int
     return -(-bound // align_size) * align_size
 
 
-def padded_groups(
-    counts_G: torch.Tensor, num_rows: int, align_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_groups(counts_G: torch.Tensor, num_rows: int, align_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Start row and row count of each group in a padded buffer of ``num_rows`` rows.
 
     Every group is rounded up to ``align_size`` rows; the rows left over at the end are added
@@ -322,9 +320,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
             self.last_num_padding_rows = plan.num_padding_rows
             metadata = RoutingDispatchMetadata(plan=plan, scores_S=topk_scores_TK.reshape(-1))
             return rows_RD, plan.rows_per_expert_E, metadata
-        return self._dispatch_expert_parallel(
-            x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
-        )
+        return self._dispatch_expert_parallel(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
 
     def combine(
         self,
@@ -340,9 +336,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
             return ep_symm_mem.combine(rows_RD, metadata.scores_S, metadata.exchange_route).to(x_TD.dtype)
         if metadata.token_exchange is not None:
             return self._combine_expert_parallel(rows_RD, metadata.token_exchange).to(x_TD.dtype)
-        return self._unpermute_rows(
-            rows_RD, metadata.plan.dest_row_S, metadata.scores_S, self.top_k
-        ).to(x_TD.dtype)
+        return self._unpermute_rows(rows_RD, metadata.plan.dest_row_S, metadata.scores_S, self.top_k).to(x_TD.dtype)
 
     # ------------------------------------------------------------------ expert parallel
 
@@ -361,9 +355,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         assert self.ep_mesh is not None
         if self.ep_transport == "symm_mem":
             return self._dispatch_over_exchange(x_TD, topk_scores_TK, topk_expert_ids_TK)
-        return self._dispatch_over_all_to_all(
-            x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
-        )
+        return self._dispatch_over_all_to_all(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)
 
     def _dispatch_over_all_to_all(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         """One row per (token, destination rank) out; received rows grouped by local expert."""
@@ -426,8 +418,12 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         """EP dispatch through ``ep_symm_mem``: rows arrive expert-major, no regroup."""
         group = self._ep_group()
         received_RD, rows_per_local_expert_e, route = ep_symm_mem.dispatch(
-            x_TD, topk_scores_TK.reshape(-1), topk_expert_ids_TK.reshape(-1), group,
-            self.num_experts, self.top_k,
+            x_TD,
+            topk_scores_TK.reshape(-1),
+            topk_expert_ids_TK.reshape(-1),
+            group,
+            self.num_experts,
+            self.top_k,
         )
         grouped_RD, rows_per_local_expert_e, received_dest_row_R = self._pad_received_groups(
             received_RD, rows_per_local_expert_e

@@ -82,7 +82,11 @@ class WorkspaceShape:
 
     def holds(self, other: WorkspaceShape) -> bool:
         return (self.dim, self.top_k, self.num_experts, self.world, self.dtype) == (
-            other.dim, other.top_k, other.num_experts, other.world, other.dtype
+            other.dim,
+            other.top_k,
+            other.num_experts,
+            other.world,
+            other.dtype,
         ) and self.num_tokens >= other.num_tokens
 
 
@@ -105,7 +109,7 @@ class Workspace(ABC):
         for name, (region_shape, dtype) in shape.regions().items():
             start = offsets[name]
             size = torch.Size(region_shape).numel() * dtype.itemsize
-            self._views[name] = local_bytes[start:start + size].view(dtype).view(region_shape)
+            self._views[name] = local_bytes[start : start + size].view(dtype).view(region_shape)
             self._tables[name] = torch.tensor(
                 [address + start for address in addresses], dtype=torch.int64, device=device
             )
@@ -229,9 +233,7 @@ class EPExchange:
     ) -> tuple[torch.Tensor, torch.Tensor, Route]:
         """Return ``(rows_RD, rows_per_local_expert_e, route)``; expert ``num_experts`` = dropped."""
         num_tokens, dim = x_TD.shape
-        workspace = self._workspace_for(
-            WorkspaceShape(num_tokens, dim, top_k, num_experts, self.world, x_TD.dtype)
-        )
+        workspace = self._workspace_for(WorkspaceShape(num_tokens, dim, top_k, num_experts, self.world, x_TD.dtype))
         expert_S = expert_S.reshape(-1)
         self.publish(x_TD, scores_S.reshape(-1), expert_S, num_experts)
         self._barrier()
@@ -255,8 +257,15 @@ class EPExchange:
         order_S = stable_expert_order(expert_S, num_experts)
         self.workspace.local("tokens")[: x_TD.shape[0]].copy_(x_TD)
         kernels.publish_routing(
-            order_S, expert_S, scores_S, self.workspace.local("slot_expert"), self.workspace.local("slot_score"),
-            self.workspace.local("slot_position"), self.workspace.local("counts"), num_experts, x_TD.shape[0],
+            order_S,
+            expert_S,
+            scores_S,
+            self.workspace.local("slot_expert"),
+            self.workspace.local("slot_score"),
+            self.workspace.local("slot_position"),
+            self.workspace.local("counts"),
+            num_experts,
+            x_TD.shape[0],
         )
 
     def read_routing(
@@ -267,8 +276,14 @@ class EPExchange:
         table = self.workspace.table
         layout = kernels.receive_layout(table("counts"), num_experts, self.rank, table("counts"))
         pairs = kernels.route_pairs(
-            table("slot_expert"), table("slot_position"), table("slot_score"),
-            layout, self.rank, num_tokens, top_k, num_experts,
+            table("slot_expert"),
+            table("slot_position"),
+            table("slot_score"),
+            layout,
+            self.rank,
+            num_tokens,
+            top_k,
+            num_experts,
         )
         return layout, pairs
 
@@ -312,9 +327,7 @@ class EPExchange:
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, scores_S, expert_S, exchange, num_experts, top_k, routes):
-        rows_RD, rows_per_local_expert_e, route = exchange.dispatch_rows(
-            x_TD, scores_S, expert_S, num_experts, top_k
-        )
+        rows_RD, rows_per_local_expert_e, route = exchange.dispatch_rows(x_TD, scores_S, expert_S, num_experts, top_k)
         routes.append(route)
         ctx.route = route
         ctx.mark_non_differentiable(rows_per_local_expert_e)

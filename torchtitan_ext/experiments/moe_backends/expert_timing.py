@@ -41,16 +41,16 @@ class BenchShape:
         return self.tokens * self.top_k
 
     def layer_kwargs(self) -> dict:
-        return dict(dim=self.dim, hidden_dim=self.hidden_dim, num_experts=self.num_experts,
-                    top_k=self.top_k)
+        return dict(dim=self.dim, hidden_dim=self.hidden_dim, num_experts=self.num_experts, top_k=self.top_k)
 
 
 def seeded_generator(device, seed: int = SEED) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def route(num_tokens: int, num_experts: int, top_k: int, skew: float, device,
-          generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    num_tokens: int, num_experts: int, top_k: int, skew: float, device, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids_TK, scores_TK): top-k of random softmax logits, renormalised; skew favours low ids."""
     logits_TE = torch.randn(num_tokens, num_experts, device=device, generator=generator)
     if skew:
@@ -102,8 +102,14 @@ def _resetting_grads(fn: Callable[[], object], grad_to_none) -> Callable[[], Non
     return call
 
 
-def host_issue_ms(fn: Callable[[], object], grad_to_none=(), *, calls: int = 3, rounds: int = 5,
-                  synchronize: Callable[[], None] = torch.cuda.synchronize) -> float:
+def host_issue_ms(
+    fn: Callable[[], object],
+    grad_to_none=(),
+    *,
+    calls: int = 3,
+    rounds: int = 5,
+    synchronize: Callable[[], None] = torch.cuda.synchronize,
+) -> float:
     """Host ms to issue one call of ``fn`` while the GPU is busy with the calls before it.
 
     Each of ``rounds`` rounds synchronizes, issues one untimed call (the first call after a
@@ -180,8 +186,12 @@ def turn_order(names: Sequence[str], calls_per_name: int) -> list[str]:
     return order
 
 
-def interleaved_round(calls: dict[str, TimedCall], time_calls: Callable[[list[Callable[[], None]]], list[float]],
-                      repeat_ms: float, min_calls: int = MIN_CALLS_PER_ROUND) -> dict[str, float]:
+def interleaved_round(
+    calls: dict[str, TimedCall],
+    time_calls: Callable[[list[Callable[[], None]]], list[float]],
+    repeat_ms: float,
+    min_calls: int = MIN_CALLS_PER_ROUND,
+) -> dict[str, float]:
     """One round of a comparison with the names taking turns call by call (``turn_order``); each
     name's median ms.
 

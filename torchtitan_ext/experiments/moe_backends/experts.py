@@ -22,7 +22,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 
 from torchtitan_ext.kernels.fused_moe import (
@@ -97,9 +96,7 @@ def grouped_mm_experts(
 
     def grouped(a_RK: torch.Tensor, w_ENK: torch.Tensor) -> torch.Tensor:
         w_ENK = _pad_to_multiple(_pad_to_multiple(w_ENK.to(dtype), 1, align), 2, align)
-        return _row_major_grad(
-            torch._grouped_mm(a_RK, w_ENK.transpose(-2, -1), offs=offsets_E)
-        )
+        return _row_major_grad(torch._grouped_mm(a_RK, w_ENK.transpose(-2, -1), offs=offsets_E))
 
     x_RD = _row_major(_pad_to_multiple(x_RD, 1, align))
     h_RF = F.silu(grouped(x_RD, w1_EFD)) * grouped(x_RD, w3_EFD)
@@ -124,9 +121,7 @@ def batched_mm_padded_experts(
     max_rows_per_expert = int(num_tokens_per_expert_E.max()) if num_experts else 0
     counts_E = num_tokens_per_expert_E.to(torch.int64)
     starts_E = torch.cumsum(counts_E, dim=0) - counts_E
-    expert_R = torch.repeat_interleave(
-        torch.arange(num_experts, device=x_RD.device), counts_E, output_size=num_rows
-    )
+    expert_R = torch.repeat_interleave(torch.arange(num_experts, device=x_RD.device), counts_E, output_size=num_rows)
     slot_R = torch.arange(num_rows, device=x_RD.device) - starts_E[expert_R]
 
     padded_EMD = x_RD.new_zeros(num_experts, max_rows_per_expert, x_RD.shape[1])
@@ -260,9 +255,7 @@ class BackendGroupedExperts(GroupedExperts):
         self.compute_backend = config.compute_backend
         self.backend = get_backend(config.compute_backend)
 
-    def forward(
-        self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         """``x_RD`` grouped by expert, ``num_tokens_per_expert_E`` its segment sizes -> ``(R, D)``."""
         return self.backend.grouped(
             _in_autocast_dtype(x_RD),
@@ -312,9 +305,7 @@ class FusedRoutedExperts(RoutedExperts):
         x_BLD = _in_autocast_dtype(x_BLD)
         routed = self._routed_path()
         if routed is None:
-            return super().forward(
-                x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E
-            )
+            return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
         batch, seq_len, dim = x_BLD.shape
         top_k = topk_expert_ids_BLK.shape[-1]
         experts = self.inner_experts

@@ -48,17 +48,44 @@ TINY_SHAPE = MoEShape(
 
 # Public model dimensions (every layer MoE; attention as Qwen3 GQA blocks).
 QWEN3_30B_A3B = MoEShape(
-    vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
-    moe_hidden_dim=768, num_experts=128, top_k=8, max_seq_len=40960,
+    vocab_size=151936,
+    dim=2048,
+    n_layers=48,
+    n_heads=32,
+    n_kv_heads=4,
+    head_dim=128,
+    moe_hidden_dim=768,
+    num_experts=128,
+    top_k=8,
+    max_seq_len=40960,
 )
 MIXTRAL_8X7B = MoEShape(
-    vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
-    moe_hidden_dim=14336, num_experts=8, top_k=2, max_seq_len=32768, norm_eps=1e-5,
+    vocab_size=32000,
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=8,
+    head_dim=128,
+    moe_hidden_dim=14336,
+    num_experts=8,
+    top_k=2,
+    max_seq_len=32768,
+    norm_eps=1e-5,
 )
 OLMOE_1B_7B = MoEShape(
-    vocab_size=50304, dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, head_dim=128,
-    moe_hidden_dim=1024, num_experts=64, top_k=8, route_norm=False, rope_theta=10000.0,
-    max_seq_len=4096, norm_eps=1e-5,
+    vocab_size=50304,
+    dim=2048,
+    n_layers=16,
+    n_heads=16,
+    n_kv_heads=16,
+    head_dim=128,
+    moe_hidden_dim=1024,
+    num_experts=64,
+    top_k=8,
+    route_norm=False,
+    rope_theta=10000.0,
+    max_seq_len=4096,
+    norm_eps=1e-5,
 )
 
 
@@ -77,9 +104,7 @@ def moe_trainer_config(
     return Trainer.Config(
         model_spec=model_spec,
         hf_assets_path=str(TOKENIZER_DIR),
-        loss=ChunkedLossWrapper.Config(
-            loss_fn=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size)
-        ),
+        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size)),
         metrics=MoEMetricsProcessor.Config(log_freq=log_freq),
         dataloader=HuggingFaceTextDataLoader.Config(dataset=TINY_STORIES),
         optimizer=default_adamw(lr=lr),
@@ -93,9 +118,7 @@ def moe_trainer_config(
         ),
         # Model-parallel axes only: these models carry no SPMD sharding annotations, which
         # torchtitan's default "spmd_types" backend needs for FSDP.
-        parallelism=ParallelismConfig(
-            expert_parallel_degree=expert_parallel_degree, spmd_backend="partial_dtensor"
-        ),
+        parallelism=ParallelismConfig(expert_parallel_degree=expert_parallel_degree, spmd_backend="partial_dtensor"),
         checkpoint=IntegrityCheckpointManager.Config(interval=500, last_save_model_only=False),
         activation_checkpoint=SelectiveAC.Config(),
         debug=DebugConfig(seed=0),
@@ -190,7 +213,12 @@ def deepseek_v3_16b() -> Trainer.Config:
     use_routing(use_backend_experts(model_spec.model, DEFAULT_BACKEND))
     model_spec.parallelize_fn = with_router_loss_configuration(model_spec.parallelize_fn)
     config = moe_trainer_config(
-        model_spec, local_batch_size=4, seq_len=4096, steps=1000, lr=2.2e-4,
-        warmup_steps=100, log_freq=10,
+        model_spec,
+        local_batch_size=4,
+        seq_len=4096,
+        steps=1000,
+        lr=2.2e-4,
+        warmup_steps=100,
+        log_freq=10,
     )
     return config

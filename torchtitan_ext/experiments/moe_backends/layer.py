@@ -11,8 +11,7 @@ is torchtitan's own MoE layer config and ``moe_layer_config`` the same layer wit
 from collections.abc import Callable
 from functools import partial
 
-import torch.nn as nn
-
+from torch import nn
 from torchtitan.config.override import derive
 from torchtitan.models.common.config_utils import (
     make_moe_config,
@@ -94,11 +93,18 @@ def stock_moe_config(
     return make_moe_config(
         num_experts=num_experts,
         router=make_router_config(
-            dim=dim, num_experts=num_experts, gate_param_init=gate_param_init or {"weight": normal},
-            top_k=top_k, score_func=score_func, route_norm=route_norm,
+            dim=dim,
+            num_experts=num_experts,
+            gate_param_init=gate_param_init or {"weight": normal},
+            top_k=top_k,
+            score_func=score_func,
+            route_norm=route_norm,
         ),
         routed_experts=make_routed_experts_config(
-            dim=dim, hidden_dim=hidden_dim, num_experts=num_experts, top_k=top_k,
+            dim=dim,
+            hidden_dim=hidden_dim,
+            num_experts=num_experts,
+            top_k=top_k,
             param_init=experts_param_init or {"w1_EFD": normal, "w2_EDF": normal, "w3_EFD": normal},
             comm_backend="standard",
         ),

@@ -8,8 +8,7 @@ QK-norm, token-choice top-k MoE) whose MoE layers are this experiment's (see ``l
 from dataclasses import dataclass
 from functools import partial
 
-import torch.nn as nn
-
+from torch import nn
 from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
@@ -69,9 +68,7 @@ def qwen3_style_moe(
     }
 
     def norm(size: int) -> RMSNorm.Config:
-        return RMSNorm.Config(
-            normalized_shape=size, eps=shape.norm_eps, param_init={"weight": nn.init.ones_}
-        )
+        return RMSNorm.Config(normalized_shape=size, eps=shape.norm_eps, param_init={"weight": nn.init.ones_})
 
     layers = [
         Qwen3TransformerBlock.Config(
@@ -86,9 +83,7 @@ def qwen3_style_moe(
                 wo_param_init=residual_init,
                 inner_attention=get_attention_config(attn_backend),
                 fuse_qkv=True,
-                rope=CosSinRoPE.Config(
-                    dim=shape.head_dim, max_seq_len=shape.max_seq_len, theta=shape.rope_theta
-                ),
+                rope=CosSinRoPE.Config(dim=shape.head_dim, max_seq_len=shape.max_seq_len, theta=shape.rope_theta),
                 qk_norm=norm(shape.head_dim),
             ),
             moe=stock_moe_config(
@@ -113,9 +108,7 @@ def qwen3_style_moe(
             embedding_dim=shape.dim,
             param_init={"weight": partial(nn.init.normal_, std=0.02)},
         ),
-        lm_head=Linear.Config(
-            in_features=shape.dim, out_features=shape.vocab_size, param_init=linear_init
-        ),
+        lm_head=Linear.Config(in_features=shape.dim, out_features=shape.vocab_size, param_init=linear_init),
         layers=layers,
     )
     return ModelSpec(

@@ -34,7 +34,6 @@ from typing import Literal, get_args
 
 import torch
 from torch.distributed._functional_collectives import all_reduce
-
 from torchtitan.models.common.moe import MoE
 
 from .router import BalancedTopKRouter, RouterOutput
@@ -49,7 +48,9 @@ class _InjectLossGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, output, weighted_loss):
         ctx.loss_shape, ctx.loss_dtype, ctx.loss_device = (
-            weighted_loss.shape, weighted_loss.dtype, weighted_loss.device,
+            weighted_loss.shape,
+            weighted_loss.dtype,
+            weighted_loss.device,
         )
         return output.view_as(output)
 
@@ -152,7 +153,9 @@ class RoutedMoE(MoE):
                     f"{key('aux_loss_type')} = {self.aux_loss_type!r}: not one of the valid choices: {', '.join(AUX_LOSS_TYPES)}"
                 )
             if self.load_balance_coeff is not None and self.load_balance_coeff <= 0:
-                errors.append(f"{key('load_balance_coeff')} = {self.load_balance_coeff}: must be > 0, or off (None; 0 in TOML)")
+                errors.append(
+                    f"{key('load_balance_coeff')} = {self.load_balance_coeff}: must be > 0, or off (None; 0 in TOML)"
+                )
             return errors
 
     def __init__(self, config: Config):
@@ -176,9 +179,7 @@ class RoutedMoE(MoE):
             with torch.no_grad():
                 self.tokens_per_expert_E.add_(num_routed_per_expert_E)
 
-        out_BLD = self.routed_experts(
-            x_BLD, routed.topk_scores_BLK, routed.topk_expert_ids_BLK, num_kept_per_expert_E
-        )
+        out_BLD = self.routed_experts(x_BLD, routed.topk_scores_BLK, routed.topk_expert_ids_BLK, num_kept_per_expert_E)
         if self.shared_experts is not None:
             out_BLD = out_BLD + self.shared_experts(x_BLD)
 
@@ -248,12 +249,7 @@ def with_router_loss_configuration(parallelize_fn):
 
     @functools.wraps(parallelize_fn)
     def parallelize(model, *, parallel_dims, training, parallelism, **kwargs):
-        configure_router_losses(
-            model, parallel_dims=parallel_dims, training=training, parallelism=parallelism
-        )
-        return parallelize_fn(
-            model, parallel_dims=parallel_dims, training=training, parallelism=parallelism, **kwargs
-        )
+        configure_router_losses(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism)
+        return parallelize_fn(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism, **kwargs)
 
     return parallelize
-

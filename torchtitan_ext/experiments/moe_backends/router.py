@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
-
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import TokenChoiceTopKRouter
+
 from torchtitan_ext.kernels.moe_permute import slot_counts, stable_expert_order
 from torchtitan_ext.kernels.topk_routing import topk_routing, topk_routing_unsupported_reason
 
@@ -172,25 +172,37 @@ class BalancedTopKRouter(TokenChoiceTopKRouter):
             """Every invalid option, one message each; ``key(field)`` is how a message names a field."""
             errors = []
             if not 1 <= self.top_k <= self.num_experts:
-                errors.append(f"{key('top_k')} = {self.top_k}: must be in [1, {self.num_experts}] (the number of experts)")
+                errors.append(
+                    f"{key('top_k')} = {self.top_k}: must be in [1, {self.num_experts}] (the number of experts)"
+                )
             if self.route_scale <= 0:
                 errors.append(f"{key('route_scale')} = {self.route_scale}: must be > 0")
             groups, limited = self.num_expert_groups, self.num_limited_groups
             if groups is None and limited is not None:
-                errors.append(f"{key('num_limited_groups')} = {limited}: needs num_expert_groups too (group-limited routing)")
+                errors.append(
+                    f"{key('num_limited_groups')} = {limited}: needs num_expert_groups too (group-limited routing)"
+                )
             elif groups is not None and limited is None:
-                errors.append(f"{key('num_expert_groups')} = {groups}: needs num_limited_groups too (group-limited routing)")
+                errors.append(
+                    f"{key('num_expert_groups')} = {groups}: needs num_limited_groups too (group-limited routing)"
+                )
             elif groups is not None:
                 if groups < 1 or self.num_experts % groups:
-                    errors.append(f"{key('num_expert_groups')} = {groups}: must divide the number of experts ({self.num_experts})")
+                    errors.append(
+                        f"{key('num_expert_groups')} = {groups}: must divide the number of experts ({self.num_experts})"
+                    )
                 elif self.num_experts // groups < 2:
                     errors.append(f"{key('num_expert_groups')} = {groups}: leaves fewer than 2 experts per group")
                 elif not 1 <= limited <= groups:
-                    errors.append(f"{key('num_limited_groups')} = {limited}: must be in [1, {groups}] (num_expert_groups)")
+                    errors.append(
+                        f"{key('num_limited_groups')} = {limited}: must be in [1, {groups}] (num_expert_groups)"
+                    )
                 elif self.top_k > limited * (self.num_experts // groups):
                     errors.append(f"{key('top_k')} = {self.top_k}: exceeds the experts in {limited} limited groups")
             if self.capacity_factor is not None and self.capacity_factor <= 0:
-                errors.append(f"{key('capacity_factor')} = {self.capacity_factor}: must be > 0, or off (None; 0 in TOML)")
+                errors.append(
+                    f"{key('capacity_factor')} = {self.capacity_factor}: must be > 0, or off (None; 0 in TOML)"
+                )
             return errors
 
     def __init__(self, config: Config):
@@ -226,8 +238,12 @@ class BalancedTopKRouter(TokenChoiceTopKRouter):
         with torch.autocast(device_type=x_BLD.device.type, dtype=torch.float32):
             logits_BLE = self.gate(x_BLD)
         topk_scores_NK, topk_ids_NK, scores_NE, counts_E = topk_routing(
-            logits_BLE.float().reshape(-1, self.num_experts), expert_bias_E,
-            self.top_k, self.score_func, self.route_norm, self.route_scale,
+            logits_BLE.float().reshape(-1, self.num_experts),
+            expert_bias_E,
+            self.top_k,
+            self.score_func,
+            self.route_norm,
+            self.route_scale,
         )
         leading = x_BLD.shape[:-1]
         return (
@@ -277,4 +293,3 @@ class BalancedTopKRouter(TokenChoiceTopKRouter):
             f"top_k={self.top_k}, score_func={self.score_func}, route_norm={self.route_norm}, "
             f"route_scale={self.route_scale}, capacity_factor={self.capacity_factor}"
         )
-

@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 from torchtitan.models.common.moe import GroupedExperts
+
 from torchtitan_ext.kernels._runtime import interpreter_enabled, triton_available_reason
 from torchtitan_ext.overrides import ConfigError, register_config_check, register_short_key
 from torchtitan_ext.registry import register_run_description, register_startup_note
@@ -25,8 +26,11 @@ from .moe import AuxLossType, RoutedMoE
 from .router import BalancedTopKRouter
 
 
-@register_short_key("moe.compute_backend", ComputeBackendChoice,
-                    "expert compute backend of every MoE layer (auto: fastest here, chosen at start-up)")
+@register_short_key(
+    "moe.compute_backend",
+    ComputeBackendChoice,
+    "expert compute backend of every MoE layer (auto: fastest here, chosen at start-up)",
+)
 def set_compute_backend(config, backend: str) -> None:
     experts = list(config.model_spec.model.traverse(BackendGroupedExperts.Config))
     if not experts:
@@ -41,10 +45,12 @@ def compute_backend_of_run(config) -> dict:
     computes as the default backend), one name when they agree."""
     backends = []
     if config.model_spec is not None:
-        backends = sorted({
-            experts.compute_backend if isinstance(experts, BackendGroupedExperts.Config) else DEFAULT_BACKEND
-            for _, experts, _, _ in config.model_spec.model.traverse(GroupedExperts.Config)
-        })
+        backends = sorted(
+            {
+                experts.compute_backend if isinstance(experts, BackendGroupedExperts.Config) else DEFAULT_BACKEND
+                for _, experts, _, _ in config.model_spec.model.traverse(GroupedExperts.Config)
+            }
+        )
     return {"compute_backend": backends[0] if len(backends) == 1 else backends}
 
 
@@ -98,7 +104,9 @@ def moe_configs(config, key: str) -> list[RoutedMoE.Config]:
 def dispatcher_configs(config, key: str) -> list[RoutingDispatcher.Config]:
     dispatchers = [moe.routed_experts.token_dispatcher for moe in moe_configs(config, key)]
     if not all(isinstance(d, RoutingDispatcher.Config) for d in dispatchers):
-        raise ConfigError(f"{key}: this flavor's token dispatcher ({type(dispatchers[0]).__qualname__}) has no such option")
+        raise ConfigError(
+            f"{key}: this flavor's token dispatcher ({type(dispatchers[0]).__qualname__}) has no such option"
+        )
     return dispatchers
 
 
@@ -134,21 +142,33 @@ _option_key("score_func", Literal["softmax", "sigmoid"], "router score function"
 _option_key("route_norm", bool, "renormalize the top-k scores to sum 1", routers)
 _option_key("route_scale", float, "multiply the gating weights by this", routers)
 _option_key("num_expert_groups", int, "group-limited routing: expert groups (0 = off)", routers, _zero_is_off)
-_option_key("num_limited_groups", int, "group-limited routing: groups each token may use (0 = off)",
-            routers, _zero_is_off)
-_option_key("capacity_factor", float,
-            "per-expert token capacity as a multiple of the balanced load (0 = no limit)", routers, _zero_is_off)
-_option_key("load_balance_coeff", float, "aux-loss-free expert bias update rate (0 = off)",
-            moe_configs, _zero_is_off)
+_option_key(
+    "num_limited_groups", int, "group-limited routing: groups each token may use (0 = off)", routers, _zero_is_off
+)
+_option_key(
+    "capacity_factor",
+    float,
+    "per-expert token capacity as a multiple of the balanced load (0 = no limit)",
+    routers,
+    _zero_is_off,
+)
+_option_key("load_balance_coeff", float, "aux-loss-free expert bias update rate (0 = off)", moe_configs, _zero_is_off)
 _option_key("aux_loss_coeff", float, "load-balancing loss weight (0 = off)", moe_configs)
 _option_key("aux_loss_type", AuxLossType, "load-balancing loss variant: seq, batch or global", moe_configs)
 _option_key("z_loss_coeff", float, "router z-loss weight (0 = off)", moe_configs)
-_option_key("permute_backend", PermuteBackend, "token permute/unpermute: auto (triton on CUDA), torch or triton",
-            dispatcher_configs)
+_option_key(
+    "permute_backend",
+    PermuteBackend,
+    "token permute/unpermute: auto (triton on CUDA), torch or triton",
+    dispatcher_configs,
+)
 _option_key("align_size", int, "pad each expert's rows to a multiple of this (1 = off)", dispatcher_configs)
-_option_key("ep_transport", EPTransport,
-            "how rows move between EP ranks: all_to_all (collectives) or symm_mem (one kernel each way)",
-            dispatcher_configs)
+_option_key(
+    "ep_transport",
+    EPTransport,
+    "how rows move between EP ranks: all_to_all (collectives) or symm_mem (one kernel each way)",
+    dispatcher_configs,
+)
 
 
 @register_short_key("moe.top_k", int, "experts per token (router and dispatcher)")
@@ -158,7 +178,12 @@ def set_top_k(config, top_k: int) -> None:
         moe.routed_experts.token_dispatcher.top_k = top_k
 
 
-VALIDATED_CONFIGS = (RoutedMoE.Config, BalancedTopKRouter.Config, RoutingDispatcher.Config, BackendGroupedExperts.Config)
+VALIDATED_CONFIGS = (
+    RoutedMoE.Config,
+    BalancedTopKRouter.Config,
+    RoutingDispatcher.Config,
+    BackendGroupedExperts.Config,
+)
 """The experiment's configs with a ``validation_errors`` method: every option's own check lives there."""
 
 
@@ -196,7 +221,9 @@ def check_moe_config(config) -> None:
             if dispatcher.ep_transport == "symm_mem":
                 errors.extend(symm_mem_errors(config.parallelism.expert_parallel_degree))
         if router.top_k != dispatcher.top_k:
-            errors.append(f"moe: router top_k ({router.top_k}) differs from the dispatcher's ({dispatcher.top_k}); set moe.top_k")
+            errors.append(
+                f"moe: router top_k ({router.top_k}) differs from the dispatcher's ({dispatcher.top_k}); set moe.top_k"
+            )
     errors.extend(parallelism_errors(config, moes))
     errors.extend(align_size_errors(config))
     if errors:
@@ -208,7 +235,9 @@ def check_compute_backends_run_here(config) -> None:
     """Before training: every chosen backend can run on this machine (its spec says why not)."""
     if config.model_spec is None:
         return
-    names = {experts.compute_backend for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)}
+    names = {
+        experts.compute_backend for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)
+    }
     errors = []
     for name in sorted(names - {AUTO_BACKEND}):
         reason = get_backend(name).unavailable_reason()
@@ -269,16 +298,27 @@ def parallelism_errors(config, moes: list[RoutedMoE.Config], world_size: int | N
     """Why this parallel layout cannot run the MoE layers (empty list: it can)."""
     p = config.parallelism
     world = current_world_size() if world_size is None else world_size
-    ep, tp, cp, pp = p.expert_parallel_degree, p.tensor_parallel_degree, p.context_parallel_degree, p.pipeline_parallel_degree
+    ep, tp, cp, pp = (
+        p.expert_parallel_degree,
+        p.tensor_parallel_degree,
+        p.context_parallel_degree,
+        p.pipeline_parallel_degree,
+    )
     dp_replicate, dp_shard = p.data_parallel_replicate_degree, p.data_parallel_shard_degree
     errors = []
     if min(ep, tp, cp, pp, dp_replicate) < 1 or (dp_shard < 1 and dp_shard != -1):
-        return [f"parallelism: degrees must be >= 1 (data_parallel_shard_degree may be -1); got ep={ep}, tp={tp}, cp={cp}, pp={pp}, dp_replicate={dp_replicate}, dp_shard={dp_shard}"]
+        return [
+            f"parallelism: degrees must be >= 1 (data_parallel_shard_degree may be -1); got ep={ep}, tp={tp}, cp={cp}, pp={pp}, dp_replicate={dp_replicate}, dp_shard={dp_shard}"
+        ]
     if dp_shard == -1 and world % (dp_replicate * cp * tp * pp):
-        return [f"parallelism: world size {world} is not divisible by dp_replicate*cp*tp*pp = {dp_replicate * cp * tp * pp}"]
+        return [
+            f"parallelism: world size {world} is not divisible by dp_replicate*cp*tp*pp = {dp_replicate * cp * tp * pp}"
+        ]
     dp_shard = data_parallel_shard_degree(p, world)
     if dp_replicate * dp_shard * cp * tp * pp != world:
-        errors.append(f"parallelism: dp_replicate({dp_replicate}) * dp_shard({dp_shard}) * cp({cp}) * tp({tp}) * pp({pp}) != world size {world}")
+        errors.append(
+            f"parallelism: dp_replicate({dp_replicate}) * dp_shard({dp_shard}) * cp({cp}) * tp({tp}) * pp({pp}) != world size {world}"
+        )
     if ep > 1:
         if ep > world:
             errors.append(
@@ -294,7 +334,9 @@ def parallelism_errors(config, moes: list[RoutedMoE.Config], world_size: int | N
             )
         for num_experts in sorted({moe.num_experts for moe in moes}):
             if num_experts % ep:
-                errors.append(f"parallelism.expert_parallel_degree ({ep}) does not divide the number of experts ({num_experts})")
+                errors.append(
+                    f"parallelism.expert_parallel_degree ({ep}) does not divide the number of experts ({num_experts})"
+                )
     if tp > 1 and any(moe.aux_loss_coeff > 0 or moe.z_loss_coeff > 0 for moe in moes):
         errors.append("moe.aux_loss_coeff / moe.z_loss_coeff are not supported with tensor parallelism (tp > 1)")
     return errors

@@ -56,7 +56,8 @@ def check_torchtitan_features(config) -> None:
     if not config.training.disable_cuda_graphs:
         errors.append(
             "training.disable_cuda_graphs = false: CUDA graphs cannot replay this MoE step ("
-            + "; ".join(cuda_graph_blockers(config)) + "); leave CUDA graphs off"
+            + "; ".join(cuda_graph_blockers(config))
+            + "); leave CUDA graphs off"
         )
     if config.compile.enable and "model" in config.compile.components:
         errors.append(
