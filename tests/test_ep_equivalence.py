@@ -33,7 +33,7 @@ from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process
 from torchtitan_ext.experiments.moe_backends.experts import runnable_backends
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
-from torchtitan_ext.kernels._runtime import triton_available_reason
+from torchtitan_ext.kernels.availability import triton_available_reason
 
 NUM_EXPERTS, TOP_K, DIM, HIDDEN = 8, 2, 16, 24
 BATCH_PER_RANK, SEQ_LEN = 2, 6

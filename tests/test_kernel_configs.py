@@ -4,7 +4,7 @@ tiles fit the shape and whose pipeline fits in shared memory is taken."""
 import torch
 import triton
 
-from torchtitan_ext.kernels._runtime import (
+from torchtitan_ext.kernels.launch_configs import (
     GATE_UP_FORWARD_CONFIGS,
     PLAIN_GEMM_CONFIGS,
     WEIGHT_GRADIENT_CONFIGS,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import assert_weight_gradient_matches
 
-from torchtitan_ext.kernels._runtime import interpreter_enabled
+from torchtitan_ext.kernels.availability import interpreter_enabled
 from torchtitan_ext.kernels.fused_moe import (
     fused_moe_grouped,
     fused_moe_routed,
@@ -287,7 +287,7 @@ def test_clear_error_without_cuda_or_interpreter(monkeypatch):
 def test_weight_gradient_with_and_without_tensor_descriptors(use_descriptors, dtype, monkeypatch):
     """c[e] = a[rows of e].T @ b[rows of e]: descriptor (TMA) loads for full row steps, pointer loads otherwise."""
     from torchtitan_ext.kernels import swiglu_experts
-    from torchtitan_ext.kernels._runtime import tensor_descriptors_usable
+    from torchtitan_ext.kernels.launch_configs import tensor_descriptors_usable
 
     generator = torch.Generator().manual_seed(5)
     counts = [37, 0, 16, 5, 0, 21]  # partial and exact 16-row steps, empty experts, 4 trailing unassigned rows
@@ -302,7 +302,7 @@ def test_weight_gradient_with_and_without_tensor_descriptors(use_descriptors, dt
 
 
 def test_tensor_descriptors_need_aligned_rows():
-    from torchtitan_ext.kernels._runtime import tensor_descriptors_usable
+    from torchtitan_ext.kernels.launch_configs import tensor_descriptors_usable
 
     assert not tensor_descriptors_usable(torch.zeros(8, 20, dtype=torch.float16))  # 40-byte rows
     assert not tensor_descriptors_usable(torch.zeros(0, 32, dtype=torch.float16))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torchtitan_ext.kernels._runtime import triton_available_reason
+from torchtitan_ext.kernels.availability import triton_available_reason
 from torchtitan_ext.kernels.moe_permute import grouped_metadata, routing_metadata
 from torchtitan_ext.kernels.swiglu_experts import swiglu_experts
 

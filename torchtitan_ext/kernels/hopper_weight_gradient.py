@@ -26,12 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from torchtitan_ext.kernels._runtime import (
-    compute_capability_major,
-    interpreter_enabled,
-    persistent_programs,
-    tensor_descriptors_usable,
-)
+from torchtitan_ext.kernels.availability import compute_capability_major, interpreter_enabled, persistent_programs
+from torchtitan_ext.kernels.launch_configs import tensor_descriptors_usable
 
 try:
     from triton.experimental import gluon

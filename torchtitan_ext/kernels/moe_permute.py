@@ -42,12 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from torchtitan_ext.kernels._runtime import (
-    check_runnable,
-    interpreter_enabled,
-    permute_block_d,
-    row_block_d,
-)
+from torchtitan_ext.kernels.availability import check_runnable, interpreter_enabled
+from torchtitan_ext.kernels.launch_configs import permute_block_d, row_block_d
 
 # ---------------------------------------------------------------- routing metadata
 

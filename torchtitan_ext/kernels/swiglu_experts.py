@@ -31,24 +31,22 @@ import triton
 import triton.language as tl
 
 from torchtitan_ext.kernels import hopper_weight_gradient
-from torchtitan_ext.kernels._runtime import (
+from torchtitan_ext.kernels.availability import check_runnable, persistent_programs
+from torchtitan_ext.kernels.launch_configs import (
     GATE_UP_FORWARD_CONFIGS,
     PLAIN_GEMM_CONFIGS,
     WEIGHT_GRADIENT_CONFIGS,
     block_experts,
-    check_runnable,
     descriptor_blocks,
     dot_precision,
     fit_to_shape,
     fitted,
     gemm_configs,
-    locate_row_tile,
     num_row_tiles_upper_bound,
-    persistent_programs,
-    swizzle_tile,
     tensor_descriptors,
 )
 from torchtitan_ext.kernels.moe_permute import scatter_token_rows, sum_slots
+from torchtitan_ext.kernels.tiles import locate_row_tile, swizzle_tile
 
 GROUP_M = 8
 GATE_UP_TWO_PASS_MIN_WEIGHT = 2048 * 4096

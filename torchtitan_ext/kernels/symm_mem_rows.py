@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from torchtitan_ext.kernels._runtime import ROW_COPY_CONFIGS, check_runnable, row_copy_configs, tuned
+from torchtitan_ext.kernels.availability import check_runnable
+from torchtitan_ext.kernels.launch_configs import ROW_COPY_CONFIGS, row_copy_configs, tuned
 
 
 @triton.jit

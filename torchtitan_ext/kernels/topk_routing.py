@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchtitan_ext.kernels._runtime import check_runnable
+from torchtitan_ext.kernels.availability import check_runnable
 from torchtitan_ext.kernels.moe_permute import slot_counts
 
 SCORE_FUNCS = ("softmax", "sigmoid")

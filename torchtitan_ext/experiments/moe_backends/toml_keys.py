@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torchtitan.models.common.moe import GroupedExperts
 
-from torchtitan_ext.kernels._runtime import interpreter_enabled, triton_available_reason
+from torchtitan_ext.kernels.availability import interpreter_enabled, triton_available_reason
 from torchtitan_ext.overrides import ConfigError, register_config_check, register_short_key
 from torchtitan_ext.registry import register_run_description, register_startup_note
 from torchtitan_ext.validation import data_parallel_shard_degree, launch_command, named

@@ -1,56 +1,19 @@
-"""Where the Triton kernels can run, the autotune configs they try, and tile scheduling.
-
-Kernels run on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` (Triton's
-interpreter: slow, for tests on tiny shapes).
-"""
+"""How the Triton kernels are launched: the configs they try (listed best first), the choice of one
+per shape, TMA tensor descriptors, and block sizes of the row kernels."""
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
-import triton.language as tl
+
+from torchtitan_ext.kernels.availability import cuda_properties, interpreter_enabled
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
     TensorDescriptor = None
-
-
-def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def triton_available_reason() -> str | None:
-    """None when the Triton MoE kernels can run here, else a sentence saying why not."""
-    if interpreter_enabled():
-        return None
-    if not torch.cuda.is_available():
-        return (
-            "the Triton MoE kernels need a CUDA GPU, and CUDA is not available "
-            "(set TRITON_INTERPRET=1 to run them on CPU through Triton's interpreter)"
-        )
-    return None
-
-
-def check_runnable(*tensors: torch.Tensor) -> None:
-    """Raise RuntimeError when the kernels cannot run on these tensors."""
-    reason = triton_available_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise RuntimeError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    device = devices.pop()
-    if device.type == "cpu" and not interpreter_enabled():
-        raise RuntimeError(
-            "the Triton MoE kernels got CPU tensors; move them to a CUDA device "
-            "or set TRITON_INTERPRET=1 to use Triton's interpreter"
-        )
-    if device.type not in ("cpu", "cuda"):
-        raise RuntimeError(f"the Triton MoE kernels run on CUDA tensors, got device {device}")
 
 
 def gemm_configs(configs: list[tuple[int, int, int, int, int]], pre_hook=None) -> list[triton.Config]:
@@ -79,7 +42,7 @@ def tensor_descriptors_usable(*tensors: torch.Tensor) -> bool:
     if TensorDescriptor is None:
         return False
     if not interpreter_enabled():
-        if not all(t.is_cuda for t in tensors) or _cuda_properties(tensors[0].get_device()).major < 9:
+        if not all(t.is_cuda for t in tensors) or cuda_properties(tensors[0].get_device()).major < 9:
             return False
     return all(
         t.dim() >= 2
@@ -111,29 +74,6 @@ def descriptor_blocks(**block_shapes: tuple[int | str, ...]):
     return set_blocks
 
 
-@functools.cache
-def _cuda_properties(device_index: int):
-    """The properties of a CUDA device, looked up once per process: kernel launches read them on
-    every call, and the lookup costs host time next to launches of a few microseconds."""
-    return torch.cuda.get_device_properties(device_index)
-
-
-def _device_properties(device: torch.device):
-    return _cuda_properties(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def compute_capability_major(device: torch.device) -> int:
-    """The major compute capability of a CUDA device (9 for Hopper), looked up once per device."""
-    return _device_properties(device).major
-
-
-def persistent_programs(device: torch.device) -> int:
-    """Programs of a persistent kernel: one per SM (four under the interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return _device_properties(device).multi_processor_count
-
-
 def _block_cap(size: int) -> int:
     """Largest tile worth trying along a dimension of ``size``: its next power of 2, at least 16."""
     return max(16, triton.next_power_of_2(max(1, size)))
@@ -148,7 +88,7 @@ def _shared_memory_bytes(config: triton.Config, a_tiles: int, b_tiles: int, elem
 
 def _shared_memory_limit() -> int:
     if torch.cuda.is_available():
-        return _cuda_properties(torch.cuda.current_device()).shared_memory_per_block_optin
+        return cuda_properties(torch.cuda.current_device()).shared_memory_per_block_optin
     return 227 * 1024
 
 
@@ -285,54 +225,6 @@ def num_row_tiles_upper_bound(num_rows: int, num_experts: int, block_m: int) -> 
     sizes the grid without reading the counts on the host; programs past the real tiles exit.
     """
     return triton.cdiv(num_rows, block_m) + min(num_experts, num_rows) + 1
-
-
-@triton.jit
-def locate_row_tile(
-    m_tile,
-    group_end_ptr,
-    num_experts,
-    num_rows,
-    BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
-    """Map a row-tile index to (expert, first row, end row) over expert-contiguous segments.
-
-    ``group_end_ptr[e]`` is the exclusive end row of expert e (an inclusive cumsum of the
-    counts). Tiles after the last expert's tiles cover the trailing unassigned rows
-    [group_end[E-1], num_rows) and report expert == num_experts; tiles past those get an
-    empty row range.
-    """
-    expert_idx = tl.arange(0, BLOCK_E)
-    in_range = expert_idx < num_experts
-    ends = tl.load(group_end_ptr + expert_idx, mask=in_range, other=0)
-    starts = tl.load(group_end_ptr + expert_idx - 1, mask=in_range & (expert_idx > 0), other=0)
-    tiles = tl.where(in_range, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-    tile_ends = tl.cumsum(tiles, 0)
-    expert = tl.sum((tile_ends <= m_tile).to(tl.int32), 0)
-    is_expert = expert_idx == expert
-    first_tile = tl.sum(tl.where(is_expert, tile_ends - tiles, 0), 0)
-    seg_start = tl.sum(tl.where(is_expert, starts, 0), 0)
-    seg_end = tl.sum(tl.where(is_expert, ends, 0), 0)
-    past_experts = expert >= num_experts
-    last_end = tl.sum(tl.where(expert_idx == num_experts - 1, ends, 0), 0)
-    first_tile = tl.where(past_experts, tl.sum(tiles, 0), first_tile)
-    seg_start = tl.where(past_experts, last_end, seg_start)
-    seg_end = tl.where(past_experts, num_rows, seg_end)
-    row_start = seg_start + (m_tile - first_tile) * BLOCK_M
-    return expert, row_start, seg_end
-
-
-@triton.jit
-def swizzle_tile(pid, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
-    """Group GROUP_M row tiles per column sweep so neighbouring programs share operands in L2."""
-    tiles_per_group = GROUP_M * num_n_tiles
-    group = pid // tiles_per_group
-    first_m = group * GROUP_M
-    group_size = tl.minimum(num_m_tiles - first_m, GROUP_M)
-    m_tile = first_m + (pid % tiles_per_group) % group_size
-    n_tile = (pid % tiles_per_group) // group_size
-    return m_tile, n_tile
 
 
 def block_experts(num_experts: int) -> int:
