@@ -158,7 +158,7 @@ def test_hopper_weight_gradient_is_the_triton_kernels_bit_for_bit(dtype, out_dty
     """The Gluon weight-gradient kernel against the Triton one and an fp64 reference: partial and
     exact 64-row steps, empty and one-row experts, trailing unassigned rows, N below and past a tile,
     and an fp32 output (the gradient of fp32 weights under autocast)."""
-    from torchtitan_ext.kernels import hopper_weight_gradient, swiglu_experts
+    from torchtitan_ext.kernels import hopper_weight_gradient, swiglu_passes
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon weight-gradient kernel runs on Hopper GPUs")
@@ -176,6 +176,6 @@ def test_hopper_weight_gradient_is_the_triton_kernels_bit_for_bit(dtype, out_dty
     hopper_weight_gradient.weight_gradient(a_RM, b_RN, group_end_E, gluon_out)
     monkeypatch.setattr(hopper_weight_gradient, "usable", lambda *tensors: False)
     triton_out = torch.full_like(gluon_out, float("nan"))
-    swiglu_experts._weight_gradient(a_RM, b_RN, group_end_E, triton_out)
+    swiglu_passes._weight_gradient(a_RM, b_RN, group_end_E, triton_out)
     assert torch.equal(gluon_out, triton_out)
     assert_weight_gradient_matches(gluon_out, a_RM, b_RN, counts, TOLERANCE[dtype])

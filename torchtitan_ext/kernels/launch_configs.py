@@ -41,9 +41,9 @@ def tensor_descriptors_usable(*tensors: torch.Tensor) -> bool:
     """
     if TensorDescriptor is None:
         return False
-    if not interpreter_enabled():
-        if not all(t.is_cuda for t in tensors) or cuda_properties(tensors[0].get_device()).major < 9:
-            return False
+    on_hopper = all(t.is_cuda for t in tensors) and cuda_properties(tensors[0].get_device()).major >= 9
+    if not (interpreter_enabled() or on_hopper):
+        return False
     return all(
         t.dim() >= 2
         and min(t.shape) > 0
@@ -161,7 +161,7 @@ class FittedKernel:
         named = dict(zip(self._arg_names, args))
         named.update(constexprs)
         element_size = _operand_element_size(args)
-        choice = tuple(named[name] for name in self._key) + (element_size,)
+        choice = (*(named[name] for name in self._key), element_size)
         config = self._chosen.get(choice)
         if config is None:
             config = self._fit(self._configs, named, element_size)

@@ -92,8 +92,15 @@ def routing_metadata(
     Two Triton kernels (a histogram per block of slots, then each slot's rank: the rows of the
     experts before its own, of the blocks before its own, and of the slots before it in its
     block) where they can run and ``num_experts <= GROUPING_MAX_EXPERTS``; a stable sort otherwise.
+    The ``torchtitan_ext::routing_metadata`` op (not differentiable).
     """
-    expert_of_slot_S = topk_expert_ids_TK.reshape(-1)
+    return _routing_metadata_op(topk_expert_ids_TK.reshape(-1), num_experts, slots_per_program)
+
+
+@torch.library.custom_op("torchtitan_ext::routing_metadata", mutates_args=())
+def _routing_metadata_op(
+    expert_of_slot_S: torch.Tensor, num_experts: int, slots_per_program: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if num_experts <= GROUPING_MAX_EXPERTS and (expert_of_slot_S.is_cuda or interpreter_enabled()):
         return _group_slots_with_kernels(expert_of_slot_S, num_experts, slots_per_program)
     row_slot_S = stable_expert_order(expert_of_slot_S, num_experts)
@@ -102,6 +109,13 @@ def routing_metadata(
     group_end_E = torch.searchsorted(sorted_experts_S, expert_ids_E, right=True)
     row_slot_S = row_slot_S.to(torch.int32)
     return row_slot_S, slot_rows(row_slot_S), group_end_E.to(torch.int32)
+
+
+@_routing_metadata_op.register_fake
+def _(expert_of_slot_S, num_experts, slots_per_program):
+    as_index = {"dtype": torch.int32, "device": expert_of_slot_S.device}
+    num_slots = expert_of_slot_S.shape[0]
+    return torch.empty(num_slots, **as_index), torch.empty(num_slots, **as_index), torch.empty(num_experts, **as_index)
 
 
 @triton.jit
@@ -391,86 +405,128 @@ def weighted_sum_slots(
     return y_TD
 
 
-class _PermuteTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TD, dest_row_S, top_k, num_rows, zero_padding=True):
-        x_TD = x_TD.contiguous()
-        dim = x_TD.shape[1]
-        rows_RD = x_TD.new_zeros(num_rows, dim) if zero_padding else x_TD.new_empty(num_rows, dim)
-        scatter_token_rows(x_TD, dest_row_S, top_k, rows_RD)
-        ctx.save_for_backward(dest_row_S)
-        ctx.top_k, ctx.num_tokens = top_k, x_TD.shape[0]
-        return rows_RD
-
-    @staticmethod
-    def backward(ctx, grad_rows_RD):
-        (dest_row_S,) = ctx.saved_tensors
-        return sum_slots(grad_rows_RD, dest_row_S, ctx.top_k, ctx.num_tokens), None, None, None, None
+@torch.library.custom_op("torchtitan_ext::permute_rows", mutates_args=())
+def _permute_rows_op(
+    x_TD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_rows: int, zero_padding: bool
+) -> torch.Tensor:
+    check_runnable(x_TD, dest_row_S)
+    x_TD = x_TD.contiguous()
+    dim = x_TD.shape[1]
+    rows_RD = x_TD.new_zeros(num_rows, dim) if zero_padding else x_TD.new_empty(num_rows, dim)
+    return scatter_token_rows(x_TD, dest_row_S, top_k, rows_RD)
 
 
-class _UnpermuteTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows_RD, dest_row_S, scores_S, top_k):
-        rows_RD = rows_RD.contiguous()
-        scores_S = scores_S.contiguous()
-        y_TD = weighted_sum_slots(rows_RD, dest_row_S, scores_S, top_k)
-        ctx.save_for_backward(rows_RD, dest_row_S, scores_S)
-        ctx.top_k = top_k
-        return y_TD
-
-    @staticmethod
-    def backward(ctx, grad_y_TD):
-        rows_RD, dest_row_S, scores_S = ctx.saved_tensors
-        grad_y_TD = grad_y_TD.contiguous()
-        dim = rows_RD.shape[1]
-        grad_rows_RD = torch.zeros_like(rows_RD)
-        grad_scores_S = torch.empty_like(scores_S)
-        if dest_row_S.numel():
-            _unpermute_backward_kernel[(dest_row_S.shape[0],)](
-                rows_RD,
-                dest_row_S,
-                scores_S,
-                grad_y_TD,
-                grad_rows_RD,
-                grad_scores_S,
-                dim,
-                ctx.top_k,
-                BLOCK_D=row_block_d(dim),
-            )
-        return grad_rows_RD, None, grad_scores_S, None
+@_permute_rows_op.register_fake
+def _(x_TD, dest_row_S, top_k, num_rows, zero_padding):
+    return x_TD.new_empty(num_rows, x_TD.shape[1])
 
 
-class _SumTokenRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows_RD, dest_row_S, top_k):
-        ctx.save_for_backward(dest_row_S)
-        ctx.top_k, ctx.num_rows = top_k, rows_RD.shape[0]
-        return sum_slots(rows_RD, dest_row_S, top_k, dest_row_S.shape[0] // top_k)
+@torch.library.custom_op("torchtitan_ext::sum_rows", mutates_args=())
+def _sum_rows_op(rows_RD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int) -> torch.Tensor:
+    check_runnable(rows_RD, dest_row_S)
+    return sum_slots(rows_RD, dest_row_S, top_k, dest_row_S.shape[0] // top_k)
 
-    @staticmethod
-    def backward(ctx, grad_y_TD):
-        (dest_row_S,) = ctx.saved_tensors
-        return _PermuteTokens.apply(grad_y_TD, dest_row_S, ctx.top_k, ctx.num_rows), None, None
+
+@_sum_rows_op.register_fake
+def _(rows_RD, dest_row_S, top_k):
+    return rows_RD.new_empty(dest_row_S.shape[0] // top_k, rows_RD.shape[1])
+
+
+def _save_index(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[1])
+    ctx.top_k = inputs[2]
+    ctx.num_source_rows = inputs[0].shape[0]
+
+
+def _permute_rows_backward(ctx, grad_rows_RD):
+    (dest_row_S,) = ctx.saved_tensors
+    return _sum_rows_op(grad_rows_RD, dest_row_S, ctx.top_k), None, None, None, None
+
+
+def _sum_rows_backward(ctx, grad_y_TD):
+    (dest_row_S,) = ctx.saved_tensors
+    return _permute_rows_op(grad_y_TD, dest_row_S, ctx.top_k, ctx.num_source_rows, True), None, None
+
+
+_permute_rows_op.register_autograd(_permute_rows_backward, setup_context=_save_index)
+_sum_rows_op.register_autograd(_sum_rows_backward, setup_context=_save_index)
+
+
+@torch.library.custom_op("torchtitan_ext::weighted_sum_rows", mutates_args=())
+def _weighted_sum_rows_op(
+    rows_RD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    check_runnable(rows_RD, dest_row_S, scores_S)
+    return weighted_sum_slots(rows_RD, dest_row_S, scores_S, top_k)
+
+
+@_weighted_sum_rows_op.register_fake
+def _(rows_RD, dest_row_S, scores_S, top_k):
+    return rows_RD.new_empty(dest_row_S.shape[0] // top_k, rows_RD.shape[1])
+
+
+@torch.library.custom_op("torchtitan_ext::weighted_sum_rows_backward", mutates_args=())
+def _weighted_sum_rows_backward_op(
+    rows_RD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, grad_y_TD: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_rows_RD, grad_scores_S)``: each slot's row gets score * grad_y of its token (padding rows
+    zero), each score the dot product of its row with that gradient."""
+    rows_RD, scores_S, grad_y_TD = rows_RD.contiguous(), scores_S.contiguous(), grad_y_TD.contiguous()
+    dim = rows_RD.shape[1]
+    grad_rows_RD = torch.zeros_like(rows_RD)
+    grad_scores_S = torch.empty_like(scores_S)
+    if dest_row_S.numel():
+        _unpermute_backward_kernel[(dest_row_S.shape[0],)](
+            rows_RD,
+            dest_row_S,
+            scores_S,
+            grad_y_TD,
+            grad_rows_RD,
+            grad_scores_S,
+            dim,
+            top_k,
+            BLOCK_D=row_block_d(dim),
+        )
+    return grad_rows_RD, grad_scores_S
+
+
+@_weighted_sum_rows_backward_op.register_fake
+def _(rows_RD, dest_row_S, scores_S, grad_y_TD, top_k):
+    return torch.empty_like(rows_RD), torch.empty_like(scores_S)
+
+
+def _weighted_sum_rows_setup(ctx, inputs, output) -> None:
+    rows_RD, dest_row_S, scores_S, top_k = inputs
+    ctx.save_for_backward(rows_RD, dest_row_S, scores_S)
+    ctx.top_k = top_k
+
+
+def _weighted_sum_rows_backward(ctx, grad_y_TD):
+    rows_RD, dest_row_S, scores_S = ctx.saved_tensors
+    grad_rows_RD, grad_scores_S = _weighted_sum_rows_backward_op(rows_RD, dest_row_S, scores_S, grad_y_TD, ctx.top_k)
+    return grad_rows_RD, None, grad_scores_S, None
+
+
+_weighted_sum_rows_op.register_autograd(_weighted_sum_rows_backward, setup_context=_weighted_sum_rows_setup)
 
 
 def permute_tokens(
     x_TD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_rows: int, zero_padding: bool = True
 ) -> torch.Tensor:
-    """Triton version of :func:`permute_tokens_reference`; with ``zero_padding=False`` the rows no
-    slot maps to are left unwritten (for buffers whose padding is never read)."""
-    check_runnable(x_TD, dest_row_S)
-    return _PermuteTokens.apply(x_TD, dest_row_S, top_k, num_rows, zero_padding)
+    """Triton version of :func:`permute_tokens_reference` (the ``torchtitan_ext::permute_rows`` op); with
+    ``zero_padding=False`` the rows no slot maps to are left unwritten (for buffers whose padding is
+    never read)."""
+    return _permute_rows_op(x_TD, dest_row_S, top_k, num_rows, zero_padding)
 
 
 def unpermute_tokens(
     rows_RD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
 ) -> torch.Tensor:
-    """Triton version of :func:`unpermute_tokens_reference`."""
-    check_runnable(rows_RD, dest_row_S, scores_S)
-    return _UnpermuteTokens.apply(rows_RD, dest_row_S, scores_S, top_k)
+    """Triton version of :func:`unpermute_tokens_reference` (the ``torchtitan_ext::weighted_sum_rows`` op)."""
+    return _weighted_sum_rows_op(rows_RD, dest_row_S, scores_S, top_k)
 
 
 def sum_token_rows(rows_RD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Triton version of :func:`sum_token_rows_reference`: one row kernel each way."""
-    check_runnable(rows_RD, dest_row_S)
-    return _SumTokenRows.apply(rows_RD, dest_row_S, top_k)
+    """Triton version of :func:`sum_token_rows_reference` (the ``torchtitan_ext::sum_rows`` op): one row
+    kernel each way."""
+    return _sum_rows_op(rows_RD, dest_row_S, top_k)

@@ -170,69 +170,117 @@ def _topk_routing_backward_kernel(
     tl.store(grad_logits_ptr + offsets, grad_logits, mask=tile_mask)
 
 
-class _TopKRouting(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits_TE, expert_bias_E, top_k, score_func, route_norm, route_scale):
-        logits_TE = logits_TE.contiguous()
-        num_tokens, num_experts = logits_TE.shape
-        scores_TE = torch.empty_like(logits_TE)
-        topk_scores_TK = logits_TE.new_empty(num_tokens, top_k)
-        topk_ids_TK = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits_TE.device)
-        counts_E = torch.zeros(num_experts, dtype=torch.int64, device=logits_TE.device)
-        block_t, block_e = _tile(num_experts)
-        if num_tokens:
-            _topk_routing_forward_kernel[(triton.cdiv(num_tokens, block_t),)](
-                logits_TE,
-                expert_bias_E.contiguous() if expert_bias_E is not None else logits_TE,
-                scores_TE,
-                topk_scores_TK,
-                topk_ids_TK,
-                counts_E,
-                num_tokens,
-                num_experts,
-                float(route_scale),
-                TOP_K=top_k,
-                SIGMOID=score_func == "sigmoid",
-                HAS_BIAS=expert_bias_E is not None,
-                ROUTE_NORM=route_norm,
-                BLOCK_T=block_t,
-                BLOCK_E=block_e,
-                BLOCK_K=triton.next_power_of_2(top_k),
-            )
-        ctx.mark_non_differentiable(topk_ids_TK, counts_E)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(scores_TE, topk_ids_TK)
-        ctx.options = (score_func, route_norm, float(route_scale))
-        return topk_scores_TK, topk_ids_TK, scores_TE, counts_E
+@torch.library.custom_op("torchtitan_ext::topk_routing", mutates_args=())
+def _topk_routing_op(
+    logits_TE: torch.Tensor,
+    expert_bias_E: torch.Tensor | None,
+    top_k: int,
+    score_func: str,
+    route_norm: bool,
+    route_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_runnable(logits_TE, *(t for t in (expert_bias_E,) if t is not None))
+    logits_TE = logits_TE.contiguous()
+    num_tokens, num_experts = logits_TE.shape
+    scores_TE = torch.empty_like(logits_TE)
+    topk_scores_TK = logits_TE.new_empty(num_tokens, top_k)
+    topk_ids_TK = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits_TE.device)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=logits_TE.device)
+    block_t, block_e = _tile(num_experts)
+    if num_tokens:
+        _topk_routing_forward_kernel[(triton.cdiv(num_tokens, block_t),)](
+            logits_TE,
+            expert_bias_E.contiguous() if expert_bias_E is not None else logits_TE,
+            scores_TE,
+            topk_scores_TK,
+            topk_ids_TK,
+            counts_E,
+            num_tokens,
+            num_experts,
+            float(route_scale),
+            TOP_K=top_k,
+            SIGMOID=score_func == "sigmoid",
+            HAS_BIAS=expert_bias_E is not None,
+            ROUTE_NORM=route_norm,
+            BLOCK_T=block_t,
+            BLOCK_E=block_e,
+            BLOCK_K=triton.next_power_of_2(top_k),
+        )
+    return topk_scores_TK, topk_ids_TK, scores_TE, counts_E
 
-    @staticmethod
-    def backward(ctx, grad_topk_scores_TK, grad_topk_ids, grad_scores_TE, grad_counts):
-        if grad_topk_scores_TK is None and grad_scores_TE is None:
-            return (None,) * 6
-        scores_TE, topk_ids_TK = ctx.saved_tensors
-        score_func, route_norm, route_scale = ctx.options
-        num_tokens, num_experts = scores_TE.shape
-        grad_logits_TE = torch.empty_like(scores_TE)
-        block_t, block_e = _tile(num_experts)
-        if num_tokens:
-            _topk_routing_backward_kernel[(triton.cdiv(num_tokens, block_t),)](
-                scores_TE,
-                topk_ids_TK,
-                grad_topk_scores_TK.float().contiguous() if grad_topk_scores_TK is not None else scores_TE,
-                grad_scores_TE.float().contiguous() if grad_scores_TE is not None else scores_TE,
-                grad_logits_TE,
-                num_tokens,
-                num_experts,
-                route_scale,
-                TOP_K=topk_ids_TK.shape[1],
-                SIGMOID=score_func == "sigmoid",
-                ROUTE_NORM=route_norm,
-                HAS_GRAD_TOPK=grad_topk_scores_TK is not None,
-                HAS_GRAD_SCORES=grad_scores_TE is not None,
-                BLOCK_T=block_t,
-                BLOCK_E=block_e,
-            )
-        return grad_logits_TE, None, None, None, None, None
+
+@_topk_routing_op.register_fake
+def _(logits_TE, expert_bias_E, top_k, score_func, route_norm, route_scale):
+    num_tokens, num_experts = logits_TE.shape
+    index = {"dtype": torch.int64, "device": logits_TE.device}
+    return (
+        logits_TE.new_empty(num_tokens, top_k),
+        torch.empty(num_tokens, top_k, **index),
+        torch.empty_like(logits_TE),
+        torch.empty(num_experts, **index),
+    )
+
+
+@torch.library.custom_op("torchtitan_ext::topk_routing_backward", mutates_args=())
+def _topk_routing_backward_op(
+    scores_TE: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    grad_topk_scores_TK: torch.Tensor | None,
+    grad_scores_TE: torch.Tensor | None,
+    score_func: str,
+    route_norm: bool,
+    route_scale: float,
+) -> torch.Tensor:
+    """The logits' gradient from the gradients of the top-k scores and of the scores (None: zero)."""
+    num_tokens, num_experts = scores_TE.shape
+    grad_logits_TE = torch.empty_like(scores_TE)
+    block_t, block_e = _tile(num_experts)
+    if num_tokens:
+        _topk_routing_backward_kernel[(triton.cdiv(num_tokens, block_t),)](
+            scores_TE,
+            topk_ids_TK,
+            grad_topk_scores_TK.float().contiguous() if grad_topk_scores_TK is not None else scores_TE,
+            grad_scores_TE.float().contiguous() if grad_scores_TE is not None else scores_TE,
+            grad_logits_TE,
+            num_tokens,
+            num_experts,
+            route_scale,
+            TOP_K=topk_ids_TK.shape[1],
+            SIGMOID=score_func == "sigmoid",
+            ROUTE_NORM=route_norm,
+            HAS_GRAD_TOPK=grad_topk_scores_TK is not None,
+            HAS_GRAD_SCORES=grad_scores_TE is not None,
+            BLOCK_T=block_t,
+            BLOCK_E=block_e,
+        )
+    return grad_logits_TE
+
+
+@_topk_routing_backward_op.register_fake
+def _(scores_TE, topk_ids_TK, grad_topk_scores_TK, grad_scores_TE, score_func, route_norm, route_scale):
+    return torch.empty_like(scores_TE)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _, _, _, score_func, route_norm, route_scale = inputs
+    _, topk_ids_TK, scores_TE, counts_E = output
+    ctx.mark_non_differentiable(topk_ids_TK, counts_E)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(scores_TE, topk_ids_TK)
+    ctx.options = (score_func, route_norm, float(route_scale))
+
+
+def _backward(ctx, grad_topk_scores_TK, _grad_ids, grad_scores_TE, _grad_counts):
+    if grad_topk_scores_TK is None and grad_scores_TE is None:
+        return (None,) * 6
+    scores_TE, topk_ids_TK = ctx.saved_tensors
+    grad_logits_TE = _topk_routing_backward_op(
+        scores_TE, topk_ids_TK, grad_topk_scores_TK, grad_scores_TE, *ctx.options
+    )
+    return grad_logits_TE, None, None, None, None, None
+
+
+_topk_routing_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def topk_routing_unsupported_reason(num_experts: int, top_k: int, score_func: str, dtype: torch.dtype) -> str | None:
@@ -259,9 +307,7 @@ def topk_routing(
     reason = topk_routing_unsupported_reason(num_experts, top_k, score_func, logits_TE.dtype)
     if reason is not None:
         raise ValueError(f"topk_routing: {reason}")
-    tensors = [logits_TE] + ([expert_bias_E] if expert_bias_E is not None else [])
-    check_runnable(*tensors)
-    return _TopKRouting.apply(logits_TE, expert_bias_E, top_k, score_func, route_norm, route_scale)
+    return _topk_routing_op(logits_TE, expert_bias_E, top_k, score_func, route_norm, float(route_scale))
 
 
 def topk_routing_reference(
