@@ -14,14 +14,21 @@ the metrics import no experiment.
 
 Cost: the hooks add device-side counters only; ``summarize`` reads them (one
 all-reduce per group, one device-to-host copy) when the processor logs.
+
+Compiled and captured: every accumulator is a tensor allocated when a layer is watched and updated
+in place, the hooks read nothing on the host and keep no Python state that changes per forward,
+so ``torch.compile(fullgraph=True)`` traces them into the layer's graph and a CUDA graph replays
+them. Under compile, activation-checkpoint recomputation does not replay forward side effects
+(torchtitan sets ``skip_fwd_side_effects_in_bwd_under_checkpoint``), so the recomputation test
+and the dispatch-mode shield below are eager-only.
 """
 
 import functools
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -48,6 +55,8 @@ def _outside_dispatch_modes(hook: Callable) -> Callable:
 
     @functools.wraps(hook)
     def run(*args):
+        if torch.compiler.is_compiling():
+            return hook(*args)
         with _disable_current_modes():
             return hook(*args)
 
@@ -55,7 +64,10 @@ def _outside_dispatch_modes(hook: Callable) -> Callable:
 
 
 def _in_backward_recompute() -> bool:
-    """True while autograd runs a backward (activation-checkpoint recomputation)."""
+    """True while autograd runs a backward (an eager activation-checkpoint recomputation); always
+    False under compile, whose recomputation does not replay the hooks (module docstring)."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
@@ -67,40 +79,46 @@ class ExpertParallelPlacement:
     degree: int
 
 
-@dataclass(kw_only=True, slots=True)
+OPTIONAL_STATS = ("aux_loss", "z_loss", "dropped_tokens", "padding_rows")
+"""Per-forward statistics a layer may publish (``PublishedRouterStatistics``), in accumulator order."""
+
+
+@dataclass(kw_only=True)
 class LayerAccumulator:
-    """One MoE layer's statistics since the last log, on the layer's device.
+    """One MoE layer's statistics since the last log, as tensors on the layer's device.
 
     ``tokens_per_expert_E`` counts routed (token, expert) pairs of this rank's tokens;
-    ``entropy_sum`` sums the per-token router entropy (nats).
+    ``entropy_sum`` sums the per-token router entropy (nats) over ``num_tokens`` tokens;
+    ``optional_sums`` / ``optional_counts`` sum each of ``OPTIONAL_STATS`` and count the forwards
+    that published it; ``counts_before_E`` holds the layer's routed counts as a forward starts.
     """
 
     name: str
     moe: torch.nn.Module
     num_experts: int
     tokens_per_expert_E: torch.Tensor
+    counts_before_E: torch.Tensor
     entropy_sum: torch.Tensor
-    num_tokens: int = 0
+    num_tokens: torch.Tensor
     padding_rows: torch.Tensor
     computed_a2a_bytes: torch.Tensor
-    optional_sums: dict[str, torch.Tensor] = field(default_factory=dict)
-    optional_counts: dict[str, int] = field(default_factory=dict)
+    optional_sums: torch.Tensor
+    optional_counts: torch.Tensor
     sharded_tokens: bool = False
 
     def reset(self) -> None:
         for t in (
             self.tokens_per_expert_E,
             self.entropy_sum,
+            self.num_tokens,
             self.padding_rows,
             self.computed_a2a_bytes,
-            *self.optional_sums.values(),
+            self.optional_sums,
+            self.optional_counts,
         ):
             t.zero_()
-        self.num_tokens = 0
-        self.optional_counts = dict.fromkeys(self.optional_counts, 0)
 
 
-@runtime_checkable
 class PublishedRouterStatistics(Protocol):
     """What the observer reads from a layer's ``last_router_statistics`` (0-d tensors; None: not computed)."""
 
@@ -139,20 +157,27 @@ class MoERoutingObserver:
     def _watch(self, name: str, moe: torch.nn.Module) -> None:
         num_experts = moe.tokens_per_expert_E.shape[0]
         device = _local(moe.tokens_per_expert_E).device
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.float64, device=device)
+
         layer = LayerAccumulator(
             name=name,
             moe=moe,
             num_experts=num_experts,
-            tokens_per_expert_E=torch.zeros(num_experts, dtype=torch.float64, device=device),
-            entropy_sum=torch.zeros((), dtype=torch.float64, device=device),
-            padding_rows=torch.zeros((), dtype=torch.float64, device=device),
-            computed_a2a_bytes=torch.zeros((), dtype=torch.float64, device=device),
+            tokens_per_expert_E=zeros(num_experts),
+            counts_before_E=torch.zeros_like(_local(moe.tokens_per_expert_E)),
+            entropy_sum=zeros(),
+            num_tokens=zeros(),
+            padding_rows=zeros(),
+            computed_a2a_bytes=zeros(),
+            optional_sums=zeros(len(OPTIONAL_STATS)),
+            optional_counts=zeros(len(OPTIONAL_STATS)),
         )
         self.layers.append(layer)
-        counts_before: list[torch.Tensor] = []
         self._handles += [
-            moe.register_forward_pre_hook(_outside_dispatch_modes(self._moe_pre_hook(layer, counts_before))),
-            moe.register_forward_hook(_outside_dispatch_modes(self._moe_hook(layer, counts_before))),
+            moe.register_forward_pre_hook(_outside_dispatch_modes(self._moe_pre_hook(layer))),
+            moe.register_forward_hook(_outside_dispatch_modes(self._moe_hook(layer))),
             moe.router.gate.register_forward_hook(
                 _outside_dispatch_modes(self._gate_hook(layer, moe.router.score_func))
             ),
@@ -163,31 +188,28 @@ class MoERoutingObserver:
                     module.register_forward_pre_hook(_outside_dispatch_modes(self._padded_experts_hook(layer)))
                 )
 
-    def _moe_pre_hook(self, layer: LayerAccumulator, counts_before: list) -> Callable:
+    def _moe_pre_hook(self, layer: LayerAccumulator) -> Callable:
         def hook(moe, args) -> None:
             if moe.training and not _in_backward_recompute():
-                counts_before.append(_local(moe.tokens_per_expert_E).detach().clone())
+                with torch.no_grad():
+                    layer.counts_before_E.copy_(_local(moe.tokens_per_expert_E))
 
         return hook
 
-    def _moe_hook(self, layer: LayerAccumulator, counts_before: list) -> Callable:
+    def _moe_hook(self, layer: LayerAccumulator) -> Callable:
         """Routed counts of this forward (growth of the MoE's ``tokens_per_expert_E``), optional stats."""
 
         def hook(moe, args, output) -> None:
             if not moe.training or _in_backward_recompute():
                 return
             with torch.no_grad():
-                counts_E = _local(moe.tokens_per_expert_E).double() - counts_before.pop().double()
-                layer.tokens_per_expert_E += counts_E
+                counts_E = _local(moe.tokens_per_expert_E).double() - layer.counts_before_E.double()
+                layer.tokens_per_expert_E.add_(counts_E)
                 if self.expert_parallel is not None:
                     self._add_a2a_bytes(layer, counts_E, _local(args[0]))
-                for stat, value in _router_statistics(moe).items():
-                    total = layer.optional_sums.get(stat)
-                    if total is None:
-                        total = layer.optional_sums[stat] = torch.zeros_like(layer.entropy_sum)
-                        layer.optional_counts[stat] = 0
-                    total += value.detach().double() if torch.is_tensor(value) else float(value)
-                    layer.optional_counts[stat] += 1
+                for index, value in _router_statistics(moe).items():
+                    layer.optional_sums[index] += value.detach().double()
+                    layer.optional_counts[index] += 1
 
         return hook
 
@@ -206,7 +228,8 @@ class MoERoutingObserver:
                     probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-30)
                 layer.entropy_sum -= torch.special.xlogy(probs_TE, probs_TE).sum()
                 layer.num_tokens += logits_TE.shape[0]
-            layer.sharded_tokens = isinstance(logits, DTensor) and any(isinstance(p, Shard) for p in logits.placements)
+            if isinstance(logits, DTensor) and any(isinstance(p, Shard) for p in logits.placements):
+                layer.sharded_tokens = True
 
         return hook
 
@@ -237,40 +260,34 @@ class MoERoutingObserver:
             handle.remove()
 
 
-def _router_statistics(moe: torch.nn.Module) -> dict[str, Any]:
-    """Per-forward statistics of ``moe``'s ``last_router_statistics`` by metric name (None fields left out).
+_PUBLISHED_FIELDS = ("aux_loss", "z_loss", "num_dropped_slots", "num_padding_rows")
+"""The ``PublishedRouterStatistics`` field of each of ``OPTIONAL_STATS``."""
+
+
+def _router_statistics(moe: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """This forward's published statistics by index in ``OPTIONAL_STATS`` (None fields left out).
 
     A layer that publishes no ``PublishedRouterStatistics`` gives none.
     """
     statistics = getattr(moe, "last_router_statistics", None)
-    if not isinstance(statistics, PublishedRouterStatistics):
+    if statistics is None:
         return {}
-    found = {
-        "aux_loss": statistics.aux_loss,
-        "z_loss": statistics.z_loss,
-        "dropped_tokens": statistics.num_dropped_slots,
-        "padding_rows": statistics.num_padding_rows,
-    }
-    return {stat: _local(value) for stat, value in found.items() if value is not None}
+    found = {index: getattr(statistics, field, None) for index, field in enumerate(_PUBLISHED_FIELDS)}
+    return {index: _local(value) for index, value in found.items() if value is not None}
 
 
 def summarize(observer: MoERoutingObserver, *, num_steps: int, reduce_groups: list) -> list[LayerSummary]:
     """Reduce every layer's accumulators over ``reduce_groups`` (sum), read them once, reset."""
-    optional_names = sorted({s for layer in observer.layers for s in layer.optional_sums})
-    rows = []
-    for layer in observer.layers:
-        device = layer.entropy_sum.device
-        sums = [layer.optional_sums.get(s, torch.zeros((), dtype=torch.float64, device=device)) for s in optional_names]
-        counts = [float(layer.optional_counts.get(s, 0)) for s in optional_names]
-        rows.append(
-            torch.cat(
-                [
-                    layer.tokens_per_expert_E,
-                    torch.stack([layer.entropy_sum, layer.padding_rows, layer.computed_a2a_bytes, *sums]),
-                    torch.tensor([float(layer.num_tokens), *counts], dtype=torch.float64, device=device),
-                ]
-            )
-        )
+    num_optional = len(OPTIONAL_STATS)
+    rows = [
+        torch.cat([
+            layer.tokens_per_expert_E,
+            torch.stack([layer.entropy_sum, layer.padding_rows, layer.computed_a2a_bytes, layer.num_tokens]),
+            layer.optional_sums,
+            layer.optional_counts,
+        ])
+        for layer in observer.layers
+    ]  # fmt: skip
     if not rows:
         return []
     packed = torch.cat(rows)
@@ -287,17 +304,16 @@ def summarize(observer: MoERoutingObserver, *, num_steps: int, reduce_groups: li
 
     summaries, offset = [], 0
     for index, layer in enumerate(observer.layers):
-        num_experts, num_optional = layer.num_experts, len(optional_names)
+        num_experts = layer.num_experts
         tokens_per_expert = values[offset : offset + num_experts]
         offset += num_experts
-        entropy_sum, padding_rows, computed_a2a = values[offset : offset + 3]
-        optional_sums = values[offset + 3 : offset + 3 + num_optional]
-        offset += 3 + num_optional
-        num_tokens = values[offset]
-        optional_counts = values[offset + 1 : offset + 1 + num_optional]
-        offset += 1 + num_optional
+        entropy_sum, padding_rows, computed_a2a, num_tokens = values[offset : offset + 4]
+        offset += 4
+        optional_sums = values[offset : offset + num_optional]
+        optional_counts = values[offset + num_optional : offset + 2 * num_optional]
+        offset += 2 * num_optional
         per_step = {}
-        for name, total, count in zip(optional_names, optional_sums, optional_counts):
+        for name, total, count in zip(OPTIONAL_STATS, optional_sums, optional_counts):
             if count > 0:
                 per_step[name] = total / count if name in AVERAGED_STATS else total / num_steps
         if padding_rows > 0:

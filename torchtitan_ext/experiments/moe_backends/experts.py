@@ -32,6 +32,7 @@ from torchtitan_ext.kernels.fused_moe import (
 )
 
 from .dispatcher import RoutingDispatcher
+from .grouped_matmul import grouped_mm, row_major
 
 AUTO_BACKEND = "auto"
 """The ``compute_backend`` value resolved at start-up to the fastest backend here."""
@@ -46,24 +47,6 @@ RoutedExpertCompute = Callable[
     torch.Tensor,
 ]
 """``(x_TD, w1_EFD, w2_EDF, w3_EFD, topk_expert_ids_TK, topk_scores_TK) -> out_TD``, summed over K."""
-
-
-def _row_major(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with row-major strides, as ``torch._grouped_mm`` requires of its operands.
-
-    A zero-size tensor may carry any strides (an expanded gradient has stride 0) and
-    counts as contiguous, so it is always copied (the copy is free).
-    """
-    if t.numel() and t.is_contiguous():
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-def _row_major_grad(y: torch.Tensor) -> torch.Tensor:
-    """Make the incoming gradient of ``y`` row-major (grouped_mm's backward needs strides)."""
-    if y.requires_grad:
-        y.register_hook(_row_major)
-    return y
 
 
 def _pad_to_multiple(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
@@ -83,11 +66,12 @@ def grouped_mm_experts(
     w3_EFD: torch.Tensor,
     num_tokens_per_expert_E: torch.Tensor,
 ) -> torch.Tensor:
-    """Three ``torch._grouped_mm`` calls over expert offsets; no host sync.
+    """Three ``torch._grouped_mm`` calls over expert offsets (``grouped_matmul.grouped_mm``, which
+    compiles in every dtype); no host sync.
 
     ``_grouped_mm`` needs row-major operands with 16-byte aligned row strides, so D and
     F are zero-padded when they are not aligned (zeros change no result), the output is
-    cut back, and strided inputs and incoming gradients are made row-major.
+    cut back, and strided inputs are made row-major.
     """
     dtype = x_RD.dtype
     dim = x_RD.shape[1]
@@ -96,9 +80,9 @@ def grouped_mm_experts(
 
     def grouped(a_RK: torch.Tensor, w_ENK: torch.Tensor) -> torch.Tensor:
         w_ENK = _pad_to_multiple(_pad_to_multiple(w_ENK.to(dtype), 1, align), 2, align)
-        return _row_major_grad(torch._grouped_mm(a_RK, w_ENK.transpose(-2, -1), offs=offsets_E))
+        return grouped_mm(a_RK, w_ENK.transpose(-2, -1), offsets_E)
 
-    x_RD = _row_major(_pad_to_multiple(x_RD, 1, align))
+    x_RD = row_major(_pad_to_multiple(x_RD, 1, align))
     h_RF = F.silu(grouped(x_RD, w1_EFD)) * grouped(x_RD, w3_EFD)
     return grouped(h_RF, w2_EDF)[:, :dim]
 

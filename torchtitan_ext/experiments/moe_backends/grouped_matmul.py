@@ -1,0 +1,56 @@
+"""``torch._grouped_mm`` as a differentiable op that compiles in every dtype.
+
+torch's fake (meta) implementation of ``torch._grouped_mm`` accepts only bf16 operands, although the
+eager op computes fp32 and fp16 too; so ``torch.compile`` cannot trace an fp32 model (the tiny CPU
+flavors) through it. ``torchtitan_ext::grouped_mm`` calls the eager op, its fake implementation gives
+the output shape for any dtype, and its autograd formula is two more calls of itself:
+
+- ``a [R, K] @ b[e] [K, N]`` over the row groups of ``offs`` -> ``[R, N]`` (the forward), with
+  ``d a = d y @ b[e].T`` (the same form) and ``d b[e] = a[rows of e].T @ d y[rows of e]``;
+- ``a [K, R] @ b [R, N]`` reduced over the row groups of ``offs`` -> ``[E, K, N]`` (the weight
+  gradient; not differentiable itself).
+
+Operands follow ``torch._grouped_mm``'s layout rules (row-major, 16-byte aligned rows); the
+gradient arriving from autograd is made row-major first.
+"""
+
+import torch
+
+
+@torch.library.custom_op("torchtitan_ext::grouped_mm", mutates_args=())
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs=offs)`` (module docstring)."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@grouped_mm.register_fake
+def _(a, b, offs):
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[-1])
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    a, b, offs = inputs
+    if b.dim() != 3:
+        raise NotImplementedError("torchtitan_ext::grouped_mm: the [E, K, N] weight-gradient form has no gradient")
+    ctx.save_for_backward(a, b, offs)
+
+
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with row-major strides. A zero-size tensor may carry any strides (an expanded gradient has
+    stride 0) and counts as contiguous, so it is always copied (the copy is free)."""
+    if t.numel() and t.is_contiguous():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _backward(ctx, grad_y):
+    a, b, offs = ctx.saved_tensors
+    grad_y = row_major(grad_y)
+    grad_a = grouped_mm(grad_y, b.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
+    grad_b = grouped_mm(a.transpose(0, 1), grad_y, offs) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None
+
+
+grouped_mm.register_autograd(_backward, setup_context=_setup_context)
