@@ -32,6 +32,7 @@ from torchtitan_ext.kernels.fused_moe import (
 )
 
 from .dispatcher import RoutingDispatcher
+from .validated_config import ValidatedConfig
 
 AUTO_BACKEND = "auto"
 """The ``compute_backend`` value resolved at start-up to the fastest backend here."""
@@ -237,13 +238,9 @@ class BackendGroupedExperts(GroupedExperts):
     """torchtitan's ``GroupedExperts`` with the expert computation chosen by name."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(GroupedExperts.Config):
+    class Config(ValidatedConfig, GroupedExperts.Config):
         compute_backend: ComputeBackend = DEFAULT_BACKEND
         """How the expert block is computed: a name of the backend table ``BACKENDS``."""
-
-        def __post_init__(self):
-            if errors := self.validation_errors():
-                raise ValueError("; ".join(errors))
 
         def validation_errors(self, key: Callable[[str], str] = str) -> list[str]:
             """Every invalid option, one message each; ``key(field)`` is how a message names a field."""
