@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config.apply import apply_overrides
 from torchtitan_ext.metrics.observer import MoERoutingObserver, summarize
 from torchtitan_ext.metrics.processor import RunProgress, heatmap_due, run_summary_lines
 from torchtitan_ext.metrics.statistics import (
@@ -30,7 +32,6 @@ from torchtitan_ext.metrics.wandb_setup import (
     configure_wandb_environment,
     wandb_run_location,
 )
-from torchtitan_ext.overrides import ConfigError, apply_overrides
 from torchtitan_ext.train import resolve_config
 
 NUM_EXPERTS, TOP_K, BATCH, SEQ_LEN = 8, 2, 8, 128  # the tiny flavors

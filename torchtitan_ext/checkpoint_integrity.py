@@ -26,7 +26,7 @@ from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.overrides import ConfigError
+from torchtitan_ext.config import ConfigError
 
 MANIFEST_NAME = "integrity.json"
 MANIFEST_FORMAT = 1

@@ -27,7 +27,8 @@ from torchtitan_ext.data import TINY_STORIES, TOKENIZER_DIR
 from torchtitan_ext.metrics.processor import MoEMetricsProcessor
 from torchtitan_ext.registry import register_flavor
 
-from . import toml_keys, torchtitan_features  # noqa: F401  (register the [moe] TOML keys and start-up checks)
+# The [moe] TOML keys, start-up checks (run in import order) and run description register on import.
+from . import run_description, startup_checks, toml_keys, torchtitan_features  # noqa: F401
 from .experts import DEFAULT_BACKEND, ComputeBackend, backend_names
 from .layer import use_backend_experts, use_routing
 from .model import MoEShape, qwen3_style_moe
