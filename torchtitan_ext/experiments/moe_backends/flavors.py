@@ -29,7 +29,7 @@ from torchtitan_ext.registry import register_flavor
 
 # The [moe] TOML keys, start-up checks (run in import order) and run description register on import.
 from . import run_description, startup_checks, toml_keys, torchtitan_features  # noqa: F401
-from .experts import DEFAULT_BACKEND, ComputeBackend, backend_names
+from .experts import DEFAULT_BACKEND, ComputeBackend
 from .layer import use_backend_experts, use_routing
 from .model import MoEShape, qwen3_style_moe
 from .moe import with_router_loss_configuration
@@ -130,11 +130,6 @@ def tiny_flavor_name(compute_backend: ComputeBackend) -> str:
     return "tiny-moe-" + compute_backend.replace("_", "-")
 
 
-def tiny_config_function_name(compute_backend: ComputeBackend) -> str:
-    """The name of the tiny flavor's config function in this module (``--config``)."""
-    return "tiny_moe_" + compute_backend
-
-
 def tiny_moe(compute_backend: ComputeBackend) -> Trainer.Config:
     config = moe_trainer_config(
         qwen3_style_moe(tiny_flavor_name(compute_backend), TINY_SHAPE, compute_backend=compute_backend),
@@ -163,23 +158,25 @@ def full_size(name: str, shape: MoEShape, compute_backend: ComputeBackend | None
     )
 
 
-def tiny_config_function(compute_backend: ComputeBackend) -> Callable[[], Trainer.Config]:
-    """The tiny flavor's zero-argument config function, named ``tiny_moe_<compute_backend>``."""
+def register_tiny_flavor(compute_backend: ComputeBackend) -> Callable[[], Trainer.Config]:
+    """Register the flavor ``tiny-moe-<backend>`` and return its config function, named
+    ``tiny_moe_<compute_backend>``: this module binds it to that name, where torchtitan's
+    ``--config`` looks it up."""
 
     def build() -> Trainer.Config:
         return tiny_moe(compute_backend)
 
-    build.__name__ = build.__qualname__ = tiny_config_function_name(compute_backend)
+    build.__name__ = build.__qualname__ = "tiny_moe_" + compute_backend
     build.__doc__ = f"The {tiny_flavor_name(compute_backend)} flavor's Trainer.Config."
-    return build
+    description = f"2-layer, 8-expert top-2 MoE (dim 64) for CPU smoke runs; {compute_backend} experts"
+    return register_flavor(tiny_flavor_name(compute_backend), description)(build)
 
 
-for _backend in backend_names():
-    _build = register_flavor(
-        tiny_flavor_name(_backend),
-        f"2-layer, 8-expert top-2 MoE (dim 64) for CPU smoke runs; {_backend} experts",
-    )(tiny_config_function(_backend))
-    globals()[_build.__name__] = _build
+# One tiny flavor per backend of the table, each bound to its function's name (tests/test_flavors.py checks).
+tiny_moe_grouped_mm = register_tiny_flavor("grouped_mm")
+tiny_moe_for_loop = register_tiny_flavor("for_loop")
+tiny_moe_batched_mm_padded = register_tiny_flavor("batched_mm_padded")
+tiny_moe_triton = register_tiny_flavor("triton")
 
 
 @register_flavor("qwen3-30b-a3b", "Qwen3-30B-A3B dims: 48 layers, dim 2048, 128 experts top-8, F 768")
