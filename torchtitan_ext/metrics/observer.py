@@ -36,8 +36,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _outside_dispatch_modes(hook: Callable) -> Callable:
-    """``hook`` run with the active torch dispatch modes switched off.
+def _training_forward_hook(hook: Callable) -> Callable:
+    """``hook(module, ...)`` run on training forwards only (not in eval, not in the activation-checkpoint
+    recomputation of a backward), without autograd and with the active torch dispatch modes switched off.
 
     The hooks run tensor ops in a forward but skip them in an activation-checkpoint
     recomputation. Selective checkpointing matches saved op outputs to the recomputation by
@@ -47,9 +48,11 @@ def _outside_dispatch_modes(hook: Callable) -> Callable:
     """
 
     @functools.wraps(hook)
-    def run(*args):
-        with _disable_current_modes():
-            return hook(*args)
+    def run(module, *args) -> None:
+        if not module.training or _in_backward_recompute():
+            return
+        with _disable_current_modes(), torch.no_grad():
+            hook(module, *args)
 
     return run
 
@@ -151,22 +154,21 @@ class MoERoutingObserver:
         self.layers.append(layer)
         counts_before: list[torch.Tensor] = []
         self._handles += [
-            moe.register_forward_pre_hook(_outside_dispatch_modes(self._moe_pre_hook(layer, counts_before))),
-            moe.register_forward_hook(_outside_dispatch_modes(self._moe_hook(layer, counts_before))),
+            moe.register_forward_pre_hook(_training_forward_hook(self._moe_pre_hook(layer, counts_before))),
+            moe.register_forward_hook(_training_forward_hook(self._moe_hook(layer, counts_before))),
             moe.router.gate.register_forward_hook(
-                _outside_dispatch_modes(self._gate_hook(layer, moe.router.score_func))
+                _training_forward_hook(self._gate_hook(layer, moe.router.score_func))
             ),
         ]
         for module in moe.modules():
             if _pads_rows(module):
                 self._handles.append(
-                    module.register_forward_pre_hook(_outside_dispatch_modes(self._padded_experts_hook(layer)))
+                    module.register_forward_pre_hook(_training_forward_hook(self._padded_experts_hook(layer)))
                 )
 
     def _moe_pre_hook(self, layer: LayerAccumulator, counts_before: list) -> Callable:
         def hook(moe, args) -> None:
-            if moe.training and not _in_backward_recompute():
-                counts_before.append(_local(moe.tokens_per_expert_E).detach().clone())
+            counts_before.append(_local(moe.tokens_per_expert_E).detach().clone())
 
         return hook
 
@@ -174,20 +176,17 @@ class MoERoutingObserver:
         """Routed counts of this forward (growth of the MoE's ``tokens_per_expert_E``), optional stats."""
 
         def hook(moe, args, output) -> None:
-            if not moe.training or _in_backward_recompute():
-                return
-            with torch.no_grad():
-                counts_E = _local(moe.tokens_per_expert_E).double() - counts_before.pop().double()
-                layer.tokens_per_expert_E += counts_E
-                if self.expert_parallel is not None:
-                    self._add_a2a_bytes(layer, counts_E, _local(args[0]))
-                for stat, value in _router_statistics(moe).items():
-                    total = layer.optional_sums.get(stat)
-                    if total is None:
-                        total = layer.optional_sums[stat] = torch.zeros_like(layer.entropy_sum)
-                        layer.optional_counts[stat] = 0
-                    total += value.detach().double() if torch.is_tensor(value) else float(value)
-                    layer.optional_counts[stat] += 1
+            counts_E = _local(moe.tokens_per_expert_E).double() - counts_before.pop().double()
+            layer.tokens_per_expert_E += counts_E
+            if self.expert_parallel is not None:
+                self._add_a2a_bytes(layer, counts_E, _local(args[0]))
+            for stat, value in _router_statistics(moe).items():
+                total = layer.optional_sums.get(stat)
+                if total is None:
+                    total = layer.optional_sums[stat] = torch.zeros_like(layer.entropy_sum)
+                    layer.optional_counts[stat] = 0
+                total += value.detach().double() if torch.is_tensor(value) else float(value)
+                layer.optional_counts[stat] += 1
 
         return hook
 
@@ -195,17 +194,14 @@ class MoERoutingObserver:
         """Router entropy from the gate logits ``(..., E)``, scored like the router does."""
 
         def hook(gate, args, logits) -> None:
-            if not gate.training or _in_backward_recompute():
-                return
-            with torch.no_grad():
-                logits_TE = _local(logits).reshape(-1, layer.num_experts).double()
-                if score_func == "softmax":
-                    probs_TE = torch.softmax(logits_TE, dim=-1)
-                else:
-                    scores_TE = torch.sigmoid(logits_TE)
-                    probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-                layer.entropy_sum -= torch.special.xlogy(probs_TE, probs_TE).sum()
-                layer.num_tokens += logits_TE.shape[0]
+            logits_TE = _local(logits).reshape(-1, layer.num_experts).double()
+            if score_func == "softmax":
+                probs_TE = torch.softmax(logits_TE, dim=-1)
+            else:
+                scores_TE = torch.sigmoid(logits_TE)
+                probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+            layer.entropy_sum -= torch.special.xlogy(probs_TE, probs_TE).sum()
+            layer.num_tokens += logits_TE.shape[0]
             layer.sharded_tokens = isinstance(logits, DTensor) and any(isinstance(p, Shard) for p in logits.placements)
 
         return hook
@@ -221,8 +217,6 @@ class MoERoutingObserver:
         """Rows a backend with ``pads_rows`` adds: every expert padded to the largest one."""
 
         def hook(experts, args) -> None:
-            if not experts.training or _in_backward_recompute():
-                return
             counts_E = args[1]
             layer.padding_rows += counts_E.numel() * counts_E.max() - counts_E.sum()
 
