@@ -85,7 +85,7 @@ def test_bad_command_line_is_one_message_and_exit_2(capsys, args, fragments):
 
 
 def test_bad_command_line_raises_config_error():
-    with pytest.raises(ConfigError, match="unknown option --training.stepz; did you mean --training.steps"):
+    with pytest.raises(ConfigError, match=r"unknown option --training\.stepz; did you mean --training\.steps"):
         parse("--training.stepz", "3")
 
 

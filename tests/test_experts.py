@@ -1,4 +1,5 @@
-"""Every compute backend matches the plain-torch reference (``reference_grouped``, the for_loop backend): forward and all gradients."""
+"""Every compute backend matches the plain-torch reference (``reference_grouped``, the for_loop backend):
+forward and all gradients; the backend table says which names are valid."""
 
 import dataclasses
 import typing

@@ -43,7 +43,7 @@ def read_wandb_records(path):
     """Records of a ``.wandb`` file: a 7-byte header, then LevelDB-log chunks in 32 KiB blocks."""
     from wandb.proto import wandb_internal_pb2
 
-    data = open(path, "rb").read()
+    data = Path(path).read_bytes()
     assert data[:4] == b":W&B"
     position, block_size, pending = 7, 32768, b""
     while position + 7 <= len(data):
@@ -386,5 +386,5 @@ def test_toml_short_keys_set_metrics_fields():
     assert (metrics.wandb_project, metrics.wandb_entity, metrics.wandb_run_name) == ("p", "e", "r")
     with pytest.raises(ConfigError, match="heatmap_every"):
         apply_overrides(config, {"moe_metrics.heatmap_every": -1})
-    with pytest.raises(ConfigError, match="moe_metrics.enable"):
+    with pytest.raises(ConfigError, match=r"moe_metrics\.enable"):
         apply_overrides(config, {"moe_metrics.enable": "yes"})

@@ -73,6 +73,7 @@ def short_keys_help() -> str:
 
 
 PROJECT_OPTIONS = ("--flavor", "--toml")
+"""The train entry's own options; short keys and torchtitan's options follow them."""
 
 
 def split_project_args(args: list[str]) -> tuple[str | None, list[str], list[str]]:
