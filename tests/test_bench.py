@@ -11,6 +11,7 @@ from helpers import make_backend_unavailable
 from torchtitan_ext.bench.__main__ import main
 from torchtitan_ext.bench.common import TINY_SHAPE
 from torchtitan_ext.bench.plot import chart_of
+from torchtitan_ext.config import ConfigError
 from torchtitan_ext.experiments.moe_backends import auto_backend
 from torchtitan_ext.experiments.moe_backends.expert_timing import (
     BenchShape,
@@ -23,7 +24,6 @@ from torchtitan_ext.experiments.moe_backends.expert_timing import (
 )
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts, runnable_backends
 from torchtitan_ext.metrics.metadata import run_metadata
-from torchtitan_ext.overrides import ConfigError
 from torchtitan_ext.train import FlavorConfigManager
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"

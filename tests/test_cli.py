@@ -5,9 +5,10 @@ import logging
 import pytest
 import torch
 
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config.command_line import split_short_key_args, take_options
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.metrics.metadata import run_metadata
-from torchtitan_ext.overrides import ConfigError, split_short_key_args
 from torchtitan_ext.train import FlavorConfigManager, main
 
 TINY = "tiny-moe-grouped-mm"
@@ -23,6 +24,23 @@ def test_short_keys_split_from_the_command_line_with_toml_values():
     )
     assert overrides == {"parallelism.ep": 1, "training.lr": 1e-3, "wandb.enable": True}
     assert rest == ["--training.steps", "3"]
+
+
+def test_one_splitter_takes_options_with_inline_next_or_no_value():
+    taken, rest = take_options(
+        ["--a=1", "x", "--a", "2", "--b", "--a", "--c", "3"], lambda name: name[2:] if name in ("--a", "--c") else None
+    )
+    assert taken == [("a", "1"), ("a", "2"), ("a", None), ("c", "3")]
+    assert rest == ["x", "--b"]
+
+
+def test_a_short_key_without_a_value_is_refused_unless_it_is_a_switch():
+    with pytest.raises(ConfigError, match=r"^command line: --training\.lr needs a value$"):
+        split_short_key_args(["--training.lr", "--training.steps", "3"])
+    assert split_short_key_args(["--wandb.enable", "--training.batch-size=4"]) == (
+        {"wandb.enable": True, "training.batch_size": 4},
+        [],
+    )
 
 
 def test_short_keys_on_the_command_line_take_effect():
@@ -67,7 +85,7 @@ def test_bad_command_line_is_one_message_and_exit_2(capsys, args, fragments):
 
 
 def test_bad_command_line_raises_config_error():
-    with pytest.raises(ConfigError, match="unknown option --training.stepz; did you mean --training.steps"):
+    with pytest.raises(ConfigError, match=r"unknown option --training\.stepz; did you mean --training\.steps"):
         parse("--training.stepz", "3")
 
 

@@ -19,7 +19,7 @@ from torchtitan_ext.experiments.moe_backends.dispatcher import (
     pair_rows,
     plan_slots,
 )
-from torchtitan_ext.experiments.moe_backends.toml_keys import parallelism_errors
+from torchtitan_ext.experiments.moe_backends.startup_checks import parallelism_errors
 from torchtitan_ext.kernels import moe_permute
 from torchtitan_ext.registry import get_flavor
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from torchtitan_ext.bench.__main__ import build_parser as bench_parser
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config.short_keys import short_keys
 from torchtitan_ext.launch import split_launcher_args
-from torchtitan_ext.overrides import ConfigError, short_keys
 from torchtitan_ext.registry import all_flavors
 from torchtitan_ext.train import FlavorConfigManager
 

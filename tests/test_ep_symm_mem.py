@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torchtitan.distributed.utils import set_spmd_backend
 
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
-from torchtitan_ext.experiments.moe_backends.toml_keys import symm_mem_errors
+from torchtitan_ext.experiments.moe_backends.startup_checks import symm_mem_errors
 from torchtitan_ext.kernels.availability import triton_available_reason
 from torchtitan_ext.kernels.moe_permute import stable_expert_order
 from torchtitan_ext.kernels.symm_mem_rows import publish_routing, receive_layout, route_pairs

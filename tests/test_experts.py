@@ -1,15 +1,26 @@
-"""Every compute backend matches the plain-torch reference (``reference_grouped``, the for_loop backend): forward and all gradients."""
+"""Every compute backend matches the plain-torch reference (``reference_grouped``, the for_loop backend):
+forward and all gradients; the backend table says which names are valid."""
 
 import dataclasses
+import typing
 
 import pytest
 import torch
 
+from torchtitan_ext.config.short_keys import short_key
 from torchtitan_ext.experiments.moe_backends.experts import (
     BACKENDS,
     BackendGroupedExperts,
+    ComputeBackend,
+    ComputeBackendChoice,
+    ComputeBackendSpec,
+    backend_name_error,
     backend_names,
+    backend_unavailable_reason,
+    compute_backend_choices,
     get_backend,
+    register_backend,
+    resolved_at_startup,
     runnable_backends,
 )
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
@@ -145,6 +156,22 @@ def test_unknown_backend_is_an_error_listing_valid_ones():
         get_backend("cuda_magic")
     with pytest.raises(ValueError, match="compute_backend = 'cuda_magic': unknown backend"):
         BackendGroupedExperts.Config(dim=4, hidden_dim=4, num_experts=2, compute_backend="cuda_magic")
+
+
+def test_the_table_says_which_names_are_valid_and_what_auto_means():
+    from torchtitan_ext.registry import all_flavors
+
+    all_flavors()  # the experiment registers its TOML keys
+    assert compute_backend_choices() == (*backend_names(), "auto")
+    assert typing.get_args(ComputeBackend) == backend_names()
+    assert typing.get_args(ComputeBackendChoice) == compute_backend_choices()
+    assert short_key("moe.compute_backend").annotation == ComputeBackendChoice
+    assert resolved_at_startup("auto") and not any(resolved_at_startup(name) for name in backend_names())
+    assert all(backend_name_error(name) is None for name in backend_names())
+    assert "resolved to a backend at start-up" in backend_name_error("auto")
+    assert backend_unavailable_reason("auto") is None  # it picks only backends that run here
+    with pytest.raises(ValueError, match="'auto' is already taken"):
+        register_backend(ComputeBackendSpec(name="auto", grouped=reference_grouped))
 
 
 def test_batched_mm_padded_equals_for_loop_up_to_summation_order():

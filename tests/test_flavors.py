@@ -9,8 +9,12 @@ import sys
 import pytest
 
 from torchtitan_ext import flavors
+from torchtitan_ext.experiments.moe_backends import flavors as moe_backends_flavors
 from torchtitan_ext.experiments.moe_backends.cache import CACHE_ENV
+from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts, backend_names
+from torchtitan_ext.experiments.moe_backends.flavors import tiny_flavor_name
 from torchtitan_ext.flavors import main
+from torchtitan_ext.registry import all_flavors
 
 TINY = "tiny-moe-grouped-mm"
 
@@ -94,3 +98,17 @@ def test_flags_without_show_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_one_tiny_flavor_per_backend_of_the_table():
+    """A backend added to the table without its tiny flavor (``flavors.py``) fails here."""
+    tiny = {flavor.name: flavor for flavor in all_flavors() if flavor.name.startswith("tiny-moe-")}
+    assert sorted(tiny) == sorted(tiny_flavor_name(backend) for backend in backend_names())
+    for backend in backend_names():
+        build = tiny[tiny_flavor_name(backend)].build
+        assert build.__name__ == f"tiny_moe_{backend}"
+        assert getattr(moe_backends_flavors, build.__name__) is build  # torchtitan's --config finds it
+        model = build().model_spec.model
+        assert {experts.compute_backend for _, experts, _, _ in model.traverse(BackendGroupedExperts.Config)} == {
+            backend
+        }

@@ -1,4 +1,4 @@
-"""Imports flow one way: kernels <- experiment <- framework <- experiment registration <- CLIs/benchmarks.
+"""Imports flow one way: base <- kernels <- experiment <- framework <- experiment registration <- CLIs/benchmarks.
 
 Every ``import`` in the project's source (module level or inside a function) is parsed with
 ``ast`` and checked against the layer of the importing module; no module imports a layer above
@@ -7,7 +7,8 @@ checks) plug into the framework's registries, so they sit above the framework; t
 reaches them only through the registry's package discovery, never by an import. The framework
 imports no experiment module at all (the metrics read layers by duck type and torchtitan's
 classes, and ask the registry what describes a run); only the registry names the experiments
-package, to discover it.
+package, to discover it. The base modules (the process's place in the launch) import nothing of
+the project, so every layer may import them.
 """
 
 import ast
@@ -16,11 +17,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-REGISTRATION_MODULES = {"flavors", "toml_keys", "torchtitan_features"}
-"""Modules of an experiment that register with the framework (flavors, TOML keys, start-up checks)."""
+REGISTRATION_MODULES = {"flavors", "toml_keys", "startup_checks", "run_description", "torchtitan_features"}
+"""Modules of an experiment that register with the framework (flavors, TOML keys, start-up checks,
+run descriptions and start-up notes)."""
+BASE_MODULES = {"torchtitan_ext.place_in_launch"}
+"""Framework modules below every layer: they import nothing of the project."""
 
-KERNELS, EXPERIMENT, FRAMEWORK, REGISTRATION, TOP = range(5)
-LAYER_NAMES = ["kernels", "experiment", "framework", "experiment registration", "CLIs and benchmarks"]
+BASE, KERNELS, EXPERIMENT, FRAMEWORK, REGISTRATION, TOP = range(6)
+LAYER_NAMES = ["base", "kernels", "experiment", "framework", "experiment registration", "CLIs and benchmarks"]
 TOP_MODULES = {"torchtitan_ext.train", "torchtitan_ext.launch", "torchtitan_ext.flavors"}
 """The user-facing CLIs of the framework package."""
 
@@ -33,6 +37,8 @@ def module_name(path: Path) -> str:
 
 
 def layer(module: str) -> int:
+    if module in BASE_MODULES:
+        return BASE
     if module.startswith("torchtitan_ext.kernels"):
         return KERNELS
     if module.startswith("torchtitan_ext.experiments"):
@@ -75,6 +81,25 @@ def test_sources_found():
         "torchtitan_ext.experiments.moe_backends.experts",
         "torchtitan_ext.bench.__main__",
     }
+
+
+def test_base_modules_import_nothing_of_the_project():
+    for module in BASE_MODULES:
+        assert project_imports(ROOT / (module.replace(".", "/") + ".py"), module) == set(), module
+
+
+EXPERIMENT_SOURCES = [path for path in SOURCES if module_name(path).startswith("torchtitan_ext.experiments.")]
+
+
+@pytest.mark.parametrize("path", EXPERIMENT_SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_an_experiment_module_registers_with_the_framework_exactly_when_it_is_a_registration_module(path):
+    module = module_name(path)
+    registers = sorted(
+        name
+        for name in project_imports(path, module)
+        if name.rsplit(".", 1)[-1].startswith("register_") and layer(name.rsplit(".", 1)[0]) == FRAMEWORK
+    )
+    assert bool(registers) == (layer(module) == REGISTRATION), (module, registers)
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))

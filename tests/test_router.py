@@ -14,6 +14,8 @@ from torchtitan.models.common.config_utils import (
 )
 from torchtitan.models.common.moe import TokenChoiceTopKRouter
 
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config.apply import apply_overrides
 from torchtitan_ext.experiments.moe_backends.layer import stock_moe_config, use_backend_experts, use_routing
 from torchtitan_ext.experiments.moe_backends.moe import load_balancing_loss, router_z_loss
 from torchtitan_ext.experiments.moe_backends.router import (
@@ -23,9 +25,8 @@ from torchtitan_ext.experiments.moe_backends.router import (
     bf16_parts,
     capacity_keep_mask,
 )
-from torchtitan_ext.experiments.moe_backends.toml_keys import check_moe_config
+from torchtitan_ext.experiments.moe_backends.startup_checks import check_moe_config
 from torchtitan_ext.kernels.moe_permute import slot_counts
-from torchtitan_ext.overrides import ConfigError, apply_overrides
 from torchtitan_ext.registry import get_flavor
 
 DIM = 8

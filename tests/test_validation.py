@@ -131,3 +131,28 @@ def test_expert_parallel_degree_above_world_suggests_torchrun(capsys):
         "needs at least 2 processes",
         "torchrun --nproc_per_node=2 -m torchtitan_ext.train",
     )
+
+
+def test_the_parallel_layout_of_the_ranks():
+    from torchtitan.config import ParallelismConfig
+
+    from torchtitan_ext.parallel_layout import data_parallel_shard_degree, degree_errors, layout_errors
+
+    layout = ParallelismConfig(tensor_parallel_degree=2)  # dp_shard -1: the ranks tp leaves
+    assert data_parallel_shard_degree(layout, 8) == 4 and layout_errors(layout, 8) == []
+    assert (
+        layout_errors(layout, 3)
+        == degree_errors(layout, 3)
+        == ["parallelism: world size 3 is not divisible by dp_replicate*cp*tp*pp = 2"]
+    )
+    layout = ParallelismConfig(data_parallel_shard_degree=2, expert_parallel_degree=4)
+    (too_few,) = layout_errors(layout, 2)
+    assert too_few.startswith("parallelism.expert_parallel_degree (4) needs at least 4 processes but this run has 2")
+    assert "launch one process per rank: torchrun --nproc_per_node=4 -m torchtitan_ext.train" in too_few
+    assert layout_errors(layout, 4) == [
+        "parallelism: dp_replicate(1) * dp_shard(2) * cp(1) * tp(1) * pp(1) != world size 4",
+        "parallelism.expert_parallel_degree (4) must divide dp_shard*cp*tp = 2 "
+        "(EP borrows ranks from data-shard, context and tensor parallelism)",
+    ]
+    layout.pipeline_parallel_degree = 0
+    assert degree_errors(layout, 4)[0].startswith("parallelism: degrees must be >= 1")

@@ -26,7 +26,7 @@ from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.overrides import ConfigError
+from torchtitan_ext.config import ConfigError
 
 MANIFEST_NAME = "integrity.json"
 MANIFEST_FORMAT = 1
@@ -82,7 +82,7 @@ def _rank_and_world() -> tuple[int, int]:
 
 def _gathered(local: dict) -> dict:
     """Union of every rank's ``local`` dict (``local`` itself without a process group)."""
-    rank, world = _rank_and_world()
+    _, world = _rank_and_world()
     if world == 1:
         return local
     gathered: list = [None] * world

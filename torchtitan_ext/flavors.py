@@ -267,7 +267,7 @@ def show_flavor(name: str, tomls: list[str], *, full: bool) -> None:
 
 
 def list_short_keys() -> None:
-    from torchtitan_ext.overrides import short_keys
+    from torchtitan_ext.config.short_keys import short_keys
     from torchtitan_ext.registry import all_flavors
 
     all_flavors()  # experiments register their keys on import
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--toml only applies together with --show NAME")
     if args.full and not args.show:
         parser.error("--full only applies together with --show NAME")
-    from torchtitan_ext.overrides import ConfigError
+    from torchtitan_ext.config import ConfigError
 
     try:
         if args.keys:

@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from torchtitan_ext.place_in_launch import is_rank_zero
+
 ERROR_FILE_ENV = "TORCHTITAN_EXT_ERROR_FILE"
 """Where rank 0 writes a start-up error for the launcher to print."""
 
@@ -63,7 +65,7 @@ def report_startup_error(message: str) -> bool:
     path = os.environ.get(ERROR_FILE_ENV)
     if not path:
         return False
-    if os.environ.get("RANK", "0") == "0":
+    if is_rank_zero():
         Path(path).write_text(message)
     return True
 

@@ -28,17 +28,16 @@ from torchtitan_ext.compat.cpu import (
 )
 from torchtitan_ext.compat.quiet_cpu import quiet_cpu_warnings
 from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config.apply import apply_overrides, apply_toml_files, valid_keys
+from torchtitan_ext.config.checks import run_config_checks
+from torchtitan_ext.config.command_line import COMMAND_LINE, split_short_key_args, take_options
+from torchtitan_ext.config.short_keys import short_keys
+from torchtitan_ext.config.value_sources import forget_value_sources
+from torchtitan_ext.config.value_types import annotation_name
 from torchtitan_ext.launch import launch, report_startup_error, wants_launcher
 from torchtitan_ext.metrics.metadata import record_run_metadata, run_metadata
-from torchtitan_ext.overrides import (
-    COMMAND_LINE,
-    ConfigError,
-    apply_overrides,
-    apply_toml_files,
-    forget_value_sources,
-    run_config_checks,
-    split_short_key_args,
-)
+from torchtitan_ext.place_in_launch import in_launch, is_rank_zero
 from torchtitan_ext.registry import UnknownFlavorError, all_flavors, get_flavor, startup_notes
 from torchtitan_ext.validation import check_config_values  # noqa: F401  (registers the start-up checks)
 
@@ -64,50 +63,30 @@ the TOML files, e.g. --moe.compute_backend for_loop --parallelism.ep 2 --trainin
 
 def short_keys_help() -> str:
     """The short keys with their types and choices, as listed by ``--help``."""
-    from torchtitan_ext.overrides import short_keys
-
     all_flavors()  # experiments register their keys on import
     keys = short_keys()
     width = max(len(k.key) for k in keys) + 2
     lines = ["short keys (command line --KEY VALUE, or TOML):"]
     for key in keys:
-        lines.append(f"  --{key.key:<{width}} {_type_name(key.annotation):<14} {key.help}")
+        lines.append(f"  --{key.key:<{width}} {annotation_name(key.annotation):<14} {key.help}")
     return "\n".join(lines)
 
 
-def _type_name(annotation) -> str:
-    import types
-    import typing
-
-    if typing.get_origin(annotation) is typing.Literal:
-        return "{" + ",".join(str(a) for a in typing.get_args(annotation)) + "}"
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return "|".join(_type_name(a) for a in typing.get_args(annotation) if a is not type(None))
-    return getattr(annotation, "__name__", str(annotation))
+PROJECT_OPTIONS = ("--flavor", "--toml")
+"""The train entry's own options; short keys and torchtitan's options follow them."""
 
 
 def split_project_args(args: list[str]) -> tuple[str | None, list[str], list[str]]:
     """Take ``--flavor`` and ``--toml`` out of ``args``: (flavor, toml files, the rest)."""
-    flavor, tomls, rest = None, [], []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        name, has_inline, inline = arg.partition("=")
-        if name in ("--flavor", "--toml"):
-            if has_inline:
-                value = inline
-            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-                value = args[i + 1]
-                i += 1
-            else:
-                raise ConfigError(f"{name} needs a value")
-            if name == "--flavor":
-                flavor = value
-            else:
-                tomls.append(value)
+    taken, rest = take_options(args, lambda name: name if name in PROJECT_OPTIONS else None)
+    flavor, tomls = None, []
+    for option, value in taken:
+        if value is None:
+            raise ConfigError(f"{option} needs a value")
+        if option == "--flavor":
+            flavor = value
         else:
-            rest.append(arg)
-        i += 1
+            tomls.append(value)
     return flavor, tomls, rest
 
 
@@ -125,8 +104,6 @@ def resolve_config(flavor_name: str, toml_paths: list[str], cli_overrides: dict 
 def unknown_option_errors(config, args: list[str]) -> list[str]:
     """``--a.b`` options of ``args`` that name no config field, with close matches (short keys included)."""
     import difflib
-
-    from torchtitan_ext.overrides import valid_keys
 
     keys = valid_keys(config)
     known = set(keys)
@@ -168,7 +145,7 @@ class FlavorConfigManager(ConfigManager):
         run_config_checks(config)  # cross-field checks (and "auto" resolution), before any process group exists
         # Run metadata for the metrics loggers (wandb config).
         record_run_metadata(flavor=flavor, toml_files=tomls, cli_args=cli_args, config=config)
-        if os.environ.get("RANK", "0") == "0":
+        if is_rank_zero():
             metadata = run_metadata()
             transport = f", ep_transport={metadata['ep_transport']}" if "ep_transport" in metadata else ""
             logger.info(
@@ -179,7 +156,7 @@ class FlavorConfigManager(ConfigManager):
             for note in startup_notes(config):
                 logger.info(note)
         fixes = apply_torch_version_fixes()
-        if fixes and os.environ.get("RANK", "0") == "0":
+        if fixes and is_rank_zero():
             logger.info(f"torch {torch.__version__}: torchtitan compatibility fixes applied: {', '.join(fixes)}")
         if cpu_training():
             adapt_config_for_cpu(config)
@@ -220,7 +197,7 @@ def _free_port() -> int:
 
 def set_single_process_env() -> None:
     """Outside torchrun, provide the rendezvous variables torchtitan expects (world of 1)."""
-    if "RANK" in os.environ:
+    if in_launch():
         return
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -243,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         titan_train.main()
     except ConfigError as e:
-        if not report_startup_error(str(e)) and os.environ.get("RANK", "0") == "0":
+        if not report_startup_error(str(e)) and is_rank_zero():
             print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

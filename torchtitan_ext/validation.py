@@ -1,6 +1,6 @@
 """Start-up validation of a final ``Trainer.Config``: values, cross-field rules, paths.
 
-``check_config_values`` is a registered config check (``overrides.run_config_checks``): it
+``check_config_values`` is a registered config check (``config.checks.run_config_checks``): it
 runs once on the final config (flavor, TOML files, command line), before any process group
 or model is built, and reports every problem in one ``ConfigError``. Each message names the
 key, where its value came from when it was overridden, the value and what is allowed.
@@ -8,13 +8,14 @@ key, where its value came from when it was overridden, the value and what is all
 
 import dataclasses
 import math
-import os
-import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
-from torchtitan_ext.overrides import ConfigError, register_config_check, value_source
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config.checks import register_config_check
+from torchtitan_ext.config.value_sources import value_source
+from torchtitan_ext.parallel_layout import data_parallel_shard_degree
+from torchtitan_ext.place_in_launch import world_size
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model")
 
@@ -23,16 +24,6 @@ def named(key: str, *aliases: str) -> str:
     """``key``, prefixed with the file/line or "command line" its value came from (how errors name a key)."""
     source = value_source(key, *aliases)
     return f"{source}: {key}" if source else key
-
-
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def launch_command(nproc_per_node: int) -> str:
-    """The torchrun command running this command line's arguments on ``nproc_per_node`` processes."""
-    args = " ".join(shlex.quote(a) for a in sys.argv[1:])
-    return f"torchrun --nproc_per_node={nproc_per_node} -m torchtitan_ext.train {args}".rstrip()
 
 
 def _walk_floats(node: Any, path: str):
@@ -63,21 +54,6 @@ def non_finite_errors(config) -> list[str]:
         for path, value in _walk_floats(tree, name)
         if not math.isfinite(value)
     ]
-
-
-def data_parallel_shard_degree(parallelism, world: int) -> int:
-    """``data_parallel_shard_degree`` with -1 resolved as torchtitan does: the ranks of ``world`` left
-    over by dp_replicate x cp x tp x pp (rounded down; 0 when that product is not positive)."""
-    p = parallelism
-    if p.data_parallel_shard_degree != -1:
-        return p.data_parallel_shard_degree
-    others = (
-        p.data_parallel_replicate_degree
-        * p.context_parallel_degree
-        * p.tensor_parallel_degree
-        * p.pipeline_parallel_degree
-    )
-    return world // others if others > 0 else 0
 
 
 def training_errors(config, world: int) -> list[str]:
@@ -119,7 +95,8 @@ def sequence_length_errors(config) -> list[str]:
         limits = {node.max_seq_len for node in _config_nodes(config.model_spec.model) if hasattr(node, "max_seq_len")}
         if limits and seq_len > min(limits):
             errors.append(
-                f"{key} = {seq_len}: exceeds the model's RoPE length (max_seq_len = {min(limits)}); use at most {min(limits)}"
+                f"{key} = {seq_len}: exceeds the model's RoPE length (max_seq_len = {min(limits)}); "
+                f"use at most {min(limits)}"
             )
     num_chunks = getattr(config.loss, "num_chunks", None)
     if isinstance(num_chunks, int) and num_chunks > 0 and seq_len % num_chunks:
@@ -152,7 +129,8 @@ def data_errors(config) -> list[str]:
     name = getattr(loader, "dataset", None)
     if name is not None and name not in DATASETS:
         errors.append(
-            f"{named('dataloader.dataset', 'data.dataset')} = {name!r}: unknown dataset; known: {', '.join(sorted(DATASETS))}"
+            f"{named('dataloader.dataset', 'data.dataset')} = {name!r}: unknown dataset; "
+            f"known: {', '.join(sorted(DATASETS))}"
         )
     elif name == torchtitan_ext.data.JSONL_TEXT and not getattr(loader, "dataset_path", None):
         errors.append(
@@ -171,7 +149,8 @@ def data_errors(config) -> list[str]:
     tokenizer_key = named("hf_assets_path", "data.tokenizer")
     if not tokenizer.is_dir():
         errors.append(
-            f"{tokenizer_key} = {str(config.hf_assets_path)!r}: no such folder (a folder with {' or '.join(TOKENIZER_FILES)})"
+            f"{tokenizer_key} = {str(config.hf_assets_path)!r}: no such folder "
+            f"(a folder with {' or '.join(TOKENIZER_FILES)})"
         )
     elif not any((tokenizer / f).is_file() for f in TOKENIZER_FILES):
         errors.append(

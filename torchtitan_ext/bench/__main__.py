@@ -16,7 +16,6 @@ TRITON_INTERPRET=1); with CUDA timings are medians over CUDA events after warm-u
 
 import argparse
 import dataclasses
-import os
 import sys
 
 import torch
@@ -33,11 +32,12 @@ from torchtitan_ext.bench.common import (
     write_json,
 )
 from torchtitan_ext.compat.quiet_cpu import quiet_cpu_warnings
+from torchtitan_ext.config import ConfigError
 from torchtitan_ext.experiments.moe_backends import auto_backend
 from torchtitan_ext.experiments.moe_backends.dispatcher import PERMUTE_BACKENDS
 from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape
 from torchtitan_ext.experiments.moe_backends.experts import AUTO_BACKEND, BACKENDS, runnable_backends
-from torchtitan_ext.overrides import ConfigError
+from torchtitan_ext.place_in_launch import world_size
 
 PROG = "python -m torchtitan_ext.bench"
 
@@ -339,7 +339,7 @@ def run_layer(parser, args, device, command) -> None:
 
 
 def run_ep(parser, args, device, command) -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     if device.type != "cuda" or world < 2:
         parser.error(
             "ep measures NCCL all-to-all between GPUs: run it under torchrun with >= 2 CUDA GPUs, "

@@ -16,8 +16,8 @@ from dataclasses import asdict
 
 import torch
 
+from torchtitan_ext.config import ConfigError
 from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, Timer
-from torchtitan_ext.overrides import ConfigError
 
 SHAPES = {
     shape.name: shape

@@ -40,7 +40,6 @@ both transports and both permute backends) and records the largest errors.
 """
 
 import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -68,6 +67,7 @@ from torchtitan_ext.experiments.moe_backends.experts import (  # noqa: E402
 )
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config  # noqa: E402
 from torchtitan_ext.kernels import symm_mem_rows as exchange_kernels  # noqa: E402
+from torchtitan_ext.place_in_launch import local_rank  # noqa: E402
 
 NUM_EXPERTS, TOP_K = 64, 8
 HOST_AHEAD_MS = 3.0
@@ -365,7 +365,7 @@ def run(
     """
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(local_rank())
     set_spmd_backend("partial_dtensor")
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("ep",))
     report = {

@@ -42,8 +42,10 @@ from torchtitan.models.common.attention import FlexAttention  # noqa: E402
 from torchtitan.tools.utils import get_peak_flops  # noqa: E402
 
 from torchtitan_ext.compat.cpu import adapt_config_for_cpu, patch_torchtitan_for_cpu  # noqa: E402
+from torchtitan_ext.config import ConfigError  # noqa: E402
+from torchtitan_ext.config.apply import apply_overrides  # noqa: E402
+from torchtitan_ext.config.value_sources import forget_value_sources  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts  # noqa: E402
-from torchtitan_ext.overrides import ConfigError, apply_overrides, forget_value_sources  # noqa: E402
 from torchtitan_ext.train import resolve_config  # noqa: E402
 
 TABLE = [

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from torchtitan_ext.overrides import load_toml
+from torchtitan_ext.config.toml_files import load_toml
 from torchtitan_ext.registry import describe_run
 
 _run_metadata: dict[str, Any] = {}

@@ -20,7 +20,7 @@ in place, the hooks read nothing on the host and keep no Python state that chang
 so ``torch.compile(fullgraph=True)`` traces them into the layer's graph and a CUDA graph replays
 them. Under compile, activation-checkpoint recomputation does not replay forward side effects
 (torchtitan sets ``skip_fwd_side_effects_in_bwd_under_checkpoint``), so the recomputation test
-and the dispatch-mode shield below are eager-only.
+and the dispatch-mode shield are eager-only.
 """
 
 import functools
@@ -43,8 +43,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _outside_dispatch_modes(hook: Callable) -> Callable:
-    """``hook`` run with the active torch dispatch modes switched off.
+def _training_forward_hook(hook: Callable) -> Callable:
+    """``hook(module, ...)`` run on training forwards only (not in eval, not in the activation-checkpoint
+    recomputation of a backward), without autograd and with the active torch dispatch modes switched off.
 
     The hooks run tensor ops in a forward but skip them in an activation-checkpoint
     recomputation. Selective checkpointing matches saved op outputs to the recomputation by
@@ -54,20 +55,23 @@ def _outside_dispatch_modes(hook: Callable) -> Callable:
     """
 
     @functools.wraps(hook)
-    def run(*args):
+    def run(module, *args) -> None:
+        if not module.training:
+            return
         if torch.compiler.is_compiling():
-            return hook(*args)
-        with _disable_current_modes():
-            return hook(*args)
+            with torch.no_grad():
+                hook(module, *args)
+            return
+        if _in_backward_recompute():
+            return
+        with _disable_current_modes(), torch.no_grad():
+            hook(module, *args)
 
     return run
 
 
 def _in_backward_recompute() -> bool:
-    """True while autograd runs a backward (an eager activation-checkpoint recomputation); always
-    False under compile, whose recomputation does not replay the hooks (module docstring)."""
-    if torch.compiler.is_compiling():
-        return False
+    """True while autograd runs a backward (an eager activation-checkpoint recomputation)."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -176,23 +180,21 @@ class MoERoutingObserver:
         )
         self.layers.append(layer)
         self._handles += [
-            moe.register_forward_pre_hook(_outside_dispatch_modes(self._moe_pre_hook(layer))),
-            moe.register_forward_hook(_outside_dispatch_modes(self._moe_hook(layer))),
+            moe.register_forward_pre_hook(_training_forward_hook(self._moe_pre_hook(layer))),
+            moe.register_forward_hook(_training_forward_hook(self._moe_hook(layer))),
             moe.router.gate.register_forward_hook(
-                _outside_dispatch_modes(self._gate_hook(layer, moe.router.score_func))
+                _training_forward_hook(self._gate_hook(layer, moe.router.score_func))
             ),
         ]
         for module in moe.modules():
             if _pads_rows(module):
                 self._handles.append(
-                    module.register_forward_pre_hook(_outside_dispatch_modes(self._padded_experts_hook(layer)))
+                    module.register_forward_pre_hook(_training_forward_hook(self._padded_experts_hook(layer)))
                 )
 
     def _moe_pre_hook(self, layer: LayerAccumulator) -> Callable:
         def hook(moe, args) -> None:
-            if moe.training and not _in_backward_recompute():
-                with torch.no_grad():
-                    layer.counts_before_E.copy_(_local(moe.tokens_per_expert_E))
+            layer.counts_before_E.copy_(_local(moe.tokens_per_expert_E))
 
         return hook
 
@@ -200,16 +202,13 @@ class MoERoutingObserver:
         """Routed counts of this forward (growth of the MoE's ``tokens_per_expert_E``), optional stats."""
 
         def hook(moe, args, output) -> None:
-            if not moe.training or _in_backward_recompute():
-                return
-            with torch.no_grad():
-                counts_E = _local(moe.tokens_per_expert_E).double() - layer.counts_before_E.double()
-                layer.tokens_per_expert_E.add_(counts_E)
-                if self.expert_parallel is not None:
-                    self._add_a2a_bytes(layer, counts_E, _local(args[0]))
-                for index, value in _router_statistics(moe).items():
-                    layer.optional_sums[index] += value.detach().double()
-                    layer.optional_counts[index] += 1
+            counts_E = _local(moe.tokens_per_expert_E).double() - layer.counts_before_E.double()
+            layer.tokens_per_expert_E.add_(counts_E)
+            if self.expert_parallel is not None:
+                self._add_a2a_bytes(layer, counts_E, _local(args[0]))
+            for index, value in _router_statistics(moe).items():
+                layer.optional_sums[index] += value.detach().double()
+                layer.optional_counts[index] += 1
 
         return hook
 
@@ -217,17 +216,14 @@ class MoERoutingObserver:
         """Router entropy from the gate logits ``(..., E)``, scored like the router does."""
 
         def hook(gate, args, logits) -> None:
-            if not gate.training or _in_backward_recompute():
-                return
-            with torch.no_grad():
-                logits_TE = _local(logits).reshape(-1, layer.num_experts).double()
-                if score_func == "softmax":
-                    probs_TE = torch.softmax(logits_TE, dim=-1)
-                else:
-                    scores_TE = torch.sigmoid(logits_TE)
-                    probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-                layer.entropy_sum -= torch.special.xlogy(probs_TE, probs_TE).sum()
-                layer.num_tokens += logits_TE.shape[0]
+            logits_TE = _local(logits).reshape(-1, layer.num_experts).double()
+            if score_func == "softmax":
+                probs_TE = torch.softmax(logits_TE, dim=-1)
+            else:
+                scores_TE = torch.sigmoid(logits_TE)
+                probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+            layer.entropy_sum -= torch.special.xlogy(probs_TE, probs_TE).sum()
+            layer.num_tokens += logits_TE.shape[0]
             if isinstance(logits, DTensor) and any(isinstance(p, Shard) for p in logits.placements):
                 layer.sharded_tokens = True
 
@@ -244,8 +240,6 @@ class MoERoutingObserver:
         """Rows a backend with ``pads_rows`` adds: every expert padded to the largest one."""
 
         def hook(experts, args) -> None:
-            if not experts.training or _in_backward_recompute():
-                return
             counts_E = args[1]
             layer.padding_rows += counts_E.numel() * counts_E.max() - counts_E.sum()
 

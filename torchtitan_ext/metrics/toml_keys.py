@@ -4,7 +4,8 @@ They set fields of ``MoEMetricsProcessor.Config`` and fail with a ``ConfigError`
 for a flavor whose ``metrics`` is another processor's config.
 """
 
-from torchtitan_ext.overrides import ConfigError, register_short_key
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config.short_keys import register_short_key
 
 
 def _set_metrics_field(key: str, field_name: str):

@@ -1,7 +1,9 @@
 """MoE backends experiment: routed experts whose compute backend is a config field.
 
-``flavors`` registers the flavors and ``toml_keys`` the ``[moe]`` TOML keys; the layer
-modules (experts, router, dispatcher, moe) import without torchtitan's Trainer.
+``flavors`` registers the flavors, ``toml_keys`` the ``[moe]`` TOML keys, ``startup_checks``
+and ``torchtitan_features`` the start-up checks, ``run_description`` the run metadata and
+start-up note; the layer modules (experts, router, dispatcher, moe) import without
+torchtitan's Trainer.
 
 Shape suffixes (``x_TD`` is a [T, D] tensor), as in torchtitan's ``models/common/moe.py``:
 

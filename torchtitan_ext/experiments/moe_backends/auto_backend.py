@@ -12,10 +12,11 @@ length), balanced routing, of what the run will execute:
   (``expert_timing.expert_inputs``), which is what every backend computes after the all-to-all.
 
 Choices are cached in ``$TORCHTITAN_EXT_CACHE/auto_backend.json`` (default
-``~/.cache/torchtitan_ext/``), keyed by device name, torch version, dtype, the MoE shapes
-what is measured and the candidate backends (the backends of the table that run here). A single process measures on a cache miss; under torchrun
-(``WORLD_SIZE > 1``) every rank reads the cache and a miss is an error asking for
-``python -m torchtitan_ext.bench auto --flavor NAME`` first, so all ranks choose alike.
+``~/.cache/torchtitan_ext/``), keyed by device name, torch version, dtype, the MoE shapes,
+what is measured and the candidate backends (the backends of the table that run here). A single
+process measures on a cache miss; under torchrun (a world of several ranks) every rank reads
+the cache and a miss is an error asking for ``python -m torchtitan_ext.bench auto --flavor NAME``
+first, so all ranks choose alike.
 """
 
 import json
@@ -29,9 +30,11 @@ import torch
 from torchtitan.models.common.moe import MoE
 from torchtitan.tools.logging import logger
 
+from torchtitan_ext.place_in_launch import is_rank_zero, world_size
+
 from .cache import CACHE_ENV, cache_dir
 from .expert_timing import BenchShape, expert_inputs, make_timer, seeded_generator
-from .experts import AUTO_BACKEND, BackendGroupedExperts, backend_names, get_backend, runnable_backends
+from .experts import BackendGroupedExperts, backend_names, get_backend, resolved_at_startup, runnable_backends
 from .layer import moe_layer_config
 
 
@@ -224,7 +227,7 @@ def resolve_for_config(config, *, remeasure: bool = False, measure: Measure | No
     device, dtype = training_device_and_dtype(config)
     tokens = config.training.local_batch_size * config.training.seq_len
     layer_shapes = moe_layer_shapes(config.model_spec.model, tokens)
-    may_measure = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    may_measure = world_size() == 1
     return resolve(
         layer_shapes,
         device,
@@ -244,14 +247,14 @@ def resolve_auto_compute_backend(config, *, measure: Measure | None = None) -> A
     experts = [
         experts
         for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)
-        if experts.compute_backend == AUTO_BACKEND
+        if resolved_at_startup(experts.compute_backend)
     ]
     if not experts:
         return None
     choice = resolve_for_config(config, measure=measure)
     for experts_config in experts:
         experts_config.compute_backend = choice.backend
-    if os.environ.get("RANK", "0") == "0":
+    if is_rank_zero():
         source = "cached" if choice.cached else "measured"
         logger.info(
             f"moe.compute_backend = 'auto' -> {choice.backend!r} ({source}: {choice.measured} fwd+bwd "

@@ -52,6 +52,8 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 from torchtitan_ext.experiments.moe_backends import ep_symm_mem
 from torchtitan_ext.kernels import moe_permute
 
+from .validated_config import ValidatedConfig, choice_errors
+
 PermuteBackend = Literal["auto", "torch", "triton"]
 PERMUTE_BACKENDS: tuple[str, ...] = get_args(PermuteBackend)
 EPTransport = Literal["all_to_all", "symm_mem"]
@@ -244,7 +246,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
     """Local and all-to-all token dispatch with permute backend choice and aligned groups."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(AllToAllTokenDispatcher.Config):
+    class Config(ValidatedConfig, AllToAllTokenDispatcher.Config):
         permute_backend: PermuteBackend = "auto"
         """``"auto"``, ``"torch"`` or ``"triton"``: how rows are permuted and combined."""
         align_size: int = 1
@@ -252,19 +254,11 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         ep_transport: EPTransport = "all_to_all"
         """``"all_to_all"`` or ``"symm_mem"``: how rows move between EP ranks."""
 
-        def __post_init__(self):
-            if errors := self.validation_errors():
-                raise ValueError("; ".join(errors))
-
         def validation_errors(self, key: Callable[[str], str] = str) -> list[str]:
             """Every invalid option, one message each; ``key(field)`` is how a message names a field."""
             errors = [
-                f"{key(name)} = {value!r}: not one of the valid choices: {', '.join(choices)}"
-                for name, value, choices in (
-                    ("permute_backend", self.permute_backend, PERMUTE_BACKENDS),
-                    ("ep_transport", self.ep_transport, EP_TRANSPORTS),
-                )
-                if value not in choices
+                *choice_errors(key, "permute_backend", self.permute_backend, PERMUTE_BACKENDS),
+                *choice_errors(key, "ep_transport", self.ep_transport, EP_TRANSPORTS),
             ]
             if isinstance(self.align_size, bool) or not isinstance(self.align_size, int) or self.align_size < 1:
                 errors.append(f"{key('align_size')} = {self.align_size!r}: must be an integer >= 1 (1 = off)")

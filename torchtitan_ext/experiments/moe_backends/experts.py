@@ -33,9 +33,7 @@ from torchtitan_ext.kernels.fused_moe import (
 
 from .dispatcher import RoutingDispatcher
 from .grouped_matmul import grouped_mm, row_major
-
-AUTO_BACKEND = "auto"
-"""The ``compute_backend`` value resolved at start-up to the fastest backend here."""
+from .validated_config import ValidatedConfig
 
 ExpertCompute = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -140,10 +138,53 @@ class ComputeBackendSpec:
 BACKENDS: dict[str, ComputeBackendSpec] = {}
 """The backend table: every compute backend by name, in the order they are listed and tried."""
 
+AUTO_BACKEND = "auto"
+"""The ``compute_backend`` a config may hold until start-up, where it is replaced by the fastest
+backend of the table that runs here (``auto_backend``); no module is built from it."""
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every backend of the table, in table order."""
+    return tuple(BACKENDS)
+
+
+def compute_backend_choices() -> tuple[str, ...]:
+    """Every value ``moe.compute_backend`` accepts: the backends of the table, then ``AUTO_BACKEND``."""
+    return (*BACKENDS, AUTO_BACKEND)
+
+
+def resolved_at_startup(name: str) -> bool:
+    """True for ``AUTO_BACKEND``: the start-up checks replace it by a backend of the table."""
+    return name == AUTO_BACKEND
+
+
+def backend_name_error(name: str) -> str | None:
+    """Why a module cannot be built with ``compute_backend = name`` (None: ``name`` is a backend of the table)."""
+    if resolved_at_startup(name):
+        return (
+            "'auto' is resolved to a backend at start-up "
+            "(experiments.moe_backends.auto_backend.resolve_auto_compute_backend); resolve it before building"
+        )
+    if name not in BACKENDS:
+        return "unknown backend; valid backends: " + ", ".join(BACKENDS)
+    return None
+
+
+def get_backend(name: str) -> ComputeBackendSpec:
+    """The spec of backend ``name``; ValueError listing the valid names otherwise."""
+    if (error := backend_name_error(name)) is not None:
+        raise ValueError(f"compute_backend = {name!r}: {error}")
+    return BACKENDS[name]
+
+
+def backend_unavailable_reason(name: str) -> str | None:
+    """Why backend ``name`` cannot run on this machine (None: it can; "auto" picks only backends that can)."""
+    return None if resolved_at_startup(name) else get_backend(name).unavailable_reason()
+
 
 def register_backend(spec: ComputeBackendSpec) -> ComputeBackendSpec:
     """Add ``spec`` to the backend table; its name must be new."""
-    if spec.name in BACKENDS or spec.name == AUTO_BACKEND:
+    if spec.name in compute_backend_choices():
         raise ValueError(f"compute backend {spec.name!r} is already taken")
     BACKENDS[spec.name] = spec
     return spec
@@ -165,34 +206,11 @@ register_backend(
     )
 )
 
-ComputeBackend = Literal[tuple(BACKENDS)]
+
+ComputeBackend = Literal[backend_names()]
 """A backend name of the table (the type of ``compute_backend``)."""
-ComputeBackendChoice = Literal[(*BACKENDS, AUTO_BACKEND)]
+ComputeBackendChoice = Literal[compute_backend_choices()]
 """What the ``moe.compute_backend`` TOML key accepts: a backend, or "auto" (resolved at start-up)."""
-
-
-def backend_names() -> tuple[str, ...]:
-    """Every backend of the table, in table order."""
-    return tuple(BACKENDS)
-
-
-def backend_name_error(name: str) -> str | None:
-    """Why ``name`` is not a backend of the table (None: it is one)."""
-    if name == AUTO_BACKEND:
-        return (
-            "'auto' is resolved to a backend at start-up "
-            "(experiments.moe_backends.auto_backend.resolve_auto_compute_backend); resolve it before building"
-        )
-    if name not in BACKENDS:
-        return "unknown backend; valid backends: " + ", ".join(BACKENDS)
-    return None
-
-
-def get_backend(name: str) -> ComputeBackendSpec:
-    """The spec of backend ``name``; ValueError listing the valid names otherwise."""
-    if (error := backend_name_error(name)) is not None:
-        raise ValueError(f"compute_backend = {name!r}: {error}")
-    return BACKENDS[name]
 
 
 def runnable_backends() -> list[str]:
@@ -221,13 +239,9 @@ class BackendGroupedExperts(GroupedExperts):
     """torchtitan's ``GroupedExperts`` with the expert computation chosen by name."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(GroupedExperts.Config):
+    class Config(ValidatedConfig, GroupedExperts.Config):
         compute_backend: ComputeBackend = DEFAULT_BACKEND
         """How the expert block is computed: a name of the backend table ``BACKENDS``."""
-
-        def __post_init__(self):
-            if errors := self.validation_errors():
-                raise ValueError("; ".join(errors))
 
         def validation_errors(self, key: Callable[[str], str] = str) -> list[str]:
             """Every invalid option, one message each; ``key(field)`` is how a message names a field."""

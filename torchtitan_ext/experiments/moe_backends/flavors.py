@@ -10,7 +10,9 @@ torchtitan_ext.experiments.moe_backends.flavors --config tiny_moe_grouped_mm`` l
 flavor ``--flavor tiny-moe-grouped-mm`` loads (``Flavor.torchtitan_args`` gives the pair).
 """
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
@@ -27,8 +29,9 @@ from torchtitan_ext.data import TINY_STORIES, TOKENIZER_DIR
 from torchtitan_ext.metrics.processor import MoEMetricsProcessor
 from torchtitan_ext.registry import register_flavor
 
-from . import toml_keys, torchtitan_features  # noqa: F401  (register the [moe] TOML keys and start-up checks)
-from .experts import DEFAULT_BACKEND, ComputeBackend, backend_names
+# The [moe] TOML keys, start-up checks (run in import order) and run description register on import.
+from . import run_description, startup_checks, toml_keys, torchtitan_features  # noqa: F401
+from .experts import DEFAULT_BACKEND, ComputeBackend
 from .layer import use_backend_experts, use_routing
 from .model import MoEShape, qwen3_style_moe
 from .moe import with_router_loss_configuration
@@ -89,32 +92,39 @@ OLMOE_1B_7B = MoEShape(
 )
 
 
-def moe_trainer_config(
-    model_spec: ModelSpec,
-    *,
-    local_batch_size: int,
-    seq_len: int,
-    steps: int,
-    lr: float,
-    warmup_steps: int,
-    log_freq: int,
-    expert_parallel_degree: int = 1,
-) -> Trainer.Config:
+@dataclass(frozen=True, kw_only=True)
+class TrainingRun:
+    """How a flavor trains by default: per-rank batch and sequence length, steps, peak learning rate
+    and its warm-up steps, metrics every ``log_freq`` steps."""
+
+    local_batch_size: int
+    seq_len: int
+    steps: int
+    lr: float
+    warmup_steps: int
+    log_freq: int
+
+
+TINY_RUN = TrainingRun(local_batch_size=8, seq_len=128, steps=50, lr=3e-3, warmup_steps=5, log_freq=1)
+FULL_SIZE_RUN = TrainingRun(local_batch_size=4, seq_len=4096, steps=1000, lr=3e-4, warmup_steps=100, log_freq=10)
+
+
+def moe_trainer_config(model_spec: ModelSpec, run: TrainingRun, *, expert_parallel_degree: int = 1) -> Trainer.Config:
     """A complete ``Trainer.Config`` around ``model_spec`` on the shipped corpus."""
     return Trainer.Config(
         model_spec=model_spec,
         hf_assets_path=str(TOKENIZER_DIR),
         loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size)),
-        metrics=MoEMetricsProcessor.Config(log_freq=log_freq),
+        metrics=MoEMetricsProcessor.Config(log_freq=run.log_freq),
         dataloader=HuggingFaceTextDataLoader.Config(dataset=TINY_STORIES),
-        optimizer=default_adamw(lr=lr),
+        optimizer=default_adamw(lr=run.lr),
         lr_scheduler=LRSchedulersContainer.Config(
-            warmup_steps=warmup_steps, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.1
+            warmup_steps=run.warmup_steps, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.1
         ),
         # CUDA graphs stay off: the MoE metrics hooks keep Python-side counts, and the EP
         # dispatch and the for_loop / batched_mm_padded experts read counts on the host.
         training=TrainingConfig(
-            local_batch_size=local_batch_size, seq_len=seq_len, steps=steps, disable_cuda_graphs=True
+            local_batch_size=run.local_batch_size, seq_len=run.seq_len, steps=run.steps, disable_cuda_graphs=True
         ),
         # Model-parallel axes only: these models carry no SPMD sharding annotations, which
         # torchtitan's default "spmd_types" backend needs for FSDP.
@@ -129,20 +139,9 @@ def tiny_flavor_name(compute_backend: ComputeBackend) -> str:
     return "tiny-moe-" + compute_backend.replace("_", "-")
 
 
-def tiny_config_function_name(compute_backend: ComputeBackend) -> str:
-    """The name of the tiny flavor's config function in this module (``--config``)."""
-    return "tiny_moe_" + compute_backend
-
-
 def tiny_moe(compute_backend: ComputeBackend) -> Trainer.Config:
     config = moe_trainer_config(
-        qwen3_style_moe(tiny_flavor_name(compute_backend), TINY_SHAPE, compute_backend=compute_backend),
-        local_batch_size=8,
-        seq_len=128,
-        steps=50,
-        lr=3e-3,
-        warmup_steps=5,
-        log_freq=1,
+        qwen3_style_moe(tiny_flavor_name(compute_backend), TINY_SHAPE, compute_backend=compute_backend), TINY_RUN
     )
     # Smoke-run models: full fp32 (no bf16 autocast or FSDP bf16 parameters), so every
     # backend, and the Triton interpreter on CPU, computes the same function.
@@ -151,34 +150,28 @@ def tiny_moe(compute_backend: ComputeBackend) -> Trainer.Config:
 
 
 def full_size(name: str, shape: MoEShape, compute_backend: ComputeBackend | None = DEFAULT_BACKEND) -> Trainer.Config:
-    return moe_trainer_config(
-        qwen3_style_moe(name, shape, compute_backend=compute_backend),
-        local_batch_size=4,
-        seq_len=4096,
-        steps=1000,
-        lr=3e-4,
-        warmup_steps=100,
-        log_freq=10,
-    )
+    return moe_trainer_config(qwen3_style_moe(name, shape, compute_backend=compute_backend), FULL_SIZE_RUN)
 
 
-def tiny_config_function(compute_backend: ComputeBackend) -> Callable[[], Trainer.Config]:
-    """The tiny flavor's zero-argument config function, named ``tiny_moe_<compute_backend>``."""
+def register_tiny_flavor(compute_backend: ComputeBackend) -> Callable[[], Trainer.Config]:
+    """Register the flavor ``tiny-moe-<backend>`` and return its config function, named
+    ``tiny_moe_<compute_backend>``: this module binds it to that name, where torchtitan's
+    ``--config`` looks it up."""
 
     def build() -> Trainer.Config:
         return tiny_moe(compute_backend)
 
-    build.__name__ = build.__qualname__ = tiny_config_function_name(compute_backend)
+    build.__name__ = build.__qualname__ = "tiny_moe_" + compute_backend
     build.__doc__ = f"The {tiny_flavor_name(compute_backend)} flavor's Trainer.Config."
-    return build
+    description = f"2-layer, 8-expert top-2 MoE (dim 64) for CPU smoke runs; {compute_backend} experts"
+    return register_flavor(tiny_flavor_name(compute_backend), description)(build)
 
 
-for _backend in backend_names():
-    _build = register_flavor(
-        tiny_flavor_name(_backend),
-        f"2-layer, 8-expert top-2 MoE (dim 64) for CPU smoke runs; {_backend} experts",
-    )(tiny_config_function(_backend))
-    globals()[_build.__name__] = _build
+# One tiny flavor per backend of the table, each bound to its function's name (tests/test_flavors.py checks).
+tiny_moe_grouped_mm = register_tiny_flavor("grouped_mm")
+tiny_moe_for_loop = register_tiny_flavor("for_loop")
+tiny_moe_batched_mm_padded = register_tiny_flavor("batched_mm_padded")
+tiny_moe_triton = register_tiny_flavor("triton")
 
 
 @register_flavor("qwen3-30b-a3b", "Qwen3-30B-A3B dims: 48 layers, dim 2048, 128 experts top-8, F 768")
@@ -212,13 +205,4 @@ def deepseek_v3_16b() -> Trainer.Config:
     model_spec = deepseek_v3_registry("16B")
     use_routing(use_backend_experts(model_spec.model, DEFAULT_BACKEND))
     model_spec.parallelize_fn = with_router_loss_configuration(model_spec.parallelize_fn)
-    config = moe_trainer_config(
-        model_spec,
-        local_batch_size=4,
-        seq_len=4096,
-        steps=1000,
-        lr=2.2e-4,
-        warmup_steps=100,
-        log_freq=10,
-    )
-    return config
+    return moe_trainer_config(model_spec, dataclasses.replace(FULL_SIZE_RUN, lr=2.2e-4))

@@ -5,7 +5,8 @@
 ``use_routing`` swaps torchtitan's MoE, routed-experts, router, router gate and standard
 token dispatcher configs for ``RoutedMoE`` / ``FusedRoutedExperts`` / ``BalancedTopKRouter`` /
 ``RouterGate`` / ``RoutingDispatcher`` (same defaults, extra knobs off). ``stock_moe_config``
-is torchtitan's own MoE layer config and ``moe_layer_config`` the same layer with ours.
+is torchtitan's own MoE layer config and ``moe_layer_config`` the same layer with ours;
+``routing_dispatchers`` finds our dispatchers in a ``Trainer.Config``.
 """
 
 from collections.abc import Callable
@@ -115,3 +116,14 @@ def stock_moe_config(
 def moe_layer_config(*, compute_backend: ComputeBackend, **shape) -> RoutedMoE.Config:
     """``stock_moe_config(**shape)`` with this experiment's router, dispatcher and experts."""
     return use_routing(use_backend_experts(stock_moe_config(**shape), compute_backend))
+
+
+def routing_dispatchers(config) -> list[RoutingDispatcher.Config]:
+    """The project's token dispatchers of every MoE layer of a ``Trainer.Config`` (none for torchtitan's own MoE)."""
+    if config.model_spec is None:
+        return []
+    return [
+        moe.routed_experts.token_dispatcher
+        for _, moe, _, _ in config.model_spec.model.traverse(RoutedMoE.Config)
+        if isinstance(moe.routed_experts.token_dispatcher, RoutingDispatcher.Config)
+    ]

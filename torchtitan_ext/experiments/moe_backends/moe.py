@@ -37,6 +37,7 @@ from torch.distributed._functional_collectives import all_reduce
 from torchtitan.models.common.moe import MoE
 
 from .router import BalancedTopKRouter, RouterOutput
+from .validated_config import ValidatedConfig, choice_errors, positive_or_off_errors
 
 AuxLossType = Literal["seq", "batch", "global"]
 AUX_LOSS_TYPES: tuple[str, ...] = get_args(AuxLossType)
@@ -128,7 +129,7 @@ class RoutedMoE(MoE):
     """torchtitan's MoE plus aux/z losses and router statistics; see the module docstring."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(MoE.Config):
+    class Config(ValidatedConfig, MoE.Config):
         router: BalancedTopKRouter.Config
         aux_loss_coeff: float = 0.0
         """Weight of the load-balancing loss in the objective (0: off)."""
@@ -137,10 +138,6 @@ class RoutedMoE(MoE):
         z_loss_coeff: float = 0.0
         """Weight of the router z-loss in the objective (0: off)."""
 
-        def __post_init__(self):
-            if errors := self.validation_errors():
-                raise ValueError("; ".join(errors))
-
         def validation_errors(self, key: Callable[[str], str] = str) -> list[str]:
             """Every invalid option, one message each; ``key(field)`` is how a message names a field."""
             errors = [
@@ -148,14 +145,8 @@ class RoutedMoE(MoE):
                 for name, value in (("aux_loss_coeff", self.aux_loss_coeff), ("z_loss_coeff", self.z_loss_coeff))
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0)
             ]
-            if self.aux_loss_type not in AUX_LOSS_TYPES:
-                errors.append(
-                    f"{key('aux_loss_type')} = {self.aux_loss_type!r}: not one of the valid choices: {', '.join(AUX_LOSS_TYPES)}"
-                )
-            if self.load_balance_coeff is not None and self.load_balance_coeff <= 0:
-                errors.append(
-                    f"{key('load_balance_coeff')} = {self.load_balance_coeff}: must be > 0, or off (None; 0 in TOML)"
-                )
+            errors += choice_errors(key, "aux_loss_type", self.aux_loss_type, AUX_LOSS_TYPES)
+            errors += positive_or_off_errors(key, "load_balance_coeff", self.load_balance_coeff)
             return errors
 
     def __init__(self, config: Config):

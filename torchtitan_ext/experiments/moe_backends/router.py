@@ -38,6 +38,8 @@ from torchtitan.models.common.moe import TokenChoiceTopKRouter
 from torchtitan_ext.kernels.moe_permute import slot_counts, stable_expert_order
 from torchtitan_ext.kernels.topk_routing import topk_routing, topk_routing_unsupported_reason
 
+from .validated_config import ValidatedConfig, positive_or_off_errors
+
 
 @dataclass(frozen=True, kw_only=True)
 class RouterOutput:
@@ -160,13 +162,9 @@ class BalancedTopKRouter(TokenChoiceTopKRouter):
     """torchtitan's top-k router plus token capacity; see the module docstring."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(TokenChoiceTopKRouter.Config):
+    class Config(ValidatedConfig, TokenChoiceTopKRouter.Config):
         capacity_factor: float | None = None
         """Per-expert slot limit as a multiple of the balanced load; None: no limit."""
-
-        def __post_init__(self):
-            if errors := self.validation_errors():
-                raise ValueError("; ".join(errors))
 
         def validation_errors(self, key: Callable[[str], str] = str) -> list[str]:
             """Every invalid option, one message each; ``key(field)`` is how a message names a field."""
@@ -199,10 +197,7 @@ class BalancedTopKRouter(TokenChoiceTopKRouter):
                     )
                 elif self.top_k > limited * (self.num_experts // groups):
                     errors.append(f"{key('top_k')} = {self.top_k}: exceeds the experts in {limited} limited groups")
-            if self.capacity_factor is not None and self.capacity_factor <= 0:
-                errors.append(
-                    f"{key('capacity_factor')} = {self.capacity_factor}: must be > 0, or off (None; 0 in TOML)"
-                )
+            errors += positive_or_off_errors(key, "capacity_factor", self.capacity_factor)
             return errors
 
     def __init__(self, config: Config):

@@ -20,7 +20,8 @@ layers cannot honour is refused with the reason (exit 2), never silently ignored
 
 from torchtitan.models.common.moe import GroupedExperts
 
-from torchtitan_ext.overrides import ConfigError, register_config_check
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config.checks import register_config_check
 
 from .dispatcher import RoutingDispatcher
 from .experts import BackendGroupedExperts, host_sync_backends

@@ -1,0 +1,59 @@
+"""What the MoE backends experiment says about a run: its run metadata and its start-up note.
+
+``compute_backend`` and ``ep_transport`` identify a run in the metrics' run metadata
+(``registry.register_run_description``); a note before training suggests ``symm_mem`` where
+every EP group fits in this host (``registry.register_startup_note``).
+"""
+
+import torch
+from torchtitan.models.common.moe import GroupedExperts
+
+from torchtitan_ext.kernels.availability import interpreter_enabled
+from torchtitan_ext.registry import register_run_description, register_startup_note
+
+from .experts import DEFAULT_BACKEND, BackendGroupedExperts
+from .layer import routing_dispatchers
+from .startup_checks import symm_mem_errors
+
+
+@register_run_description
+def compute_backend_of_run(config) -> dict:
+    """``compute_backend`` of the run metadata: the backend of every experts module (torchtitan's own
+    computes as the default backend), one name when they agree."""
+    backends = []
+    if config.model_spec is not None:
+        backends = sorted(
+            {
+                experts.compute_backend if isinstance(experts, BackendGroupedExperts.Config) else DEFAULT_BACKEND
+                for _, experts, _, _ in config.model_spec.model.traverse(GroupedExperts.Config)
+            }
+        )
+    return {"compute_backend": backends[0] if len(backends) == 1 else backends}
+
+
+@register_run_description
+def ep_transport_of_run(config) -> dict:
+    """``ep_transport`` of the run metadata under expert parallelism: how EP rows move, one name when
+    every MoE layer agrees; nothing without EP or without the project's dispatcher."""
+    transports = sorted({dispatcher.ep_transport for dispatcher in routing_dispatchers(config)})
+    if config.parallelism.expert_parallel_degree <= 1 or not transports:
+        return {}
+    return {"ep_transport": transports[0] if len(transports) == 1 else transports}
+
+
+@register_startup_note
+def symm_mem_within_a_host(config) -> str | None:
+    """A note when EP rows go through all-to-alls on CUDA GPUs although every EP group fits in this
+    host, where ``symm_mem`` moves them with one kernel each way."""
+    ep = config.parallelism.expert_parallel_degree
+    if ep_transport_of_run(config).get("ep_transport") != "all_to_all":
+        return None
+    if not torch.cuda.is_available() or interpreter_enabled():
+        return None
+    if symm_mem_errors(ep):
+        return None
+    return (
+        f"moe.ep_transport = 'all_to_all': every EP group of {ep} ranks fits in this host, where "
+        "moe.ep_transport = 'symm_mem' (--toml examples/ep_symm_mem.toml) moves the rows over NVLink "
+        "with one kernel each way and trains faster (docs/routing_and_ep.md, GPU results)"
+    )

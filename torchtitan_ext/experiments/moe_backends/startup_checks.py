@@ -1,0 +1,159 @@
+"""Start-up checks of the MoE backends experiment, on the final config before any process group.
+
+``check_moe_config`` checks every option of every MoE layer once (its config's
+``validation_errors``), then what the options need together: top_k shared by router and
+dispatcher, Triton or one host where chosen, the parallel layout against the experts, align_size
+against the routed rows of a step. ``check_compute_backends_run_here`` refuses a backend this
+machine cannot run; ``resolve_auto_backend`` then replaces "auto" by the fastest backend here.
+"""
+
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config.checks import register_config_check
+from torchtitan_ext.kernels.availability import triton_available_reason
+from torchtitan_ext.parallel_layout import degree_errors, layout_errors
+from torchtitan_ext.place_in_launch import local_world_size
+from torchtitan_ext.place_in_launch import world_size as launch_world_size
+from torchtitan_ext.validation import named
+
+from .auto_backend import AutoBackendError, resolve_auto_compute_backend
+from .dispatcher import RoutingDispatcher
+from .experts import BackendGroupedExperts, backend_unavailable_reason, resolved_at_startup
+from .layer import routing_dispatchers
+from .moe import RoutedMoE
+from .router import BalancedTopKRouter
+
+VALIDATED_CONFIGS = (
+    RoutedMoE.Config,
+    BalancedTopKRouter.Config,
+    RoutingDispatcher.Config,
+    BackendGroupedExperts.Config,
+)
+"""The experiment's configs with a ``validation_errors`` method (``ValidatedConfig``), in the order
+their problems are listed."""
+
+
+def option_key(field: str) -> str:
+    """How the start-up checks name an option of a MoE layer: its ``moe.*`` key and where its value came from."""
+    return named(f"moe.{field}")
+
+
+def validated_nodes(model_config):
+    """Every node of ``VALIDATED_CONFIGS`` in the model config, but experts whose backend is still
+    resolved at start-up ("auto": ``resolve_auto_backend`` runs after this check)."""
+    for config_class in VALIDATED_CONFIGS:
+        for _, node, _, _ in model_config.traverse(config_class):
+            if not (isinstance(node, BackendGroupedExperts.Config) and resolved_at_startup(node.compute_backend)):
+                yield node
+
+
+@register_config_check
+def check_moe_config(config) -> None:
+    """The options of every MoE layer, checked once on the final config, then what they need together:
+    top_k shared by router and dispatcher, Triton or one host where chosen, EP degree vs experts,
+    world and the other degrees, align_size vs the routed rows of a step. One ``ConfigError`` lists all.
+    """
+    if config.model_spec is None:
+        return
+    model = config.model_spec.model
+    errors = [error for node in validated_nodes(model) for error in node.validation_errors(option_key)]
+    moes = [moe for _, moe, _, _ in model.traverse(RoutedMoE.Config)]
+    for moe in moes:
+        router, dispatcher = moe.router, moe.routed_experts.token_dispatcher
+        if isinstance(dispatcher, RoutingDispatcher.Config):
+            reason = triton_available_reason()
+            if dispatcher.permute_backend == "triton" and reason is not None:
+                errors.append(f"moe.permute_backend = 'triton': {reason}")
+            if dispatcher.ep_transport == "symm_mem":
+                errors.extend(symm_mem_errors(config.parallelism.expert_parallel_degree))
+        if router.top_k != dispatcher.top_k:
+            errors.append(
+                f"moe: router top_k ({router.top_k}) differs from the dispatcher's ({dispatcher.top_k}); set moe.top_k"
+            )
+    errors.extend(parallelism_errors(config, moes))
+    errors.extend(align_size_errors(config))
+    if errors:
+        raise ConfigError("\n".join(dict.fromkeys(errors)))
+
+
+@register_config_check
+def check_compute_backends_run_here(config) -> None:
+    """Before training: every chosen backend can run on this machine (its spec says why not)."""
+    if config.model_spec is None:
+        return
+    names = {
+        experts.compute_backend for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)
+    }
+    errors = [
+        f"moe.compute_backend = {name!r}: {reason}"
+        for name in sorted(names)
+        if (reason := backend_unavailable_reason(name)) is not None
+    ]
+    if errors:
+        raise ConfigError("\n".join(errors))
+
+
+@register_config_check
+def resolve_auto_backend(config) -> None:
+    """Before training: ``moe.compute_backend = "auto"`` becomes the fastest backend here."""
+    if config.model_spec is None:
+        return
+    try:
+        resolve_auto_compute_backend(config)
+    except AutoBackendError as e:
+        raise ConfigError(str(e)) from None
+
+
+MAX_ALIGN_SIZE = 4096
+"""Largest ``moe.align_size``: every expert's rows are padded to a multiple of it."""
+
+
+def align_size_errors(config) -> list[str]:
+    """``align_size`` at most MAX_ALIGN_SIZE and the routed rows of a step (its lower bound is the dispatcher's)."""
+    routed_rows = config.training.local_batch_size * config.training.seq_len
+    errors = []
+    for dispatcher in routing_dispatchers(config):
+        limit = min(MAX_ALIGN_SIZE, max(1, routed_rows * dispatcher.top_k))
+        if dispatcher.align_size > limit:
+            errors.append(
+                f"{option_key('align_size')} = {dispatcher.align_size}: must be in [1, {limit}] "
+                f"(at most {MAX_ALIGN_SIZE} and the routed rows per step, "
+                f"batch x seq_len x top_k = {routed_rows * dispatcher.top_k})"
+            )
+    return errors
+
+
+def symm_mem_errors(expert_parallel_degree: int) -> list[str]:
+    """Why ``moe.ep_transport = 'symm_mem'`` cannot run here (empty list: it can)."""
+    if expert_parallel_degree <= 1:
+        return []
+    errors = []
+    reason = triton_available_reason()
+    if reason is not None:
+        errors.append(f"moe.ep_transport = 'symm_mem': {reason}")
+    local_world = local_world_size()
+    if local_world < expert_parallel_degree:
+        errors.append(
+            f"moe.ep_transport = 'symm_mem' needs every rank of an EP group on one host, but "
+            f"expert_parallel_degree ({expert_parallel_degree}) exceeds the processes per host "
+            f"({local_world}); use moe.ep_transport = 'all_to_all' across hosts"
+        )
+    return errors
+
+
+def parallelism_errors(config, moes: list[RoutedMoE.Config], world_size: int | None = None) -> list[str]:
+    """Why this parallel layout cannot run the MoE layers (empty list: it can): the layout of the
+    ranks (``parallel_layout``), then the experts each EP rank holds and the router losses under TP."""
+    p = config.parallelism
+    world = launch_world_size() if world_size is None else world_size
+    if errors := degree_errors(p, world):
+        return errors
+    errors = layout_errors(p, world)
+    ep = p.expert_parallel_degree
+    errors += [
+        f"parallelism.expert_parallel_degree ({ep}) does not divide the number of experts ({num_experts})"
+        for num_experts in sorted({moe.num_experts for moe in moes})
+        if num_experts % ep
+    ]
+    if p.tensor_parallel_degree > 1 and any(moe.aux_loss_coeff > 0 or moe.z_loss_coeff > 0 for moe in moes):
+        errors.append("moe.aux_loss_coeff / moe.z_loss_coeff are not supported with tensor parallelism (tp > 1)")
+    return errors
