@@ -9,7 +9,7 @@ import torch
 from helpers import make_backend_unavailable
 
 from torchtitan_ext.bench.__main__ import main
-from torchtitan_ext.bench.common import TINY_SHAPE
+from torchtitan_ext.bench.common import TINY_SHAPE, relative_error
 from torchtitan_ext.bench.plot import chart_of
 from torchtitan_ext.experiments.moe_backends import auto_backend
 from torchtitan_ext.experiments.moe_backends.expert_timing import (
@@ -261,6 +261,14 @@ def test_bad_arguments_exit_2(argv, message, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_relative_error():
+    expected = torch.tensor([3.0, 4.0])
+    assert relative_error(torch.tensor([3.0, 4.5]), expected) == pytest.approx(0.1)
+    assert relative_error(expected.to(torch.bfloat16), expected) == 0.0
+    assert relative_error(torch.zeros(2), torch.zeros(2)) == 0.0
+    assert relative_error(torch.tensor([1e-13, 0.0]), torch.zeros(2)) == pytest.approx(0.1)  # floor 1e-12
 
 
 def test_config_errors_exit_2(capsys):

@@ -138,7 +138,9 @@ def print_kernel_profiles(rows: list[dict], label_keys: tuple[str, ...], device:
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12))
+    """``||actual - expected|| / ||expected||`` in fp64 (the denominator floored at 1e-12)."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
 
 
 def source_commit() -> str | None:

@@ -53,7 +53,7 @@ apply_torch_version_fixes()
 
 from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
 
-from torchtitan_ext.bench.common import environment  # noqa: E402
+from torchtitan_ext.bench.common import environment, relative_error  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.dispatcher import (  # noqa: E402
     EP_TRANSPORTS,
     RoutingDispatcher,
@@ -317,10 +317,6 @@ def build_layer(compute_backend: str, transport: str, permute_backend: str, dim:
     return layer
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30))
-
-
 def check_equivalence(mesh, compute_backends: list[str]) -> list[dict]:
     """EP=world vs a single GPU on the whole batch: output and every gradient (``ep_check``)."""
     world = dist.get_world_size()
@@ -334,7 +330,7 @@ def check_equivalence(mesh, compute_backends: list[str]) -> list[dict]:
             dtype = torch.bfloat16 if get_backend(compute_backend).grouped is grouped_mm_experts else torch.float32
             reference, layer = (build_layer(compute_backend, transport, permute_backend).to(dtype) for _ in range(2))
             pairs = compare_with_single_process(reference, layer, x_all.to(dtype), grad_all.to(dtype), mesh)
-            errors = {quantity: rel_err(actual, expected) for quantity, (actual, expected) in pairs.items()}
+            errors = {quantity: relative_error(actual, expected) for quantity, (actual, expected) in pairs.items()}
             worst = torch.tensor(list(errors.values()), device="cuda")
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             results.append(
