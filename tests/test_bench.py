@@ -1,5 +1,6 @@
 """The benchmark CLI on CPU with tiny shapes, its plots, and the "auto" compute-backend choice."""
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -8,8 +9,8 @@ import pytest
 import torch
 from helpers import make_backend_unavailable
 
-from torchtitan_ext.bench.__main__ import main
-from torchtitan_ext.bench.common import TINY_SHAPE, relative_error
+from torchtitan_ext.bench.__main__ import flavor_shapes, main
+from torchtitan_ext.bench.common import SHAPES, TINY_SHAPE, relative_error
 from torchtitan_ext.bench.plot import chart_of
 from torchtitan_ext.experiments.moe_backends import auto_backend
 from torchtitan_ext.experiments.moe_backends.expert_timing import (
@@ -261,6 +262,21 @@ def test_bad_arguments_exit_2(argv, message, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_named_shapes_are_the_moe_layers_of_the_public_models():
+    dims = {name: (s.tokens, s.dim, s.hidden_dim, s.num_experts, s.top_k) for name, s in SHAPES.items()}
+    assert dims == {
+        "qwen3-30b-a3b": (8192, 2048, 768, 128, 8),
+        "olmoe-1b-7b": (8192, 2048, 1024, 64, 8),
+        "deepseek-v2-lite": (8192, 2048, 1408, 64, 6),
+        "mixtral-8x7b": (8192, 4096, 14336, 8, 2),
+    }
+    for flavor, name in [(name, name) for name in ("qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b")] + [
+        ("deepseek-v3-16b", "deepseek-v2-lite")  # torchtitan's 16B config: DeepSeek-V2-Lite's MoE layers
+    ]:
+        (shape,) = flavor_shapes(flavor, [], SHAPES[name].tokens)
+        assert dataclasses.replace(shape, name=name) == SHAPES[name], flavor
 
 
 def test_relative_error():

@@ -1,8 +1,10 @@
 """Shared pieces of the benchmarks: named shapes, memory, FLOPs, reporting.
 
-Shapes, seeded routing and inputs, and the timer come from
-``experiments.moe_backends.expert_timing`` (the ``auto`` backend choice measures with them too).
-FLOP rates are reported on GPUs only; CPU runs are for small shapes and report milliseconds.
+The named shapes are the MoE layers of public models (``experiments.moe_backends.model_shapes``,
+the dimensions the full-size flavors are built with) at a fixed token count. Seeded routing and
+inputs, and the timer come from ``experiments.moe_backends.expert_timing`` (the ``auto`` backend
+choice measures with them too). FLOP rates are reported on GPUs only; CPU runs are for small
+shapes and report milliseconds.
 """
 
 import datetime
@@ -17,15 +19,23 @@ from dataclasses import asdict
 import torch
 
 from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, Timer
+from torchtitan_ext.experiments.moe_backends.model_shapes import (
+    DEEPSEEK_V2_LITE_MOE_LAYER,
+    MIXTRAL_8X7B,
+    OLMOE_1B_7B,
+    QWEN3_30B_A3B,
+)
 from torchtitan_ext.overrides import ConfigError
 
+SHAPE_TOKENS = 8192
+"""Tokens per step of the named shapes."""
 SHAPES = {
-    shape.name: shape
-    for shape in (
-        BenchShape("qwen3-30b-a3b", 8192, 2048, 768, 128, 8),
-        BenchShape("olmoe-1b-7b", 8192, 2048, 1024, 64, 8),
-        BenchShape("deepseek-v2-lite", 8192, 2048, 1408, 64, 6),
-        BenchShape("mixtral-8x7b", 8192, 4096, 14336, 8, 2),
+    name: BenchShape.of_layer(name, SHAPE_TOKENS, layer)
+    for name, layer in (
+        ("qwen3-30b-a3b", QWEN3_30B_A3B.moe_layer),
+        ("olmoe-1b-7b", OLMOE_1B_7B.moe_layer),
+        ("deepseek-v2-lite", DEEPSEEK_V2_LITE_MOE_LAYER),
+        ("mixtral-8x7b", MIXTRAL_8X7B.moe_layer),
     )
 }
 TINY_SHAPE = BenchShape("tiny", 32, 48, 40, 6, 2)
