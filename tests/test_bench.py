@@ -9,6 +9,8 @@ import pytest
 import torch
 from helpers import make_backend_unavailable
 
+from torchtitan_ext.bench import __main__ as bench_cli
+from torchtitan_ext.bench import expert_block, moe_layer
 from torchtitan_ext.bench.__main__ import flavor_shapes, main
 from torchtitan_ext.bench.common import SHAPES, TINY_SHAPE, relative_error
 from torchtitan_ext.bench.plot import chart_of
@@ -102,22 +104,14 @@ def test_layer_shapes_from_flavor(tmp_path, capsys):
     assert all(row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0 and row["fwdbwd_speedup"] > 0 for row in results["rows"])
 
 
+TRAIN_STEP_ARGV = [
+    *("train-step", "--flavor", "tiny-moe-grouped-mm", "--backends", "for_loop", "grouped_mm"),
+    *("--batch-size", "2", "--seq-len", "16"),
+]
+
+
 def test_train_step_tiny_flavor(tmp_path, capsys):
-    results = run_main(
-        [
-            "train-step",
-            "--flavor",
-            "tiny-moe-grouped-mm",
-            "--backends",
-            "for_loop",
-            "grouped_mm",
-            "--batch-size",
-            "2",
-            "--seq-len",
-            "16",
-        ],
-        tmp_path,
-    )
+    results = run_main(TRAIN_STEP_ARGV, tmp_path)
     out = capsys.readouterr().out
     assert "tokens/s" in out and "step-1 loss" in out
     for_loop, grouped_mm = results["rows"]
@@ -279,6 +273,30 @@ def test_named_shapes_are_the_moe_layers_of_the_public_models():
         assert dataclasses.replace(shape, name=name) == SHAPES[name], flavor
 
 
+def test_what_cannot_run_here_is_the_backend_tables_verdict(monkeypatch, capsys):
+    make_backend_unavailable(monkeypatch, "triton", "needs CUDA")
+    assert "fused_routed" not in expert_block.default_impls() and "triton" not in expert_block.default_impls()
+    assert moe_layer.default_kinds() == ["torchtitan", *TORCH_BACKENDS]
+    for argv, refused in (
+        (["expert", "--tiny", "--impls", "for_loop", "fused_routed"], "--impls fused_routed: needs CUDA"),
+        (["layer", "--tiny", "--layers", "triton"], "--layers triton: needs CUDA"),
+        (["train-step", "--flavor", "tiny-moe-triton", "--backends", "triton"], "--backends triton: needs CUDA"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2 and refused in capsys.readouterr().err
+    make_backend_unavailable(monkeypatch, "triton", None)
+    assert expert_block.default_impls() == [*TORCH_BACKENDS, "triton", "torch_routed", "fused_routed"]
+
+
+def test_the_cli_applies_the_torch_version_fixes_before_a_subcommand_runs(monkeypatch, tmp_path):
+    applied = []
+    monkeypatch.setattr(bench_cli, "apply_torch_version_fixes", lambda: applied.append(True))
+    monkeypatch.setattr(bench_cli, "run_plot", lambda parser, args, device, command: applied.append("plot"))
+    assert main(["plot", "--from", "result.json", "--out", str(tmp_path / "result.png")]) == 0
+    assert applied == [True, "plot"]
+
+
 def test_relative_error():
     expected = torch.tensor([3.0, 4.0])
     assert relative_error(torch.tensor([3.0, 4.5]), expected) == pytest.approx(0.1)
@@ -435,7 +453,7 @@ def test_layer_profile_must_not_be_negative(tmp_path, capsys):
 
 
 def test_layer_rounds_report_the_median_of_interleaved_timings(tmp_path, capsys, monkeypatch):
-    from torchtitan_ext.bench import moe_layer
+    from torchtitan_ext.bench import common
 
     calls = []
     measured = iter([5.0, 3.0, 1.0, 9.0, 2.0, 5.0, 4.0, 1.0, 3.0, 2.0, 9.0, 4.0])
@@ -445,7 +463,7 @@ def test_layer_rounds_report_the_median_of_interleaved_timings(tmp_path, capsys,
             calls.append("fwd+bwd" if grad_to_none else "fwd")
             return next(measured)
 
-    monkeypatch.setattr(moe_layer, "make_timer", lambda device: ScriptedTimer())
+    monkeypatch.setattr(common, "make_timer", lambda device: ScriptedTimer())
     results = run_main(["layer", "--tiny", "--skew", "balanced", "--layers", "for_loop", "--rounds", "3"], tmp_path)
     stock, for_loop = results["rows"]
     # each round: the forwards of stock and for_loop, then their forward+backwards
@@ -618,21 +636,7 @@ def test_train_step_goes_on_after_a_backend_runs_out_of_memory(tmp_path, capsys,
         return measure(config, backend, device, timer)
 
     monkeypatch.setattr(train_step, "bench_backend", out_of_memory_for_loop)
-    results = run_main(
-        [
-            "train-step",
-            "--flavor",
-            "tiny-moe-grouped-mm",
-            "--backends",
-            "for_loop",
-            "grouped_mm",
-            "--batch-size",
-            "2",
-            "--seq-len",
-            "16",
-        ],
-        tmp_path,
-    )
+    results = run_main(TRAIN_STEP_ARGV, tmp_path)
     captured = capsys.readouterr()
     for_loop, grouped_mm = results["rows"]
     assert for_loop["step_ms"] is None and "out of memory" in for_loop["error"] and for_loop["tokens"] == 32

@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: named shapes, memory, FLOPs, reporting.
+"""Shared pieces of the benchmarks: named shapes, which measurements run here, errors, memory,
+FLOPs, reporting.
 
 The named shapes are the MoE layers of public models (``experiments.moe_backends.model_shapes``,
 the dimensions the full-size flavors are built with) at a fixed token count. Seeded routing and
@@ -13,12 +14,13 @@ import os
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict
 
 import torch
 
-from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, Timer
+from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, Timer, make_timer
+from torchtitan_ext.experiments.moe_backends.experts import get_backend
 from torchtitan_ext.experiments.moe_backends.model_shapes import (
     DEEPSEEK_V2_LITE_MOE_LAYER,
     MIXTRAL_8X7B,
@@ -70,11 +72,11 @@ def max_over_mean(counts_E: torch.Tensor) -> float:
     return round(float(counts_E.max()) / max(float(counts_E.float().mean()), 1e-9), 2)
 
 
-def dense_ceiling_tflops(timer: Timer, device: torch.device) -> float:
+def dense_ceiling_tflops(device: torch.device) -> float:
     """bf16 8192^3 matrix product rate: the ceiling TFLOP/s figures are read against."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    return round(2 * 8192**3 / timer(lambda: a @ b) / 1e9, 1)
+    return round(2 * 8192**3 / make_timer(device)(lambda: a @ b) / 1e9, 1)
 
 
 def expert_tflops(shape: BenchShape, ms: float, device: torch.device, *, backward: bool) -> float | None:
@@ -153,6 +155,19 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
 
 
+def unavailable_reasons(names: Iterable[str], backend_of: Mapping[str, str]) -> dict[str, str]:
+    """Why each of the measured ``names`` that cannot run here cannot: the reason the backend table
+    gives for the compute backend it runs, ``backend_of[name]``."""
+    reasons = {name: get_backend(backend_of[name]).unavailable_reason() for name in names}
+    return {name: reason for name, reason in reasons.items() if reason is not None}
+
+
+def runnable(names: Sequence[str], backend_of: Mapping[str, str]) -> list[str]:
+    """The ``names`` that can run here (``unavailable_reasons``), in order."""
+    unavailable = unavailable_reasons(names, backend_of)
+    return [name for name in names if name not in unavailable]
+
+
 def source_commit() -> str | None:
     """The measured code's commit: ``SOURCE_COMMIT`` when set (a copied checkout's ``.git`` may lag
     its files), else ``git rev-parse --short HEAD``; None outside a git checkout."""
@@ -205,13 +220,50 @@ def time_in_rounds(calls: TimedCalls, timer: Timer, rounds: int, label: str) -> 
     return times
 
 
-def median_fields(times: dict[str, list[float]]) -> dict:
-    """A row's ``fwd_ms`` / ``fwdbwd_ms`` (medians over the rounds) and, after more than one round,
-    the per-round times as ``fwd_ms_rounds`` / ``fwdbwd_ms_rounds``."""
-    fields = {key: statistics.median(values) for key, values in times.items()}
+def timed_row(
+    shape: BenchShape, skew: float, counts_E: torch.Tensor, times: dict[str, list[float]], device: torch.device
+) -> dict:
+    """The fields an ``expert`` or ``layer`` row starts with: the shape, the skew, the max/mean
+    expert load, ``fwd_ms`` / ``fwdbwd_ms`` (medians over the rounds of ``time_in_rounds``) with the
+    expert TFLOP/s of each and, after more than one round, the per-round times as
+    ``fwd_ms_rounds`` / ``fwdbwd_ms_rounds``."""
+    fwd_ms, fwdbwd_ms = (statistics.median(times[key]) for key in ("fwd_ms", "fwdbwd_ms"))
+    row = {
+        "shape": shape.name,
+        "skew": skew,
+        "max_over_mean": max_over_mean(counts_E),
+        "fwd_ms": round(fwd_ms, 3),
+        "fwd_tflops": expert_tflops(shape, fwd_ms, device, backward=False),
+        "fwdbwd_ms": round(fwdbwd_ms, 3),
+        "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, device, backward=True),
+    }
     if any(len(values) > 1 for values in times.values()):
-        fields |= {f"{key}_rounds": [round(ms, 3) for ms in values] for key, values in times.items()}
-    return fields
+        row |= {f"{key}_rounds": [round(ms, 3) for ms in values] for key, values in times.items()}
+    return row
+
+
+def measure_shapes(
+    subcommand: str,
+    shapes: Sequence[BenchShape],
+    skews: Sequence[float],
+    device: torch.device,
+    bench_shape: Callable[[BenchShape, float, Timer], list[dict]],
+    meta: dict,
+    out: str | None,
+) -> dict:
+    """``{"meta": meta, "rows": rows}``: the rows ``bench_shape(shape, skew, timer)`` gives for every
+    shape and skew with the device's timer (``make_timer``), rewritten to ``out`` after each shape.
+
+    Raises ``ConfigError`` for full-size shapes on CPU (``refuse_full_size_on_cpu``), before any.
+    """
+    refuse_full_size_on_cpu(subcommand, {shape.name: shape.dim for shape in shapes}, device)
+    timer = make_timer(device)
+    results = {"meta": meta, "rows": []}
+    for shape in shapes:
+        for skew in skews:
+            results["rows"] += bench_shape(shape, skew, timer)
+        write_json(out, results)
+    return results
 
 
 def write_json(path: str | None, results: dict) -> None:

@@ -46,28 +46,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _symmetric_memory as symm_mem
 from torch.distributed.device_mesh import init_device_mesh
+from torchtitan.distributed.utils import set_spmd_backend
 
-from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
-
-apply_torch_version_fixes()
-
-from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
-
-from torchtitan_ext.bench.common import environment, relative_error  # noqa: E402
-from torchtitan_ext.experiments.moe_backends.dispatcher import (  # noqa: E402
+from torchtitan_ext.bench.common import environment, relative_error
+from torchtitan_ext.experiments.moe_backends.dispatcher import (
     EP_TRANSPORTS,
     RoutingDispatcher,
     all_to_all_rows,
     send_buffer_rows,
 )
-from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process  # noqa: E402
-from torchtitan_ext.experiments.moe_backends.experts import (  # noqa: E402
-    backend_names,
-    get_backend,
-    grouped_mm_experts,
-)
-from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config  # noqa: E402
-from torchtitan_ext.kernels import symm_mem_rows as exchange_kernels  # noqa: E402
+from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process
+from torchtitan_ext.experiments.moe_backends.experts import backend_names, get_backend, grouped_mm_experts
+from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
+from torchtitan_ext.kernels import symm_mem_rows as exchange_kernels
 
 NUM_EXPERTS, TOP_K = 64, 8
 HOST_AHEAD_MS = 3.0
@@ -116,6 +107,22 @@ def routing(num_tokens: int, skewed: bool, world: int, generator: torch.Generato
     return ids_TK.cuda()
 
 
+def raw_all_to_all(rows_to_rank_W: torch.Tensor, dim: int):
+    """Two NCCL ``all_to_all_single`` calls, there and back, moving ``rows_to_rank_W[r]`` bf16 rows of
+    width ``dim`` to each rank ``r``. Returns ``(call, input_splits, output_splits)``."""
+    rows_from_rank_W = torch.empty_like(rows_to_rank_W)
+    dist.all_to_all_single(rows_from_rank_W, rows_to_rank_W)
+    input_splits, output_splits = rows_to_rank_W.tolist(), rows_from_rank_W.tolist()
+    send = torch.empty(sum(input_splits), dim, device="cuda", dtype=torch.bfloat16)
+    receive = torch.empty(sum(output_splits), dim, device="cuda", dtype=torch.bfloat16)
+
+    def call():
+        dist.all_to_all_single(receive, send, output_splits, input_splits)
+        dist.all_to_all_single(send, receive, input_splits, output_splits)
+
+    return call, input_splits, output_splits
+
+
 def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: str) -> list[dict]:
     """One routing case: raw all-to-all, then dispatch + combine over each EP transport."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -138,29 +145,10 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
 
     grouped_RD, _, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
     token_exchange = metadata.token_exchange
-    routed_in = counts_E.view(world, -1).sum(1)
-    routed_out = torch.empty_like(routed_in)
-    dist.all_to_all_single(routed_out, routed_in)
-    input_splits, output_splits = routed_in.tolist(), routed_out.tolist()
-    send = torch.empty(sum(input_splits), dim, device="cuda", dtype=torch.bfloat16)
-    receive = torch.empty(sum(output_splits), dim, device="cuda", dtype=torch.bfloat16)
-
-    def raw_a2a():
-        dist.all_to_all_single(receive, send, output_splits, input_splits)
-        dist.all_to_all_single(send, receive, input_splits, output_splits)
-
+    raw_a2a, input_splits, output_splits = raw_all_to_all(counts_E.view(world, -1).sum(1), dim)
     ranks_per_token_TW = torch.zeros(num_tokens, world, dtype=torch.int64, device="cuda")
     ranks_per_token_TW.scatter_(1, ids_TK // (NUM_EXPERTS // world), 1)
-    unique_in = ranks_per_token_TW.sum(0)
-    unique_out = torch.empty_like(unique_in)
-    dist.all_to_all_single(unique_out, unique_in)
-    unique_in_splits, unique_out_splits = unique_in.tolist(), unique_out.tolist()
-    send_unique = torch.empty(sum(unique_in_splits), dim, device="cuda", dtype=torch.bfloat16)
-    receive_unique = torch.empty(sum(unique_out_splits), dim, device="cuda", dtype=torch.bfloat16)
-
-    def raw_a2a_unique():
-        dist.all_to_all_single(receive_unique, send_unique, unique_out_splits, unique_in_splits)
-        dist.all_to_all_single(send_unique, receive_unique, unique_in_splits, unique_out_splits)
+    raw_a2a_unique, unique_in_splits, unique_out_splits = raw_all_to_all(ranks_per_token_TW.sum(0), dim)
 
     group = mesh.get_group()
     counts_Wc = torch.zeros(world, NUM_EXPERTS // world + 1, dtype=torch.int64, device="cuda")
