@@ -1,4 +1,4 @@
-"""Helpers shared by the tests: relative error, bf16 rounding checks, a free TCP port, a
+"""Helpers shared by the tests: weight-gradient and bf16 rounding checks, a free TCP port, a
 backend made unavailable."""
 
 import dataclasses
@@ -6,12 +6,8 @@ import socket
 
 import torch
 
+from torchtitan_ext.bench.common import relative_error
 from torchtitan_ext.experiments.moe_backends.experts import BACKENDS
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``||actual - expected|| / ||expected||`` in fp32 (the denominator floored at 1e-12)."""
-    return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12))
 
 
 def assert_weight_gradient_matches(

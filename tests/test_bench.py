@@ -1,5 +1,6 @@
 """The benchmark CLI on CPU with tiny shapes, its plots, and the "auto" compute-backend choice."""
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -8,8 +9,10 @@ import pytest
 import torch
 from helpers import make_backend_unavailable
 
-from torchtitan_ext.bench.__main__ import main
-from torchtitan_ext.bench.common import TINY_SHAPE
+from torchtitan_ext.bench import __main__ as bench_cli
+from torchtitan_ext.bench import expert_block, moe_layer
+from torchtitan_ext.bench.__main__ import flavor_shapes, main
+from torchtitan_ext.bench.common import SHAPES, TINY_SHAPE, relative_error
 from torchtitan_ext.bench.plot import chart_of
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.experiments.moe_backends import auto_backend
@@ -101,22 +104,14 @@ def test_layer_shapes_from_flavor(tmp_path, capsys):
     assert all(row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0 and row["fwdbwd_speedup"] > 0 for row in results["rows"])
 
 
+TRAIN_STEP_ARGV = [
+    *("train-step", "--flavor", "tiny-moe-grouped-mm", "--backends", "for_loop", "grouped_mm"),
+    *("--batch-size", "2", "--seq-len", "16"),
+]
+
+
 def test_train_step_tiny_flavor(tmp_path, capsys):
-    results = run_main(
-        [
-            "train-step",
-            "--flavor",
-            "tiny-moe-grouped-mm",
-            "--backends",
-            "for_loop",
-            "grouped_mm",
-            "--batch-size",
-            "2",
-            "--seq-len",
-            "16",
-        ],
-        tmp_path,
-    )
+    results = run_main(TRAIN_STEP_ARGV, tmp_path)
     out = capsys.readouterr().out
     assert "tokens/s" in out and "step-1 loss" in out
     for_loop, grouped_mm = results["rows"]
@@ -261,6 +256,53 @@ def test_bad_arguments_exit_2(argv, message, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_named_shapes_are_the_moe_layers_of_the_public_models():
+    dims = {name: (s.tokens, s.dim, s.hidden_dim, s.num_experts, s.top_k) for name, s in SHAPES.items()}
+    assert dims == {
+        "qwen3-30b-a3b": (8192, 2048, 768, 128, 8),
+        "olmoe-1b-7b": (8192, 2048, 1024, 64, 8),
+        "deepseek-v2-lite": (8192, 2048, 1408, 64, 6),
+        "mixtral-8x7b": (8192, 4096, 14336, 8, 2),
+    }
+    for flavor, name in [(name, name) for name in ("qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b")] + [
+        ("deepseek-v3-16b", "deepseek-v2-lite")  # torchtitan's 16B config: DeepSeek-V2-Lite's MoE layers
+    ]:
+        (shape,) = flavor_shapes(flavor, [], SHAPES[name].tokens)
+        assert dataclasses.replace(shape, name=name) == SHAPES[name], flavor
+
+
+def test_what_cannot_run_here_is_the_backend_tables_verdict(monkeypatch, capsys):
+    make_backend_unavailable(monkeypatch, "triton", "needs CUDA")
+    assert "fused_routed" not in expert_block.default_impls() and "triton" not in expert_block.default_impls()
+    assert moe_layer.default_kinds() == ["torchtitan", *TORCH_BACKENDS]
+    for argv, refused in (
+        (["expert", "--tiny", "--impls", "for_loop", "fused_routed"], "--impls fused_routed: needs CUDA"),
+        (["layer", "--tiny", "--layers", "triton"], "--layers triton: needs CUDA"),
+        (["train-step", "--flavor", "tiny-moe-triton", "--backends", "triton"], "--backends triton: needs CUDA"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2 and refused in capsys.readouterr().err
+    make_backend_unavailable(monkeypatch, "triton", None)
+    assert expert_block.default_impls() == [*TORCH_BACKENDS, "triton", "torch_routed", "fused_routed"]
+
+
+def test_the_cli_applies_the_torch_version_fixes_before_a_subcommand_runs(monkeypatch, tmp_path):
+    applied = []
+    monkeypatch.setattr(bench_cli, "apply_torch_version_fixes", lambda: applied.append(True))
+    monkeypatch.setattr(bench_cli, "run_plot", lambda parser, args, device, command: applied.append("plot"))
+    assert main(["plot", "--from", "result.json", "--out", str(tmp_path / "result.png")]) == 0
+    assert applied == [True, "plot"]
+
+
+def test_relative_error():
+    expected = torch.tensor([3.0, 4.0])
+    assert relative_error(torch.tensor([3.0, 4.5]), expected) == pytest.approx(0.1)
+    assert relative_error(expected.to(torch.bfloat16), expected) == 0.0
+    assert relative_error(torch.zeros(2), torch.zeros(2)) == 0.0
+    assert relative_error(torch.tensor([1e-13, 0.0]), torch.zeros(2)) == pytest.approx(0.1)  # floor 1e-12
 
 
 def test_config_errors_exit_2(capsys):
@@ -411,7 +453,7 @@ def test_layer_profile_must_not_be_negative(tmp_path, capsys):
 
 
 def test_layer_rounds_report_the_median_of_interleaved_timings(tmp_path, capsys, monkeypatch):
-    from torchtitan_ext.bench import moe_layer
+    from torchtitan_ext.bench import common
 
     calls = []
     measured = iter([5.0, 3.0, 1.0, 9.0, 2.0, 5.0, 4.0, 1.0, 3.0, 2.0, 9.0, 4.0])
@@ -421,7 +463,7 @@ def test_layer_rounds_report_the_median_of_interleaved_timings(tmp_path, capsys,
             calls.append("fwd+bwd" if grad_to_none else "fwd")
             return next(measured)
 
-    monkeypatch.setattr(moe_layer, "make_timer", lambda device: ScriptedTimer())
+    monkeypatch.setattr(common, "make_timer", lambda device: ScriptedTimer())
     results = run_main(["layer", "--tiny", "--skew", "balanced", "--layers", "for_loop", "--rounds", "3"], tmp_path)
     stock, for_loop = results["rows"]
     # each round: the forwards of stock and for_loop, then their forward+backwards
@@ -594,21 +636,7 @@ def test_train_step_goes_on_after_a_backend_runs_out_of_memory(tmp_path, capsys,
         return measure(config, backend, device, timer)
 
     monkeypatch.setattr(train_step, "bench_backend", out_of_memory_for_loop)
-    results = run_main(
-        [
-            "train-step",
-            "--flavor",
-            "tiny-moe-grouped-mm",
-            "--backends",
-            "for_loop",
-            "grouped_mm",
-            "--batch-size",
-            "2",
-            "--seq-len",
-            "16",
-        ],
-        tmp_path,
-    )
+    results = run_main(TRAIN_STEP_ARGV, tmp_path)
     captured = capsys.readouterr()
     for_loop, grouped_mm = results["rows"]
     assert for_loop["step_ms"] is None and "out of memory" in for_loop["error"] and for_loop["tokens"] == 32

@@ -12,14 +12,21 @@ import pytest
 import torch
 from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
 
-from torchtitan_ext.experiments.moe_backends.dispatcher import (
-    RoutingDispatcher,
+from torchtitan_ext.experiments.moe_backends import grouping
+from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
+from torchtitan_ext.experiments.moe_backends.grouping import (
     padded_group_rows,
     padded_num_rows,
     pair_rows,
     plan_slots,
 )
 from torchtitan_ext.experiments.moe_backends.startup_checks import parallelism_errors
+from torchtitan_ext.experiments.moe_backends.transports import (
+    AllToAllTransport,
+    LocalTransport,
+    PaddedSymmMemTransport,
+    SymmMemTransport,
+)
 from torchtitan_ext.kernels import moe_permute
 from torchtitan_ext.registry import get_flavor
 
@@ -98,8 +105,37 @@ def test_padding_never_leaks_into_outputs_or_gradients(align_size, drop_every):
         torch.testing.assert_close(padded, unpadded)
 
 
+class TwoRankMesh:
+    """What a transport reads of an EP mesh when it is built: its size."""
+
+    def size(self) -> int:
+        return 2
+
+
+@pytest.mark.parametrize(
+    "ep_transport, align_size, expected",
+    [
+        ("all_to_all", 1, AllToAllTransport),
+        ("all_to_all", 4, AllToAllTransport),
+        ("symm_mem", 1, SymmMemTransport),
+        ("symm_mem", 4, PaddedSymmMemTransport),
+    ],
+)
+def test_dispatcher_delegates_to_the_transport_of_its_config_and_mesh(ep_transport, align_size, expected):
+    d = RoutingDispatcher(
+        RoutingDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K, align_size=align_size, ep_transport=ep_transport)
+    )
+    assert type(d.transport) is LocalTransport and d.single_device
+    d.wire_meshes(ep_mesh=TwoRankMesh())
+    assert type(d.transport) is expected and not d.single_device
+    assert (d.transport.ep_size, d.transport.num_local_experts, d.transport.align_size) == (2, 3, align_size)
+    assert d.transport.row_ops is d.row_ops
+    d.wire_meshes(ep_mesh=None)
+    assert type(d.transport) is LocalTransport
+
+
 def test_dropped_slots_are_not_dispatched():
-    x_TD, scores_TK, ids_TK, counts_E = routing(7, seed=2, drop_every=2)
+    _, _, ids_TK, counts_E = routing(7, seed=2, drop_every=2)
     plan = plan_slots(ids_TK, counts_E, 1)
     dropped_S = ids_TK.flatten() == NUM_EXPERTS
     assert (plan.dest_row_S[dropped_S] == -1).all()
@@ -232,7 +268,8 @@ def test_ep_misconfiguration_exits_before_training():
 
 
 def triton_checks() -> None:
-    """Triton permute / unpermute / token sum (and as a gather) vs the torch references, and the dispatcher with each backend."""
+    """Triton permute / unpermute / token sum (and as a gather) vs the torch references, and the
+    dispatcher with each backend."""
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         for align_size, drop_every in ((1, 0), (4, 3)):
             x_TD, scores_TK, ids_TK, counts_E = routing(7, seed=5, drop_every=drop_every)
@@ -291,22 +328,18 @@ def triton_checks() -> None:
 
 
 def test_auto_permute_takes_the_kernels_for_cuda_tokens_only(monkeypatch):
-    from torchtitan_ext.experiments.moe_backends import dispatcher as dispatcher_module
-
     calls = []
     for name in ("torch", "triton"):
-        monkeypatch.setitem(
-            dispatcher_module._ROW_OPS[name], "permute_tokens", lambda *args, name=name: calls.append(name)
-        )
+        monkeypatch.setitem(grouping.ROW_OPS[name], "permute_tokens", lambda *args, name=name: calls.append(name))
 
     class CudaRows:
         is_cuda = True
 
     auto = dispatcher(permute_backend="auto")
     assert RoutingDispatcher.Config(num_experts=2, top_k=1).permute_backend == "auto"
-    auto._permute_rows(torch.zeros(2, 4), None, 1, 2)
-    auto._permute_rows(CudaRows(), None, 1, 2)
-    dispatcher(permute_backend="torch")._permute_rows(CudaRows(), None, 1, 2)
+    auto.row_ops.permute_rows(torch.zeros(2, 4), None, 1, 2)
+    auto.row_ops.permute_rows(CudaRows(), None, 1, 2)
+    dispatcher(permute_backend="torch").row_ops.permute_rows(CudaRows(), None, 1, 2)
     assert calls == ["torch", "triton", "torch"]
 
 

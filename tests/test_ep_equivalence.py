@@ -30,12 +30,13 @@ from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.distributed.utils import set_spmd_backend
 
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
-from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process
+from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process, seeded_layer
 from torchtitan_ext.experiments.moe_backends.experts import runnable_backends
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 from torchtitan_ext.kernels.availability import triton_available_reason
 
 NUM_EXPERTS, TOP_K, DIM, HIDDEN = 8, 2, 16, 24
+LAYER_SHAPE = dict(dim=DIM, hidden_dim=HIDDEN, num_experts=NUM_EXPERTS, top_k=TOP_K)
 BATCH_PER_RANK, SEQ_LEN = 2, 6
 MAX_WORLD = 4
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -49,26 +50,13 @@ LOSS_CASES = [
 ]
 
 
-def build_layer(compute_backend: str, *, aux_loss_coeff, z_loss_coeff, aux_loss_type):
+def build_layer(compute_backend: str, *, aux_loss_coeff, z_loss_coeff, aux_loss_type, ep_transport="all_to_all"):
     """A RoutedMoE layer with deterministic weights (identical in every process)."""
-    config = moe_layer_config(
-        compute_backend=compute_backend,
-        dim=DIM,
-        hidden_dim=HIDDEN,
-        num_experts=NUM_EXPERTS,
-        top_k=TOP_K,
-        load_balance_coeff=None,
-    )
-    config.aux_loss_coeff, config.z_loss_coeff, config.aux_loss_type = (
-        aux_loss_coeff,
-        z_loss_coeff,
-        aux_loss_type,
-    )
-    layer = config.build()
-    generator = torch.Generator().manual_seed(0)
+    config = moe_layer_config(compute_backend=compute_backend, load_balance_coeff=None, **LAYER_SHAPE)
+    config.aux_loss_coeff, config.z_loss_coeff, config.aux_loss_type = aux_loss_coeff, z_loss_coeff, aux_loss_type
+    config.routed_experts.token_dispatcher.ep_transport = ep_transport
+    layer = seeded_layer(config)
     with torch.no_grad():
-        for name, param in sorted(layer.named_parameters()):
-            param.copy_(torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5)
         # Feature 0 of every token is large (see ``batch``): experts 6 and 7 (the last
         # rank's at EP=4) get no token, and experts 0 and 1 get more than the others.
         layer.router.gate.weight[6:, 0] = -10.0
@@ -90,13 +78,12 @@ def check_layer_shard(ep_mesh, ep_transport: str = "all_to_all") -> None:
     x_all, grad_all = batch(world)
     for losses in LOSS_CASES:
         for backend in BACKENDS:
-            layer = build_layer(backend, **losses)
-            layer.routed_experts.token_dispatcher.ep_transport = ep_transport
+            layer = build_layer(backend, **losses, ep_transport=ep_transport)
             pairs = compare_with_single_process(build_layer("for_loop", **losses), layer, x_all, grad_all, ep_mesh)
             rank = 0 if ep_mesh is None else ep_mesh.get_local_rank()
             for quantity, (actual, expected) in pairs.items():
                 what = f"rank {rank}/{world} {ep_transport} {backend} {losses} {quantity}"
-                torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}")
+                torch.testing.assert_close(actual, expected, msg=lambda m, what=what: f"{what}: {m}")
 
 
 class AllToAllCounter(TorchDispatchMode):
@@ -175,7 +162,7 @@ def check_one_row_per_token_and_rank(ep_mesh) -> None:
         sum(any(e < NUM_EXPERTS and e // local == owner for e in ids_TK[t].tolist()) for t in range(num_tokens))
         for owner in range(world)
     ]
-    assert metadata.token_exchange.input_splits == expected, (metadata.token_exchange.input_splits, expected)
+    assert metadata.input_splits == expected, (metadata.input_splits, expected)
 
 
 def ep_worker(rank: int, world: int, port: int, ep_transport: str) -> None:

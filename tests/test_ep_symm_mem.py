@@ -135,10 +135,12 @@ def routing(rank: int, dtype: torch.dtype):
     return x_TD, scores_TK, ids_TK
 
 
-def moe_block(dispatcher, x_TD, scores_TK, ids_TK, weights_LDD):
-    """dispatch -> rows of local expert l times weights_LDD[l] -> combine."""
+def moe_block(dispatcher, x_TD, scores_TK, ids_TK, weights_LDD, grouping: list):
+    """dispatch -> rows of local expert l times weights_LDD[l] -> combine; appends the dispatch's
+    group sizes and padding row count to ``grouping``."""
     counts_E = torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS + 1)[:NUM_EXPERTS]
     rows_RD, rows_per_expert_L, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    grouping.append((rows_per_expert_L.tolist(), int(dispatcher.last_num_padding_rows)))
     expert_R = torch.repeat_interleave(
         torch.arange(weights_LDD.shape[0]), rows_per_expert_L, output_size=rows_RD.shape[0]
     )
@@ -165,10 +167,11 @@ def run_two_layers(mesh, transport: str, align_size: int, dtype: torch.dtype):
     weights = all_weights[:, rank * local : (rank + 1) * local].clone().requires_grad_()
     x = x_TD.clone().requires_grad_()
     scores = scores_TK.clone().requires_grad_()
-    hidden = moe_block(dispatcher, x, scores, ids_TK, weights[0])
-    out = moe_block(dispatcher, hidden, scores.flip(0), ids_TK.flip(0), weights[1])
+    grouping = []
+    hidden = moe_block(dispatcher, x, scores, ids_TK, weights[0], grouping)
+    out = moe_block(dispatcher, hidden, scores.flip(0), ids_TK.flip(0), weights[1], grouping)
     out.backward(torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out))
-    return out.detach(), x.grad, scores.grad, weights.grad
+    return (out.detach(), x.grad, scores.grad, weights.grad), grouping
 
 
 def exchange_worker(rank: int, world: int, port: int) -> None:
@@ -180,16 +183,14 @@ def exchange_worker(rank: int, world: int, port: int) -> None:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
         for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
             for align_size in (1, 4):
-                expected = run_two_layers(mesh, "all_to_all", align_size, dtype)
-                actual = run_two_layers(mesh, "symm_mem", align_size, dtype)
+                expected, expected_grouping = run_two_layers(mesh, "all_to_all", align_size, dtype)
+                actual, grouping = run_two_layers(mesh, "symm_mem", align_size, dtype)
+                # the same groups (padding included) and padding rows: last_num_padding_rows
+                assert grouping == expected_grouping, (rank, align_size, grouping, expected_grouping)
+                assert (align_size > 1) == any(padding for _, padding in grouping), grouping
                 for name, e, a in zip(("output", "x grad", "score grad", "weight grad"), expected, actual):
-                    torch.testing.assert_close(
-                        a,
-                        e,
-                        atol=tol,
-                        rtol=tol,
-                        msg=lambda m: f"rank {rank}/{world} {dtype} align {align_size} {name}: {m}",
-                    )
+                    what = f"rank {rank}/{world} {dtype} align {align_size} {name}"
+                    torch.testing.assert_close(a, e, atol=tol, rtol=tol, msg=lambda m, what=what: f"{what}: {m}")
     finally:
         dist.destroy_process_group()
 

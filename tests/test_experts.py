@@ -7,6 +7,7 @@ import typing
 import pytest
 import torch
 
+from torchtitan_ext.bench.common import relative_error
 from torchtitan_ext.config.short_keys import short_key
 from torchtitan_ext.experiments.moe_backends.experts import (
     BACKENDS,
@@ -38,14 +39,6 @@ COUNT_CASES = {
     "one_expert": [7],
     "one_row_each": [1, 1, 1, 1, 1],
 }
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.double(), expected.double()
-    denominator = expected.norm().item()
-    if denominator == 0:
-        return (actual - expected).norm().item()
-    return (actual - expected).norm().item() / denominator
 
 
 def make_inputs(counts, dim, hidden, x_dtype, w_dtype, seed):

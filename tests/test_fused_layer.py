@@ -8,6 +8,7 @@ layers run in bf16 at a larger shape (both layers, so that they route identicall
 import pytest
 import torch
 
+from torchtitan_ext.bench.common import relative_error
 from torchtitan_ext.experiments.moe_backends.experts import FusedRoutedExperts
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 from torchtitan_ext.kernels.fused_moe import triton_available_reason
@@ -45,10 +46,6 @@ def run(layer, dtype: torch.dtype):
     out.backward(torch.randn(out.shape, generator=generator).to(DEVICE, dtype))
     grads = {name: p.grad.float() for name, p in layer.named_parameters()}
     return out.detach().float(), x.grad.float(), grads
-
-
-def relative_error(actual, expected):
-    return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.6])

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import assert_weight_gradient_matches
 
+from torchtitan_ext.bench.common import relative_error
 from torchtitan_ext.kernels.availability import interpreter_enabled
 from torchtitan_ext.kernels.fused_moe import (
     fused_moe_grouped,
@@ -27,11 +28,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3}
-
-
-def rel_err(actual, expected):
-    actual, expected = actual.detach().double(), expected.detach().double()
-    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
 
 
 def make_experts(num_experts, dim, hidden, dtype, generator):
@@ -60,14 +56,14 @@ def assert_matches(fused, reference, inputs, dtype, generator):
     ref_differentiable = [t for t in ref_inputs if t.is_floating_point() and t.requires_grad]
     expected_grads = torch.autograd.grad(expected, ref_differentiable, grad_out.double())
     assert out.dtype == inputs[0].dtype
-    assert rel_err(out, expected) < TOLERANCE[dtype]
+    assert relative_error(out, expected) < TOLERANCE[dtype]
     for grad, expected_grad, tensor in zip(grads, expected_grads, differentiable):
         assert grad.dtype == tensor.dtype
         assert grad.shape == tensor.shape
         if expected_grad.abs().max() == 0:
             assert grad.abs().max() == 0
         else:
-            assert rel_err(grad, expected_grad) < TOLERANCE[dtype]
+            assert relative_error(grad, expected_grad) < TOLERANCE[dtype]
 
 
 def routed_inputs(tokens, dim, hidden, num_experts, top_k, dtype, seed, skew=0.0):
@@ -136,11 +132,11 @@ def test_fp32_weights_with_fp16_activations():
     assert out.dtype == torch.float16
     assert [g.dtype for g in grads] == [torch.float16] + [torch.float32] * 4
     expected = reference_routed(x.double(), *[w.half().double() for w in weights], ids, scores.double())
-    assert rel_err(out, expected) < TOLERANCE[torch.float16]
+    assert relative_error(out, expected) < TOLERANCE[torch.float16]
 
 
 def test_results_repeat_bit_for_bit():
-    inputs, generator = routed_inputs(10, 40, 24, 4, 2, torch.float32, seed=11)
+    inputs, _ = routed_inputs(10, 40, 24, 4, 2, torch.float32, seed=11)
     runs = []
     for _ in range(2):
         out = fused_moe_routed(*inputs)
@@ -329,7 +325,7 @@ def test_gate_up_in_two_passes(use_descriptors, dtype, monkeypatch):
     assert_matches(fused_moe_grouped, reference_grouped, grouped, dtype, generator)
     with torch.no_grad():
         assert (
-            rel_err(
+            relative_error(
                 fused_moe_routed(*inputs),
                 reference_routed(*[t.double() if t.is_floating_point() else t for t in inputs]),
             )

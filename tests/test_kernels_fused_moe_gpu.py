@@ -8,6 +8,8 @@ import pytest
 import torch
 from helpers import assert_weight_gradient_matches
 
+from torchtitan_ext.bench.common import relative_error
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -23,10 +25,6 @@ def poison_allocator():
     block = torch.empty(int(min(free * 0.5, 8 * 2**30)) // 4, device="cuda", dtype=torch.float32)
     block.fill_(float("nan"))
     del block
-
-
-def rel_err(actual, expected):
-    return float((actual.float() - expected.float()).norm() / expected.float().norm())
 
 
 def make_weights(num_experts, dim, hidden, dtype):
@@ -54,11 +52,11 @@ def check_all(fused, fused_inputs, reference, reference_inputs, dtype):
     expected_grads = torch.autograd.grad(expected, reference_differentiable, grad_out.float())
     assert out.dtype == dtype
     assert torch.isfinite(out).all()
-    assert rel_err(out, expected) < TOLERANCE[dtype]
+    assert relative_error(out, expected) < TOLERANCE[dtype]
     for grad, expected_grad, tensor in zip(grads, expected_grads, differentiable):
         assert grad.dtype == tensor.dtype
         assert torch.isfinite(grad).all()
-        assert rel_err(grad, expected_grad) < TOLERANCE[dtype]
+        assert relative_error(grad, expected_grad) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -107,7 +105,7 @@ def test_fp32_weights_bf16_activations():
     assert out.dtype == torch.bfloat16
     assert [g.dtype for g in grads] == [torch.bfloat16] + [torch.float32] * 4
     expected = reference_routed(x.float(), *[w.bfloat16().float() for w in weights], ids, scores)
-    assert rel_err(out, expected) < TOLERANCE[torch.bfloat16]
+    assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
 
 
 def test_deterministic():

@@ -17,6 +17,7 @@ TRITON_INTERPRET=1); with CUDA timings are medians over CUDA events after warm-u
 import argparse
 import dataclasses
 import sys
+from collections.abc import Mapping
 
 import torch
 
@@ -29,9 +30,11 @@ from torchtitan_ext.bench.common import (
     print_table,
     progress,
     refuse_full_size_on_cpu,
+    unavailable_reasons,
     write_json,
 )
 from torchtitan_ext.compat.quiet_cpu import quiet_cpu_warnings
+from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.experiments.moe_backends import auto_backend
 from torchtitan_ext.experiments.moe_backends.dispatcher import PERMUTE_BACKENDS
@@ -279,12 +282,12 @@ def measurement_dtype(args, device: torch.device) -> torch.dtype:
     return getattr(torch, args.dtype)
 
 
-def reject_unrunnable(parser, flag: str, names, unavailable_reason) -> None:
-    """Exit 2 naming ``flag``'s values that cannot run here, with the reason ``unavailable_reason(name)`` gives."""
-    reasons = {name: unavailable_reason(name) for name in names or ()}
-    unrunnable = [name for name, reason in reasons.items() if reason is not None]
-    if unrunnable:
-        parser.error(f"{flag} {' '.join(unrunnable)}: {reasons[unrunnable[0]]}")
+def reject_unrunnable(parser, flag: str, names: list[str] | None, backend_of: Mapping[str, str]) -> None:
+    """Exit 2 naming ``flag``'s values that cannot run here, with the reason of the first
+    (``common.unavailable_reasons``: the compute backend ``backend_of[name]`` cannot run)."""
+    reasons = unavailable_reasons(names or (), backend_of)
+    if reasons:
+        parser.error(f"{flag} {' '.join(reasons)}: {next(iter(reasons.values()))}")
 
 
 def finish(results: dict, rows: list[dict], table, args) -> None:
@@ -296,7 +299,7 @@ def finish(results: dict, rows: list[dict], table, args) -> None:
 
 
 def run_expert(parser, args, device, command) -> None:
-    reject_unrunnable(parser, "--impls", args.impls, expert_block.unavailable_reason)
+    reject_unrunnable(parser, "--impls", args.impls, expert_block.BACKEND_OF_IMPL)
     check_rounds(parser, args.rounds)
     shapes = selected_shapes(parser, args, device)
     results = expert_block.run(
@@ -313,7 +316,7 @@ def run_expert(parser, args, device, command) -> None:
 
 
 def run_layer(parser, args, device, command) -> None:
-    reject_unrunnable(parser, "--layers", args.layers, moe_layer.unavailable_reason)
+    reject_unrunnable(parser, "--layers", args.layers, moe_layer.BACKEND_OF_KIND)
     shapes = selected_shapes(parser, args, device)
     bad = [s.name for s in shapes if s.tokens % args.batch]
     if args.batch < 1 or bad:
@@ -365,7 +368,7 @@ def run_ep(parser, args, device, command) -> None:
 
 
 def run_train_step(parser, args, device, command) -> None:
-    reject_unrunnable(parser, "--backends", args.backends, lambda name: BACKENDS[name].unavailable_reason())
+    reject_unrunnable(parser, "--backends", args.backends, {name: name for name in BACKENDS})
     for flag in ("batch_size", "seq_len", "num_layers"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -450,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quiet_cpu_warnings()
+    apply_torch_version_fixes()
     command = " ".join([PROG, *argv])
     try:
         args.handler(args.subparser, args, device, command)

@@ -1,8 +1,11 @@
-"""Shared pieces of the benchmarks: named shapes, memory, FLOPs, reporting.
+"""Shared pieces of the benchmarks: named shapes, which measurements run here, errors, memory,
+FLOPs, reporting.
 
-Shapes, seeded routing and inputs, and the timer come from
-``experiments.moe_backends.expert_timing`` (the ``auto`` backend choice measures with them too).
-FLOP rates are reported on GPUs only; CPU runs are for small shapes and report milliseconds.
+The named shapes are the MoE layers of public models (``experiments.moe_backends.model_shapes``,
+the dimensions the full-size flavors are built with) at a fixed token count. Seeded routing and
+inputs, and the timer come from ``experiments.moe_backends.expert_timing`` (the ``auto`` backend
+choice measures with them too). FLOP rates are reported on GPUs only; CPU runs are for small
+shapes and report milliseconds.
 """
 
 import datetime
@@ -11,21 +14,30 @@ import os
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict
 
 import torch
 
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, Timer
+from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, Timer, make_timer
+from torchtitan_ext.experiments.moe_backends.experts import get_backend
+from torchtitan_ext.experiments.moe_backends.model_shapes import (
+    DEEPSEEK_V2_LITE_MOE_LAYER,
+    MIXTRAL_8X7B,
+    OLMOE_1B_7B,
+    QWEN3_30B_A3B,
+)
 
+SHAPE_TOKENS = 8192
+"""Tokens per step of the named shapes."""
 SHAPES = {
-    shape.name: shape
-    for shape in (
-        BenchShape("qwen3-30b-a3b", 8192, 2048, 768, 128, 8),
-        BenchShape("olmoe-1b-7b", 8192, 2048, 1024, 64, 8),
-        BenchShape("deepseek-v2-lite", 8192, 2048, 1408, 64, 6),
-        BenchShape("mixtral-8x7b", 8192, 4096, 14336, 8, 2),
+    name: BenchShape.of_layer(name, SHAPE_TOKENS, layer)
+    for name, layer in (
+        ("qwen3-30b-a3b", QWEN3_30B_A3B.moe_layer),
+        ("olmoe-1b-7b", OLMOE_1B_7B.moe_layer),
+        ("deepseek-v2-lite", DEEPSEEK_V2_LITE_MOE_LAYER),
+        ("mixtral-8x7b", MIXTRAL_8X7B.moe_layer),
     )
 }
 TINY_SHAPE = BenchShape("tiny", 32, 48, 40, 6, 2)
@@ -60,11 +72,11 @@ def max_over_mean(counts_E: torch.Tensor) -> float:
     return round(float(counts_E.max()) / max(float(counts_E.float().mean()), 1e-9), 2)
 
 
-def dense_ceiling_tflops(timer: Timer, device: torch.device) -> float:
+def dense_ceiling_tflops(device: torch.device) -> float:
     """bf16 8192^3 matrix product rate: the ceiling TFLOP/s figures are read against."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    return round(2 * 8192**3 / timer(lambda: a @ b) / 1e9, 1)
+    return round(2 * 8192**3 / make_timer(device)(lambda: a @ b) / 1e9, 1)
 
 
 def expert_tflops(shape: BenchShape, ms: float, device: torch.device, *, backward: bool) -> float | None:
@@ -138,7 +150,22 @@ def print_kernel_profiles(rows: list[dict], label_keys: tuple[str, ...], device:
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12))
+    """``||actual - expected|| / ||expected||`` in fp64 (the denominator floored at 1e-12)."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
+
+
+def unavailable_reasons(names: Iterable[str], backend_of: Mapping[str, str]) -> dict[str, str]:
+    """Why each of the measured ``names`` that cannot run here cannot: the reason the backend table
+    gives for the compute backend it runs, ``backend_of[name]``."""
+    reasons = {name: get_backend(backend_of[name]).unavailable_reason() for name in names}
+    return {name: reason for name, reason in reasons.items() if reason is not None}
+
+
+def runnable(names: Sequence[str], backend_of: Mapping[str, str]) -> list[str]:
+    """The ``names`` that can run here (``unavailable_reasons``), in order."""
+    unavailable = unavailable_reasons(names, backend_of)
+    return [name for name in names if name not in unavailable]
 
 
 def source_commit() -> str | None:
@@ -193,13 +220,50 @@ def time_in_rounds(calls: TimedCalls, timer: Timer, rounds: int, label: str) -> 
     return times
 
 
-def median_fields(times: dict[str, list[float]]) -> dict:
-    """A row's ``fwd_ms`` / ``fwdbwd_ms`` (medians over the rounds) and, after more than one round,
-    the per-round times as ``fwd_ms_rounds`` / ``fwdbwd_ms_rounds``."""
-    fields = {key: statistics.median(values) for key, values in times.items()}
+def timed_row(
+    shape: BenchShape, skew: float, counts_E: torch.Tensor, times: dict[str, list[float]], device: torch.device
+) -> dict:
+    """The fields an ``expert`` or ``layer`` row starts with: the shape, the skew, the max/mean
+    expert load, ``fwd_ms`` / ``fwdbwd_ms`` (medians over the rounds of ``time_in_rounds``) with the
+    expert TFLOP/s of each and, after more than one round, the per-round times as
+    ``fwd_ms_rounds`` / ``fwdbwd_ms_rounds``."""
+    fwd_ms, fwdbwd_ms = (statistics.median(times[key]) for key in ("fwd_ms", "fwdbwd_ms"))
+    row = {
+        "shape": shape.name,
+        "skew": skew,
+        "max_over_mean": max_over_mean(counts_E),
+        "fwd_ms": round(fwd_ms, 3),
+        "fwd_tflops": expert_tflops(shape, fwd_ms, device, backward=False),
+        "fwdbwd_ms": round(fwdbwd_ms, 3),
+        "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, device, backward=True),
+    }
     if any(len(values) > 1 for values in times.values()):
-        fields |= {f"{key}_rounds": [round(ms, 3) for ms in values] for key, values in times.items()}
-    return fields
+        row |= {f"{key}_rounds": [round(ms, 3) for ms in values] for key, values in times.items()}
+    return row
+
+
+def measure_shapes(
+    subcommand: str,
+    shapes: Sequence[BenchShape],
+    skews: Sequence[float],
+    device: torch.device,
+    bench_shape: Callable[[BenchShape, float, Timer], list[dict]],
+    meta: dict,
+    out: str | None,
+) -> dict:
+    """``{"meta": meta, "rows": rows}``: the rows ``bench_shape(shape, skew, timer)`` gives for every
+    shape and skew with the device's timer (``make_timer``), rewritten to ``out`` after each shape.
+
+    Raises ``ConfigError`` for full-size shapes on CPU (``refuse_full_size_on_cpu``), before any.
+    """
+    refuse_full_size_on_cpu(subcommand, {shape.name: shape.dim for shape in shapes}, device)
+    timer = make_timer(device)
+    results = {"meta": meta, "rows": []}
+    for shape in shapes:
+        for skew in skews:
+            results["rows"] += bench_shape(shape, skew, timer)
+        write_json(out, results)
+    return results
 
 
 def write_json(path: str | None, results: dict) -> None:

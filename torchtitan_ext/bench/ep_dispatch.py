@@ -45,29 +45,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _symmetric_memory as symm_mem
 from torch.distributed.device_mesh import init_device_mesh
+from torchtitan.distributed.utils import set_spmd_backend
 
-from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
-
-apply_torch_version_fixes()
-
-from torchtitan.distributed.utils import set_spmd_backend  # noqa: E402
-
-from torchtitan_ext.bench.common import environment  # noqa: E402
-from torchtitan_ext.experiments.moe_backends.dispatcher import (  # noqa: E402
-    EP_TRANSPORTS,
-    RoutingDispatcher,
-    all_to_all_rows,
-    send_buffer_rows,
-)
-from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process  # noqa: E402
-from torchtitan_ext.experiments.moe_backends.experts import (  # noqa: E402
-    backend_names,
-    get_backend,
-    grouped_mm_experts,
-)
-from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config  # noqa: E402
-from torchtitan_ext.kernels import symm_mem_rows as exchange_kernels  # noqa: E402
-from torchtitan_ext.place_in_launch import local_rank  # noqa: E402
+from torchtitan_ext.bench.common import environment, relative_error
+from torchtitan_ext.experiments.moe_backends.dispatcher import EP_TRANSPORTS, RoutingDispatcher
+from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process, seeded_layer
+from torchtitan_ext.experiments.moe_backends.experts import backend_names, get_backend, grouped_mm_experts
+from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
+from torchtitan_ext.place_in_launch import local_rank
 
 NUM_EXPERTS, TOP_K = 64, 8
 HOST_AHEAD_MS = 3.0
@@ -116,6 +101,22 @@ def routing(num_tokens: int, skewed: bool, world: int, generator: torch.Generato
     return ids_TK.cuda()
 
 
+def raw_all_to_all(rows_to_rank_W: torch.Tensor, dim: int):
+    """Two NCCL ``all_to_all_single`` calls, there and back, moving ``rows_to_rank_W[r]`` bf16 rows of
+    width ``dim`` to each rank ``r``. Returns ``(call, input_splits, output_splits)``."""
+    rows_from_rank_W = torch.empty_like(rows_to_rank_W)
+    dist.all_to_all_single(rows_from_rank_W, rows_to_rank_W)
+    input_splits, output_splits = rows_to_rank_W.tolist(), rows_from_rank_W.tolist()
+    send = torch.empty(sum(input_splits), dim, device="cuda", dtype=torch.bfloat16)
+    receive = torch.empty(sum(output_splits), dim, device="cuda", dtype=torch.bfloat16)
+
+    def call():
+        dist.all_to_all_single(receive, send, output_splits, input_splits)
+        dist.all_to_all_single(send, receive, input_splits, output_splits)
+
+    return call, input_splits, output_splits
+
+
 def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: str) -> list[dict]:
     """One routing case: raw all-to-all, then dispatch + combine over each EP transport."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -134,91 +135,36 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
     }
     for dispatcher in dispatchers.values():
         dispatcher.wire_meshes(ep_mesh=mesh)
-    dispatcher = dispatchers["all_to_all"]
 
-    grouped_RD, _, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
-    token_exchange = metadata.token_exchange
-    routed_in = counts_E.view(world, -1).sum(1)
-    routed_out = torch.empty_like(routed_in)
-    dist.all_to_all_single(routed_out, routed_in)
-    input_splits, output_splits = routed_in.tolist(), routed_out.tolist()
-    send = torch.empty(sum(input_splits), dim, device="cuda", dtype=torch.bfloat16)
-    receive = torch.empty(sum(output_splits), dim, device="cuda", dtype=torch.bfloat16)
-
-    def raw_a2a():
-        dist.all_to_all_single(receive, send, output_splits, input_splits)
-        dist.all_to_all_single(send, receive, input_splits, output_splits)
-
+    raw_a2a, input_splits, output_splits = raw_all_to_all(counts_E.view(world, -1).sum(1), dim)
     ranks_per_token_TW = torch.zeros(num_tokens, world, dtype=torch.int64, device="cuda")
     ranks_per_token_TW.scatter_(1, ids_TK // (NUM_EXPERTS // world), 1)
-    unique_in = ranks_per_token_TW.sum(0)
-    unique_out = torch.empty_like(unique_in)
-    dist.all_to_all_single(unique_out, unique_in)
-    unique_in_splits, unique_out_splits = unique_in.tolist(), unique_out.tolist()
-    send_unique = torch.empty(sum(unique_in_splits), dim, device="cuda", dtype=torch.bfloat16)
-    receive_unique = torch.empty(sum(unique_out_splits), dim, device="cuda", dtype=torch.bfloat16)
+    raw_a2a_unique, unique_in_splits, unique_out_splits = raw_all_to_all(ranks_per_token_TW.sum(0), dim)
 
-    def raw_a2a_unique():
-        dist.all_to_all_single(receive_unique, send_unique, unique_out_splits, unique_in_splits)
-        dist.all_to_all_single(send_unique, receive_unique, unique_in_splits, unique_out_splits)
-
-    group = mesh.get_group()
+    a2a = dispatchers["all_to_all"]
+    grouped_RD, _, a2a_metadata = a2a.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    a2a_transport = a2a.transport
+    group = a2a_transport.group()
     counts_Wc = torch.zeros(world, NUM_EXPERTS // world + 1, dtype=torch.int64, device="cuda")
-
-    def counts_and_host_sync():
-        received_counts_Wc = all_to_all_rows(counts_Wc, [1] * world, [1] * world, group)
-        torch.stack([counts_Wc, received_counts_Wc]).tolist()
-
-    num_sent = sum(token_exchange.input_splits)
-    received_UD = torch.randn(sum(token_exchange.output_splits), dim, device="cuda", dtype=torch.bfloat16)
-    received_plan = token_exchange.received_plan
+    num_sent = sum(a2a_metadata.input_splits)
+    received_UD = torch.randn(sum(a2a_metadata.output_splits), dim, device="cuda", dtype=torch.bfloat16)
 
     def sender_rows():  # as in dispatch: the send buffer holds the static bound of pairs
-        rows_PD = dispatcher._permute_rows(
-            x_TD, token_exchange.pair_row_S, world, send_buffer_rows(num_tokens, world, TOP_K), zero_padding=False
-        )
-        dispatcher._sum_token_rows(rows_PD[:num_sent], token_exchange.pair_row_S, world)
+        rows_PD = a2a_transport.send_rows(x_TD, a2a_metadata.pair_row_S)
+        a2a_transport.sum_returned_rows(rows_PD[:num_sent], a2a_metadata)
 
     def receiver_rows():
-        rows_RD = dispatcher._group_received_rows(received_UD, received_plan, TOP_K)
-        dispatcher._unpermute_rows(rows_RD, received_plan.dest_row_S, token_exchange.received_scores_S, TOP_K)
-
-    def a2a_dispatch():
-        dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
-
-    def a2a_combine():
-        dispatcher.combine(grouped_RD, metadata, x_TD)
+        rows_RD = a2a_transport.group_received_rows(received_UD, a2a_metadata.received_plan)
+        a2a_transport.weight_received_rows(rows_RD, a2a_metadata)
 
     symm = dispatchers["symm_mem"]
     rows_RD, _, symm_metadata = symm.dispatch(x_TD, scores_TK, ids_TK, counts_E)
-    route = symm_metadata.exchange_route
+    route = symm_metadata.route
     exchange = route.exchange
-    workspace = route.workspace
-
-    def symm_dispatch():
-        symm.dispatch(x_TD, scores_TK, ids_TK, counts_E)
-
-    def symm_combine():
-        symm.combine(rows_RD, symm_metadata, x_TD)
-
-    def symm_publish():
-        exchange.publish(x_TD, scores_TK.reshape(-1), ids_TK.reshape(-1), NUM_EXPERTS)
-
-    def symm_barrier():
-        exchange._barrier()
 
     def symm_layout_pairs_and_host_sync():
         layout, _ = exchange.read_routing(NUM_EXPERTS, num_tokens, TOP_K)
         layout.packed.cpu()
-
-    def symm_pull_kernel():
-        exchange_kernels.pull_pairs(workspace.table("tokens"), route.pairs, rows_RD)
-
-    def symm_push_kernel():
-        exchange_kernels.push_pairs(rows_RD, route.pairs, workspace.table("landing"), weighted=True)
-
-    def symm_owner_sum():
-        exchange_kernels.sum_landing(workspace.local("landing"), route.expert_S, NUM_EXPERTS, world, TOP_K)
 
     def dispatch_combine(transport):
         def run():
@@ -229,21 +175,21 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
 
     parts = {
         "all_to_all": {
-            "dispatch": a2a_dispatch,
-            "combine": a2a_combine,
-            "counts_and_host_sync": counts_and_host_sync,
+            "dispatch": lambda: a2a.dispatch(x_TD, scores_TK, ids_TK, counts_E),
+            "combine": lambda: a2a.combine(grouped_RD, a2a_metadata, x_TD),
+            "counts_and_host_sync": lambda: a2a_transport.exchange_counts(counts_Wc, group),
             "sender_rows": sender_rows,
             "receiver_rows": receiver_rows,
         },
         "symm_mem": {
-            "dispatch": symm_dispatch,
-            "combine": symm_combine,
-            "publish": symm_publish,
-            "barrier": symm_barrier,
+            "dispatch": lambda: symm.dispatch(x_TD, scores_TK, ids_TK, counts_E),
+            "combine": lambda: symm.combine(rows_RD, symm_metadata, x_TD),
+            "publish": lambda: exchange.publish(x_TD, scores_TK.reshape(-1), ids_TK.reshape(-1), NUM_EXPERTS),
+            "barrier": exchange.barrier,
             "layout_pairs_and_host_sync": symm_layout_pairs_and_host_sync,
-            "owner_sum": symm_owner_sum,
-            "pull_kernel": symm_pull_kernel,
-            "push_kernel": symm_push_kernel,
+            "owner_sum": lambda: exchange.sum_landing(route),
+            "pull_kernel": lambda: exchange.pull_rows(route, rows_RD),
+            "push_kernel": lambda: exchange.push_rows(rows_RD, route, weighted=True),
         },
     }
     raw_ms = cuda_time_ms(raw_a2a)
@@ -307,18 +253,10 @@ def build_layer(compute_backend: str, transport: str, permute_backend: str, dim:
     config.routed_experts.token_dispatcher.permute_backend = permute_backend
     config.routed_experts.token_dispatcher.ep_transport = transport
     config.aux_loss_coeff, config.aux_loss_type, config.z_loss_coeff = 0.01, "global", 1e-3
-    with torch.device("cuda"):
-        layer = config.build()
-    generator = torch.Generator().manual_seed(0)
+    layer = seeded_layer(config, "cuda")
     with torch.no_grad():
-        for _, param in sorted(layer.named_parameters()):
-            param.copy_(torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5)
         layer.router.gate.weight[-NUM_EXPERTS // 8 :] -= 0.2  # uneven splits
     return layer
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30))
 
 
 def check_equivalence(mesh, compute_backends: list[str]) -> list[dict]:
@@ -334,7 +272,7 @@ def check_equivalence(mesh, compute_backends: list[str]) -> list[dict]:
             dtype = torch.bfloat16 if get_backend(compute_backend).grouped is grouped_mm_experts else torch.float32
             reference, layer = (build_layer(compute_backend, transport, permute_backend).to(dtype) for _ in range(2))
             pairs = compare_with_single_process(reference, layer, x_all.to(dtype), grad_all.to(dtype), mesh)
-            errors = {quantity: rel_err(actual, expected) for quantity, (actual, expected) in pairs.items()}
+            errors = {quantity: relative_error(actual, expected) for quantity, (actual, expected) in pairs.items()}
             worst = torch.tensor(list(errors.values()), device="cuda")
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             results.append(

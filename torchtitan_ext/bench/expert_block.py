@@ -9,6 +9,8 @@ Implementations, timed in one process so that ratios compare like with like:
 - ``fused_routed``: the fused Triton kernels' routed mode (gather and weighted combine
   inside the kernels), the routed path of the Triton backend's spec.
 
+An implementation runs where the compute backend it uses runs (``BACKEND_OF_IMPL``).
+
 FLOPs (reported on GPUs): 6*N*D*F forward, 18*N*D*F forward+backward, N = T*K routed rows.
 
     python -m torchtitan_ext.bench expert --json results.json
@@ -21,34 +23,28 @@ from torchtitan_ext.bench.common import (
     SKEWS,
     dense_ceiling_tflops,
     environment,
-    expert_tflops,
-    max_over_mean,
-    median_fields,
+    measure_shapes,
     memory_mb,
-    refuse_full_size_on_cpu,
     relative_error,
+    runnable,
     time_in_rounds,
-    write_json,
+    timed_row,
 )
-from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
 from torchtitan_ext.experiments.moe_backends.expert_timing import (
     BenchShape,
+    Timer,
     expert_inputs,
-    make_timer,
     seeded_generator,
 )
+from torchtitan_ext.experiments.moe_backends.experts import BACKENDS, DEFAULT_BACKEND, get_backend
 
-apply_torch_version_fixes()
-
-from torchtitan_ext.experiments.moe_backends.experts import (  # noqa: E402
-    BACKENDS,
-    DEFAULT_BACKEND,
-    get_backend,
-)
-from torchtitan_ext.kernels.fused_moe import fused_moe_routed, triton_available_reason  # noqa: E402
-
-ROUTED_IMPLS = ("torch_routed", "fused_routed")
-IMPLS = (*BACKENDS, *ROUTED_IMPLS)
+FUSED_ROUTED_BACKEND = "triton"
+"""The compute backend whose routed path ``fused_routed`` times."""
+ROUTED_IMPLS = {"torch_routed": DEFAULT_BACKEND, "fused_routed": FUSED_ROUTED_BACKEND}
+"""The tokens-in/tokens-out implementations and the compute backend each runs."""
+BACKEND_OF_IMPL = {**{name: name for name in BACKENDS}, **ROUTED_IMPLS}
+"""Every implementation timed and the compute backend it runs."""
+IMPLS = tuple(BACKEND_OF_IMPL)
 
 
 def torch_routed_experts(x_TD, w1_EFD, w2_EDF, w3_EFD, ids_TK, scores_TK):
@@ -75,7 +71,7 @@ def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype, rou
         [x_TD, *weights, scores_TK],
     )
     forwards["fused_routed"] = (
-        lambda: fused_moe_routed(x_TD, *weights, ids_TK, scores_TK),
+        lambda: get_backend(FUSED_ROUTED_BACKEND).routed(x_TD, *weights, ids_TK, scores_TK),
         [x_TD, *weights, scores_TK],
     )
     with torch.no_grad():
@@ -104,23 +100,9 @@ def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype, rou
         held_mb, peak_mb = memory_mb(forward, grad_outs[kind_of(name)], device)
         for tensor in inputs:
             tensor.grad = None
-        measured = median_fields(times[name])
-        fwd_ms, fwdbwd_ms = measured.pop("fwd_ms"), measured.pop("fwdbwd_ms")
         rows.append(
-            {
-                "shape": shape.name,
-                "skew": skew,
-                "max_over_mean": max_over_mean(counts_E),
-                "impl": name,
-                "fwd_ms": round(fwd_ms, 3),
-                "fwd_tflops": expert_tflops(shape, fwd_ms, device, backward=False),
-                "fwdbwd_ms": round(fwdbwd_ms, 3),
-                "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, device, backward=True),
-                "fwd_held_mb": held_mb,
-                "fwdbwd_peak_mb": peak_mb,
-                "rel_err": f"{error:.1e}",
-                **measured,
-            }
+            timed_row(shape, skew, counts_E, times[name], device)
+            | {"impl": name, "fwd_held_mb": held_mb, "fwdbwd_peak_mb": peak_mb, "rel_err": f"{error:.1e}"}
         )
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -130,20 +112,19 @@ def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype, rou
 def run(
     shapes: list[BenchShape], impls, device, dtype, command: str, out: str | None = None, skews=SKEWS, rounds: int = 1
 ) -> dict:
-    """Measure every shape and skew (``rounds``: ``bench_shape``'s); ``out`` is rewritten after each shape.
+    """Measure every shape and skew (``common.measure_shapes``; ``rounds``: ``bench_shape``'s), on
+    CUDA after the dense bf16 ceiling (``dense_bf16_tflops`` in the meta).
 
     Raises ``ConfigError`` for full-size shapes on CPU.
     """
-    refuse_full_size_on_cpu("expert", {shape.name: shape.dim for shape in shapes}, device)
-    timer = make_timer(device)
-    results = {"meta": environment(command, device, dtype), "rows": []}
+    meta = environment(command, device, dtype)
     if device.type == "cuda":
-        results["meta"]["dense_bf16_tflops"] = dense_ceiling_tflops(timer, device)
-    for shape in shapes:
-        for skew in skews:
-            results["rows"] += bench_shape(shape, skew, impls, timer, device, dtype, rounds)
-        write_json(out, results)
-    return results
+        meta["dense_bf16_tflops"] = dense_ceiling_tflops(device)
+
+    def measure(shape: BenchShape, skew: float, timer: Timer) -> list[dict]:
+        return bench_shape(shape, skew, impls, timer, device, dtype, rounds)
+
+    return measure_shapes("expert", shapes, skews, device, measure, meta, out)
 
 
 TABLE = [
@@ -160,13 +141,6 @@ TABLE = [
 ]
 
 
-def unavailable_reason(impl: str) -> str | None:
-    """Why ``impl`` cannot run here (None: it can): a backend's spec says; ``fused_routed`` is a Triton kernel."""
-    if impl in BACKENDS:
-        return BACKENDS[impl].unavailable_reason()
-    return triton_available_reason() if impl == "fused_routed" else None
-
-
 def default_impls() -> list[str]:
     """Every implementation that can run here."""
-    return [name for name in IMPLS if unavailable_reason(name) is None]
+    return runnable(IMPLS, BACKEND_OF_IMPL)

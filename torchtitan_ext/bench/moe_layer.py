@@ -1,6 +1,9 @@
 """Benchmark one whole MoE layer (router + dispatch + experts + combine) per compute backend
 against stock torchtitan 0.3.0's MoE layer, on one device, in one process.
 
+    python -m torchtitan_ext.bench layer --json layer.json
+    python -m torchtitan_ext.bench layer --tiny          # CPU smoke run
+
 Both layers get the same weights and inputs, ``(B, L, D) = (2, 4096, D)`` in bf16 on a GPU.
 Skewed routing adds the same expert bias (a linear ramp, calibrated to max/mean load about
 3.5) to both layers' routers, so they route alike. Reported: forward and forward+backward
@@ -8,38 +11,21 @@ ms, speed-up over stock, the output's error vs stock and, on a GPU, expert-equiv
 TFLOP/s (6*N*D*F / 18*N*D*F), peak memory of forward+backward above the weights
 (activation memory) and the host time to issue one forward+backward (``host_issue_ms``: where
 it reaches the forward+backward ms, the GPU waited on the host).
-
-    python -m torchtitan_ext.bench.moe_layer --out layer.json
-    python -m torchtitan_ext.bench.moe_layer --tiny          # CPU smoke run
 """
+
+from functools import partial
 
 import torch
 
-from torchtitan_ext.bench.common import (
-    SKEWS,
-    environment,
-    expert_tflops,
-    kernel_profile,
-    max_over_mean,
-    median_fields,
-    memory_mb,
-    refuse_full_size_on_cpu,
-    relative_error,
-    time_in_rounds,
-    write_json,
-)
-from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
+from torchtitan_ext.bench import common
 from torchtitan_ext.experiments.moe_backends.expert_timing import (
     BenchShape,
+    Timer,
     host_issue_ms,
-    make_timer,
     seeded_generator,
 )
-
-apply_torch_version_fixes()
-
-from torchtitan_ext.experiments.moe_backends.experts import BACKENDS, runnable_backends  # noqa: E402
-from torchtitan_ext.experiments.moe_backends.layer import (  # noqa: E402
+from torchtitan_ext.experiments.moe_backends.experts import BACKENDS, DEFAULT_BACKEND
+from torchtitan_ext.experiments.moe_backends.layer import (
     moe_layer_config,
     stock_moe_config,
 )
@@ -75,7 +61,7 @@ def calibrate_skew(stock_layer, x_BLD: torch.Tensor, target: float) -> torch.Ten
     for _ in range(24):
         middle = (low + high) / 2
         layer.expert_bias_E.copy_(middle * ramp_E)
-        if max_over_mean(routed_counts(layer, x_BLD)) < target:
+        if common.max_over_mean(routed_counts(layer, x_BLD)) < target:
             low = middle
         else:
             high = middle
@@ -117,36 +103,27 @@ def bench_shape(
         kind: (lambda layer=layer: layer(x_BLD), forward_backward(layer), [x_BLD, *layer.parameters()])
         for kind, layer in layers.items()
     }
-    times = time_in_rounds(calls, timer, rounds, label=f"  MoE layer     {shape.name:18s} skew {skew}")
+    times = common.time_in_rounds(calls, timer, rounds, label=f"  MoE layer     {shape.name:18s} skew {skew}")
 
     rows = []
     for kind, layer in layers.items():
         with torch.no_grad():
-            error = relative_error(layer(x_BLD), reference)
-        _, peak_mb = memory_mb(lambda: layer(x_BLD), grad_BLD, device)
+            error = common.relative_error(layer(x_BLD), reference)
+        _, peak_mb = common.memory_mb(partial(layer, x_BLD), grad_BLD, device)
         kernels = (
-            kernel_profile(forward_backward(layer), device, profile_top, grad_to_none=calls[kind][2])
+            common.kernel_profile(forward_backward(layer), device, profile_top, grad_to_none=calls[kind][2])
             if profile_top
             else None
         )
         host_ms = round(host_issue_ms(forward_backward(layer), calls[kind][2]), 3) if device.type == "cuda" else None
         for tensor in calls[kind][2]:
             tensor.grad = None
-        measured = median_fields(times[kind])
-        fwd_ms, fwdbwd_ms = measured.pop("fwd_ms"), measured.pop("fwdbwd_ms")
         rows.append(
-            {
-                "shape": shape.name,
-                "skew": skew,
-                "max_over_mean": max_over_mean(counts_E),
+            common.timed_row(shape, skew, counts_E, times[kind], device)
+            | {
                 "layer": kind,
-                "fwd_ms": round(fwd_ms, 3),
-                "fwdbwd_ms": round(fwdbwd_ms, 3),
-                "fwd_tflops": expert_tflops(shape, fwd_ms, device, backward=False),
-                "fwdbwd_tflops": expert_tflops(shape, fwdbwd_ms, device, backward=True),
                 "fwdbwd_peak_mb": peak_mb,
                 "rel_err_vs_stock": f"{error:.1e}",
-                **measured,
                 **({"fwdbwd_host_ms": host_ms} if host_ms is not None else {}),
                 **({"kernels": kernels} if kernels else {}),
             }
@@ -161,17 +138,15 @@ def bench_shape(
     return rows
 
 
-KINDS = (STOCK, *BACKENDS)
-"""Layers measured: torchtitan's own, then one per compute backend."""
-
-
-def unavailable_reason(kind: str) -> str | None:
-    """Why layer ``kind`` cannot run here (None: it can)."""
-    return None if kind == STOCK else BACKENDS[kind].unavailable_reason()
+BACKEND_OF_KIND = {STOCK: DEFAULT_BACKEND, **{name: name for name in BACKENDS}}
+"""Layers measured, torchtitan's own first, then one per compute backend, and the compute backend
+each runs (torchtitan's experts: ``torch._grouped_mm``, the default backend's op)."""
+KINDS = tuple(BACKEND_OF_KIND)
 
 
 def default_kinds() -> list[str]:
-    return [STOCK, *runnable_backends()]
+    """Every layer that can run here."""
+    return common.runnable(KINDS, BACKEND_OF_KIND)
 
 
 TABLE = [
@@ -198,21 +173,20 @@ def run(
     batch: int,
     command: str,
     out: str | None = None,
-    skews=SKEWS,
+    skews=common.SKEWS,
     profile_top: int = 0,
     rounds: int = 1,
 ) -> dict:
-    """Measure every shape and skew; ``out`` is rewritten after each shape. ``profile_top > 0``
+    """Measure every shape and skew (``common.measure_shapes``). ``profile_top > 0``
     adds each layer's slowest kernels in one forward+backward to its row (``kernels``);
     ``rounds`` is ``bench_shape``'s.
 
     Raises ``ConfigError`` for full-size shapes on CPU.
     """
-    refuse_full_size_on_cpu("layer", {shape.name: shape.dim for shape in shapes}, device)
-    timer = make_timer(device)
-    results = {"meta": environment(command, device, dtype), "rows": []}
-    for shape in shapes:
-        for skew in skews:
-            results["rows"] += bench_shape(shape, skew, kinds, timer, device, dtype, batch, profile_top, rounds)
-        write_json(out, results)
-    return results
+
+    def measure(shape: BenchShape, skew: float, timer: Timer) -> list[dict]:
+        return bench_shape(shape, skew, kinds, timer, device, dtype, batch, profile_top, rounds)
+
+    return common.measure_shapes(
+        "layer", shapes, skews, device, measure, common.environment(command, device, dtype), out
+    )

@@ -25,6 +25,8 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+from torchtitan.models.common.attention import FlexAttention
+from torchtitan.tools.utils import get_peak_flops
 
 from torchtitan_ext.bench.common import (
     TINY_FLAVORS_HINT,
@@ -33,20 +35,13 @@ from torchtitan_ext.bench.common import (
     refuse_full_size_on_cpu,
     write_json,
 )
-from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
+from torchtitan_ext.compat.cpu import adapt_config_for_cpu, patch_torchtitan_for_cpu
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config.apply import apply_overrides
+from torchtitan_ext.config.value_sources import forget_value_sources
 from torchtitan_ext.experiments.moe_backends.expert_timing import make_timer
-
-apply_torch_version_fixes()
-
-from torchtitan.models.common.attention import FlexAttention  # noqa: E402
-from torchtitan.tools.utils import get_peak_flops  # noqa: E402
-
-from torchtitan_ext.compat.cpu import adapt_config_for_cpu, patch_torchtitan_for_cpu  # noqa: E402
-from torchtitan_ext.config import ConfigError  # noqa: E402
-from torchtitan_ext.config.apply import apply_overrides  # noqa: E402
-from torchtitan_ext.config.value_sources import forget_value_sources  # noqa: E402
-from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts  # noqa: E402
-from torchtitan_ext.train import resolve_config  # noqa: E402
+from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
+from torchtitan_ext.train import resolve_config
 
 TABLE = [
     ("flavor", "flavor"),

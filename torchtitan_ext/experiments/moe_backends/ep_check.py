@@ -16,6 +16,19 @@ EXPERT_WEIGHTS = ("w1_EFD", "w2_EDF", "w3_EFD")
 """The expert weights of ``routed_experts.inner_experts``, sharded along E under EP."""
 
 
+def seeded_layer(config, device: torch.device | str = "cpu", seed: int = 0) -> torch.nn.Module:
+    """``config.build()`` on ``device``, every parameter drawn from a normal distribution of standard
+    deviation ``fan_in ** -0.5`` by one CPU generator seeded with ``seed``, in parameter-name
+    order: the same weights in every process."""
+    with torch.device(device):
+        layer = config.build()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(layer.named_parameters()):
+            param.copy_(torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5)
+    return layer
+
+
 def run_forward_backward(
     layer: torch.nn.Module, x_BLD: torch.Tensor, grad_BLD: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:

@@ -36,6 +36,7 @@ import tempfile
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -181,7 +182,7 @@ class Route:
 class EPExchange:
     """Dispatch and combine for one EP process group; one workspace shared by all MoE layers."""
 
-    _by_group: dict[tuple[str, str], EPExchange] = {}
+    _by_group: ClassVar[dict[tuple[str, str], EPExchange]] = {}
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device):
         self.group_name = group.group_name
@@ -201,7 +202,8 @@ class EPExchange:
 
     # ------------------------------------------------------------------ fences
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
+        """Return once every rank of the group has reached it, earlier writes visible to all."""
         assert self.workspace is not None
         self.workspace.barrier()
         self._peers_may_read_published = False
@@ -210,12 +212,12 @@ class EPExchange:
     def _before_publish(self) -> None:
         """About to overwrite this rank's tokens / routing: peers must be done reading them."""
         if self._peers_may_read_published:
-            self._barrier()
+            self.barrier()
 
     def _before_push(self) -> None:
         """About to write peers' landing regions: they must be done reading them."""
         if self._landing_in_local_use:
-            self._barrier()
+            self.barrier()
 
     def _workspace_for(self, shape: WorkspaceShape) -> Workspace:
         if self.workspace is None or not self.workspace.shape.holds(shape):
@@ -236,7 +238,7 @@ class EPExchange:
         workspace = self._workspace_for(WorkspaceShape(num_tokens, dim, top_k, num_experts, self.world, x_TD.dtype))
         expert_S = expert_S.reshape(-1)
         self.publish(x_TD, scores_S.reshape(-1), expert_S, num_experts)
-        self._barrier()
+        self.barrier()
         layout, pairs = self.read_routing(num_experts, num_tokens, top_k)
         on_host = kernels.ReceiveLayout.unpack(layout.packed.cpu(), num_experts // self.world, self.world)
         tokens_per_rank = on_host.tokens_per_rank_W.tolist()
@@ -244,10 +246,10 @@ class EPExchange:
             raise RuntimeError(
                 f"ep_transport 'symm_mem' needs the same token count on every EP rank, got {tokens_per_rank}"
             )
-        rows_RD = x_TD.new_empty(int(on_host.block_start_G1[-1]), dim)
-        kernels.pull_pairs(workspace.table("tokens"), pairs, rows_RD)
-        self._peers_may_read_published = True
         route = Route(exchange=self, workspace=workspace, num_experts=num_experts, pairs=pairs, expert_S=expert_S)
+        rows_RD = x_TD.new_empty(int(on_host.block_start_G1[-1]), dim)
+        self.pull_rows(route, rows_RD)
+        self._peers_may_read_published = True
         return rows_RD, layout.rows_per_local_expert_e, route
 
     def publish(self, x_TD: torch.Tensor, scores_S: torch.Tensor, expert_S: torch.Tensor, num_experts: int) -> None:
@@ -287,15 +289,28 @@ class EPExchange:
         )
         return layout, pairs
 
-    def _push_and_sum(self, rows_RD: torch.Tensor, route: Route, weighted: bool) -> torch.Tensor:
-        """Push each pair's row sum to its owner's landing region; return this rank's ``(T, D)`` totals."""
-        self._before_push()
+    def pull_rows(self, route: Route, rows_RD: torch.Tensor) -> None:
+        """The pull kernel alone: every received row read from its owner's published tokens into ``rows_RD``."""
+        kernels.pull_pairs(route.workspace.table("tokens"), route.pairs, rows_RD)
+
+    def push_rows(self, rows_RD: torch.Tensor, route: Route, weighted: bool) -> None:
+        """The push kernel alone: each pair's row sum (``weighted``: by the router scores) written to
+        its owner's landing region."""
         kernels.push_pairs(rows_RD, route.pairs, route.workspace.table("landing"), weighted)
-        self._barrier()
-        self._landing_in_local_use = True
+
+    def sum_landing(self, route: Route) -> torch.Tensor:
+        """``(T, D)``: the owner's sum of the partial sums pushed to its landing region."""
         return kernels.sum_landing(
             route.workspace.local("landing"), route.expert_S, route.num_experts, self.world, route.pairs.top_k
         )
+
+    def _push_and_sum(self, rows_RD: torch.Tensor, route: Route, weighted: bool) -> torch.Tensor:
+        """Push each pair's row sum to its owner's landing region; return this rank's ``(T, D)`` totals."""
+        self._before_push()
+        self.push_rows(rows_RD, route, weighted)
+        self.barrier()
+        self._landing_in_local_use = True
+        return self.sum_landing(route)
 
     def combine_rows(self, rows_RD: torch.Tensor, route: Route) -> torch.Tensor:
         """``(T, D)``: each token's expert outputs weighted by its scores, summed over top_k."""
@@ -313,11 +328,11 @@ class EPExchange:
         num_slots = route.expert_S.shape[0]
         self._before_publish()
         workspace.local("tokens")[: route.pairs.num_tokens].copy_(grad_out_TD)
-        self._barrier()
+        self.barrier()
         grad_rows_RD = kernels.pull_output_grad(
             workspace.table("tokens"), route.pairs, rows_RD, workspace.table("score_grad")
         )
-        self._barrier()
+        self.barrier()
         kept_S = route.expert_S < route.num_experts
         grad_scores_S = torch.where(kept_S, workspace.local("score_grad")[:num_slots], 0.0)
         self._landing_in_local_use = True

@@ -21,6 +21,8 @@ from typing import NamedTuple
 import torch
 import torch.utils.benchmark as torch_benchmark
 
+from .model_shapes import MoELayerShape
+
 SEED = 0
 """Seed of every measurement's routing and inputs."""
 
@@ -35,6 +37,11 @@ class BenchShape:
     hidden_dim: int
     num_experts: int
     top_k: int
+
+    @classmethod
+    def of_layer(cls, name: str, tokens: int, layer: MoELayerShape) -> "BenchShape":
+        """The dimensions of ``layer`` seeing ``tokens`` tokens per step."""
+        return cls(name, tokens, layer.dim, layer.moe_hidden_dim, layer.num_experts, layer.top_k)
 
     @property
     def routed_rows(self) -> int:

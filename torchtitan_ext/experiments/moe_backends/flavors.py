@@ -34,6 +34,7 @@ from . import run_description, startup_checks, toml_keys, torchtitan_features  #
 from .experts import DEFAULT_BACKEND, ComputeBackend
 from .layer import use_backend_experts, use_routing
 from .model import MoEShape, qwen3_style_moe
+from .model_shapes import MIXTRAL_8X7B, OLMOE_1B_7B, QWEN3_30B_A3B
 from .moe import with_router_loss_configuration
 
 TINY_SHAPE = MoEShape(
@@ -47,48 +48,6 @@ TINY_SHAPE = MoEShape(
     num_experts=8,
     top_k=2,
     max_seq_len=512,
-)
-
-# Public model dimensions (every layer MoE; attention as Qwen3 GQA blocks).
-QWEN3_30B_A3B = MoEShape(
-    vocab_size=151936,
-    dim=2048,
-    n_layers=48,
-    n_heads=32,
-    n_kv_heads=4,
-    head_dim=128,
-    moe_hidden_dim=768,
-    num_experts=128,
-    top_k=8,
-    max_seq_len=40960,
-)
-MIXTRAL_8X7B = MoEShape(
-    vocab_size=32000,
-    dim=4096,
-    n_layers=32,
-    n_heads=32,
-    n_kv_heads=8,
-    head_dim=128,
-    moe_hidden_dim=14336,
-    num_experts=8,
-    top_k=2,
-    max_seq_len=32768,
-    norm_eps=1e-5,
-)
-OLMOE_1B_7B = MoEShape(
-    vocab_size=50304,
-    dim=2048,
-    n_layers=16,
-    n_heads=16,
-    n_kv_heads=16,
-    head_dim=128,
-    moe_hidden_dim=1024,
-    num_experts=64,
-    top_k=8,
-    route_norm=False,
-    rope_theta=10000.0,
-    max_seq_len=4096,
-    norm_eps=1e-5,
 )
 
 

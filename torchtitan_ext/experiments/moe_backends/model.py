@@ -1,11 +1,10 @@
 """Model configs for the MoE backends experiment, built from torchtitan's modules.
 
-``MoEShape`` names the dimensions of a decoder-only MoE model; ``qwen3_style_moe``
-turns it into a torchtitan ``ModelSpec`` made of Qwen3 blocks (GQA attention with
-QK-norm, token-choice top-k MoE) whose MoE layers are this experiment's (see ``layer``).
+``qwen3_style_moe`` turns the dimensions of a decoder-only MoE model (``model_shapes.MoEShape``)
+into a torchtitan ``ModelSpec`` made of Qwen3 blocks (GQA attention with QK-norm, token-choice
+top-k MoE) whose MoE layers are this experiment's (see ``layer``).
 """
 
-from dataclasses import dataclass
 from functools import partial
 
 from torch import nn
@@ -24,27 +23,8 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from .experts import ComputeBackend
 from .layer import stock_moe_config, use_backend_experts, use_routing
+from .model_shapes import MoEShape
 from .moe import with_router_loss_configuration
-
-
-@dataclass(frozen=True, kw_only=True)
-class MoEShape:
-    """Dimensions of a decoder-only MoE model (every layer MoE)."""
-
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    moe_hidden_dim: int
-    num_experts: int
-    top_k: int
-    score_func: str = "softmax"
-    route_norm: bool = True
-    rope_theta: float = 1_000_000.0
-    max_seq_len: int = 4096
-    norm_eps: float = 1e-6
 
 
 def qwen3_style_moe(

@@ -1,0 +1,359 @@
+"""Token transports: how the routed rows reach their experts and come back, one class each.
+
+Every transport has the same two calls (``TokenTransport``), which ``RoutingDispatcher``
+delegates to:
+
+- ``dispatch(x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E)`` ->
+  ``(rows_RD, rows_per_local_expert_e, metadata)``: the rows of this rank's experts, grouped by
+  local expert, each group padded with zero rows to a multiple of ``align_size`` (``grouping``);
+  ``metadata`` is the transport's own record of what combine needs, and says how many padding
+  rows the experts compute (``num_padding_rows``);
+- ``combine(routed_output_RD, metadata)`` -> ``(T, D)``: each token's expert outputs weighted
+  by its router scores and summed over top_k.
+
+The transports:
+
+- ``LocalTransport``: no expert parallelism; every expert is local and no row leaves the device.
+  No host sync.
+- ``AllToAllTransport``: all-to-alls (NCCL or gloo) between the EP ranks. A token is sent to each
+  EP rank once, however many of that rank's experts it is routed to (not once per routed slot):
+  the sender copies each (token, destination rank) pair to one row, and with the rows sends the
+  token's gating weights and global expert ids. The receiver keeps the slots of its own experts
+  and groups the received rows by local expert as the local dispatch does, and in combine weights
+  and sums each row's expert outputs before sending one row back per pair; the sender adds the
+  rows that come back for each token. Counts go first, in one all-to-all read on the host (the
+  split sizes: the one host sync); the rows, and the weights and ids, follow in one autograd node
+  (``exchange_rows``: the functional collective ops called directly, the gradient sent back the
+  same way, without the Python wrappers of ``_functional_collectives`` that the host would pay
+  per call; selective activation checkpointing still saves their outputs).
+- ``SymmMemTransport`` (``PaddedSymmMemTransport`` when ``align_size`` > 1): one pull kernel in
+  dispatch and one push kernel in combine through memory every EP rank maps (``ep_symm_mem``);
+  rows arrive grouped by local expert. One host sync per dispatch.
+
+Each method the benchmarks time on its own (``python -m torchtitan_ext.bench ep``) is a public
+step of its transport, the same call its dispatch or combine makes.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torchtitan.distributed.spmd_types import current_spmd_mesh, maybe_set_sparse_mesh
+from torchtitan.distributed.utils import get_spmd_backend
+
+from torchtitan_ext.experiments.moe_backends import ep_symm_mem
+from torchtitan_ext.experiments.moe_backends.grouping import (
+    RowOps,
+    SlotPlan,
+    padded_group_rows,
+    pair_rows,
+    plan_slots,
+    send_buffer_rows,
+)
+
+
+class DispatchMetadata(Protocol):
+    """What every transport's dispatch metadata tells the dispatcher."""
+
+    @property
+    def num_padding_rows(self) -> torch.Tensor:
+        """0-d int64 on the tokens' device: zero rows the experts compute on top of the routed rows."""
+        ...
+
+
+MetadataT = TypeVar("MetadataT", bound=DispatchMetadata)
+
+
+class TokenTransport(ABC, Generic[MetadataT]):
+    """Moves routed rows to their experts and back; ``num_experts`` and ``top_k`` as the router's."""
+
+    def __init__(self, row_ops: RowOps, align_size: int, num_experts: int, top_k: int):
+        self.row_ops = row_ops
+        self.align_size = align_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+
+    @abstractmethod
+    def dispatch(
+        self,
+        x_TD: torch.Tensor,
+        topk_scores_TK: torch.Tensor,
+        topk_expert_ids_TK: torch.Tensor,
+        num_local_tokens_per_expert_E: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, MetadataT]:
+        """``(rows_RD, rows_per_local_expert_e, metadata)``: rows grouped by local expert, padded groups.
+
+        ``num_local_tokens_per_expert_E`` counts this rank's kept (not dropped) slots per expert
+        (every expert, not only the local ones); it must be exact.
+        """
+
+    @abstractmethod
+    def combine(self, routed_output_RD: torch.Tensor, metadata: MetadataT) -> torch.Tensor:
+        """``(T, D)``: each token's expert outputs weighted by its scores and summed over top_k."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalMetadata:
+    """``LocalTransport``: the slot plan and the gating weights."""
+
+    plan: SlotPlan
+    scores_S: torch.Tensor
+    """``(T*K,)`` gating weight of each slot"""
+
+    @property
+    def num_padding_rows(self) -> torch.Tensor:
+        return self.plan.num_padding_rows
+
+
+class LocalTransport(TokenTransport[LocalMetadata]):
+    """No expert parallelism: the slots grouped by expert on this device; no host sync."""
+
+    def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
+        plan = plan_slots(topk_expert_ids_TK, num_local_tokens_per_expert_E, self.align_size)
+        rows_RD = self.row_ops.permute_rows(x_TD, plan.dest_row_S, self.top_k, plan.num_rows)
+        return rows_RD, plan.rows_per_expert_E, LocalMetadata(plan=plan, scores_S=topk_scores_TK.reshape(-1))
+
+    def combine(self, routed_output_RD, metadata):
+        return self.row_ops.unpermute_rows(routed_output_RD, metadata.plan.dest_row_S, metadata.scores_S, self.top_k)
+
+
+class ExpertParallelTransport(TokenTransport[MetadataT]):
+    """A transport between the ranks of ``ep_mesh``, each owning ``num_experts / ep_size``
+    consecutive experts."""
+
+    def __init__(self, row_ops: RowOps, align_size: int, num_experts: int, top_k: int, ep_mesh: DeviceMesh):
+        super().__init__(row_ops, align_size, num_experts, top_k)
+        self.ep_mesh = ep_mesh
+        self.ep_size = ep_mesh.size()
+        self.num_local_experts = num_experts // self.ep_size
+
+    def group(self) -> dist.ProcessGroup:
+        """The EP process group, found as torchtitan's dispatcher finds it."""
+        with maybe_set_sparse_mesh():
+            mesh = current_spmd_mesh() if get_spmd_backend() == "spmd_types" else None
+        if mesh is not None:
+            return mesh.get_group("ep")
+        return self.ep_mesh.get_group()
+
+
+class _ExchangeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, send_splits, receive_splits, group, *rows):
+        ctx.send_splits, ctx.receive_splits, ctx.group = send_splits, receive_splits, group
+        return tuple(all_to_all_rows(rows_UD, send_splits, receive_splits, group) for rows_UD in rows)
+
+    @staticmethod
+    def backward(ctx, *grads_received):
+        grads_sent = tuple(
+            all_to_all_rows(grad_UD, ctx.receive_splits, ctx.send_splits, ctx.group) if needed else None
+            for grad_UD, needed in zip(grads_received, ctx.needs_input_grad[3:])
+        )
+        return None, None, None, *grads_sent
+
+
+def all_to_all_rows(rows_UD, send_splits: list[int], receive_splits: list[int], group) -> torch.Tensor:
+    """The functional collective op itself, without autograd: ordered on the current stream (the
+    host does not wait), and selective activation checkpointing saves its output instead of
+    re-sending."""
+    received_UD = torch.ops._c10d_functional.all_to_all_single(
+        rows_UD.contiguous(), receive_splits, send_splits, group.group_name
+    )
+    return torch.ops._c10d_functional.wait_tensor(received_UD)
+
+
+def exchange_rows(
+    rows: tuple[torch.Tensor, ...], send_splits: list[int], receive_splits: list[int], group
+) -> tuple[torch.Tensor, ...]:
+    """Differentiable all-to-all of each tensor of rows: ``send_splits[r]`` rows go to rank ``r`` (in
+    rank order), ``receive_splits[r]`` arrive from it; gradients go back the same way.
+
+    One collective op per tensor each way, one autograd node for all of them.
+    """
+    return _ExchangeRows.apply(send_splits, receive_splits, group, *rows)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllToAllMetadata:
+    """``AllToAllTransport``: what combine needs on both sides of the exchange."""
+
+    pair_row_S: torch.Tensor
+    """``(T*W,)`` sender: send row of each (token, rank) pair, ``s = t * W + rank``; -1 when not sent"""
+    received_plan: SlotPlan
+    """receiver: where each received row's slots (``row * top_k + k``) went in the grouped buffer"""
+    received_scores_S: torch.Tensor
+    """``(U*K,)`` receiver: gating weight of each received slot (0 for slots of other ranks)"""
+    input_splits: list[int]
+    """rows sent to each rank"""
+    output_splits: list[int]
+    """rows received from each rank"""
+
+    @property
+    def num_padding_rows(self) -> torch.Tensor:
+        return self.received_plan.num_padding_rows
+
+
+class AllToAllTransport(ExpertParallelTransport[AllToAllMetadata]):
+    """EP over all-to-alls of one row per (token, destination rank); any process group backend."""
+
+    def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
+        """One row per (token, destination rank) out; received rows grouped by local expert."""
+        ep_size, num_local = self.ep_size, self.num_local_experts
+        top_k = topk_expert_ids_TK.shape[1]
+        expert_TK = topk_expert_ids_TK.long()
+        pair_row_TW, sent_rows_W = pair_rows(expert_TK // num_local, ep_size)
+        pair_row_S = pair_row_TW.view(-1)
+        # Every pair row carries the token's K gating weights and global expert ids in one fp32 row
+        # (ids are exact in fp32), so that one all-to-all moves both; the receiver keeps the slots
+        # of its own experts. The weights keep their autograd graph.
+        token_meta_TM = torch.cat([topk_scores_TK.float(), expert_TK.float()], dim=1)
+        # The send rows are copied before the host sync, into a buffer of the static bound (a token
+        # goes to at most min(ep_size, top_k) ranks): the GPU copies while the host waits, and only
+        # the all-to-alls and the receiver's grouping are launched after the sync.
+        sent_rows_PD, sent_meta_PM = (self.send_rows(rows, pair_row_S) for rows in (x_TD, token_meta_TM))
+
+        kept_per_expert_We = num_local_tokens_per_expert_E.long().view(ep_size, num_local)
+        send_counts_Wc = torch.cat([kept_per_expert_We, sent_rows_W.unsqueeze(1)], dim=1)
+        group = self.group()
+        received_counts_Wc, send_counts, received_counts = self.exchange_counts(send_counts_Wc, group)
+        input_splits = [row[-1] for row in send_counts]
+        output_splits = [row[-1] for row in received_counts]
+        num_received_slots = sum(sum(row[:-1]) for row in received_counts)
+        num_sent = sum(input_splits)
+        received_UD, received_meta_UM = exchange_rows(
+            (sent_rows_PD[:num_sent], sent_meta_PM[:num_sent]), input_splits, output_splits, group
+        )
+        received_scores_UK = received_meta_UM[:, :top_k]
+        received_ids_UK = received_meta_UM[:, top_k:].detach().long()
+        rank = dist.get_rank(group)
+        received_experts_UK = torch.where(
+            received_ids_UK // num_local == rank, received_ids_UK - rank * num_local, num_local
+        )
+        received_plan = plan_slots(
+            received_experts_UK, received_counts_Wc[:, :-1].sum(dim=0), self.align_size, num_kept=num_received_slots
+        )
+        metadata = AllToAllMetadata(
+            pair_row_S=pair_row_S,
+            received_plan=received_plan,
+            received_scores_S=received_scores_UK.reshape(-1),
+            input_splits=input_splits,
+            output_splits=output_splits,
+        )
+        return self.group_received_rows(received_UD, received_plan), received_plan.rows_per_expert_E, metadata
+
+    def combine(self, routed_output_RD, metadata):
+        """Weighted sum per received row, one row back per (token, rank) pair, sum over ranks."""
+        partial_UD = self.weight_received_rows(routed_output_RD, metadata)
+        (returned_UD,) = exchange_rows((partial_UD,), metadata.output_splits, metadata.input_splits, self.group())
+        return self.sum_returned_rows(returned_UD, metadata)
+
+    def send_rows(self, rows_TM: torch.Tensor, pair_row_S: torch.Tensor) -> torch.Tensor:
+        """The sender's buffer: row ``pair_row_S[t * W + r]`` holds ``rows_TM[t]``, rank-major; the buffer
+        has the static bound of pairs (``send_buffer_rows``), its rows past the sent ones unset."""
+        max_pairs = send_buffer_rows(rows_TM.shape[0], self.ep_size, self.top_k)
+        return self.row_ops.permute_rows(rows_TM, pair_row_S, self.ep_size, max_pairs, zero_padding=False)
+
+    def exchange_counts(
+        self, send_counts_Wc: torch.Tensor, group: dist.ProcessGroup
+    ) -> tuple[torch.Tensor, list[list[int]], list[list[int]]]:
+        """All-to-all of one row of counts per rank, read on the host (the host sync).
+
+        Returns ``(received_counts_Wc, send_counts, received_counts)``: the received rows, and
+        both tensors as lists.
+        """
+        received_counts_Wc = all_to_all_rows(send_counts_Wc, [1] * self.ep_size, [1] * self.ep_size, group)
+        send_counts, received_counts = torch.stack([send_counts_Wc, received_counts_Wc]).tolist()
+        return received_counts_Wc, send_counts, received_counts
+
+    def group_received_rows(self, received_UD: torch.Tensor, received_plan: SlotPlan) -> torch.Tensor:
+        """The receiver's rows in local-expert order. Without padding (``align_size`` 1) every row of
+        the exact-size buffer receives a slot, so it is not zero-filled first."""
+        return self.row_ops.permute_rows(
+            received_UD,
+            received_plan.dest_row_S,
+            self.top_k,
+            received_plan.num_rows,
+            zero_padding=self.align_size > 1,
+        )
+
+    def weight_received_rows(self, routed_output_RD: torch.Tensor, metadata: AllToAllMetadata) -> torch.Tensor:
+        """``(U, D)``: per received row, its slots' expert outputs weighted by their scores and summed."""
+        received_plan = metadata.received_plan
+        return self.row_ops.unpermute_rows(
+            routed_output_RD, received_plan.dest_row_S, metadata.received_scores_S, self.top_k
+        )
+
+    def sum_returned_rows(self, returned_UD: torch.Tensor, metadata: AllToAllMetadata) -> torch.Tensor:
+        """``(T, D)``: the sender's sum of the rows that came back for each token."""
+        return self.row_ops.sum_token_rows(returned_UD, metadata.pair_row_S, self.ep_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SymmMemMetadata:
+    """``SymmMemTransport``: the exchange's route and the gating weights; no padding rows."""
+
+    route: ep_symm_mem.Route
+    """where the received rows came from"""
+    scores_S: torch.Tensor
+    """``(T*K,)`` gating weight of each slot"""
+    num_padding_rows: torch.Tensor
+    """0-d int64 zero"""
+
+
+class SymmMemTransport(ExpertParallelTransport[SymmMemMetadata]):
+    """EP through ``ep_symm_mem``, ``align_size`` 1: the rows arrive grouped by local expert."""
+
+    def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
+        scores_S = topk_scores_TK.reshape(-1)
+        rows_RD, rows_per_local_expert_e, route = ep_symm_mem.dispatch(
+            x_TD, scores_S, topk_expert_ids_TK.reshape(-1), self.group(), self.num_experts, self.top_k
+        )
+        no_padding = rows_per_local_expert_e.new_zeros((), dtype=torch.int64)
+        metadata = SymmMemMetadata(route=route, scores_S=scores_S, num_padding_rows=no_padding)
+        return rows_RD, rows_per_local_expert_e, metadata
+
+    def combine(self, routed_output_RD, metadata):
+        return ep_symm_mem.combine(routed_output_RD, metadata.scores_S, metadata.route)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaddedSymmMemMetadata:
+    """``PaddedSymmMemTransport``: the exchange's route, the gating weights and the padded row of
+    each received row."""
+
+    route: ep_symm_mem.Route
+    """where the received rows came from"""
+    scores_S: torch.Tensor
+    """``(T*K,)`` gating weight of each slot"""
+    received_dest_row_R: torch.Tensor
+    """``(R,)`` the padded row of each received row (received rows in arrival order)"""
+    num_padding_rows: torch.Tensor
+    """0-d int64: rows of the padded buffer that hold no received row"""
+
+
+class PaddedSymmMemTransport(ExpertParallelTransport[PaddedSymmMemMetadata]):
+    """EP through ``ep_symm_mem`` with ``align_size`` > 1: the rows, which arrive grouped by local
+    expert, are copied into groups padded to ``align_size``, and gathered back before combine."""
+
+    def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
+        scores_S = topk_scores_TK.reshape(-1)
+        received_RD, rows_per_local_expert_e, route = ep_symm_mem.dispatch(
+            x_TD, scores_S, topk_expert_ids_TK.reshape(-1), self.group(), self.num_experts, self.top_k
+        )
+        num_received = received_RD.shape[0]
+        dest_row_R, padded_counts_e, num_rows = padded_group_rows(
+            rows_per_local_expert_e, num_received, self.align_size
+        )
+        metadata = PaddedSymmMemMetadata(
+            route=route,
+            scores_S=scores_S,
+            received_dest_row_R=dest_row_R,
+            num_padding_rows=padded_counts_e.new_full((), num_rows - num_received, dtype=torch.int64),
+        )
+        return self.row_ops.permute_rows(received_RD, dest_row_R, 1, num_rows), padded_counts_e, metadata
+
+    def combine(self, routed_output_RD, metadata):
+        arrived_RD = self.row_ops.sum_token_rows(routed_output_RD, metadata.received_dest_row_R, 1)  # a gather
+        return ep_symm_mem.combine(arrived_RD, metadata.scores_S, metadata.route)
