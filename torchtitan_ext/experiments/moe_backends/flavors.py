@@ -98,10 +98,9 @@ def tiny_flavor_name(compute_backend: ComputeBackend) -> str:
     return "tiny-moe-" + compute_backend.replace("_", "-")
 
 
-def tiny_moe(compute_backend: ComputeBackend) -> Trainer.Config:
-    config = moe_trainer_config(
-        qwen3_style_moe(tiny_flavor_name(compute_backend), TINY_SHAPE, compute_backend=compute_backend), TINY_RUN
-    )
+def tiny_moe(name: str, compute_backend: ComputeBackend | None) -> Trainer.Config:
+    """The tiny model on the CPU smoke-run settings; ``compute_backend`` None keeps torchtitan's own MoE."""
+    config = moe_trainer_config(qwen3_style_moe(name, TINY_SHAPE, compute_backend=compute_backend), TINY_RUN)
     # Smoke-run models: full fp32 (no bf16 autocast or FSDP bf16 parameters), so every
     # backend, and the Triton interpreter on CPU, computes the same function.
     config.training.mixed_precision_param = "float32"
@@ -118,7 +117,7 @@ def register_tiny_flavor(compute_backend: ComputeBackend) -> Callable[[], Traine
     ``--config`` looks it up."""
 
     def build() -> Trainer.Config:
-        return tiny_moe(compute_backend)
+        return tiny_moe(tiny_flavor_name(compute_backend), compute_backend)
 
     build.__name__ = build.__qualname__ = "tiny_moe_" + compute_backend
     build.__doc__ = f"The {tiny_flavor_name(compute_backend)} flavor's Trainer.Config."
@@ -131,6 +130,14 @@ tiny_moe_grouped_mm = register_tiny_flavor("grouped_mm")
 tiny_moe_for_loop = register_tiny_flavor("for_loop")
 tiny_moe_batched_mm_padded = register_tiny_flavor("batched_mm_padded")
 tiny_moe_triton = register_tiny_flavor("triton")
+
+
+@register_flavor(
+    "tiny-torchtitan-moe",
+    "the tiny model with torchtitan's own MoE layers (router, dispatcher, grouped_mm experts): the stock reference",
+)
+def tiny_torchtitan_moe() -> Trainer.Config:
+    return tiny_moe("tiny-torchtitan-moe", None)
 
 
 @register_flavor("qwen3-30b-a3b", "Qwen3-30B-A3B dims: 48 layers, dim 2048, 128 experts top-8, F 768")

@@ -40,6 +40,7 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.distributed.spmd_types import current_spmd_mesh, maybe_set_sparse_mesh
 from torchtitan.distributed.utils import get_spmd_backend
@@ -157,7 +158,9 @@ class _ExchangeRows(torch.autograd.Function):
 def all_to_all_rows(rows_UD, send_splits: list[int], receive_splits: list[int], group) -> torch.Tensor:
     """The functional collective op itself, without autograd: ordered on the current stream (the
     host does not wait), and selective activation checkpointing saves its output instead of
-    re-sending."""
+    re-sending. Under compile, the traceable ``_functional_collectives`` call."""
+    if torch.compiler.is_compiling():
+        return funcol.all_to_all_single(rows_UD.contiguous(), receive_splits, send_splits, group)
     received_UD = torch.ops._c10d_functional.all_to_all_single(
         rows_UD.contiguous(), receive_splits, send_splits, group.group_name
     )
@@ -170,8 +173,15 @@ def exchange_rows(
     """Differentiable all-to-all of each tensor of rows: ``send_splits[r]`` rows go to rank ``r`` (in
     rank order), ``receive_splits[r]`` arrive from it; gradients go back the same way.
 
-    One collective op per tensor each way, one autograd node for all of them.
+    Eager: one collective op per tensor each way, one autograd node for all of them. Under compile:
+    ``_functional_collectives``' differentiable all-to-all per tensor, which Dynamo traces with the
+    split sizes as unbacked integers.
     """
+    if torch.compiler.is_compiling():
+        return tuple(
+            funcol.all_to_all_single_autograd(rows_UD.contiguous(), receive_splits, send_splits, group)
+            for rows_UD in rows
+        )
     return _ExchangeRows.apply(send_splits, receive_splits, group, *rows)
 
 
