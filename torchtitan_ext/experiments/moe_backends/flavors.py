@@ -263,6 +263,6 @@ def tiny_hf_config_function(name: str) -> Callable[[], Trainer.Config]:
 for _name, (_published, _) in TINY_HF_FLAVORS.items():
     _build = register_flavor(
         _name,
-        f"{_published}'s architecture at dim 64, 2 layers, 8 experts top-2 (Mixtral: 4): CPU runs, checkpoint tests",
+        f"{_published}'s architecture and flags at dim 64, 2 layers: CPU runs and checkpoint tests",
     )(tiny_hf_config_function(_name))
     globals()[_build.__name__] = _build

@@ -29,6 +29,7 @@ and removes the per-rank parts torchtitan staged before consolidating them.
 
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from functools import partial
@@ -93,26 +94,32 @@ class _RecordingReader(ConfigReader):
         return rope
 
 
-def architecture_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """Every field (and the normalised RoPE settings) the model built from ``hf_config`` depends on."""
+def _architecture(hf_config: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The fields (and normalised RoPE settings) the model built from ``hf_config`` reads, and
+    that model config as text (object addresses and RoPE lengths left out)."""
     architecture = architecture_of(hf_config)
     recording = _RecordingReader(hf_config, architecture.defaults)
-    architecture.refusals(recording)
-    architecture.build(recording, "flex")
-    return {key: value for key, value in recording.fields.items() if key not in UNCOMPARED_FIELDS}
+    if refusals := architecture.refusals(recording):
+        raise UnsupportedArchitecture("; ".join(refusals))
+    model, _ = architecture.build(recording, "flex")
+    text = re.sub(r" at 0x[0-9a-f]+|max_seq_len=\d+", "", repr(model))
+    return {key: value for key, value in recording.fields.items() if key not in UNCOMPARED_FIELDS}, text
 
 
 def flag_difference(flavor_config: dict[str, Any], checkpoint_config: dict[str, Any]) -> str | None:
-    """The first field of the flavor's architecture that ``checkpoint_config`` sets otherwise."""
-    flavor_fields = architecture_fields(flavor_config)
+    """How the model ``checkpoint_config`` describes differs from the flavor's, naming the first
+    field set otherwise; None when both build the same model (however the files spell it)."""
+    flavor_fields, flavor_model = _architecture(flavor_config)
     try:
-        checkpoint_fields = architecture_fields(checkpoint_config)
+        checkpoint_fields, checkpoint_model = _architecture(checkpoint_config)
     except (UnsupportedArchitecture, ValueError) as e:
         return f"its config.json describes a model this project cannot build ({e})"
+    if checkpoint_model == flavor_model:
+        return None
     for key, value in flavor_fields.items():
         if checkpoint_fields.get(key) != value:
             return f"its config.json has {key} = {checkpoint_fields.get(key)!r}, the flavor's model {value!r}"
-    return None
+    return "its config.json describes another model than the flavor's"
 
 
 def _resuming(config) -> bool:
