@@ -1,8 +1,11 @@
 """Flavors of the MoE backends experiment, and its torchtitan config registry.
 
-Tiny flavors (one per compute backend) train in well under a second per step on
-two CPU cores; full-size flavors carry the dimensions of public MoE models for GPU
-users. Every flavor trains on the shipped offline corpus and tokenizer by default.
+Tiny flavors (one per compute backend, and ``tiny-torchtitan-moe`` with torchtitan's own MoE
+layers) train in well under a second per step on two CPU cores. Full-size flavors are published
+models (Qwen3-30B-A3B, Mixtral-8x7B, OLMoE-1B-7B, a DeepSeek-V3 16B), built from their Hugging
+Face ``config.json`` so that they compute what transformers computes and load and save Hugging
+Face checkpoints (``hf_flavor_config``, docs/hf_checkpoints.md); each family also has a tiny
+flavor for CPU runs. Every flavor trains on the shipped offline corpus and tokenizer by default.
 
 Every flavor is a zero-argument function of this module returning its ``Trainer.Config``,
 so this module is a torchtitan config registry: ``--module
@@ -18,9 +21,9 @@ from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import DebugConfig
+from torchtitan.config.override import derive
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
-from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3_registry
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
@@ -32,10 +35,10 @@ from torchtitan_ext.registry import register_flavor
 # The [moe] TOML keys, start-up checks (run in import order) and run description register on import.
 from . import run_description, startup_checks, toml_keys, torchtitan_features  # noqa: F401
 from .experts import DEFAULT_BACKEND, ComputeBackend
-from .layer import use_backend_experts, use_routing
-from .model import MoEShape, qwen3_style_moe
-from .model_shapes import MIXTRAL_8X7B, OLMOE_1B_7B, QWEN3_30B_A3B
-from .moe import with_router_loss_configuration
+from .hf.architectures import PUBLISHED, model_spec_from_hf_config, scaled_down
+from .hf.torchtitan_features import HFCheckpointManager
+from .model import qwen3_style_moe
+from .model_shapes import MoEShape
 
 TINY_SHAPE = MoEShape(
     vocab_size=640,
@@ -107,8 +110,20 @@ def tiny_moe(name: str, compute_backend: ComputeBackend | None) -> Trainer.Confi
     return config
 
 
-def full_size(name: str, shape: MoEShape, compute_backend: ComputeBackend | None = DEFAULT_BACKEND) -> Trainer.Config:
-    return moe_trainer_config(qwen3_style_moe(name, shape, compute_backend=compute_backend), FULL_SIZE_RUN)
+def hf_flavor_config(
+    name: str,
+    hf_config: dict,
+    compute_backend: ComputeBackend | None = DEFAULT_BACKEND,
+    run: TrainingRun = FULL_SIZE_RUN,
+) -> Trainer.Config:
+    """The ``Trainer.Config`` of the model a Hugging Face ``config.json`` (``hf_config``) describes.
+
+    The model is ``hf.architectures.model_spec_from_hf_config``'s; its checkpoints load from and save
+    to the Hugging Face format (docs/hf_checkpoints.md).
+    """
+    config = moe_trainer_config(model_spec_from_hf_config(name, hf_config, compute_backend=compute_backend), run)
+    config.checkpoint = derive(config.checkpoint, HFCheckpointManager.Config)
+    return config
 
 
 def register_tiny_flavor(compute_backend: ComputeBackend) -> Callable[[], Trainer.Config]:
@@ -140,35 +155,126 @@ def tiny_torchtitan_moe() -> Trainer.Config:
     return tiny_moe("tiny-torchtitan-moe", None)
 
 
-@register_flavor("qwen3-30b-a3b", "Qwen3-30B-A3B dims: 48 layers, dim 2048, 128 experts top-8, F 768")
+@register_flavor(
+    "qwen3-30b-a3b", "Qwen3-30B-A3B (Qwen3-MoE): 48 layers, dim 2048, 128 experts top-8, F 768, per-head QK-norm"
+)
 def qwen3_30b_a3b() -> Trainer.Config:
-    return full_size("qwen3-30b-a3b", QWEN3_30B_A3B)
+    return hf_flavor_config("qwen3-30b-a3b", PUBLISHED["Qwen3-30B-A3B"])
 
 
-@register_flavor("mixtral-8x7b", "Mixtral-8x7B dims: 32 layers, dim 4096, 8 experts top-2, F 14336")
+@register_flavor("mixtral-8x7b", "Mixtral-8x7B-v0.1: 32 layers, dim 4096, 8 experts top-2, F 14336, no QK-norm")
 def mixtral_8x7b() -> Trainer.Config:
-    return full_size("mixtral-8x7b", MIXTRAL_8X7B)
+    return hf_flavor_config("mixtral-8x7b", PUBLISHED["Mixtral-8x7B-v0.1"])
 
 
-@register_flavor("olmoe-1b-7b", "OLMoE-1B-7B dims: 16 layers, dim 2048, 64 experts top-8, F 1024")
+@register_flavor(
+    "olmoe-1b-7b", "OLMoE-1B-7B-0924: 16 layers, dim 2048, 64 experts top-8, F 1024, QK-norm over whole projections"
+)
 def olmoe_1b_7b() -> Trainer.Config:
-    return full_size("olmoe-1b-7b", OLMOE_1B_7B)
+    return hf_flavor_config("olmoe-1b-7b", PUBLISHED["OLMoE-1B-7B-0924"])
 
 
 @register_flavor(
     "olmoe-1b-7b-torchtitan-moe",
-    "olmoe-1b-7b with torchtitan's own MoE layers (router, dispatcher, grouped_mm experts): the stock reference",
+    "olmoe-1b-7b with torchtitan's own MoE layers (router, dispatcher, grouped_mm experts): the stock reference; "
+    "its experts compute in bf16 even with fp32 parameters",
 )
 def olmoe_1b_7b_torchtitan_moe() -> Trainer.Config:
-    return full_size("olmoe-1b-7b-torchtitan-moe", OLMOE_1B_7B, compute_backend=None)
+    return hf_flavor_config("olmoe-1b-7b-torchtitan-moe", PUBLISHED["OLMoE-1B-7B-0924"], compute_backend=None)
 
 
 @register_flavor(
     "deepseek-v3-16b",
-    "DeepSeek-V3 16B (torchtitan's MLA model): 27 layers, dim 2048, 64 experts top-6 + 2 shared",
+    "DeepSeek-V3 architecture at 16B (Moonlight-16B-A3B): MLA, 27 layers, dim 2048, 64 experts top-6 + 2 shared, "
+    "sigmoid routing with correction bias",
 )
 def deepseek_v3_16b() -> Trainer.Config:
-    model_spec = deepseek_v3_registry("16B")
-    use_routing(use_backend_experts(model_spec.model, DEFAULT_BACKEND))
-    model_spec.parallelize_fn = with_router_loss_configuration(model_spec.parallelize_fn)
-    return moe_trainer_config(model_spec, dataclasses.replace(FULL_SIZE_RUN, lr=2.2e-4))
+    return hf_flavor_config(
+        "deepseek-v3-16b", PUBLISHED["Moonlight-16B-A3B"], run=dataclasses.replace(FULL_SIZE_RUN, lr=2.2e-4)
+    )
+
+
+TINY_HF_FLAVORS: dict[str, tuple[str, dict]] = {
+    "tiny-qwen3-moe": (
+        "Qwen3-30B-A3B",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+        ),
+    ),
+    "tiny-olmoe": (
+        "OLMoE-1B-7B-0924",
+        dict(
+            hidden_size=64,
+            intermediate_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+        ),
+    ),
+    "tiny-mixtral": (
+        "Mixtral-8x7B-v0.1",
+        dict(
+            hidden_size=64,
+            intermediate_size=48,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+    ),
+    "tiny-deepseek-v3": (
+        "Moonlight-16B-A3B",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+        ),
+    ),
+}
+"""Tiny flavors of each Hugging Face family: (published config, sizes) -- the published flags at
+dim 64, 2 layers, vocabulary 640 (the shipped tokenizer's 597 tokens fit), 8 experts top-2
+(Mixtral: 4 experts)."""
+
+
+def tiny_hf_config(name: str) -> dict:
+    """The Hugging Face config of tiny flavor ``name`` (``TINY_HF_FLAVORS``)."""
+    published, sizes = TINY_HF_FLAVORS[name]
+    return scaled_down(PUBLISHED[published], vocab_size=640, num_hidden_layers=2, max_position_embeddings=512, **sizes)
+
+
+def register_tiny_hf_flavor(name: str) -> Callable[[], Trainer.Config]:
+    """Register tiny flavor ``name`` (``TINY_HF_FLAVORS``, fp32 like the other tiny flavors) and return
+    its config function, named like the flavor with underscores: this module binds it to that name."""
+
+    def build() -> Trainer.Config:
+        config = hf_flavor_config(name, tiny_hf_config(name), run=TINY_RUN)
+        config.training.mixed_precision_param = "float32"
+        return config
+
+    build.__name__ = build.__qualname__ = name.replace("-", "_")
+    build.__doc__ = f"The {name} flavor's Trainer.Config."
+    published, _ = TINY_HF_FLAVORS[name]
+    description = f"{published}'s architecture and flags at dim 64, 2 layers: CPU runs and checkpoint tests"
+    return register_flavor(name, description)(build)
+
+
+tiny_qwen3_moe = register_tiny_hf_flavor("tiny-qwen3-moe")
+tiny_olmoe = register_tiny_hf_flavor("tiny-olmoe")
+tiny_mixtral = register_tiny_hf_flavor("tiny-mixtral")
+tiny_deepseek_v3 = register_tiny_hf_flavor("tiny-deepseek-v3")

@@ -5,6 +5,8 @@ into a torchtitan ``ModelSpec`` made of Qwen3 blocks (GQA attention with QK-norm
 top-k MoE) whose MoE layers are this experiment's (see ``layer``).
 """
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 from torch import nn
@@ -27,6 +29,28 @@ from .model_shapes import MoEShape
 from .moe import with_router_loss_configuration
 
 
+@dataclass(frozen=True)
+class ParamInits:
+    """torchtitan ``param_init`` dicts of a decoder: N(0, 0.02) projections, the residual
+    outputs (attention ``wo``, experts' ``w2``) scaled by ``1 / sqrt(2 * n_layers)``."""
+
+    linear: dict[str, Callable]
+    residual: dict[str, Callable]
+    experts: dict[str, Callable]
+
+    @classmethod
+    def for_depth(cls, n_layers: int) -> "ParamInits":
+        linear = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
+        residual_std = 0.02 / (2 * n_layers) ** 0.5
+        residual = {"weight": partial(nn.init.normal_, std=residual_std), "bias": nn.init.zeros_}
+        experts = {"w1_EFD": linear["weight"], "w2_EDF": residual["weight"], "w3_EFD": linear["weight"]}
+        return cls(linear=linear, residual=residual, experts=experts)
+
+    @staticmethod
+    def norm(size: int, eps: float) -> RMSNorm.Config:
+        return RMSNorm.Config(normalized_shape=size, eps=eps, param_init={"weight": nn.init.ones_})
+
+
 def qwen3_style_moe(
     name: str,
     shape: MoEShape,
@@ -38,17 +62,11 @@ def qwen3_style_moe(
 
     ``compute_backend`` None keeps torchtitan's own MoE layers (the stock reference).
     """
-    linear_init = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
-    residual_std = 0.02 / (2 * shape.n_layers) ** 0.5
-    residual_init = {"weight": partial(nn.init.normal_, std=residual_std), "bias": nn.init.zeros_}
-    experts_init = {
-        "w1_EFD": linear_init["weight"],
-        "w2_EDF": residual_init["weight"],
-        "w3_EFD": linear_init["weight"],
-    }
+    init = ParamInits.for_depth(shape.n_layers)
+    linear_init, residual_init, experts_init = init.linear, init.residual, init.experts
 
     def norm(size: int) -> RMSNorm.Config:
-        return RMSNorm.Config(normalized_shape=size, eps=shape.norm_eps, param_init={"weight": nn.init.ones_})
+        return init.norm(size, shape.norm_eps)
 
     layers = [
         Qwen3TransformerBlock.Config(
