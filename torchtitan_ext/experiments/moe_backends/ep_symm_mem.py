@@ -169,14 +169,39 @@ class SharedMemoryWorkspace(Workspace):
 
 @dataclass(frozen=True, kw_only=True)
 class Route:
-    """What a dispatch leaves for its combine and both backwards (device tensors)."""
+    """What a dispatch leaves for its combine and both backwards: device tensors and the names
+    that find the exchange again (no Python object, so a compiled graph can carry it)."""
 
-    exchange: EPExchange
-    workspace: Workspace
+    group_name: str
     num_experts: int
-    pairs: kernels.PairTable
+    top_k: int
     expert_S: torch.Tensor
     """``(T*K,)`` this rank's slots' expert ids, ``num_experts`` for dropped ones"""
+    recv_row_PK: torch.Tensor
+    recv_score_PK: torch.Tensor
+    ordinal_P: torch.Tensor
+    """the pair table's tensors (``symm_mem_rows.PairTable``)"""
+
+    @property
+    def exchange(self) -> EPExchange:
+        return EPExchange.for_group_name(self.group_name, self.expert_S.device)
+
+    @property
+    def pairs(self) -> kernels.PairTable:
+        return kernels.PairTable(
+            rank=self.exchange.rank,
+            num_tokens=self.expert_S.shape[0] // self.top_k,
+            top_k=self.top_k,
+            recv_row_PK=self.recv_row_PK,
+            recv_score_PK=self.recv_score_PK,
+            ordinal_P=self.ordinal_P,
+        )
+
+    @property
+    def workspace(self) -> Workspace:
+        workspace = self.exchange.workspace
+        assert workspace is not None
+        return workspace
 
 
 class EPExchange:
@@ -195,9 +220,13 @@ class EPExchange:
 
     @classmethod
     def for_group(cls, group: dist.ProcessGroup, device: torch.device) -> EPExchange:
-        key = (group.group_name, str(device))
+        return cls.for_group_name(group.group_name, device)
+
+    @classmethod
+    def for_group_name(cls, group_name: str, device: torch.device) -> EPExchange:
+        key = (group_name, str(device))
         if key not in cls._by_group:
-            cls._by_group[key] = cls(group, device)
+            cls._by_group[key] = cls(_resolve_process_group(group_name), device)
         return cls._by_group[key]
 
     # ------------------------------------------------------------------ fences
@@ -235,7 +264,7 @@ class EPExchange:
     ) -> tuple[torch.Tensor, torch.Tensor, Route]:
         """Return ``(rows_RD, rows_per_local_expert_e, route)``; expert ``num_experts`` = dropped."""
         num_tokens, dim = x_TD.shape
-        workspace = self._workspace_for(WorkspaceShape(num_tokens, dim, top_k, num_experts, self.world, x_TD.dtype))
+        self._workspace_for(WorkspaceShape(num_tokens, dim, top_k, num_experts, self.world, x_TD.dtype))
         expert_S = expert_S.reshape(-1)
         self.publish(x_TD, scores_S.reshape(-1), expert_S, num_experts)
         self.barrier()
@@ -246,7 +275,15 @@ class EPExchange:
             raise RuntimeError(
                 f"ep_transport 'symm_mem' needs the same token count on every EP rank, got {tokens_per_rank}"
             )
-        route = Route(exchange=self, workspace=workspace, num_experts=num_experts, pairs=pairs, expert_S=expert_S)
+        route = Route(
+            group_name=self.group_name,
+            num_experts=num_experts,
+            top_k=top_k,
+            expert_S=expert_S,
+            recv_row_PK=pairs.recv_row_PK,
+            recv_score_PK=pairs.recv_score_PK,
+            ordinal_P=pairs.ordinal_P,
+        )
         rows_RD = x_TD.new_empty(int(on_host.block_start_G1[-1]), dim)
         self.pull_rows(route, rows_RD)
         self._peers_may_read_published = True
@@ -304,26 +341,19 @@ class EPExchange:
             route.workspace.local("landing"), route.expert_S, route.num_experts, self.world, route.pairs.top_k
         )
 
-    def _push_and_sum(self, rows_RD: torch.Tensor, route: Route, weighted: bool) -> torch.Tensor:
-        """Push each pair's row sum to its owner's landing region; return this rank's ``(T, D)`` totals."""
+    def push_and_sum(self, rows_RD: torch.Tensor, route: Route, weighted: bool) -> torch.Tensor:
+        """Push each pair's row sum (``weighted``: by the router scores) to its owner's landing region;
+        return this rank's ``(T, D)`` totals: the combine, and unweighted the dispatch's backward."""
         self._before_push()
         self.push_rows(rows_RD, route, weighted)
         self.barrier()
         self._landing_in_local_use = True
         return self.sum_landing(route)
 
-    def combine_rows(self, rows_RD: torch.Tensor, route: Route) -> torch.Tensor:
-        """``(T, D)``: each token's expert outputs weighted by its scores, summed over top_k."""
-        return self._push_and_sum(rows_RD, route, weighted=True)
-
-    def dispatch_backward(self, grad_rows_RD: torch.Tensor, route: Route) -> torch.Tensor:
-        """``(T, D)`` gradient of the dispatched tokens: each token's row gradients summed."""
-        return self._push_and_sum(grad_rows_RD, route, weighted=False)
-
     def combine_backward(
         self, grad_out_TD: torch.Tensor, rows_RD: torch.Tensor, route: Route
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(grad_rows_RD, grad_scores_S)`` for ``combine_rows``'s output gradient."""
+        """Return ``(grad_rows_RD, grad_scores_S)`` for the weighted ``push_and_sum``'s output gradient."""
         workspace = route.workspace
         num_slots = route.expert_S.shape[0]
         self._before_publish()
@@ -339,42 +369,128 @@ class EPExchange:
         return grad_rows_RD, grad_scores_S
 
 
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TD, scores_S, expert_S, exchange, num_experts, top_k, routes):
-        rows_RD, rows_per_local_expert_e, route = exchange.dispatch_rows(x_TD, scores_S, expert_S, num_experts, top_k)
-        routes.append(route)
-        ctx.route = route
-        ctx.mark_non_differentiable(rows_per_local_expert_e)
-        return rows_RD, rows_per_local_expert_e
-
-    @staticmethod
-    def backward(ctx, grad_rows_RD, _):
-        grad_x_TD = ctx.route.exchange.dispatch_backward(grad_rows_RD.contiguous(), ctx.route)
-        return grad_x_TD, None, None, None, None, None, None
+@torch.library.custom_op("torchtitan_ext::symm_mem_dispatch", mutates_args=())
+def _dispatch_op(
+    x_TD: torch.Tensor, scores_S: torch.Tensor, expert_S: torch.Tensor, group_name: str, num_experts: int, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rows_RD, rows_per_local_expert_e, recv_row_PK, recv_score_PK, ordinal_P)`` (``dispatch``)."""
+    exchange = EPExchange.for_group_name(group_name, x_TD.device)
+    rows_RD, rows_per_local_expert_e, route = exchange.dispatch_rows(x_TD, scores_S, expert_S, num_experts, top_k)
+    return rows_RD, rows_per_local_expert_e, route.recv_row_PK, route.recv_score_PK, route.ordinal_P
 
 
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows_RD, scores_S, route):
-        ctx.save_for_backward(rows_RD)
-        ctx.route, ctx.scores_dtype = route, scores_S.dtype
-        return route.exchange.combine_rows(rows_RD, route)
+@_dispatch_op.register_fake
+def _(x_TD, scores_S, expert_S, group_name, num_experts, top_k):
+    world = dist.get_world_size(_resolve_process_group(group_name))
+    num_pairs = world * x_TD.shape[0]
+    num_rows = torch.library.get_ctx().new_dynamic_size()
+    return (
+        x_TD.new_empty(num_rows, x_TD.shape[1]),
+        expert_S.new_empty(num_experts // world, dtype=torch.int64),
+        expert_S.new_empty(num_pairs, top_k, dtype=torch.int32),
+        expert_S.new_empty(num_pairs, top_k, dtype=torch.float32),
+        expert_S.new_empty(num_pairs, dtype=torch.int32),
+    )
 
-    @staticmethod
-    def backward(ctx, grad_out_TD):
-        (rows_RD,) = ctx.saved_tensors
-        grad_rows_RD, grad_scores_S = ctx.route.exchange.combine_backward(
-            grad_out_TD.to(rows_RD.dtype).contiguous(), rows_RD, ctx.route
-        )
-        return grad_rows_RD, grad_scores_S.to(ctx.scores_dtype), None
+
+def _route_of(expert_S: torch.Tensor, tables: tuple, group_name: str, num_experts: int, top_k: int) -> Route:
+    recv_row_PK, recv_score_PK, ordinal_P = tables
+    return Route(
+        group_name=group_name,
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_S=expert_S,
+        recv_row_PK=recv_row_PK,
+        recv_score_PK=recv_score_PK,
+        ordinal_P=ordinal_P,
+    )
+
+
+@torch.library.custom_op("torchtitan_ext::symm_mem_combine", mutates_args=())
+def _combine_op(
+    rows_RD: torch.Tensor,
+    scores_S: torch.Tensor,
+    expert_S: torch.Tensor,
+    recv_row_PK: torch.Tensor,
+    recv_score_PK: torch.Tensor,
+    ordinal_P: torch.Tensor,
+    group_name: str,
+    num_experts: int,
+    top_k: int,
+    weighted: bool,
+) -> torch.Tensor:
+    """``(T, D)``: each token's rows (``weighted``: times the router scores that travelled with them) summed
+    over its destination ranks; ``scores_S`` is the dispatch's, an input for its gradient only."""
+    route = _route_of(expert_S, (recv_row_PK, recv_score_PK, ordinal_P), group_name, num_experts, top_k)
+    return route.exchange.push_and_sum(rows_RD.contiguous(), route, weighted)
+
+
+@_combine_op.register_fake
+def _(rows_RD, scores_S, expert_S, recv_row_PK, recv_score_PK, ordinal_P, group_name, num_experts, top_k, weighted):
+    return rows_RD.new_empty(expert_S.shape[0] // top_k, rows_RD.shape[1])
+
+
+@torch.library.custom_op("torchtitan_ext::symm_mem_combine_backward", mutates_args=())
+def _combine_backward_op(
+    grad_out_TD: torch.Tensor,
+    rows_RD: torch.Tensor,
+    expert_S: torch.Tensor,
+    recv_row_PK: torch.Tensor,
+    recv_score_PK: torch.Tensor,
+    ordinal_P: torch.Tensor,
+    group_name: str,
+    num_experts: int,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_rows_RD, grad_scores_S)`` of the weighted combine."""
+    route = _route_of(expert_S, (recv_row_PK, recv_score_PK, ordinal_P), group_name, num_experts, top_k)
+    return route.exchange.combine_backward(grad_out_TD.to(rows_RD.dtype).contiguous(), rows_RD, route)
+
+
+@_combine_backward_op.register_fake
+def _(grad_out_TD, rows_RD, expert_S, recv_row_PK, recv_score_PK, ordinal_P, group_name, num_experts, top_k):
+    return torch.empty_like(rows_RD), expert_S.new_empty(expert_S.shape[0], dtype=torch.float32)
+
+
+def _dispatch_setup(ctx, inputs, output) -> None:
+    _, _, expert_S, group_name, num_experts, top_k = inputs
+    _, rows_per_local_expert_e, *tables = output
+    ctx.mark_non_differentiable(rows_per_local_expert_e, *tables)
+    ctx.save_for_backward(expert_S, *tables)
+    ctx.names = (group_name, num_experts, top_k)
+
+
+def _dispatch_backward(ctx, grad_rows_RD, *_):
+    expert_S, *tables = ctx.saved_tensors
+    grad_x_TD = _combine_op(grad_rows_RD, expert_S.new_empty(0), expert_S, *tables, *ctx.names, False)
+    return grad_x_TD, None, None, None, None, None
+
+
+def _combine_setup(ctx, inputs, output) -> None:
+    rows_RD, scores_S, expert_S, *tables_and_names = inputs
+    *tables, group_name, num_experts, top_k, weighted = tables_and_names
+    if not weighted:
+        raise NotImplementedError("symm_mem: the unweighted combine (dispatch's backward) has no gradient")
+    ctx.save_for_backward(rows_RD, expert_S, *tables)
+    ctx.names = (group_name, num_experts, top_k)
+    ctx.scores_dtype = scores_S.dtype
+
+
+def _combine_backward(ctx, grad_out_TD):
+    rows_RD, expert_S, *tables = ctx.saved_tensors
+    grad_rows_RD, grad_scores_S = _combine_backward_op(grad_out_TD, rows_RD, expert_S, *tables, *ctx.names)
+    return grad_rows_RD, grad_scores_S.to(ctx.scores_dtype), None, None, None, None, None, None, None, None
+
+
+_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
 def dispatch(
     x_TD: torch.Tensor,
     scores_S: torch.Tensor,
     expert_S: torch.Tensor,
-    group: dist.ProcessGroup,
+    group_name: str,
     num_experts: int,
     top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor, Route]:
@@ -382,13 +498,14 @@ def dispatch(
 
     ``expert_S`` (``T*K``, token-major slots) holds global expert ids, ``num_experts`` for a
     slot the router dropped; ``scores_S`` travels with the rows: the combine weights by it.
+    The ``torchtitan_ext::symm_mem_dispatch`` op: its row count is read on the host (one sync),
+    an unbacked size under compile.
     """
-    exchange = EPExchange.for_group(group, x_TD.device)
-    routes: list[Route] = []
-    rows_RD, rows_per_local_expert_e = _Dispatch.apply(
-        x_TD.contiguous(), scores_S.detach(), expert_S, exchange, num_experts, top_k, routes
+    expert_S = expert_S.reshape(-1)
+    rows_RD, rows_per_local_expert_e, *tables = _dispatch_op(
+        x_TD.contiguous(), scores_S.detach(), expert_S, group_name, num_experts, top_k
     )
-    return rows_RD, rows_per_local_expert_e, routes[0]
+    return rows_RD, rows_per_local_expert_e, _route_of(expert_S, tuple(tables), group_name, num_experts, top_k)
 
 
 def combine(rows_RD: torch.Tensor, scores_S: torch.Tensor, route: Route) -> torch.Tensor:
@@ -396,4 +513,7 @@ def combine(rows_RD: torch.Tensor, scores_S: torch.Tensor, route: Route) -> torc
 
     ``scores_S`` must be the scores given to ``dispatch`` (the weights travelled with the rows).
     """
-    return _Combine.apply(rows_RD.contiguous(), scores_S.reshape(-1), route)
+    tables = (route.recv_row_PK, route.recv_score_PK, route.ordinal_P)
+    return _combine_op(
+        rows_RD, scores_S.reshape(-1), route.expert_S, *tables, route.group_name, route.num_experts, route.top_k, True
+    )

@@ -318,7 +318,7 @@ class SymmMemTransport(ExpertParallelTransport[SymmMemMetadata]):
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         scores_S = topk_scores_TK.reshape(-1)
         rows_RD, rows_per_local_expert_e, route = ep_symm_mem.dispatch(
-            x_TD, scores_S, topk_expert_ids_TK.reshape(-1), self.group(), self.num_experts, self.top_k
+            x_TD, scores_S, topk_expert_ids_TK.reshape(-1), self.group().group_name, self.num_experts, self.top_k
         )
         no_padding = rows_per_local_expert_e.new_zeros((), dtype=torch.int64)
         metadata = SymmMemMetadata(route=route, scores_S=scores_S, num_padding_rows=no_padding)
@@ -350,7 +350,7 @@ class PaddedSymmMemTransport(ExpertParallelTransport[PaddedSymmMemMetadata]):
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         scores_S = topk_scores_TK.reshape(-1)
         received_RD, rows_per_local_expert_e, route = ep_symm_mem.dispatch(
-            x_TD, scores_S, topk_expert_ids_TK.reshape(-1), self.group(), self.num_experts, self.top_k
+            x_TD, scores_S, topk_expert_ids_TK.reshape(-1), self.group().group_name, self.num_experts, self.top_k
         )
         num_received = received_RD.shape[0]
         dest_row_R, padded_counts_e, num_rows = padded_group_rows(
