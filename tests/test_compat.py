@@ -212,3 +212,41 @@ def test_cpu_training_exit_keeps_code_and_flushes_output():
     assert result.returncode == 3
     assert result.stdout == "buffered output"
     assert "logged" in result.stderr
+
+
+# torchtitan's CUDA-graph check and dispatchers that say whether they wait for the host
+
+
+def cuda_graph_config(ep_transport: str, receive_rows: str):
+    from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
+
+    config = get_flavor("tiny-moe-grouped-mm").build()
+    config.training.disable_cuda_graphs = False
+    config.parallelism.expert_parallel_degree = 2
+    for _, dispatcher, _, _ in config.model_spec.model.traverse(RoutingDispatcher.Config):
+        dispatcher.ep_transport, dispatcher.ep_receive_rows = ep_transport, receive_rows
+    return config
+
+
+def test_torchtitan_refuses_cuda_graphs_with_an_ep_dispatcher_it_does_not_know():
+    from torchtitan.trainer import Trainer
+
+    from torchtitan_ext.compat import cuda_graph_dispatchers
+
+    with pytest.raises(ValueError, match="CUDA graphs support only expert parallel token dispatcher"):
+        cuda_graph_dispatchers.original_validate_cuda_graphs(cuda_graph_config("symm_mem", "static"))
+    cuda_graph_dispatchers.apply_cuda_graph_dispatcher_fix()
+    assert Trainer.Config._validate_cuda_graphs is cuda_graph_dispatchers.validate_cuda_graphs_with_declared_dispatchers
+
+
+def test_dispatchers_that_say_whether_they_wait_pass_torchtitans_check_and_others_do_not():
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    from torchtitan_ext.compat.cuda_graph_dispatchers import validate_cuda_graphs_with_declared_dispatchers
+
+    validate_cuda_graphs_with_declared_dispatchers(cuda_graph_config("symm_mem", "static"))
+    config = cuda_graph_config("all_to_all", "exact")
+    moe = config.model_spec.model.layers[0].moe
+    moe.routed_experts.token_dispatcher = AllToAllTokenDispatcher.Config(num_experts=8, top_k=2)
+    with pytest.raises(ValueError, match="CUDA graphs support only expert parallel token dispatcher"):
+        validate_cuda_graphs_with_declared_dispatchers(config)

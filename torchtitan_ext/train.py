@@ -140,6 +140,9 @@ class FlavorConfigManager(ConfigManager):
         return config, rest
 
     def parse_args(self, args: list[str] | None = None):
+        from torchtitan_ext.compat.cuda_graph_dispatchers import apply_cuda_graph_dispatcher_fix
+
+        apply_cuda_graph_dispatcher_fix()  # before tyro builds the config: torchtitan checks CUDA graphs there
         config = parse_with_tyro(lambda: super(FlavorConfigManager, self).parse_args(args))
         flavor, tomls, cli_args = self.run_arguments
         run_config_checks(config)  # cross-field checks (and "auto" resolution), before any process group exists
@@ -151,6 +154,8 @@ class FlavorConfigManager(ConfigManager):
             logger.info(
                 f"flavor {flavor}: compute_backend={metadata['compute_backend']}, "
                 f"expert_parallel_degree={metadata['expert_parallel_degree']}{transport}, "
+                f"compile={'on' if compiles_model(config) else 'off'}, "
+                f"cuda_graphs={'off' if config.training.disable_cuda_graphs else 'on'}, "
                 f"toml files: {', '.join(tomls) or 'none'}"
             )
             for note in startup_notes(config):
@@ -162,6 +167,11 @@ class FlavorConfigManager(ConfigManager):
             adapt_config_for_cpu(config)
             patch_torchtitan_for_cpu()
         return config
+
+
+def compiles_model(config) -> bool:
+    """Whether torchtitan compiles the model's blocks (``compile.enable`` with the ``model`` component)."""
+    return config.compile.enable and "model" in config.compile.components
 
 
 def parse_with_tyro(parse):

@@ -51,6 +51,8 @@ PermuteBackend = Literal["auto", "torch", "triton"]
 PERMUTE_BACKENDS: tuple[str, ...] = get_args(PermuteBackend)
 EPTransport = Literal["all_to_all", "symm_mem"]
 EP_TRANSPORTS: tuple[str, ...] = get_args(EPTransport)
+EPReceiveRows = Literal["exact", "static"]
+EP_RECEIVE_ROWS: tuple[str, ...] = get_args(EPReceiveRows)
 
 
 class RoutingDispatcher(AllToAllTokenDispatcher):
@@ -64,13 +66,30 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         """Pad each expert's rows to a multiple of this (1: no padding)."""
         ep_transport: EPTransport = "all_to_all"
         """``"all_to_all"`` or ``"symm_mem"``: how rows move between EP ranks."""
+        ep_receive_rows: EPReceiveRows = "exact"
+        """``"exact"``: the rows an EP rank receives are counted on the host (one sync per dispatch);
+        ``"static"`` (``symm_mem``, ``align_size`` 1): the most a rank can receive, every step, with
+        no host sync, so that a CUDA graph can capture the step (more activation memory)."""
+
+        @property
+        def host_sync_free(self) -> bool:
+            """Whether dispatch and combine under expert parallelism read nothing on the host (a CUDA
+            graph can capture them): ``symm_mem`` with static received rows."""
+            return self.ep_transport == "symm_mem" and self.ep_receive_rows == "static"
 
         def validation_errors(self, key: Callable[[str], str] = str) -> list[str]:
             """Every invalid option, one message each; ``key(field)`` is how a message names a field."""
             errors = [
                 *choice_errors(key, "permute_backend", self.permute_backend, PERMUTE_BACKENDS),
                 *choice_errors(key, "ep_transport", self.ep_transport, EP_TRANSPORTS),
+                *choice_errors(key, "ep_receive_rows", self.ep_receive_rows, EP_RECEIVE_ROWS),
             ]
+            if self.ep_receive_rows == "static" and (self.ep_transport != "symm_mem" or self.align_size != 1):
+                errors.append(
+                    f"{key('ep_receive_rows')} = 'static' needs ep_transport = 'symm_mem' and align_size = 1 "
+                    f"(got {self.ep_transport!r}, {self.align_size}): all_to_all needs its split sizes on the "
+                    "host, and padded groups are sized from the received rows"
+                )
             if isinstance(self.align_size, bool) or not isinstance(self.align_size, int) or self.align_size < 1:
                 errors.append(f"{key('align_size')} = {self.align_size!r}: must be an integer >= 1 (1 = off)")
             return errors
@@ -79,6 +98,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         super().__init__(config)
         self.align_size = config.align_size
         self.ep_transport = config.ep_transport
+        self.ep_receive_rows = config.ep_receive_rows
         self.row_ops = RowOps(config.permute_backend)
         self.transport: TokenTransport = self.transport_for(None)
         self.last_num_padding_rows: torch.Tensor | None = None
@@ -90,7 +110,11 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         if self.ep_transport == "all_to_all":
             transport_type = AllToAllTransport
         else:
-            transport_type = SymmMemTransport if self.align_size == 1 else PaddedSymmMemTransport
+            if self.align_size != 1:
+                return PaddedSymmMemTransport(self.row_ops, self.align_size, self.num_experts, self.top_k, ep_mesh)
+            return SymmMemTransport(
+                self.row_ops, self.align_size, self.num_experts, self.top_k, ep_mesh, self.ep_receive_rows == "static"
+            )
         return transport_type(self.row_ops, self.align_size, self.num_experts, self.top_k, ep_mesh)
 
     def wire_meshes(self, *, ep_mesh: DeviceMesh | None) -> None:

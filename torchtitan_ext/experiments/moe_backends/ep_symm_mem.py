@@ -167,6 +167,12 @@ class SharedMemoryWorkspace(Workspace):
         dist.barrier(group=_resolve_process_group(self.group_name))
 
 
+def static_receive_rows(num_tokens: int, world: int, top_k: int, num_experts: int) -> int:
+    """The most rows a rank can receive: each of the ``world`` ranks' tokens on at most
+    ``min(top_k, local experts)`` of its experts."""
+    return world * num_tokens * min(top_k, num_experts // world)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Route:
     """What a dispatch leaves for its combine and both backwards: device tensors and the names
@@ -260,21 +266,37 @@ class EPExchange:
     # ------------------------------------------------------------------ moves
 
     def dispatch_rows(
-        self, x_TD: torch.Tensor, scores_S: torch.Tensor, expert_S: torch.Tensor, num_experts: int, top_k: int
+        self,
+        x_TD: torch.Tensor,
+        scores_S: torch.Tensor,
+        expert_S: torch.Tensor,
+        num_experts: int,
+        top_k: int,
+        static_rows: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, Route]:
-        """Return ``(rows_RD, rows_per_local_expert_e, route)``; expert ``num_experts`` = dropped."""
+        """Return ``(rows_RD, rows_per_local_expert_e, route)``; expert ``num_experts`` = dropped.
+
+        ``rows_RD`` holds the received rows, expert-major. Its row count is read on the host (one
+        sync, which also checks that every rank routes the same number of tokens), or with
+        ``static_rows`` it is ``static_receive_rows`` (no host sync; the rows after the received
+        ones belong to no expert and are left unset).
+        """
         num_tokens, dim = x_TD.shape
         self._workspace_for(WorkspaceShape(num_tokens, dim, top_k, num_experts, self.world, x_TD.dtype))
         expert_S = expert_S.reshape(-1)
         self.publish(x_TD, scores_S.reshape(-1), expert_S, num_experts)
         self.barrier()
         layout, pairs = self.read_routing(num_experts, num_tokens, top_k)
-        on_host = kernels.ReceiveLayout.unpack(layout.packed.cpu(), num_experts // self.world, self.world)
-        tokens_per_rank = on_host.tokens_per_rank_W.tolist()
-        if tokens_per_rank.count(num_tokens) != self.world:
-            raise RuntimeError(
-                f"ep_transport 'symm_mem' needs the same token count on every EP rank, got {tokens_per_rank}"
-            )
+        if static_rows:
+            num_rows = static_receive_rows(num_tokens, self.world, top_k, num_experts)
+        else:
+            on_host = kernels.ReceiveLayout.unpack(layout.packed.cpu(), num_experts // self.world, self.world)
+            tokens_per_rank = on_host.tokens_per_rank_W.tolist()
+            if tokens_per_rank.count(num_tokens) != self.world:
+                raise RuntimeError(
+                    f"ep_transport 'symm_mem' needs the same token count on every EP rank, got {tokens_per_rank}"
+                )
+            num_rows = int(on_host.block_start_G1[-1])
         route = Route(
             group_name=self.group_name,
             num_experts=num_experts,
@@ -284,7 +306,7 @@ class EPExchange:
             recv_score_PK=pairs.recv_score_PK,
             ordinal_P=pairs.ordinal_P,
         )
-        rows_RD = x_TD.new_empty(int(on_host.block_start_G1[-1]), dim)
+        rows_RD = x_TD.new_empty(num_rows, dim)
         self.pull_rows(route, rows_RD)
         self._peers_may_read_published = True
         return rows_RD, layout.rows_per_local_expert_e, route
@@ -371,19 +393,30 @@ class EPExchange:
 
 @torch.library.custom_op("torchtitan_ext::symm_mem_dispatch", mutates_args=())
 def _dispatch_op(
-    x_TD: torch.Tensor, scores_S: torch.Tensor, expert_S: torch.Tensor, group_name: str, num_experts: int, top_k: int
+    x_TD: torch.Tensor,
+    scores_S: torch.Tensor,
+    expert_S: torch.Tensor,
+    group_name: str,
+    num_experts: int,
+    top_k: int,
+    static_rows: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(rows_RD, rows_per_local_expert_e, recv_row_PK, recv_score_PK, ordinal_P)`` (``dispatch``)."""
     exchange = EPExchange.for_group_name(group_name, x_TD.device)
-    rows_RD, rows_per_local_expert_e, route = exchange.dispatch_rows(x_TD, scores_S, expert_S, num_experts, top_k)
+    rows_RD, rows_per_local_expert_e, route = exchange.dispatch_rows(
+        x_TD, scores_S, expert_S, num_experts, top_k, static_rows
+    )
     return rows_RD, rows_per_local_expert_e, route.recv_row_PK, route.recv_score_PK, route.ordinal_P
 
 
 @_dispatch_op.register_fake
-def _(x_TD, scores_S, expert_S, group_name, num_experts, top_k):
+def _(x_TD, scores_S, expert_S, group_name, num_experts, top_k, static_rows):
     world = dist.get_world_size(_resolve_process_group(group_name))
     num_pairs = world * x_TD.shape[0]
-    num_rows = torch.library.get_ctx().new_dynamic_size()
+    if static_rows:
+        num_rows = static_receive_rows(x_TD.shape[0], world, top_k, num_experts)
+    else:
+        num_rows = torch.library.get_ctx().new_dynamic_size()
     return (
         x_TD.new_empty(num_rows, x_TD.shape[1]),
         expert_S.new_empty(num_experts // world, dtype=torch.int64),
@@ -453,7 +486,7 @@ def _(grad_out_TD, rows_RD, expert_S, recv_row_PK, recv_score_PK, ordinal_P, gro
 
 
 def _dispatch_setup(ctx, inputs, output) -> None:
-    _, _, expert_S, group_name, num_experts, top_k = inputs
+    _, _, expert_S, group_name, num_experts, top_k, _ = inputs
     _, rows_per_local_expert_e, *tables = output
     ctx.mark_non_differentiable(rows_per_local_expert_e, *tables)
     ctx.save_for_backward(expert_S, *tables)
@@ -463,7 +496,7 @@ def _dispatch_setup(ctx, inputs, output) -> None:
 def _dispatch_backward(ctx, grad_rows_RD, *_):
     expert_S, *tables = ctx.saved_tensors
     grad_x_TD = _combine_op(grad_rows_RD, expert_S.new_empty(0), expert_S, *tables, *ctx.names, False)
-    return grad_x_TD, None, None, None, None, None
+    return grad_x_TD, None, None, None, None, None, None
 
 
 def _combine_setup(ctx, inputs, output) -> None:
@@ -493,17 +526,19 @@ def dispatch(
     group_name: str,
     num_experts: int,
     top_k: int,
+    static_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Route]:
     """Differentiable in ``x_TD``: ``(rows_RD, rows_per_local_expert_e, route)``, rows expert-major.
 
     ``expert_S`` (``T*K``, token-major slots) holds global expert ids, ``num_experts`` for a
     slot the router dropped; ``scores_S`` travels with the rows: the combine weights by it.
-    The ``torchtitan_ext::symm_mem_dispatch`` op: its row count is read on the host (one sync),
-    an unbacked size under compile.
+    The ``torchtitan_ext::symm_mem_dispatch`` op: its row count is read on the host (one sync; an
+    unbacked size under compile), or with ``static_rows`` it is the most a rank can receive
+    (``static_receive_rows``; no host sync, so a CUDA graph can capture it).
     """
     expert_S = expert_S.reshape(-1)
     rows_RD, rows_per_local_expert_e, *tables = _dispatch_op(
-        x_TD.contiguous(), scores_S.detach(), expert_S, group_name, num_experts, top_k
+        x_TD.contiguous(), scores_S.detach(), expert_S, group_name, num_experts, top_k, static_rows
     )
     return rows_RD, rows_per_local_expert_e, _route_of(expert_S, tuple(tables), group_name, num_experts, top_k)
 

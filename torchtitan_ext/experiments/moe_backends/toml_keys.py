@@ -11,7 +11,7 @@ from typing import Literal
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.short_keys import register_short_key
 
-from .dispatcher import EPTransport, PermuteBackend, RoutingDispatcher
+from .dispatcher import EPReceiveRows, EPTransport, PermuteBackend, RoutingDispatcher
 from .experts import BackendGroupedExperts, ComputeBackendChoice
 from .moe import AuxLossType, RoutedMoE
 
@@ -103,6 +103,13 @@ _option_key(
     "ep_transport",
     EPTransport,
     "how rows move between EP ranks: all_to_all (collectives) or symm_mem (one kernel each way)",
+    dispatcher_configs,
+)
+_option_key(
+    "ep_receive_rows",
+    EPReceiveRows,
+    "rows an EP rank receives: exact (counted on the host) or static (symm_mem: the most possible, no host "
+    "sync, CUDA graphs can capture the step)",
     dispatcher_configs,
 )
 

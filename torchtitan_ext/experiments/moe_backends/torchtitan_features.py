@@ -6,13 +6,15 @@ layers cannot honour is refused with the reason (exit 2), never silently ignored
 - ``parallelism.spmd_backend``: only ``"partial_dtensor"`` (DTensor on model-parallel axes).
   ``"spmd_types"`` and ``"full_dtensor"`` make FSDP require every parameter to be a DTensor
   on the full SPMD mesh, which needs sharding annotations these model configs do not carry.
-- CUDA graphs (``training.disable_cuda_graphs = false``): a captured step replays kernels
-  only, but the MoE metrics hooks count tokens in Python, the EP dispatch reads split sizes
-  on the host, and the ``for_loop`` / ``batched_mm_padded`` backends read expert counts on
-  the host. The flavors turn CUDA graphs off; asking for them is refused.
-- ``compile.enable`` with the ``model`` component: torchtitan compiles every block with
-  ``fullgraph=True``, and the MoE layer's host reads, metrics hooks and Triton autotuning
-  break the graph. Compiling the ``loss`` component alone works.
+- ``compile.enable``: every compute backend and EP transport compiles (the Triton kernels and
+  EP moves are ``torch.library`` ops, the metrics count on the device); the host reads of
+  ``for_loop``, ``batched_mm_padded`` and the EP row counts become unbacked sizes, as in
+  torchtitan's own EP path.
+- CUDA graphs (``training.disable_cuda_graphs = false``): a captured step replays kernels only,
+  so nothing may be read on the host: refused for the ``for_loop`` / ``batched_mm_padded``
+  backends (they read expert counts) and, under expert parallelism, unless every dispatcher is
+  sync-free (``moe.ep_transport = "symm_mem"`` with ``moe.ep_receive_rows = "static"``; torchtitan's
+  own check is told so by ``compat.cuda_graph_dispatchers``).
 - Quantizing converters (torchtitan's float8 / MXFP8 grouped-experts converters) subclass
   the experts module but this experiment's experts compute through their backend function,
   so the model would keep computing in bf16: refused.
@@ -30,15 +32,21 @@ SUPPORTED_SPMD_BACKEND = "partial_dtensor"
 
 
 def cuda_graph_blockers(config) -> list[str]:
-    """Why a CUDA-graph capture of this config's training step would not replay correctly."""
+    """Why a CUDA-graph capture of this config's training step would not replay correctly (empty: it would)."""
     model = config.model_spec.model
-    reasons = ["the MoE metrics hooks count tokens in Python"]
-    if config.parallelism.expert_parallel_degree > 1 and any(model.traverse(RoutingDispatcher.Config)):
-        reasons.append("the EP dispatch reads split sizes on the host")
+    reasons = []
     backends = sorted({experts.compute_backend for _, experts, _, _ in model.traverse(BackendGroupedExperts.Config)})
     syncing = [b for b in backends if b in host_sync_backends()]
     if syncing:
-        reasons.append(f"compute_backend {', '.join(syncing)} reads expert counts on the host")
+        reasons.append(
+            f"compute_backend {', '.join(syncing)} reads expert counts on the host (use grouped_mm or triton)"
+        )
+    dispatchers = [d for _, d, _, _ in model.traverse(RoutingDispatcher.Config)]
+    if config.parallelism.expert_parallel_degree > 1 and not all(d.host_sync_free for d in dispatchers):
+        reasons.append(
+            "the EP dispatch reads its row counts on the host (set moe.ep_transport = 'symm_mem' and "
+            "moe.ep_receive_rows = 'static')"
+        )
     return reasons
 
 
@@ -54,17 +62,11 @@ def check_torchtitan_features(config) -> None:
             f"parallelism.spmd_backend = {config.parallelism.spmd_backend!r} is not supported by this "
             f"experiment's models (they carry no SPMD sharding annotations); use {SUPPORTED_SPMD_BACKEND!r}"
         )
-    if not config.training.disable_cuda_graphs:
+    if not config.training.disable_cuda_graphs and (blockers := cuda_graph_blockers(config)):
         errors.append(
-            "training.disable_cuda_graphs = false: CUDA graphs cannot replay this MoE step ("
-            + "; ".join(cuda_graph_blockers(config))
-            + "); leave CUDA graphs off"
-        )
-    if False and config.compile.enable and "model" in config.compile.components:
-        errors.append(
-            "compile.enable with the 'model' component: torchtitan compiles each block with "
-            "fullgraph=True, which the MoE layer's host reads, metrics hooks and Triton autotuning "
-            "break; compile only the loss (compile.components = ['loss']) or leave compile off"
+            "training.disable_cuda_graphs = false: a CUDA graph cannot replay this MoE step ("
+            + "; ".join(blockers)
+            + ")"
         )
     for fqn, experts, _, _ in model_spec.model.traverse(GroupedExperts.Config):
         if type(experts) is not BackendGroupedExperts.Config:

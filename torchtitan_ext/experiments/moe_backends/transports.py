@@ -313,12 +313,25 @@ class SymmMemMetadata:
 
 
 class SymmMemTransport(ExpertParallelTransport[SymmMemMetadata]):
-    """EP through ``ep_symm_mem``, ``align_size`` 1: the rows arrive grouped by local expert."""
+    """EP through ``ep_symm_mem``, ``align_size`` 1: the rows arrive grouped by local expert; with
+    ``static_rows`` the received buffer has the most rows a rank can receive and no host sync sizes it."""
+
+    def __init__(
+        self, row_ops: RowOps, align_size: int, num_experts: int, top_k: int, ep_mesh: DeviceMesh, static_rows: bool
+    ):
+        super().__init__(row_ops, align_size, num_experts, top_k, ep_mesh)
+        self.static_rows = static_rows
 
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         scores_S = topk_scores_TK.reshape(-1)
         rows_RD, rows_per_local_expert_e, route = ep_symm_mem.dispatch(
-            x_TD, scores_S, topk_expert_ids_TK.reshape(-1), self.group().group_name, self.num_experts, self.top_k
+            x_TD,
+            scores_S,
+            topk_expert_ids_TK.reshape(-1),
+            self.group().group_name,
+            self.num_experts,
+            self.top_k,
+            self.static_rows,
         )
         no_padding = rows_per_local_expert_e.new_zeros((), dtype=torch.int64)
         metadata = SymmMemMetadata(route=route, scores_S=scores_S, num_padding_rows=no_padding)

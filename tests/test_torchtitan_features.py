@@ -1,0 +1,61 @@
+"""Which torchtitan Trainer features the project's MoE flavors accept at start-up: compile for every
+backend, CUDA graphs only where nothing is read on the host (and the reason where something is)."""
+
+import pytest
+
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.experiments.moe_backends.experts import backend_names
+from torchtitan_ext.experiments.moe_backends.flavors import tiny_flavor_name
+from torchtitan_ext.train import FlavorConfigManager
+
+CUDA_GRAPHS = "--training.no-disable-cuda-graphs"
+
+
+def parse(monkeypatch, *args: str, world: int = 1):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return FlavorConfigManager().parse_args([*args, "--training.steps", "1"])
+
+
+@pytest.mark.parametrize("flavor", [*(tiny_flavor_name(b) for b in backend_names()), "tiny-torchtitan-moe"])
+def test_compile_is_accepted_for_every_backend(monkeypatch, flavor):
+    config = parse(monkeypatch, "--flavor", flavor, "--compile.enable")
+    assert config.compile.enable and "model" in config.compile.components
+
+
+@pytest.mark.parametrize("backend", ["for_loop", "batched_mm_padded"])
+def test_cuda_graphs_refused_for_backends_that_read_counts_on_the_host(monkeypatch, backend):
+    with pytest.raises(ConfigError, match=f"compute_backend {backend} reads expert counts on the host"):
+        parse(monkeypatch, "--flavor", tiny_flavor_name(backend), CUDA_GRAPHS)
+
+
+def test_cuda_graphs_under_ep_need_the_sync_free_symm_mem_dispatch(monkeypatch):
+    flavor = ["--flavor", "tiny-moe-grouped-mm", "--parallelism.ep", "2", CUDA_GRAPHS]
+    with pytest.raises(ConfigError, match=r"moe\.ep_receive_rows = 'static'"):
+        parse(monkeypatch, *flavor, world=2)
+    with pytest.raises(ConfigError, match=r"moe\.ep_receive_rows = 'static'"):
+        parse(monkeypatch, *flavor, "--moe.ep_transport", "symm_mem", world=2)
+    parse(monkeypatch, *flavor, "--moe.ep_transport", "symm_mem", "--moe.ep_receive_rows", "static", world=2)
+
+
+def test_cuda_graphs_accepted_without_ep_for_backends_that_never_wait(monkeypatch):
+    for backend in ("grouped_mm", "triton"):
+        parse(monkeypatch, "--flavor", tiny_flavor_name(backend), CUDA_GRAPHS)
+
+
+def test_static_receive_rows_need_symm_mem_without_padding(monkeypatch):
+    with pytest.raises(ConfigError, match="ep_receive_rows = 'static' needs ep_transport = 'symm_mem'"):
+        parse(monkeypatch, "--flavor", "tiny-moe-grouped-mm", "--moe.ep_receive_rows", "static")
+    with pytest.raises(ConfigError, match="and align_size = 1"):
+        parse(
+            monkeypatch,
+            "--flavor",
+            "tiny-moe-grouped-mm",
+            "--moe.ep_transport",
+            "symm_mem",
+            "--moe.ep_receive_rows",
+            "static",
+            "--moe.align_size",
+            "8",
+        )
