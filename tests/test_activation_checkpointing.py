@@ -72,3 +72,16 @@ def test_selective_recompute_with_metrics_hooks_matches_plain_backward(compute_b
     assert actual.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_flavors_save_the_experiments_expert_routing_and_ep_ops():
+    """The flavors' selective checkpointing keeps the outputs of the expert block, top-k routing and
+    EP moves for backward, as torchtitan's keeps its matrix products and all-to-alls."""
+    from torchtitan_ext.experiments.moe_backends.activation_checkpoint import SAVED_OPS, MoESelectiveAC
+    from torchtitan_ext.registry import get_flavor
+
+    config = get_flavor("tiny-moe-triton").build()
+    assert isinstance(config.activation_checkpoint, MoESelectiveAC.Config)
+    save_ops = config.activation_checkpoint.build().get_save_ops()
+    assert set(SAVED_OPS) <= save_ops
+    assert torch.ops._c10d_functional.all_to_all_single.default in save_ops

@@ -26,9 +26,9 @@ from helpers import free_port
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.distributed.utils import set_spmd_backend
 
+from torchtitan_ext.experiments.moe_backends.activation_checkpoint import MoESelectiveAC
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process, seeded_layer
 from torchtitan_ext.experiments.moe_backends.experts import runnable_backends
@@ -118,7 +118,7 @@ def check_selective_checkpointing_saves_the_all_to_alls(ep_mesh) -> None:
         rows_RD, _, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
         return dispatcher.combine(rows_RD.sin(), metadata, x_TD)
 
-    save_ops = SelectiveAC(SelectiveAC.Config()).get_save_ops()  # what the flavors' checkpointing saves
+    save_ops = MoESelectiveAC(MoESelectiveAC.Config()).get_save_ops()  # what the flavors' checkpointing saves
 
     def policy(ctx, func, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if func in save_ops else CheckpointPolicy.PREFER_RECOMPUTE

@@ -22,7 +22,6 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import DebugConfig
 from torchtitan.config.override import derive
-from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
@@ -34,6 +33,7 @@ from torchtitan_ext.registry import register_flavor
 
 # The [moe] TOML keys, start-up checks (run in import order) and run description register on import.
 from . import run_description, startup_checks, toml_keys, torchtitan_features  # noqa: F401
+from .activation_checkpoint import MoESelectiveAC
 from .experts import DEFAULT_BACKEND, ComputeBackend
 from .hf.architectures import PUBLISHED, model_spec_from_hf_config, scaled_down
 from .hf.torchtitan_features import HFCheckpointManager
@@ -92,7 +92,7 @@ def moe_trainer_config(model_spec: ModelSpec, run: TrainingRun, *, expert_parall
         # torchtitan's default "spmd_types" backend needs for FSDP.
         parallelism=ParallelismConfig(expert_parallel_degree=expert_parallel_degree, spmd_backend="partial_dtensor"),
         checkpoint=IntegrityCheckpointManager.Config(interval=500, last_save_model_only=False),
-        activation_checkpoint=SelectiveAC.Config(),
+        activation_checkpoint=MoESelectiveAC.Config(),
         debug=DebugConfig(seed=0),
     )
 
