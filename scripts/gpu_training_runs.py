@@ -1,7 +1,7 @@
 """Training runs on the GPUs of one host through the train entry, recorded as JSON.
 
     python scripts/gpu_training_runs.py tiny --out train_tiny.json   # every tiny flavor, EP 1 and 2
-    python scripts/gpu_training_runs.py full --out train_full.json   # olmoe-1b-7b: grouped_mm, triton (both EP transports), stock
+    python scripts/gpu_training_runs.py full --out train_full.json   # olmoe-1b-7b compiled: stock, grouped_mm, triton
     python scripts/gpu_training_runs.py plot --from train_full.json ... --out train.png
 
 ``tiny``: each tiny flavor (fp32) for 30 steps on one GPU (EP 1; two runs side by side, one per
@@ -9,12 +9,12 @@ GPU) and on two GPUs with EP 2 over each EP transport; tiny-moe-triton once more
 the Triton cache the first run filled (warm start). Every backend's losses must equal for_loop's
 of the same layout to rel 1e-4.
 ``full``: olmoe-1b-7b on two GPUs (FSDP 2, EP 2, bf16), 20 steps of ``--local-batch-size`` x 2048
-tokens per GPU (default 8: at 2 the H200's step is bound by the host's kernel launches, for every
-backend alike), with grouped_mm, triton (over each EP transport) and torchtitan's own MoE layers,
-and grouped_mm a second time (the run-to-run spread of bf16 training); every loss must be within 2%
-of grouped_mm's at the same step. Printed per run: the median tokens/s over steps 5-20 (after
-warm-up and the first compilations) and its ratio to torchtitan's MoE layers.
-
+tokens per GPU (default 4: an H100's 80 GB; an H200 takes 8): torchtitan's own MoE layers compiled
+(``--compile.enable``, the baseline) and eager, and the project's layers compiled with grouped_mm,
+triton over each EP transport, and triton over symm_mem with static received rows under CUDA
+graphs; triton over symm_mem eager for reference. Every loss must be within 2% of the baseline's
+at the same step. Printed per run: the median tokens/s over steps 5-20 (after warm-up and the first
+compilations), its ratio to the baseline, peak memory and the seconds to the first step.
 Per run: losses, tokens/s, MFU, peak memory (rank 0's log) and the seconds from launch to the
 first step's log line. The JSON carries the device, torch, triton and NCCL versions and the commit
 (``SOURCE_COMMIT`` where the tree has no git metadata).
@@ -90,8 +90,8 @@ def launch(run: Run, device_ids: str, port: int, env: dict[str, str]) -> Run:
         env={**env, "CUDA_VISIBLE_DEVICES": device_ids},
     )
     lines = []
-    for line in process.stdout:
-        line = ANSI.sub("", line)
+    for raw_line in process.stdout:
+        line = ANSI.sub("", raw_line)
         lines.append(line)
         match = STEP_LINE.search(line)
         if match:
@@ -155,6 +155,14 @@ def tiny_runs() -> list[list[Run]]:
     return batches
 
 
+COMPILE = ["--compile.enable"]
+TRITON = ["--toml", "examples/triton.toml"]
+SYMM_MEM = ["--toml", "examples/ep_symm_mem.toml"]
+CUDA_GRAPHS = ["--moe.ep_receive_rows", "static", "--training.no-disable-cuda-graphs"]
+STOCK_COMPILED = "olmoe torchtitan-moe compiled"
+"""The run every other run's throughput is compared with: torchtitan's own MoE layers, compiled."""
+
+
 def full_runs(local_batch_size: int) -> list[list[Run]]:
     args = [
         "--training.steps",
@@ -168,30 +176,35 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
         "--metrics.log_freq",
         "1",
     ]
-    return [
-        [Run("olmoe grouped_mm fsdp2 ep2", "olmoe-1b-7b", 2, args)],
-        [Run("olmoe grouped_mm fsdp2 ep2 repeat", "olmoe-1b-7b", 2, args)],
-        [Run("olmoe triton fsdp2 ep2", "olmoe-1b-7b", 2, [*args, "--toml", "examples/triton.toml"])],
-        [
-            Run(
-                "olmoe triton fsdp2 ep2 symm_mem",
-                "olmoe-1b-7b",
-                2,
-                [*args, "--toml", "examples/triton.toml", "--toml", "examples/ep_symm_mem.toml"],
-            )
-        ],
-        [Run("olmoe torchtitan-moe fsdp2 ep2", "olmoe-1b-7b-torchtitan-moe", 2, args)],
+    runs = [
+        Run(STOCK_COMPILED, "olmoe-1b-7b-torchtitan-moe", 2, [*args, *COMPILE]),
+        Run("olmoe grouped_mm compiled", "olmoe-1b-7b", 2, [*args, *COMPILE]),
+        Run("olmoe triton compiled", "olmoe-1b-7b", 2, [*args, *TRITON, *COMPILE]),
+        Run("olmoe triton compiled symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *SYMM_MEM, *COMPILE]),
+        Run(
+            "olmoe triton compiled symm_mem cuda_graphs",
+            "olmoe-1b-7b",
+            2,
+            [*args, *TRITON, *SYMM_MEM, *COMPILE, *CUDA_GRAPHS],
+        ),
+        Run("olmoe torchtitan-moe eager", "olmoe-1b-7b-torchtitan-moe", 2, args),
+        Run("olmoe triton eager symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *SYMM_MEM]),
     ]
+    return [[run] for run in runs]
 
 
 def print_throughput_ratios(runs: list[Run]) -> None:
-    """Each run's median tokens/s over torchtitan's MoE layers' (the run whose flavor names them)."""
-    stock = next((run for run in runs if run.flavor.endswith("torchtitan-moe")), None)
+    """Each run's median tokens/s over torchtitan's MoE layers compiled (``STOCK_COMPILED``), with its
+    peak memory and the seconds to its first step (compilation included)."""
+    stock = next((run for run in runs if run.name == STOCK_COMPILED), None)
     stock_tps = median_tokens_per_second(stock.tokens_per_second) if stock else None
     for run in runs:
         tps = median_tokens_per_second(run.tokens_per_second)
-        ratio = f"{tps / stock_tps:.2f}x torchtitan's MoE" if tps and stock_tps else "no ratio"
-        print(f"  {run.name}: median {tps} tokens/s per GPU, {ratio}")
+        ratio = f"{tps / stock_tps:.2f}x torchtitan's MoE compiled" if tps and stock_tps else "no ratio"
+        print(
+            f"  {run.name}: median {tps} tokens/s per GPU, {ratio}, peak {run.peak_memory_gib} GiB, "
+            f"first step after {run.seconds_to_first_step} s"
+        )
 
 
 def compare_losses(runs: list[Run], reference_of, rel: float) -> list[str]:
@@ -291,9 +304,9 @@ def main() -> int:
     parser.add_argument(
         "--local-batch-size",
         type=int,
-        default=8,
+        default=4,
         metavar="N",
-        help="full suite: sequences of 2048 tokens per GPU per step (default 8)",
+        help="full suite: sequences of 2048 tokens per GPU per step (default 4)",
     )
     args = parser.parse_args()
     env = dict(os.environ, PYTHONUNBUFFERED="1")

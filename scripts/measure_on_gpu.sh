@@ -38,7 +38,7 @@ for task in "$@"; do
     train-tiny|train-full)
       # TRAIN_ONLY narrows the runs (space-separated regular expressions on run names, e.g. "ep2.symm_mem").
       suite=${task#train-}
-      # TRAIN_LOCAL_BATCH sets the full suite's sequences per GPU per step (default 8).
+      # TRAIN_LOCAL_BATCH sets the full suite's sequences per GPU per step (default 4; an H200 takes 8).
       python3 scripts/gpu_training_runs.py "$suite" --out "$out/train_$suite.json" \
           ${TRAIN_ONLY:+--only $TRAIN_ONLY} ${TRAIN_LOCAL_BATCH:+--local-batch-size $TRAIN_LOCAL_BATCH} \
           2>&1 | tee "$out/train_$suite.log" ;;
