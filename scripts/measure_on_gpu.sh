@@ -2,12 +2,14 @@
 # GPU checks and benchmarks on the measurement machines, which have torch and triton but not
 # torchtitan: its wheels are carried in .whl/. Results go to $OUT (or ./gpu_results).
 #   scripts/measure_on_gpu.sh tests   # GPU tests (kernels, fused layer, router gate)
-#   scripts/measure_on_gpu.sh bench   # MoE layer and expert block benchmarks
+#   scripts/measure_on_gpu.sh bench   # MoE layer (eager and compiled, vs stock torchtitan eager and
+#     compiled) and expert block benchmarks
 #   scripts/measure_on_gpu.sh ep4 ep2 # EP equivalence + dispatch/combine benchmark on 4 and 2 GPUs
 #   scripts/measure_on_gpu.sh train-tiny train-full   # training through the Trainer on 2 GPUs
 #   scripts/measure_on_gpu.sh train-step   # one GPU: a training step of 4 olmoe-1b-7b layers per
 #     backend (fp32 parameters under bf16 autocast, as torchtitan trains on one GPU) and of the
-#     same layers with torchtitan's own MoE, plus the "auto" choice for olmoe-1b-7b
+#     same layers with torchtitan's own MoE, each eager and compiled (torchtitan's apply_compile),
+#     plus the "auto" choice for olmoe-1b-7b
 #     (train-*: torch >= 2.13; see ../shared/gpu for bringing it to the measurement machines)
 # Results record SOURCE_COMMIT when set (e.g. SOURCE_COMMIT=$(git rev-parse --short HEAD) taken
 # where the checkout was copied from), else the copy's own git HEAD.
@@ -26,7 +28,14 @@ for task in "$@"; do
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused_moe_gpu.py tests/test_fused_layer.py tests/test_router_gpu.py tests/test_topk_routing.py tests/test_no_host_sync_gpu.py 2>&1 | tee "$out/gpu_tests.log" ;;
     bench)
       # BENCH_ROUNDS times every layer / implementation that many times, taking turns, and keeps the medians.
-      python3 -m torchtitan_ext.bench layer ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} --json "$out/moe_layer.json" 2>&1 | tee "$out/moe_layer.log"
+      # The layer bench times stock torchtitan's layer and each of BENCH_LAYERS (default grouped_mm triton),
+      # eager and compiled (Inductor), at the 4 named shapes x 2 skews: 6 variants in each round, 12
+      # compilations (the second skew of a shape reuses the first's). Sized for about 5 minutes on an H100
+      # at one round (estimate: 10-20 s per compilation on a cold Inductor cache, about 5 s of timing per
+      # shape and skew per round). for_loop and batched_mm_padded (eager: up to 280 ms per forward+backward
+      # at Qwen3's shape) run only when named in BENCH_LAYERS; BENCH_COMPILE=eager|compiled|both (default both).
+      python3 -m torchtitan_ext.bench layer --layers ${BENCH_LAYERS:-grouped_mm triton} --compile "${BENCH_COMPILE:-both}" \
+          ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} --json "$out/moe_layer.json" 2>&1 | tee "$out/moe_layer.log"
       python3 -m torchtitan_ext.bench expert ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} --json "$out/expert_block.json" 2>&1 | tee "$out/expert_block.log" ;;
     ep[0-9]*)
       ranks=${task#ep}
@@ -43,12 +52,14 @@ for task in "$@"; do
           ${TRAIN_ONLY:+--only $TRAIN_ONLY} ${TRAIN_LOCAL_BATCH:+--local-batch-size $TRAIN_LOCAL_BATCH} \
           2>&1 | tee "$out/train_$suite.log" ;;
     train-step)
-      # TRAIN_STEP_BACKENDS narrows the backends (default: grouped_mm triton).
+      # TRAIN_STEP_BACKENDS narrows the backends (default: grouped_mm triton); TRAIN_STEP_COMPILE=eager|compiled|both
+      # (default both). One run: stock torchtitan's MoE (olmoe-1b-7b-torchtitan-moe) first, then each backend,
+      # each eager and compiled: 6 models built one after another, 3 compilations (each block alike: one
+      # compiles, the others reuse it), a few minutes on an H100.
       sizes="--num-layers 4 --batch-size 2 --seq-len 4096"
-      python3 -m torchtitan_ext.bench train-step --flavor olmoe-1b-7b $sizes \
-          --backends ${TRAIN_STEP_BACKENDS:-grouped_mm triton} --json "$out/train_step_olmoe.json" 2>&1 | tee "$out/train_step_olmoe.log"
-      python3 -m torchtitan_ext.bench train-step --flavor olmoe-1b-7b-torchtitan-moe $sizes \
-          --json "$out/train_step_olmoe_stock.json" 2>&1 | tee "$out/train_step_olmoe_stock.log"
+      python3 -m torchtitan_ext.bench train-step --flavor olmoe-1b-7b --stock-flavor olmoe-1b-7b-torchtitan-moe $sizes \
+          --backends ${TRAIN_STEP_BACKENDS:-grouped_mm triton} --compile "${TRAIN_STEP_COMPILE:-both}" \
+          --json "$out/train_step_olmoe.json" 2>&1 | tee "$out/train_step_olmoe.log"
       TORCHTITAN_EXT_CACHE="$out/cache" python3 -m torchtitan_ext.bench auto --flavor olmoe-1b-7b \
           --json "$out/auto_olmoe.json" 2>&1 | tee "$out/auto_olmoe.log" ;;
     *) echo "unknown task $task (tests, bench, ep<ranks>, train-tiny, train-full, train-step)"; exit 2 ;;

@@ -165,7 +165,17 @@ def test_plots_of_cpu_results_show_milliseconds(tmp_path):
     assert chart_of(measured).value_label == "fwd+bwd TFLOP/s (higher is better)"
     step = {
         "meta": {"device": "cpu"},
-        "rows": [{"flavor": "f", "layers": 2, "backend": "b", "tokens_per_s": 1e4, "tflops": None, "step_ms": 147.0}],
+        "rows": [
+            {
+                "flavor": "f",
+                "layers": 2,
+                "tokens": 64,
+                "backend": "b",
+                "tokens_per_s": 1e4,
+                "tflops": None,
+                "step_ms": 147.0,
+            }
+        ],
     }
     assert [bar.value for bar in chart_of(step).bars] == [147.0]
     step["rows"][0]["step_ms"] = 0.0
@@ -178,12 +188,21 @@ def test_plots_of_cpu_results_show_milliseconds(tmp_path):
             {
                 "flavor": "f",
                 "layers": 2,
+                "tokens": 64,
                 "backend": "for_loop",
                 "step_ms": None,
                 "tokens_per_s": None,
                 "error": "out of memory",
             },
-            {"flavor": "f", "layers": 2, "backend": "triton", "step_ms": 20.0, "tokens_per_s": 1e5, "tflops": 150.0},
+            {
+                "flavor": "f",
+                "layers": 2,
+                "tokens": 64,
+                "backend": "triton",
+                "step_ms": 20.0,
+                "tokens_per_s": 1e5,
+                "tflops": 150.0,
+            },
         ],
     }
     assert [(bar.series, bar.value) for bar in chart_of(gpu_step).bars] == [("triton", 150.0)]
@@ -249,6 +268,7 @@ def test_plot_measured_results(tmp_path, name):
         (["train-step", "--backends", "for_loop"], "the following arguments are required: --flavor"),
         (["plot", "--from", "missing.json", "--out", "x.png"], "No such file"),
         (["ep"], "run it under torchrun with >= 2 CUDA GPUs"),
+        (["layer", "--compile", "eager", "--compiled-layers", "triton"], "which --compile eager leaves out"),
     ],
 )
 def test_bad_arguments_exit_2(argv, message, capsys):
@@ -630,10 +650,10 @@ def test_train_step_goes_on_after_a_backend_runs_out_of_memory(tmp_path, capsys,
 
     measure = train_step.bench_backend
 
-    def out_of_memory_for_loop(config, backend, device, timer):
+    def out_of_memory_for_loop(config, backend, device, timer, **compile_options):
         if backend == "for_loop":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.27 GiB")
-        return measure(config, backend, device, timer)
+        return measure(config, backend, device, timer, **compile_options)
 
     monkeypatch.setattr(train_step, "bench_backend", out_of_memory_for_loop)
     results = run_main(TRAIN_STEP_ARGV, tmp_path)
@@ -655,3 +675,152 @@ def test_train_step_times_a_stock_flavor_as_one_torchtitan_row(capsys):
     assert not train_step.has_switchable_experts(config) and len(config.model_spec.model.layers) == 1
     assert main(["train-step", "--flavor", "olmoe-1b-7b-torchtitan-moe", "--backends", "grouped_mm"]) == 2
     assert "built with torchtitan's own MoE layers" in capsys.readouterr().err
+
+
+# --- compiled variants ---------------------------------------------------------------------
+
+COMPILED_LAYER_ARGV = ["layer", "--tiny", "--skew", "balanced", "--layers", "grouped_mm"]
+COMPILE_ON_CPU = ["--compile", "both", "--compile-backend", "aot_eager"]
+
+
+def test_layer_times_compiled_variants_beside_eager_with_speedups_over_stock_compiled(tmp_path, capsys):
+    results = run_main([*COMPILED_LAYER_ARGV, *COMPILE_ON_CPU], tmp_path)
+    captured = capsys.readouterr()
+    rows = results["rows"]
+    assert [(row["layer"], row["compiled"]) for row in rows] == [
+        ("torchtitan", False),
+        ("grouped_mm", False),
+        ("torchtitan", True),
+        ("grouped_mm", True),
+    ]
+    assert results["meta"]["compile_backend"] == "aot_eager"
+    stock_eager, _, stock_compiled, _ = rows
+    for row in rows:
+        assert row["fwdbwd_ms"] > 0 and row["first_call_s"] > 0 and "error" not in row
+        for key in ("fwd", "fwdbwd"):
+            assert row[f"{key}_speedup"] == round(stock_eager[f"{key}_ms"] / row[f"{key}_ms"], 2)
+            assert row[f"{key}_speedup_vs_stock_compiled"] == round(stock_compiled[f"{key}_ms"] / row[f"{key}_ms"], 2)
+    assert stock_compiled["fwdbwd_speedup_vs_stock_compiled"] == 1.0
+    assert float(rows[3]["rel_err_vs_stock"]) == pytest.approx(float(rows[1]["rel_err_vs_stock"]), rel=0.05)
+    assert "fwd+bwd x stock compiled" in captured.out and "1st call s" in captured.out
+    assert "compile (first forward+backward): grouped_mm compiled" in captured.err
+    assert "forward: torchtitan, grouped_mm, torchtitan compiled, grouped_mm compiled" in captured.err  # one round
+    bars = chart_of(results).bars
+    assert [(bar.label, bar.compiled) for bar in bars] == [
+        ("torchtitan", False),
+        ("grouped_mm", False),
+        ("torchtitan compiled", True),
+        ("grouped_mm compiled", True),
+    ]
+    assert [bar.label for bar in chart_of(results, only=["grouped_mm"]).bars] == ["grouped_mm", "grouped_mm compiled"]
+    assert "compiled: aot_eager" in chart_of(results).title
+
+
+def test_layer_compile_choice_picks_the_variants(monkeypatch):
+    measured = {}
+
+    def record(shapes, variants, *args, **kwargs):
+        measured["variants"] = variants
+        return {"rows": []}
+
+    monkeypatch.setattr(moe_layer, "run", record)
+
+    def variants(*argv):
+        assert main(["layer", "--tiny", *argv]) == 0
+        return [variant.name for variant in measured.pop("variants")]
+
+    layers = ["--layers", "grouped_mm", "for_loop", "triton"]
+    eager = ["torchtitan", "grouped_mm", "for_loop", "triton"]
+    compiled = ["torchtitan compiled", "grouped_mm compiled", "triton compiled"]  # for_loop only when named
+    assert variants(*layers, "--compile", "both") == eager + compiled
+    assert variants(*layers, "--compile", "compiled") == ["torchtitan", *compiled]  # stock eager: the reference
+    assert variants(*layers, "--compile", "eager") == eager
+    assert variants(*layers) == (eager if ON_CPU else eager + compiled)  # CPU: eager unless asked
+    assert variants(*layers, "--compiled-layers", "for_loop") == [*eager, "torchtitan compiled", "for_loop compiled"]
+
+
+def test_a_layer_that_fails_to_compile_gets_an_error_row_and_the_others_are_timed(tmp_path, monkeypatch, capsys):
+    from torchtitan_ext.bench import common
+
+    def fails_to_compile(module, backend):
+        def call(*args):
+            raise RuntimeError("GuardOnDataDependentSymNode: Could not guard on data-dependent expression u0 < 0\nmore")
+
+        return call
+
+    monkeypatch.setattr(common, "compile_like_torchtitan", fails_to_compile)
+    results = run_main([*COMPILED_LAYER_ARGV, *COMPILE_ON_CPU], tmp_path)
+    eager_rows, compiled_rows = results["rows"][:2], results["rows"][2:]
+    for row in compiled_rows:
+        assert row["compiled"] and row["fwdbwd_ms"] is None and row["fwdbwd_speedup"] is None
+        assert row["error"] == (
+            "compile failed: RuntimeError: GuardOnDataDependentSymNode: "
+            "Could not guard on data-dependent expression u0 < 0"
+        )
+    for row in eager_rows:
+        assert row["fwdbwd_ms"] > 0 and row["fwdbwd_speedup_vs_stock_compiled"] is None
+    captured = capsys.readouterr()
+    assert "grouped_mm compiled: compile failed: RuntimeError" in captured.err
+    assert "forward: torchtitan, grouped_mm" in captured.err and "compile failed" in captured.out
+
+
+TINY_SIZES = ["--batch-size", "2", "--seq-len", "16"]
+
+
+class ThreeCallTimer(Timer):
+    """The median ms of three calls: what a row needs, without the CPU timer's seconds of repeats."""
+
+    def __call__(self, fn, grad_to_none=None):
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[1]
+
+
+def test_train_step_compiles_each_block_as_torchtitan_does_beside_the_stock_step(tmp_path, capsys, monkeypatch):
+    from torchtitan_ext.bench import train_step
+
+    monkeypatch.setattr(train_step, "make_timer", lambda device: ThreeCallTimer())
+    compiled_models = []
+
+    def spy_apply_compile(model, **kwargs):
+        train_step_apply_compile(model, **kwargs)
+        compiled_models.append([block._compiled_call_impl is not None for block in model.layers.values()])
+
+    train_step_apply_compile = train_step.apply_compile
+    monkeypatch.setattr(train_step, "apply_compile", spy_apply_compile)
+    argv = ["train-step", "--flavor", "tiny-moe-grouped-mm", "--stock-flavor", "tiny-torchtitan-moe"]
+    results = run_main([*argv, "--backends", "grouped_mm", *TINY_SIZES, *COMPILE_ON_CPU], tmp_path)
+    rows = results["rows"]
+    assert [(row["flavor"], row["backend"], row["compiled"]) for row in rows] == [
+        ("tiny-torchtitan-moe", "torchtitan", False),
+        ("tiny-torchtitan-moe", "torchtitan", True),
+        ("tiny-moe-grouped-mm", "grouped_mm", False),
+        ("tiny-moe-grouped-mm", "grouped_mm", True),
+    ]
+    assert compiled_models == [[True, True], [True, True]]  # every block of each compiled model
+    assert results["meta"]["compile_backend"] == "aot_eager"
+    stock_eager, stock_compiled = rows[0]["step_ms"], rows[1]["step_ms"]
+    for row in rows:
+        assert row["step_ms"] > 0 and row["first_step_s"] > 0 and "error" not in row
+        assert row["first_loss"] == pytest.approx(rows[0]["first_loss"], abs=1e-4)  # same weights, same tokens
+        assert row["speedup_vs_stock"] == round(stock_eager / row["step_ms"], 2)
+        assert row["speedup_vs_stock_compiled"] == round(stock_compiled / row["step_ms"], 2)
+    out = capsys.readouterr().out
+    assert "x stock compiled" in out and "1st step s" in out
+    chart = chart_of(results)
+    assert {bar.group for bar in chart.bars} == {"2 layers, 32 tokens"}  # stock beside the backends
+    assert [bar.label for bar in chart.bars] == [
+        "torchtitan",
+        "torchtitan compiled",
+        "grouped_mm",
+        "grouped_mm compiled",
+    ]
+
+
+def test_train_step_stock_flavor_must_have_torchtitans_moe_layers(capsys):
+    argv = ["train-step", "--flavor", "tiny-moe-grouped-mm", "--stock-flavor", "tiny-moe-for-loop", *TINY_SIZES]
+    assert main(argv) == 2
+    assert "--stock-flavor tiny-moe-for-loop is built with this project's MoE layers" in capsys.readouterr().err

@@ -1,9 +1,9 @@
 """Benchmarks: which compute_backend to use for a model on this hardware.
 
     python -m torchtitan_ext.bench expert --flavor qwen3-30b-a3b           # expert block per backend
-    python -m torchtitan_ext.bench layer --shapes mixtral-8x7b              # MoE layer vs stock torchtitan
+    python -m torchtitan_ext.bench layer --shapes mixtral-8x7b              # MoE layer vs stock, eager and compiled
     torchrun --nproc_per_node=4 -m torchtitan_ext.bench ep --json ep.json   # EP dispatch/combine (GPUs)
-    python -m torchtitan_ext.bench train-step --flavor tiny-moe-for-loop    # one training step per backend
+    python -m torchtitan_ext.bench train-step --flavor tiny-moe-for-loop    # training step per backend, compiled too
     python -m torchtitan_ext.bench auto --flavor tiny-moe-for-loop          # fill the "auto" backend cache
     python -m torchtitan_ext.bench plot --from result.json --out result.png
     python -m torchtitan_ext.bench trace rank0_trace.json.gz                # where a profiled step's time went
@@ -23,9 +23,12 @@ import torch
 
 from torchtitan_ext.bench import expert_block, moe_layer, plot, trace
 from torchtitan_ext.bench.common import (
+    COMPILE_BACKENDS,
+    COMPILE_MODES,
     SHAPES,
     TINY_FLAVORS_HINT,
     TINY_SHAPE,
+    compile_modes,
     print_kernel_profiles,
     print_table,
     progress,
@@ -92,6 +95,22 @@ def check_rounds(parser: argparse.ArgumentParser, rounds: int) -> None:
         parser.error(f"--rounds must be >= 1, got {rounds}")
 
 
+def add_compile_options(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--compile",
+        choices=COMPILE_MODES,
+        help=f"time each {what} eager, compiled (torch.compile with fullgraph=True, as torchtitan compiles "
+        "its blocks) or both (default: both on CUDA, eager on CPU, where Inductor compiles for minutes)",
+    )
+    parser.add_argument(
+        "--compile-backend",
+        choices=COMPILE_BACKENDS,
+        default="inductor",
+        help="torch.compile backend of the compiled variants (default inductor, torchtitan's; "
+        "aot_eager runs the traced graphs with eager ops and compiles in seconds on CPU)",
+    )
+
+
 def add_output_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the results")
@@ -143,6 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"layers (default: every one that runs here; {moe_layer.STOCK} always runs first)",
     )
     layer.add_argument("--batch", type=int, default=2, help="batch B of the (B, tokens/B, D) input")
+    add_compile_options(layer, "layer")
+    layer.add_argument(
+        "--compiled-layers",
+        nargs="+",
+        choices=moe_layer.KINDS,
+        help="layers given a compiled variant (default: those of --layers among "
+        f"{', '.join(moe_layer.COMPILED_BY_DEFAULT)}; {moe_layer.STOCK} always); without --compile, "
+        "naming them times both",
+    )
     add_rounds_option(layer, "layer")
     layer.add_argument(
         "--profile",
@@ -181,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--batch-size", type=int, help="local batch size (default: the flavor's)")
     step.add_argument("--seq-len", type=int, help="sequence length (default: the flavor's)")
     step.add_argument("--num-layers", type=int, help="keep only the first N layers (full-size flavors on one GPU)")
+    step.add_argument(
+        "--stock-flavor",
+        metavar="FLAVOR",
+        help="also time this flavor built with torchtitan's own MoE layers (e.g. olmoe-1b-7b-torchtitan-moe) "
+        "at the same sizes, without the --toml files: the baseline of the speed-ups",
+    )
+    add_compile_options(step, "backend's step")
     add_output_options(step)
 
     auto = commands.add_parser("auto", help='measure and cache the moe.compute_backend = "auto" choice for a flavor')
@@ -324,10 +359,18 @@ def run_layer(parser, args, device, command) -> None:
     if args.profile < 0:
         parser.error(f"--profile must be >= 0 (0: off), got {args.profile}")
     check_rounds(parser, args.rounds)
-    kinds = [moe_layer.STOCK, *(k for k in (args.layers or moe_layer.default_kinds()) if k != moe_layer.STOCK)]
+    reject_unrunnable(parser, "--compiled-layers", args.compiled_layers, moe_layer.BACKEND_OF_KIND)
+    if args.compiled_layers and args.compile == "eager":
+        parser.error("--compiled-layers names compiled variants, which --compile eager leaves out")
+    kinds = args.layers or moe_layer.default_kinds()
+    measured = moe_layer.variants(
+        kinds,
+        args.compiled_layers or moe_layer.default_compiled_kinds(kinds),
+        compile_modes(args.compile or ("both" if args.compiled_layers else None), device),
+    )
     results = moe_layer.run(
         shapes,
-        kinds,
+        measured,
         device,
         measurement_dtype(args, device),
         args.batch,
@@ -336,6 +379,7 @@ def run_layer(parser, args, device, command) -> None:
         skews=SKEW_CHOICES[args.skew],
         profile_top=args.profile,
         rounds=args.rounds,
+        compile_backend=args.compile_backend,
     )
     finish(results, results["rows"], moe_layer.TABLE, args)
     print_kernel_profiles(results["rows"], ("shape", "skew", "layer"), device)
@@ -385,6 +429,9 @@ def run_train_step(parser, args, device, command) -> None:
         seq_len=args.seq_len,
         num_layers=args.num_layers,
         out=args.json,
+        stock_flavor=args.stock_flavor,
+        compile_modes=compile_modes(args.compile, device),
+        compile_backend=args.compile_backend,
     )
     finish(results, results["rows"], train_step.TABLE, args)
 

@@ -14,6 +14,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict
 
@@ -194,6 +195,53 @@ def environment(command: str, device: torch.device, dtype: torch.dtype) -> dict:
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+COMPILE_MODES = {"eager": (False,), "compiled": (True,), "both": (False, True)}
+"""``--compile`` choices: which variants (compiled or not) of each measured implementation run."""
+COMPILE_BACKENDS = ("inductor", "aot_eager")
+"""``--compile-backend`` choices: torchtitan's default (Inductor generates the kernels) and
+``aot_eager`` (traced forward and backward graphs run by eager ops: compiles in seconds on CPU)."""
+
+
+def compile_modes(choice: str | None, device: torch.device) -> tuple[bool, ...]:
+    """The variants ``--compile choice`` runs; without a choice both on CUDA, eager only elsewhere
+    (Inductor takes minutes to compile on a CPU)."""
+    return COMPILE_MODES[choice or ("both" if device.type == "cuda" else "eager")]
+
+
+def variant_name(name: str, compiled: bool) -> str:
+    """How progress lines, tables and plots name an implementation's compiled variant."""
+    return f"{name} compiled" if compiled else name
+
+
+def compile_like_torchtitan(module: torch.nn.Module, backend: str) -> Callable:
+    """``module`` under ``torch.compile`` as torchtitan's ``apply_compile`` compiles a transformer
+    block: one graph (``fullgraph=True``), data-dependent sizes captured as unbacked symbols
+    (``capture_scalar_outputs``). Compiles on its first call."""
+    torch._dynamo.config.capture_scalar_outputs = True
+    return torch.compile(module, backend=backend, fullgraph=True)
+
+
+def compile_failure(error: Exception) -> str:
+    """One line for a row whose compilation failed: the exception's type and first message line."""
+    first_line = next((line for line in str(error).splitlines() if line.strip()), "")
+    return f"compile failed: {type(error).__name__}: {first_line[:300]}"
+
+
+def first_call_s(call: Callable[[], object], device: torch.device) -> float:
+    """Seconds of ``call``'s first run (a compiled variant compiles in it), the device synchronized."""
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    synchronize()
+    start = time.perf_counter()
+    call()
+    synchronize()
+    return float(f"{time.perf_counter() - start:.4g}")
+
+
+def speedup(baseline_ms: float | None, ms: float | None) -> float | None:
+    """``baseline_ms / ms`` to 2 decimals; None where either is missing."""
+    return round(baseline_ms / ms, 2) if baseline_ms and ms else None
 
 
 TimedCalls = dict[str, tuple[Callable[[], object], Callable[[], None], list[torch.Tensor]]]

@@ -11,9 +11,17 @@ ms, speed-up over stock, the output's error vs stock and, on a GPU, expert-equiv
 TFLOP/s (6*N*D*F / 18*N*D*F), peak memory of forward+backward above the weights
 (activation memory) and the host time to issue one forward+backward (``host_issue_ms``: where
 it reaches the forward+backward ms, the GPU waited on the host).
+
+Compiled variants (``compiled_kinds``) are the same layer objects under ``torch.compile`` as
+torchtitan compiles a block (``common.compile_like_torchtitan``), timed in the same rounds as the
+eager ones. Each is compiled by its first forward+backward, before any timing, and that call's
+seconds are reported apart (``first_call_s``). Speed-ups are reported against stock eager and,
+where measured, stock compiled.
 """
 
+from collections.abc import Sequence
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -68,11 +76,41 @@ def calibrate_skew(stock_layer, x_BLD: torch.Tensor, target: float) -> torch.Ten
     return high * ramp_E
 
 
+class Variant(NamedTuple):
+    """One measured layer: its kind (``STOCK`` or a compute backend) and whether it is compiled."""
+
+    kind: str
+    compiled: bool
+
+    @property
+    def name(self) -> str:
+        return common.variant_name(self.kind, self.compiled)
+
+
+def variants(kinds: Sequence[str], compiled_kinds: Sequence[str], modes: Sequence[bool]) -> list[Variant]:
+    """What ``bench_shape`` measures, in order: stock eager (always: the reference of the errors and
+    of the eager speed-ups), the eager ``kinds`` when ``modes`` has eager, then stock compiled and the
+    ``compiled_kinds`` when it has compiled."""
+    eager = [STOCK, *(kind for kind in kinds if kind != STOCK)] if False in modes else [STOCK]
+    compiled = [STOCK, *(kind for kind in compiled_kinds if kind != STOCK)] if True in modes else []
+    return [Variant(kind, False) for kind in eager] + [Variant(kind, True) for kind in compiled]
+
+
 def bench_shape(
-    shape: BenchShape, skew: float, kinds, timer, device, dtype, batch: int, profile_top: int = 0, rounds: int = 1
+    shape: BenchShape,
+    skew: float,
+    measured: Sequence[Variant],
+    timer,
+    device,
+    dtype,
+    batch: int,
+    profile_top: int = 0,
+    rounds: int = 1,
+    compile_backend: str = "inductor",
 ) -> list[dict]:
-    """One row per layer kind (stock first), with the medians of ``rounds`` rounds of timings in
-    which the layers take turns (``common.time_in_rounds``)."""
+    """One row per variant (``measured``, stock eager first), with the medians of ``rounds`` rounds
+    of timings in which the variants take turns (``common.time_in_rounds``). A compiled variant
+    whose compilation fails gets a row with the error and no timings."""
     seq_len = shape.tokens // batch
     generator = seeded_generator(device)
     x_BLD = torch.randn(batch, seq_len, shape.dim, device=device, dtype=dtype, generator=generator)
@@ -89,53 +127,89 @@ def bench_shape(
         reference = stock(x_BLD)
 
     layers = {}
-    for kind in kinds:
+    for kind in dict.fromkeys(variant.kind for variant in measured):
         layer = stock if kind == STOCK else build(kind, shape, device, dtype)
         if layer is not stock:
             layer.load_state_dict(stock.state_dict())
             layer.expert_bias_E.copy_(bias_E)
         layers[kind] = layer
+    runs = {
+        variant: common.compile_like_torchtitan(layers[variant.kind], compile_backend)
+        if variant.compiled
+        else layers[variant.kind]
+        for variant in measured
+    }
 
     def forward_backward(layer):
         return lambda: torch.autograd.backward(layer(x_BLD), grad_BLD)
 
+    label = f"  MoE layer     {shape.name:18s} skew {skew}"
+    first_call, failed = {}, {}
+    for variant, layer in runs.items():
+        if variant.compiled:
+            common.progress(f"{label}  compile (first forward+backward): {variant.name}")
+        try:
+            first_call[variant] = common.first_call_s(forward_backward(layer), device)
+        except Exception as error:
+            if not variant.compiled:
+                raise
+            failed[variant] = common.compile_failure(error)
+            common.progress(f"{label}  {variant.name}: {failed[variant]}")
+        for tensor in [x_BLD, *layers[variant.kind].parameters()]:
+            tensor.grad = None
     calls = {
-        kind: (lambda layer=layer: layer(x_BLD), forward_backward(layer), [x_BLD, *layer.parameters()])
-        for kind, layer in layers.items()
+        variant.name: (lambda layer=layer: layer(x_BLD), forward_backward(layer), [x_BLD, *layer.parameters()])
+        for variant, layer in runs.items()
+        if variant not in failed
     }
-    times = common.time_in_rounds(calls, timer, rounds, label=f"  MoE layer     {shape.name:18s} skew {skew}")
+    times = common.time_in_rounds(calls, timer, rounds, label=label)
 
     rows = []
-    for kind, layer in layers.items():
-        with torch.no_grad():
-            error = common.relative_error(layer(x_BLD), reference)
+    for variant, layer in runs.items():
+        identity = {"layer": variant.kind, "compiled": variant.compiled}
+        if variant in failed:
+            where = {"shape": shape.name, "skew": skew, "max_over_mean": common.max_over_mean(counts_E)}
+            rows.append(where | identity | {"fwd_ms": None, "fwdbwd_ms": None, "error": failed[variant]})
+            continue
+        grad_to_none = calls[variant.name][2]
+        error = common.relative_error(layer(x_BLD).detach(), reference)  # with grad: the graph that was timed
         _, peak_mb = common.memory_mb(partial(layer, x_BLD), grad_BLD, device)
         kernels = (
-            common.kernel_profile(forward_backward(layer), device, profile_top, grad_to_none=calls[kind][2])
+            common.kernel_profile(forward_backward(layer), device, profile_top, grad_to_none=grad_to_none)
             if profile_top
             else None
         )
-        host_ms = round(host_issue_ms(forward_backward(layer), calls[kind][2]), 3) if device.type == "cuda" else None
-        for tensor in calls[kind][2]:
+        host_ms = round(host_issue_ms(forward_backward(layer), grad_to_none), 3) if device.type == "cuda" else None
+        for tensor in grad_to_none:
             tensor.grad = None
         rows.append(
-            common.timed_row(shape, skew, counts_E, times[kind], device)
+            common.timed_row(shape, skew, counts_E, times[variant.name], device)
+            | identity
             | {
-                "layer": kind,
                 "fwdbwd_peak_mb": peak_mb,
                 "rel_err_vs_stock": f"{error:.1e}",
+                "first_call_s": first_call[variant],
                 **({"fwdbwd_host_ms": host_ms} if host_ms is not None else {}),
                 **({"kernels": kernels} if kernels else {}),
             }
         )
-    del layers, stock
+    del layers, runs, stock
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    stock_row = rows[0]
-    for row in rows:
-        row["fwd_speedup"] = round(stock_row["fwd_ms"] / row["fwd_ms"], 2)
-        row["fwdbwd_speedup"] = round(stock_row["fwdbwd_ms"] / row["fwdbwd_ms"], 2)
+    add_speedups(rows)
     return rows
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Each row's forward and forward+backward speed-ups over stock eager (``fwd_speedup``,
+    ``fwdbwd_speedup``) and over stock compiled (``..._vs_stock_compiled``; None where stock
+    compiled was not measured or failed)."""
+    stock = {row["compiled"]: row for row in rows if row["layer"] == STOCK}
+    for row in rows:
+        for key in ("fwd", "fwdbwd"):
+            row[f"{key}_speedup"] = common.speedup(stock[False][f"{key}_ms"], row[f"{key}_ms"])
+            compiled_ms = stock[True][f"{key}_ms"] if True in stock else None
+            row[f"{key}_speedup_vs_stock_compiled"] = common.speedup(compiled_ms, row[f"{key}_ms"])
 
 
 BACKEND_OF_KIND = {STOCK: DEFAULT_BACKEND, **{name: name for name in BACKENDS}}
@@ -144,9 +218,21 @@ each runs (torchtitan's experts: ``torch._grouped_mm``, the default backend's op
 KINDS = tuple(BACKEND_OF_KIND)
 
 
+COMPILED_BY_DEFAULT = (STOCK, "grouped_mm", "triton")
+"""The layers given a compiled variant unless others are named: stock torchtitan's (the baseline of
+every claim) and the backends that are fast compiled. ``for_loop`` and ``batched_mm_padded`` trace
+too (data-dependent sizes as unbacked symbols) but are slow, and Inductor may refuse them: they
+get a compiled variant only when named."""
+
+
 def default_kinds() -> list[str]:
     """Every layer that can run here."""
     return common.runnable(KINDS, BACKEND_OF_KIND)
+
+
+def default_compiled_kinds(kinds: Sequence[str]) -> list[str]:
+    """The ``kinds`` given a compiled variant by default (``COMPILED_BY_DEFAULT``)."""
+    return [kind for kind in kinds if kind in COMPILED_BY_DEFAULT]
 
 
 TABLE = [
@@ -154,20 +240,25 @@ TABLE = [
     ("skew", "skew"),
     ("max_over_mean", "max/mean"),
     ("layer", "layer"),
+    ("compiled", "compiled"),
     ("fwd_ms", "fwd ms"),
     ("fwdbwd_ms", "fwd+bwd ms"),
     ("fwdbwd_host_ms", "host ms"),
     ("fwdbwd_tflops", "fwd+bwd TF/s"),
-    ("fwd_speedup", "fwd x"),
-    ("fwdbwd_speedup", "fwd+bwd x"),
+    ("fwd_speedup", "fwd x stock"),
+    ("fwdbwd_speedup", "fwd+bwd x stock"),
+    ("fwd_speedup_vs_stock_compiled", "fwd x stock compiled"),
+    ("fwdbwd_speedup_vs_stock_compiled", "fwd+bwd x stock compiled"),
     ("fwdbwd_peak_mb", "peak MB"),
     ("rel_err_vs_stock", "err vs stock"),
+    ("first_call_s", "1st call s"),
+    ("error", "error"),
 ]
 
 
 def run(
     shapes,
-    kinds,
+    measured: Sequence[Variant],
     device,
     dtype,
     batch: int,
@@ -176,17 +267,21 @@ def run(
     skews=common.SKEWS,
     profile_top: int = 0,
     rounds: int = 1,
+    compile_backend: str = "inductor",
 ) -> dict:
     """Measure every shape and skew (``common.measure_shapes``). ``profile_top > 0``
     adds each layer's slowest kernels in one forward+backward to its row (``kernels``);
-    ``rounds`` is ``bench_shape``'s.
+    ``rounds`` and ``compile_backend`` are ``bench_shape``'s. Compiled code is dropped when the
+    shape changes (``torch._dynamo.reset``), kept across the skews of one shape: the same graphs.
 
     Raises ``ConfigError`` for full-size shapes on CPU.
     """
+    compiles = any(variant.compiled for variant in measured)
 
     def measure(shape: BenchShape, skew: float, timer: Timer) -> list[dict]:
-        return bench_shape(shape, skew, kinds, timer, device, dtype, batch, profile_top, rounds)
+        if compiles and skew == skews[0]:
+            torch._dynamo.reset()
+        return bench_shape(shape, skew, measured, timer, device, dtype, batch, profile_top, rounds, compile_backend)
 
-    return common.measure_shapes(
-        "layer", shapes, skews, device, measure, common.environment(command, device, dtype), out
-    )
+    meta = common.environment(command, device, dtype) | ({"compile_backend": compile_backend} if compiles else {})
+    return common.measure_shapes("layer", shapes, skews, device, measure, meta, out)

@@ -3,18 +3,21 @@
 - expert block / MoE layer: forward+backward TFLOP/s per backend (GPU results) or
   forward+backward ms (CPU results, which carry no FLOP rates), grouped by shape, one panel
   per routing skew;
-- train step: model TFLOP/s (GPU) or step ms (CPU) per backend, grouped by flavor;
+- train step: model TFLOP/s (GPU) or step ms (CPU) per backend, grouped by layers and tokens;
 - EP dispatch: GB/s of dispatch+combine per transport next to the raw all-to-all (one row per
   routed slot, and one per token and destination rank), all as the routed rows' bytes over the
   time, and, where measured, the same with the host ahead of the GPU (as in training); grouped
   by tokens per rank x dim, one panel per world size and routing.
 
-Every bar carries its value; one y-axis label and one legend serve all panels, outside them.
+Every bar carries its value; one y-axis label and one legend serve all panels, outside them. A
+compiled variant's bar has its eager twin's colour, hatched.
 """
 
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from torchtitan_ext.bench.common import variant_name
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,12 @@ class Bar:
     group: str
     series: str
     value: float
+    compiled: bool = False
+
+    @property
+    def label(self) -> str:
+        """The legend's name of the bar's series: ``series``, or its compiled variant's name."""
+        return variant_name(self.series, self.compiled)
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,11 @@ def _same_bytes_GBps(row: dict, name: str, ms: float) -> float:
     return row[f"{name}_GBps"] * row["ms"][name] / ms
 
 
+def _compile_note(meta: dict) -> str:
+    """The title's note of the compiled variants' torch.compile backend, where a run has them."""
+    return f", compiled: {meta['compile_backend']}" if meta.get("compile_backend") else ""
+
+
 def chart_of(results: dict, only: Iterable[str] | None = None) -> Chart:
     """The bars, axis label and title for any result dict the benchmarks write."""
     only = set(only or ())
@@ -71,15 +85,19 @@ def chart_of(results: dict, only: Iterable[str] | None = None) -> Chart:
     if rows and ("impl" in rows[0] or "layer" in rows[0]):
         series_key = "impl" if "impl" in rows[0] else "layer"
         key, label = _rate_or_time(rows, "fwdbwd_tflops", "fwd+bwd TFLOP/s", "fwdbwd_ms", "fwd+bwd ms")
-        bars = [Bar(_skew_panel(r), _shape_group(r), r[series_key], r.get(key)) for r in rows]
+        bars = [Bar(_skew_panel(r), _shape_group(r), r[series_key], r.get(key), r.get("compiled", False)) for r in rows]
         what = (
             "Expert block per implementation" if series_key == "impl" else "MoE layer per backend vs stock torchtitan"
         )
-        title = f"{what}, {device}, {meta.get('dtype')}"
+        title = f"{what}, {device}, {meta.get('dtype')}{_compile_note(meta)}"
     elif rows and "tokens_per_s" in rows[0]:
         key, label = _rate_or_time(rows, "tflops", "model TFLOP/s", "step_ms", "training step ms")
-        bars = [Bar("", f"{r['flavor']} ({r['layers']} layers)", r["backend"], r.get(key)) for r in rows]
-        title = f"Training step per backend, {device}"
+        bars = [
+            Bar("", f"{r['layers']} layers, {r['tokens']} tokens", r["backend"], r.get(key), r.get("compiled", False))
+            for r in rows
+        ]
+        flavors = ", ".join(dict.fromkeys(r["flavor"] for r in rows))
+        title = f"Training step per backend, {flavors}, {device}{_compile_note(meta)}"
     elif _ep_rows(results):
         bars, with_raw = [], set()
         for r in _ep_rows(results):
@@ -123,7 +141,7 @@ def chart_of(results: dict, only: Iterable[str] | None = None) -> Chart:
         raise ValueError("not a result file of python -m torchtitan_ext.bench (no rows to plot)")
     bars = [bar for bar in bars if bar.value is not None]
     if only:
-        bars = [bar for bar in bars if bar.series in only]
+        bars = [bar for bar in bars if bar.series in only or bar.label in only]
         if not bars:
             raise ValueError(f"--only {' '.join(sorted(only))}: no such series in these results")
     if not any(bar.value for bar in bars):
@@ -144,7 +162,9 @@ def plot(results: dict, path: str, only: Iterable[str] | None = None) -> None:
 
     chart = chart_of(results, only)
     panels = list(dict.fromkeys(bar.panel for bar in chart.bars))
-    series = list(dict.fromkeys(bar.series for bar in chart.bars))
+    order = {name: index for index, name in enumerate(dict.fromkeys(bar.series for bar in chart.bars))}
+    bar_of = {bar.label: bar for bar in chart.bars}  # a bar of each legend entry: its series, compiled or not
+    series = sorted(bar_of, key=lambda label: (order[bar_of[label].series], bar_of[label].compiled))
     legend_rows = -(-len(series) // 3)
     figure, axes = plt.subplots(
         len(panels), 1, figsize=(11, 3.4 * len(panels) + 0.3 * legend_rows + 0.6), squeeze=False, layout="constrained"
@@ -153,12 +173,14 @@ def plot(results: dict, path: str, only: Iterable[str] | None = None) -> None:
     rotation = 90 if len(series) > 3 else 0
     for axis, panel in zip(axes[:, 0], panels):
         groups = list(dict.fromkeys(bar.group for bar in chart.bars if bar.panel == panel))
-        values = {(bar.group, bar.series): bar.value for bar in chart.bars if bar.panel == panel}
+        values = {(bar.group, bar.label): bar.value for bar in chart.bars if bar.panel == panel}
         for index, name in enumerate(series):
             present = [(g, values[group, name]) for g, group in enumerate(groups) if (group, name) in values]
             positions = [g + (index - (len(series) - 1) / 2) * width for g, _ in present]
             heights = [value for _, value in present]
-            bars = axis.bar(positions, heights, width, label=name, color=f"C{index}")
+            hatch = {"hatch": "//", "edgecolor": "white"} if bar_of[name].compiled else {}
+            colour = f"C{order[bar_of[name].series]}"
+            bars = axis.bar(positions, heights, width, label=name, color=colour, **hatch)
             axis.bar_label(bars, labels=[_value_text(h) for h in heights], fontsize=7, padding=2, rotation=rotation)
         axis.set_xticks(range(len(groups)), groups)
         axis.margins(y=0.18 if rotation else 0.1)

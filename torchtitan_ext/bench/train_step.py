@@ -3,7 +3,7 @@
 A step is: zero grads, forward of the whole model on synthetic tokens (uniform random ids,
 ``local_batch_size x seq_len`` of the flavor unless overridden), cross-entropy loss,
 backward, AdamW step. The model is the flavor's model config built directly (no
-parallelism, no FSDP, no activation checkpointing, no compile); the backend is swapped with
+parallelism, no FSDP, no activation checkpointing; compiled only as below); the backend is swapped with
 the ``moe.compute_backend`` TOML key, so every backend trains the same model from the same
 initial weights. On CUDA the step runs under bf16 autocast when the flavor's
 ``training.mixed_precision_param`` is bfloat16 (fp32 parameters); on CPU it runs in fp32
@@ -16,23 +16,38 @@ active parameters per token plus attention) and torchtitan's peak dense bf16 tab
 up to rounding: same weights, same tokens). Full-size flavors are refused on CPU.
 
 A flavor built with torchtitan's own MoE layers (e.g. ``olmoe-1b-7b-torchtitan-moe``) has no
-backend to switch: it gives one row, backend ``torchtitan``, the stock step to compare with. A
-backend that runs out of memory gets a row with its error and no timings; the others still run.
+backend to switch: it gives rows of backend ``torchtitan``, the stock step to compare with, either
+as the flavor measured or as the ``stock_flavor`` measured first at the same sizes. A backend that
+runs out of memory gets a row with its error and no timings; the others still run.
+
+Compiled variants compile the model as torchtitan's Trainer does with ``compile.enable``: its own
+``apply_compile`` compiles each transformer block with ``fullgraph=True`` (and
+``capture_scalar_outputs``). Every variant's first step, which compiles a compiled one, is timed
+apart (``first_step_s``) before the timed steps; a compiled variant whose compilation fails gets a
+row with the error. Speed-ups are over the stock step, eager and compiled, where measured.
 """
 
 import gc
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+from torchtitan.config import CompileConfig
+from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.common.attention import FlexAttention
 from torchtitan.tools.utils import get_peak_flops
 
 from torchtitan_ext.bench.common import (
     TINY_FLAVORS_HINT,
+    compile_failure,
     environment,
+    first_call_s,
     progress,
     refuse_full_size_on_cpu,
+    speedup,
+    variant_name,
     write_json,
 )
 from torchtitan_ext.compat.cpu import adapt_config_for_cpu, patch_torchtitan_for_cpu
@@ -46,6 +61,7 @@ from torchtitan_ext.train import resolve_config
 TABLE = [
     ("flavor", "flavor"),
     ("backend", "backend"),
+    ("compiled", "compiled"),
     ("layers", "layers"),
     ("tokens", "tokens/step"),
     ("dtype", "dtype"),
@@ -53,7 +69,10 @@ TABLE = [
     ("tokens_per_s", "tokens/s"),
     ("tflops", "TFLOP/s"),
     ("mfu", "MFU"),
+    ("speedup_vs_stock", "x stock"),
+    ("speedup_vs_stock_compiled", "x stock compiled"),
     ("first_loss", "step-1 loss"),
+    ("first_step_s", "1st step s"),
     ("error", "error"),
 ]
 STOCK_MOE = "torchtitan"
@@ -103,8 +122,14 @@ def uses_flex_attention(model_config) -> bool:
     return any(True for _ in model_config.traverse(FlexAttention.Config))
 
 
-def bench_backend(config, backend: str, device: torch.device, timer) -> dict:
-    """Build the model, time one training step, and return the row for ``backend``."""
+ONE_DEVICE = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+
+
+def bench_backend(
+    config, backend: str, device: torch.device, timer, *, compiled: bool = False, compile_backend: str = "inductor"
+) -> dict:
+    """Build the model (``compiled``: each block compiled by torchtitan's ``apply_compile``), run its
+    first step, time the steps after it, and return the row for ``backend``."""
     model_config = config.model_spec.model
     autocast_dtype = (
         torch.bfloat16 if device.type == "cuda" and config.training.mixed_precision_param == "bfloat16" else None
@@ -116,6 +141,10 @@ def bench_backend(config, backend: str, device: torch.device, timer) -> dict:
     with torch.no_grad():
         model.init_weights(buffer_device=device)
     model.train()
+    if compiled:
+        apply_compile(
+            model, compile_config=CompileConfig(enable=True, backend=compile_backend), parallel_dims=ONE_DEVICE
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=device.type == "cuda")
     generator = torch.Generator(device=device).manual_seed(0)
     tokens_BL = torch.randint(model_config.vocab_size, (batch, seq_len + 1), device=device, generator=generator)
@@ -133,6 +162,7 @@ def bench_backend(config, backend: str, device: torch.device, timer) -> dict:
         optimizer.step()
         losses.append(loss.detach())
 
+    first_step_s = first_call_s(train_step, device)
     step_ms = timer(train_step)
     _, flops_per_token = model_config.get_nparams_and_flops(model, seq_len)
     tokens = batch * seq_len
@@ -143,7 +173,7 @@ def bench_backend(config, backend: str, device: torch.device, timer) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {
-        **row_identity(config, backend),
+        **row_identity(config, backend, compiled),
         "dtype": str(autocast_dtype or torch.float32).removeprefix("torch."),
         "step_ms": round(step_ms, 3),
         "tokens_per_s": round(tokens_per_s, 1),
@@ -151,6 +181,7 @@ def bench_backend(config, backend: str, device: torch.device, timer) -> dict:
         "tflops": round(flops_per_token * tokens_per_s / 1e12, 3) if on_gpu else None,
         "mfu": f"{flops_per_token * tokens_per_s / peak:.1%}" if peak else None,
         "first_loss": round(float(losses[0]), 4),
+        "first_step_s": first_step_s,
     }
 
 
@@ -165,15 +196,26 @@ def run(
     seq_len: int | None = None,
     num_layers: int | None = None,
     out: str | None = None,
+    stock_flavor: str | None = None,
+    compile_modes: Sequence[bool] = (False,),
+    compile_backend: str = "inductor",
 ) -> dict:
-    """One row per backend; ``out`` is rewritten after each backend.
+    """One row per backend and compile mode (``stock_flavor``'s stock rows first); ``out`` is
+    rewritten after each row.
 
-    Raises ``ConfigError`` for a full-size flavor on CPU.
+    Raises ``ConfigError`` for a full-size flavor on CPU, or a ``stock_flavor`` with this project's
+    MoE layers.
     """
-    configs = {
-        backend: step_config(flavor, tomls, backend, batch_size=batch_size, seq_len=seq_len, num_layers=num_layers)
-        for backend in backends
-    }
+    sizes = {"batch_size": batch_size, "seq_len": seq_len, "num_layers": num_layers}
+    configs = {}
+    if stock_flavor:
+        configs[stock_flavor, STOCK_MOE] = step_config(stock_flavor, [], STOCK_MOE, **sizes)
+        if has_switchable_experts(configs[stock_flavor, STOCK_MOE]):
+            raise ConfigError(
+                f"--stock-flavor {stock_flavor} is built with this project's MoE layers; name a flavor built with "
+                "torchtitan's own (python -m torchtitan_ext.flavors lists them, e.g. olmoe-1b-7b-torchtitan-moe)"
+            )
+    configs |= {(flavor, backend): step_config(flavor, tomls, backend, **sizes) for backend in backends}
     model_dim = max(config.model_spec.model.dim for config in configs.values())
     refuse_full_size_on_cpu("train-step", {f"flavor {flavor}": model_dim}, device, hint=TINY_FLAVORS_HINT)
     if device.type == "cpu":
@@ -183,38 +225,63 @@ def run(
     timer = make_timer(device)
     results = {"meta": environment(command, device, torch.float32), "rows": []}
     results["meta"]["dtype"] = "see rows"
-    for backend, config in configs.items():
-        progress(f"  train step    {flavor}  {backend}")
-        try:
-            row = bench_backend(config, backend, device, timer)
-        except torch.OutOfMemoryError:
-            row = None  # the model is freed once the exception is gone
-        if row is None:
-            row = out_of_memory_row(config, backend, device)
-            progress(f"  train step    {flavor}  {backend}: {row['error']}; going on with the next backend")
-        results["rows"].append(row)
-        write_json(out, results)
+    if True in compile_modes:
+        results["meta"]["compile_backend"] = compile_backend
+    for (measured_flavor, backend), config in configs.items():
+        for compiled in compile_modes:
+            name = variant_name(backend, compiled)
+            progress(f"  train step    {measured_flavor}  {name}")
+            row = measure_variant(config, backend, device, timer, compiled, compile_backend)
+            if "error" in row:
+                progress(f"  train step    {measured_flavor}  {name}: {row['error']}; going on with the next")
+            results["rows"].append(row)
+            add_speedups(results["rows"])
+            write_json(out, results)
     return results
 
 
-def out_of_memory_row(config, backend: str, device: torch.device) -> dict:
-    """The row of a backend whose step ran out of memory, after freeing what it held."""
+def measure_variant(config, backend: str, device: torch.device, timer, compiled: bool, compile_backend: str) -> dict:
+    """``bench_backend``'s row, or a row with the error where the step runs out of memory or, for a
+    compiled variant, the compilation fails; compiled code is dropped after a compiled variant."""
+    row = None
+    try:
+        row = bench_backend(config, backend, device, timer, compiled=compiled, compile_backend=compile_backend)
+    except torch.OutOfMemoryError:
+        pass  # the model is freed once the exception is gone
+    except Exception as error:
+        if not compiled:
+            raise
+        row = failed_row(config, backend, compiled, compile_failure(error), device)
+    if compiled:
+        torch._dynamo.reset()
+    return row or failed_row(
+        config, backend, compiled, "out of memory; try a smaller --batch-size or --num-layers", device
+    )
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Each row's step-time speed-up over the stock step eager (``speedup_vs_stock``) and compiled
+    (``speedup_vs_stock_compiled``); None where that stock step was not measured or failed."""
+    stock_ms = {row["compiled"]: row["step_ms"] for row in rows if row["backend"] == STOCK_MOE}
+    for row in rows:
+        row["speedup_vs_stock"] = speedup(stock_ms.get(False), row["step_ms"])
+        row["speedup_vs_stock_compiled"] = speedup(stock_ms.get(True), row["step_ms"])
+
+
+def failed_row(config, backend: str, compiled: bool, error: str, device: torch.device) -> dict:
+    """The row of a variant that did not run through, after freeing what it held."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {
-        **row_identity(config, backend),
-        "step_ms": None,
-        "tokens_per_s": None,
-        "error": "out of memory; try a smaller --batch-size or --num-layers",
-    }
+    return {**row_identity(config, backend, compiled), "step_ms": None, "tokens_per_s": None, "error": error}
 
 
-def row_identity(config, backend: str) -> dict:
-    """What a row measured: flavor, backend, layers and tokens per step."""
+def row_identity(config, backend: str, compiled: bool) -> dict:
+    """What a row measured: flavor, backend, compiled or not, layers and tokens per step."""
     return {
         "flavor": config.model_spec.flavor,
         "backend": backend,
+        "compiled": compiled,
         "layers": len(config.model_spec.model.layers),
         "tokens": config.training.local_batch_size * config.training.seq_len,
     }
