@@ -91,6 +91,8 @@ def reference_grouped(x_RD, w1_EFD, w2_EDF, w3_EFD, num_tokens_per_expert_E) -> 
     w1, w2, w3 = (w.to(x_RD.dtype) for w in (w1_EFD, w2_EDF, w3_EFD))
     outputs, start = [], 0
     for expert, count in enumerate(num_tokens_per_expert_E.tolist()):
+        torch._check(count >= 0)  # under compile the counts are unbacked sizes: tell the compiler their range
+        torch._check(start + count <= x_RD.shape[0])
         outputs.append(_swiglu_expert(x_RD[start : start + count], w1[expert], w2[expert], w3[expert]))
         start += count
     outputs.append(torch.zeros_like(x_RD[start:]))

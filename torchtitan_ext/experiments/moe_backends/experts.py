@@ -100,7 +100,11 @@ def batched_mm_padded_experts(
     dtype = x_RD.dtype
     num_experts = num_tokens_per_expert_E.shape[0]
     num_rows = x_RD.shape[0]
-    max_rows_per_expert = int(num_tokens_per_expert_E.max()) if num_experts else 0
+    # At least 2 rows per expert (zero rows change nothing): under compile the count is an unbacked
+    # size, and the batched matmul's layout must not depend on whether it is 1.
+    max_rows_per_expert = int(num_tokens_per_expert_E.max().clamp(min=2)) if num_experts else 2
+    torch._check(max_rows_per_expert >= 2)
+    torch._check(max_rows_per_expert <= max(num_rows, 2))
     counts_E = num_tokens_per_expert_E.to(torch.int64)
     starts_E = torch.cumsum(counts_E, dim=0) - counts_E
     expert_R = torch.repeat_interleave(torch.arange(num_experts, device=x_RD.device), counts_E, output_size=num_rows)
