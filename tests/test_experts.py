@@ -122,6 +122,14 @@ def test_half_precision(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim,hidden", [(32, 47), (33, 48)])
+def test_half_precision_rows_not_16_byte_aligned(backend, dtype, dim, hidden):
+    """An odd F or D leaves 16-bit rows off 16-byte alignment, which ``torch._grouped_mm`` refuses."""
+    assert_backend_matches_reference(backend, [5, 0, 9, 2, 7], dim, hidden, dtype, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
 def test_bf16_inputs_with_fp32_parameters(backend):
     """As under FSDP mixed precision: compute in bf16, weight grads flow back in fp32."""
     assert_backend_matches_reference(backend, [6, 3, 0, 8], 32, 40, torch.bfloat16, torch.float32)
@@ -237,14 +245,24 @@ def assert_same_as_reference_with_layout(backend, counts, dim, hidden, layout, g
 
 
 GRADIENT_KINDS = ["dense", "broadcast_scalar", "broadcast_row", "transposed"]
+LAYOUTS = ["contiguous", "row_padded", "column_major", "every_other_row"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
-@pytest.mark.parametrize("layout", ["contiguous", "row_padded", "column_major", "every_other_row"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("gradient_kind", GRADIENT_KINDS)
 def test_non_contiguous_input_with_every_gradient_shape(backend, layout, gradient_kind):
     """D = 16 (16-byte aligned in fp32): the strides, not the padding, are what is tested."""
     assert_same_as_reference_with_layout(backend, [3, 0, 4, 1], 16, 8, layout, gradient_kind)
+
+
+@pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("gradient_kind", GRADIENT_KINDS)
+def test_one_routed_row_with_every_layout_and_gradient_shape(backend, layout, gradient_kind):
+    """One row: ``is_contiguous`` ignores the stride of a size-1 dimension, ``torch._grouped_mm`` reads it
+    (a row of a wider buffer, or a transposed gradient, has a row stride that is not 16-byte aligned)."""
+    assert_same_as_reference_with_layout(backend, [0, 1, 0], 16, 8, layout, gradient_kind)
 
 
 @pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
