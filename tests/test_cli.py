@@ -72,6 +72,7 @@ def test_command_line_beats_toml(tmp_path):
         (["--parallelism.epp", "2"], ["unknown option --parallelism.epp; did you mean", "--parallelism.ep"]),
         (["--training.steps", "x"], ["--training.steps", "invalid literal for int()"]),
         (["--training.steps", "0"], ["training.steps = 0: must be >= 1"]),
+        (["--metrics.log_freq", "0"], ["metrics.log_freq = 0: must be >= 1 (every N steps)"]),
         (["--training.lr"], ["--training.lr needs a value"]),
     ],
 )

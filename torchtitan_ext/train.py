@@ -39,7 +39,7 @@ from torchtitan_ext.launch import launch, report_startup_error, wants_launcher
 from torchtitan_ext.metrics.metadata import record_run_metadata, run_metadata
 from torchtitan_ext.place_in_launch import in_launch, is_rank_zero
 from torchtitan_ext.registry import UnknownFlavorError, all_flavors, get_flavor, startup_notes
-from torchtitan_ext.validation import check_config_values  # noqa: F401  (registers the start-up checks)
+from torchtitan_ext.validation import check_config_values
 
 USAGE = """\
 usage: python -m torchtitan_ext.train [TORCHRUN OPTIONS] --flavor NAME
@@ -137,10 +137,18 @@ class FlavorConfigManager(ConfigManager):
         config = resolve_config(flavor, tomls, cli_overrides)
         if errors := unknown_option_errors(config, rest):
             raise ConfigError("\n".join(errors))
+        self.resolved_config = config
         return config, rest
 
     def parse_args(self, args: list[str] | None = None):
-        config = parse_with_tyro(lambda: super(FlavorConfigManager, self).parse_args(args))
+        self.resolved_config = None
+        try:
+            config = parse_with_tyro(lambda: super(FlavorConfigManager, self).parse_args(args))
+        except ConfigError:
+            if self.resolved_config is not None:
+                # torchtitan's own checks refused a value; a TOML file's is named with its line.
+                check_config_values(self.resolved_config)
+            raise
         flavor, tomls, cli_args = self.run_arguments
         run_config_checks(config)  # cross-field checks (and "auto" resolution), before any process group exists
         # Run metadata for the metrics loggers (wandb config).
@@ -180,7 +188,9 @@ def parse_with_tyro(parse):
             raise
         text = re.sub(r"[\u2500-\u257f]", " ", captured.getvalue())
         lines = [
-            line.strip() for line in text.splitlines() if line.strip().strip("-") and "For full helptext" not in line
+            line.strip()
+            for line in text.splitlines()
+            if line.strip().strip("-") and "For full helptext" not in line and not line.rstrip().endswith(" --help")
         ]
         raise ConfigError(f"{COMMAND_LINE}: " + "\n".join(lines or [f"invalid arguments (exit {e.code})"])) from None
     except ConfigError:

@@ -13,6 +13,7 @@ from typing import Any
 
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.checks import register_config_check
+from torchtitan_ext.config.config_tree import child, resolve_parent
 from torchtitan_ext.config.value_sources import value_source
 from torchtitan_ext.parallel_layout import data_parallel_shard_degree
 from torchtitan_ext.place_in_launch import world_size
@@ -57,7 +58,7 @@ def non_finite_errors(config) -> list[str]:
 
 
 def training_errors(config, world: int) -> list[str]:
-    """Steps, batch sizes, learning rate, sequence length vs RoPE and loss chunking."""
+    """Steps, batch sizes, learning rate, sequence length vs RoPE and loss chunking, step intervals."""
     t = config.training
     errors = []
     if t.steps < 1:
@@ -81,6 +82,31 @@ def training_errors(config, world: int) -> list[str]:
             errors.append(f"{named('training.lr')} = {lr}: must be a finite number > 0")
             break
     errors.extend(sequence_length_errors(config))
+    errors.extend(step_interval_errors(config))
+    return errors
+
+
+STEP_INTERVALS = (
+    "metrics.log_freq",
+    "training.gc_freq",
+    "checkpoint.interval",
+    "validator.freq",
+    "profiler.profile_freq",
+    "profiler.memory_snapshot_freq",
+)
+"""Fields that say "every N steps": torchtitan divides the step by them (``step % N``)."""
+
+
+def step_interval_errors(config) -> list[str]:
+    """Every ``STEP_INTERVALS`` field the config has is None (off, where allowed) or >= 1."""
+    errors = []
+    for key in STEP_INTERVALS:
+        try:
+            value = child(*resolve_parent(config, key.split(".")))
+        except (KeyError, AttributeError):
+            continue
+        if isinstance(value, int) and value < 1:
+            errors.append(f"{named(key)} = {value}: must be >= 1 (every N steps)")
     return errors
 
 
