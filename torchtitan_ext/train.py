@@ -33,7 +33,7 @@ from torchtitan_ext.config.apply import apply_overrides, apply_toml_files, valid
 from torchtitan_ext.config.checks import run_config_checks
 from torchtitan_ext.config.command_line import COMMAND_LINE, split_short_key_args, take_options
 from torchtitan_ext.config.short_keys import short_keys
-from torchtitan_ext.config.value_sources import forget_value_sources
+from torchtitan_ext.config.value_sources import forget_value_sources, record_value_sources
 from torchtitan_ext.config.value_types import annotation_name
 from torchtitan_ext.launch import launch, report_startup_error, wants_launcher
 from torchtitan_ext.metrics.metadata import record_run_metadata, run_metadata
@@ -101,6 +101,16 @@ def resolve_config(flavor_name: str, toml_paths: list[str], cli_overrides: dict 
     return apply_overrides(config, cli_overrides or {}, source=COMMAND_LINE)
 
 
+def option_key(arg: str, known: set[str]) -> str | None:
+    """The config key an option ``--a.b[=v]`` / ``--a.no_b`` sets, when it is in ``known``; else None."""
+    if not arg.startswith("--"):
+        return None
+    name = arg[2:].partition("=")[0].replace("-", "_")
+    parent, _, leaf = name.rpartition(".")
+    plain = f"{parent}.{leaf.removeprefix('no_')}".lstrip(".")
+    return name if name in known else plain if plain in known else None
+
+
 def unknown_option_errors(config, args: list[str]) -> list[str]:
     """``--a.b`` options of ``args`` that name no config field, with close matches (short keys included)."""
     import difflib
@@ -112,9 +122,7 @@ def unknown_option_errors(config, args: list[str]) -> list[str]:
         if not arg.startswith("--") or arg in ("--help", "--help-torchtitan"):
             continue
         name = arg[2:].partition("=")[0].replace("-", "_")
-        parent, _, leaf = name.rpartition(".")
-        plain = f"{parent}.{leaf.removeprefix('no_')}".lstrip(".")
-        if name in known or plain in known or any(k.startswith(name + ".") for k in keys):
+        if option_key(arg, known) is not None or any(k.startswith(name + ".") for k in keys):
             continue
         close = difflib.get_close_matches(name, keys, n=3, cutoff=0.6)
         hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
@@ -137,6 +145,8 @@ class FlavorConfigManager(ConfigManager):
         config = resolve_config(flavor, tomls, cli_overrides)
         if errors := unknown_option_errors(config, rest):
             raise ConfigError("\n".join(errors))
+        known = set(valid_keys(config))
+        record_value_sources({key: COMMAND_LINE for arg in rest if (key := option_key(arg, known)) is not None})
         self.resolved_config = config
         return config, rest
 

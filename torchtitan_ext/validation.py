@@ -8,6 +8,7 @@ key, where its value came from when it was overridden, the value and what is all
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +219,39 @@ def output_errors(config) -> list[str]:
     return []
 
 
+def resume_errors(config) -> list[str]:
+    """With checkpointing on: ``checkpoint.load_step`` names a step folder that exists, and the step a
+    resume starts from (that one, else the highest unless ``checkpoint.start_fresh``) is before
+    ``training.steps`` (else the run would train nothing)."""
+    from torchtitan_ext.checkpoint_integrity import step_numbers, steps_present
+
+    checkpoint = config.checkpoint
+    if not checkpoint.enable:
+        return []
+    folder = os.path.join(config.dump_folder, checkpoint.folder)
+    steps = step_numbers(folder)
+    if checkpoint.load_step != -1:
+        if checkpoint.load_step not in steps:
+            return [
+                f"{named('checkpoint.load_step')} = {checkpoint.load_step}: no step folder; {steps_present(folder)}"
+            ]
+        resumed = checkpoint.load_step
+    elif steps and not getattr(checkpoint, "start_fresh", False):
+        resumed = steps[-1]
+    else:
+        return []
+    total = config.training.steps
+    if resumed < total:
+        return []
+    return [
+        f"{named('training.steps')} = {total}: the run would resume from "
+        f"{os.path.abspath(os.path.join(folder, f'step-{resumed}'))}, at or past its last step, and train "
+        f"nothing. To go on, raise training.steps above {resumed} (e.g. --training.steps {resumed + total}); "
+        "to start over, pass --checkpoint.start_fresh or another --checkpoint.folder; to resume an earlier "
+        f"step, pass --checkpoint.load_step N ({steps_present(folder)})"
+    ]
+
+
 @register_config_check
 def check_config_values(config) -> None:
     """Every value and cross-field rule of the framework; one ``ConfigError`` lists all problems."""
@@ -227,6 +261,7 @@ def check_config_values(config) -> None:
         *training_errors(config, world),
         *data_errors(config),
         *output_errors(config),
+        *resume_errors(config),
     ]
     if errors:
         raise ConfigError("\n".join(dict.fromkeys(errors)))
