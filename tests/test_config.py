@@ -16,7 +16,7 @@ from torchtitan_ext.config.toml_files import load_toml
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.flavors import main as flavors_main
-from torchtitan_ext.flavors import parameter_counts
+from torchtitan_ext.model_size import parameter_counts
 from torchtitan_ext.registry import UnknownFlavorError, all_flavors, get_flavor
 from torchtitan_ext.train import FlavorConfigManager, split_project_args
 

@@ -128,6 +128,41 @@ def test_toml_that_is_not_utf8(tmp_path, capsys):
     assert_refused(capsys, ["--toml", toml], "bad.toml:2: not a UTF-8 text file", "TOML files must be UTF-8")
 
 
+@pytest.fixture
+def cpu_with_16_gib(monkeypatch):
+    """A CPU machine (no CUDA) with 16 GiB of memory."""
+    import torchtitan_ext.compat
+    import torchtitan_ext.model_size
+
+    monkeypatch.setattr(torchtitan_ext.compat, "cpu_training", lambda: True)
+    monkeypatch.setattr(torchtitan_ext.model_size, "machine_memory_bytes", lambda: 16 * 2**30)
+
+
+def test_a_model_too_large_for_this_machine_is_refused_with_the_memory_it_needs(capsys, cpu_with_16_gib):
+    code = main(["--flavor", "qwen3-30b-a3b", "--training.steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert "the model (qwen3, 30.53B parameters) needs at least 455.0 GiB on this host to train on CPU" in err
+    assert "4 copies of every parameter in float32" in err and "this machine has 16.0 GiB of memory" in err
+
+
+def test_the_memory_rule_is_the_estimate_not_the_flavor_name(monkeypatch, cpu_with_16_gib):
+    import torchtitan_ext.model_size
+    from torchtitan_ext.registry import get_flavor
+    from torchtitan_ext.validation import memory_errors
+
+    tiny = get_flavor(TINY).build()
+    assert memory_errors(tiny) == []
+    monkeypatch.setattr(torchtitan_ext.model_size, "machine_memory_bytes", lambda: 2**20)
+    (error,) = memory_errors(tiny)
+    assert "402.82K parameters" in error and "needs at least 0.0 GiB" in error
+    monkeypatch.setenv("WORLD_SIZE", "64")  # 64 hosts of one rank share the state
+    olmoe = get_flavor("olmoe-1b-7b").build()
+    monkeypatch.setattr(torchtitan_ext.model_size, "machine_memory_bytes", lambda: 16 * 2**30)
+    assert memory_errors(olmoe) == []
+
+
 def test_expert_parallel_degree_above_world_suggests_torchrun(capsys):
     assert_refused(
         capsys,

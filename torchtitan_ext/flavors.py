@@ -60,13 +60,6 @@ def files_fingerprint(roots: list[Path], salt: str) -> str:
     return digest.hexdigest()
 
 
-def _human(count: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if count >= scale:
-            return f"{count / scale:.2f}{unit}"
-    return str(count)
-
-
 # ---------------------------------------------------------------------------
 # Built from the configs (imports torch and torchtitan)
 
@@ -78,25 +71,6 @@ def quiet_torchtitan_logger() -> None:
     from torchtitan.tools.logging import logger
 
     logger.setLevel(logging.ERROR)
-
-
-def parameter_counts(model_config) -> tuple[int, int]:
-    """(total, active per token) parameters of a model config, built on the meta device.
-
-    Active counts each MoE layer's routed experts as top_k of num_experts.
-    """
-    import torch
-    from torchtitan.models.common.moe import MoE
-
-    with torch.device("meta"):
-        model = model_config.build()
-    total = sum(p.numel() for p in model.parameters())
-    inactive = 0
-    for _, moe, _, _ in model_config.traverse(MoE.Config):
-        experts = moe.routed_experts.inner_experts
-        per_expert = 3 * experts.dim * experts.hidden_dim
-        inactive += per_expert * (experts.num_experts - moe.router.top_k)
-    return total, total - inactive
 
 
 def _backend(experts_config) -> str:
@@ -118,6 +92,7 @@ def compute_backends(model_config) -> str:
 
 def listing_rows() -> list[list[str]]:
     """One row per registered flavor, cells as in ``LISTING_HEADER``."""
+    from torchtitan_ext.model_size import human_count, parameter_counts
     from torchtitan_ext.registry import all_flavors
 
     quiet_torchtitan_logger()
@@ -125,7 +100,9 @@ def listing_rows() -> list[list[str]]:
     for flavor in all_flavors():
         model_config = flavor.build().model_spec.model
         total, active = parameter_counts(model_config)
-        rows.append([flavor.name, _human(total), _human(active), compute_backends(model_config), flavor.description])
+        rows.append(
+            [flavor.name, human_count(total), human_count(active), compute_backends(model_config), flavor.description]
+        )
     return rows
 
 
@@ -179,6 +156,8 @@ def moe_layer_summary(model_config) -> str:
 
 def concise_view(name: str, tomls: list[str], config) -> list[str]:
     """The settings a user looks at first, one line per area, named like the TOML keys."""
+    from torchtitan_ext.model_size import human_count, parameter_counts
+
     model_config = config.model_spec.model
     total, active = parameter_counts(model_config)
     training, parallelism, metrics, checkpoint = config.training, config.parallelism, config.metrics, config.checkpoint
@@ -200,7 +179,7 @@ def concise_view(name: str, tomls: list[str], config) -> list[str]:
         (
             "model",
             f"{config.model_spec.name}: {len(model_config.layers)} layers, dim {model_config.dim}, "
-            f"vocab {model_config.vocab_size}; {_human(total)} parameters, {_human(active)} active per token",
+            f"vocab {model_config.vocab_size}; {human_count(total)} parameters, {human_count(active)} active per token",
         ),
         ("moe", moe_layer_summary(model_config)),
         (

@@ -17,7 +17,7 @@ from torchtitan_ext.config.checks import register_config_check
 from torchtitan_ext.config.config_tree import child, resolve_parent
 from torchtitan_ext.config.value_sources import value_source
 from torchtitan_ext.parallel_layout import data_parallel_shard_degree
-from torchtitan_ext.place_in_launch import world_size
+from torchtitan_ext.place_in_launch import local_world_size, world_size
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model")
 
@@ -252,6 +252,37 @@ def resume_errors(config) -> list[str]:
     ]
 
 
+def memory_errors(config) -> list[str]:
+    """On CPU: the model's weights, gradients and optimizer state (a lower bound of training's memory,
+    ``model_size.training_state_bytes``), this host's share of them, fit in this machine's memory."""
+    from torchtitan_ext.compat import cpu_training
+    from torchtitan_ext.model_size import (
+        TRAINING_COPIES_PER_PARAMETER,
+        gibibytes,
+        human_count,
+        machine_memory_bytes,
+        training_state_bytes,
+    )
+
+    if config.model_spec is None or not cpu_training():
+        return []
+    try:
+        parameters, state_bytes = training_state_bytes(config)
+    except Exception:  # a model that does not build: the checks of its values say why
+        return []
+    needed = state_bytes * local_world_size() // world_size()
+    available = machine_memory_bytes()
+    if needed <= available:
+        return []
+    return [
+        f"the model ({config.model_spec.name}, {human_count(parameters)} parameters) needs at least "
+        f"{gibibytes(needed)} on this host to train on CPU ({TRAINING_COPIES_PER_PARAMETER} copies of every "
+        f"parameter in {config.training.dtype}: weights, gradients and AdamW's two moments), but this machine has "
+        f"{gibibytes(available)} of memory; train it on GPUs, or pick a smaller flavor "
+        "(python -m torchtitan_ext.flavors lists them with their parameter counts)"
+    ]
+
+
 @register_config_check
 def check_config_values(config) -> None:
     """Every value and cross-field rule of the framework; one ``ConfigError`` lists all problems."""
@@ -262,6 +293,7 @@ def check_config_values(config) -> None:
         *data_errors(config),
         *output_errors(config),
         *resume_errors(config),
+        *memory_errors(config),
     ]
     if errors:
         raise ConfigError("\n".join(dict.fromkeys(errors)))
