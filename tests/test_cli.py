@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.config.command_line import split_short_key_args, take_options
+from torchtitan_ext.config.command_line import split_override_args, take_options
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.metrics.metadata import run_metadata
 from torchtitan_ext.train import FlavorConfigManager, main
@@ -19,7 +19,7 @@ def parse(*args):
 
 
 def test_short_keys_split_from_the_command_line_with_toml_values():
-    overrides, rest = split_short_key_args(
+    overrides, rest = split_override_args(
         ["--parallelism.ep=1", "--training.lr", "1e-3", "--wandb.enable", "--training.steps", "3"]
     )
     assert overrides == {"parallelism.ep": 1, "training.lr": 1e-3, "wandb.enable": True}
@@ -36,8 +36,8 @@ def test_one_splitter_takes_options_with_inline_next_or_no_value():
 
 def test_a_short_key_without_a_value_is_refused_unless_it_is_a_switch():
     with pytest.raises(ConfigError, match=r"^command line: --training\.lr needs a value$"):
-        split_short_key_args(["--training.lr", "--training.steps", "3"])
-    assert split_short_key_args(["--wandb.enable", "--training.batch-size=4"]) == (
+        split_override_args(["--training.lr", "--training.steps", "3"])
+    assert split_override_args(["--wandb.enable", "--training.batch-size=4"]) == (
         {"wandb.enable": True, "training.batch_size": 4},
         [],
     )
@@ -125,3 +125,43 @@ def test_all_to_all_within_a_gpu_host_notes_symm_mem(monkeypatch, caplog, cuda, 
     with caplog.at_level(logging.INFO):
         parse("--parallelism.expert_parallel_degree", "2", "--moe.ep_transport", transport)
     assert ("moe.ep_transport = 'symm_mem' (--toml examples/ep_symm_mem.toml)" in caplog.text) == noted
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--training.batch_size", "4", "--training.local_batch_size", "2"],
+        ["--training.local_batch_size", "2", "--training.batch_size", "4"],
+        ["--training.batch_size", "8", "--training.local_batch_size", "2"],  # 8: the flavor's own value
+        ["--parallelism.ep", "2", "--parallelism.expert_parallel_degree", "1"],
+        ["--moe.top_k", "1", "--model.layers.0.moe.router.top_k", "2"],
+    ],
+)
+def test_two_options_that_set_one_field_are_an_error_naming_both(capsys, args):
+    code = main(["--flavor", TINY, *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("error:") == 1 and "keep one of them" in err, err
+    for option in args[::2]:
+        assert option.removeprefix("--") in err, err
+
+
+def test_two_options_that_agree_or_sources_in_precedence_are_no_conflict(tmp_path):
+    config = parse("--training.batch_size", "2", "--training.local_batch_size", "2")
+    assert config.training.local_batch_size == 2
+    toml = tmp_path / "a.toml"
+    toml.write_text("[training]\nbatch_size = 4\n")
+    assert parse("--toml", str(toml), "--training.local_batch_size", "2").training.local_batch_size == 2
+
+
+def test_model_keys_on_the_command_line_are_the_toml_keys(capsys):
+    config = parse("--model.layers.0.moe.router.route_scale", "2.5")
+    assert config.model_spec.model.layers[0].moe.router.route_scale == 2.5
+    for args, message in (
+        (["--model.dim", "128"], "command line: model.dim cannot be overridden"),
+        (["--loss.loss_fn.global_vocab_size", "5"], "loss.loss_fn.global_vocab_size cannot be overridden"),
+        (["--model.dimm", "128"], "unknown key 'model.dimm'; did you mean model.dim?"),
+    ):
+        assert main(["--flavor", TINY, *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "subcommands" not in err, err

@@ -14,6 +14,7 @@ before any process group or model is built.
 import os
 import socket
 import sys
+from typing import Any
 
 import torch
 import torchtitan.train as titan_train
@@ -29,10 +30,11 @@ from torchtitan_ext.compat.cpu import (
 from torchtitan_ext.compat.quiet_cpu import quiet_cpu_warnings
 from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.config.apply import apply_overrides, apply_toml_files, valid_keys
+from torchtitan_ext.config.apply import apply_overrides, apply_toml_files, valid_keys, written_fields
 from torchtitan_ext.config.checks import run_config_checks
-from torchtitan_ext.config.command_line import COMMAND_LINE, split_short_key_args, take_options
+from torchtitan_ext.config.command_line import COMMAND_LINE, split_override_args, take_options
 from torchtitan_ext.config.short_keys import short_keys
+from torchtitan_ext.config.toml_files import toml_value
 from torchtitan_ext.config.value_sources import forget_value_sources, record_value_sources
 from torchtitan_ext.config.value_types import annotation_name
 from torchtitan_ext.launch import launch, report_startup_error, wants_launcher
@@ -130,6 +132,38 @@ def unknown_option_errors(config, args: list[str]) -> list[str]:
     return errors
 
 
+def parser_options(args: list[str], known: set[str]) -> dict[str, tuple[str, Any]]:
+    """``{config key: (option as given, its value read as a TOML value)}`` of the options in ``args``
+    that torchtitan's parser takes; a switch (``--a.b``, ``--a.no_b``) has the value true or false."""
+    options = {}
+    for i, arg in enumerate(args):
+        if (key := option_key(arg, known)) is None:
+            continue
+        name, has_inline, inline = arg.partition("=")
+        if has_inline:
+            shown, text = arg, inline
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            shown, text = f"{arg} {args[i + 1]}", args[i + 1]
+        else:
+            switched_off = name[2:].replace("-", "_") != key
+            shown, text = arg, "false" if switched_off else "true"
+        options[key] = (shown, toml_value(text))
+    return options
+
+
+def parser_conflict_errors(config, overrides: dict, parser_keys: dict[str, tuple[str, Any]]) -> list[str]:
+    """Command-line ``overrides`` (the project's) that set a field to another value than an option
+    torchtitan's parser takes (``parser_options``), each an error naming both."""
+    errors = []
+    for key, fields in written_fields(config, overrides).items():
+        errors += [
+            f"{COMMAND_LINE}: --{key} {overrides[key]!r} and {parser_keys[field][0]} both set {field}; keep one of them"
+            for field, value in fields.items()
+            if field in parser_keys and parser_keys[field][1] != value
+        ]
+    return errors
+
+
 class FlavorConfigManager(ConfigManager):
     """torchtitan's ConfigManager, loading ``--flavor``/``--toml`` instead of ``--module``/``--config``."""
 
@@ -141,12 +175,15 @@ class FlavorConfigManager(ConfigManager):
             rest = [a for a in rest if a != "--help-torchtitan"] + ["--help"]
         self.run_arguments = (flavor, tomls, rest)
         all_flavors()  # experiments register their short keys on import
-        cli_overrides, rest = split_short_key_args(rest)
-        config = resolve_config(flavor, tomls, cli_overrides)
-        if errors := unknown_option_errors(config, rest):
-            raise ConfigError("\n".join(errors))
+        cli_overrides, rest = split_override_args(rest)
+        from_files = resolve_config(flavor, tomls)
+        config = apply_overrides(from_files, cli_overrides, source=COMMAND_LINE)
         known = set(valid_keys(config))
-        record_value_sources({key: COMMAND_LINE for arg in rest if (key := option_key(arg, known)) is not None})
+        parser_keys = parser_options(rest, known)
+        errors = unknown_option_errors(config, rest) + parser_conflict_errors(from_files, cli_overrides, parser_keys)
+        if errors:
+            raise ConfigError("\n".join(errors))
+        record_value_sources(dict.fromkeys(parser_keys, COMMAND_LINE))
         self.resolved_config = config
         return config, rest
 

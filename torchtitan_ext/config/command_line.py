@@ -1,10 +1,12 @@
 """``--name value`` options taken out of a command line: the one splitter of the train entry's
-``--flavor``/``--toml`` and of the short keys (``--training.lr 1e-3``), which win over the TOML files."""
+``--flavor``/``--toml`` and of the keys the project's overrides set (short keys such as
+``--training.lr 1e-3``, and ``--model.*``), which win over the TOML files."""
 
 from collections.abc import Callable
 from typing import Any
 
 from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config.apply import fixed_field_error
 from torchtitan_ext.config.short_keys import short_key
 from torchtitan_ext.config.toml_files import toml_value
 
@@ -40,22 +42,34 @@ def take_options(
     return taken, rest
 
 
-def _short_key_option(name: str) -> str | None:
-    """The short key ``--NAME`` spells (dashes read as underscores), or None."""
+def override_key(name: str) -> str | None:
+    """The key option ``--NAME`` sets through the project's overrides (dashes read as underscores),
+    or None for an option torchtitan's parser takes.
+
+    The overrides take every short key, and the config keys torchtitan's parser cannot set (the
+    model's, ``model.*``) or must not (fields a flavor fixed when it was built).
+    """
     key = name[2:].replace("-", "_") if name.startswith("--") else None
-    return key if key is not None and short_key(key) is not None else None
+    if key is None:
+        return None
+    if short_key(key) is not None or key.startswith("model.") or fixed_field_error(key) is not None:
+        return key
+    return None
 
 
-def split_short_key_args(args: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """Take ``--<short key> VALUE`` / ``--<short key>=VALUE`` out of ``args``: (overrides, the rest).
+def split_override_args(args: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Take the options the overrides set (``override_key``), ``--KEY VALUE`` / ``--KEY=VALUE``, out of
+    ``args``: (overrides, the rest, for torchtitan's parser).
 
     A value is read as a TOML value (``2``, ``1e-3``, ``true``, ``"x"``), else as a bare
-    string (``for_loop``); a bool key given without a value means true.
+    string (``for_loop``); a key given without a value means true, unless it is a short key of
+    another type.
     """
-    taken, rest = take_options(args, _short_key_option)
+    taken, rest = take_options(args, override_key)
     overrides: dict[str, Any] = {}
     for key, text in taken:
-        if text is None and getattr(short_key(key), "annotation", None) is not bool:
+        annotation = getattr(short_key(key), "annotation", bool)
+        if text is None and annotation is not bool:
             raise ConfigError(f"{COMMAND_LINE}: --{key} needs a value")
         overrides[key] = toml_value("true" if text is None else text)
     return overrides, rest
