@@ -256,15 +256,16 @@ CHECKPOINTED_RUN = [
     "--checkpoint.enable",
     "--checkpoint.interval",
     "2",
-    "--training.steps",
-    "4",
     "--metrics.disable_color_printing",
 ]
 
 
-def train(dump_folder) -> subprocess.CompletedProcess:
+def train(dump_folder, steps: int = 4) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "torchtitan_ext.train", *CHECKPOINTED_RUN, "--dump_folder", str(dump_folder)],
+        [
+            *(sys.executable, "-m", "torchtitan_ext.train", *CHECKPOINTED_RUN),
+            *("--training.steps", str(steps), "--dump_folder", str(dump_folder)),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -303,7 +304,7 @@ def test_damaged_checkpoint_ends_the_run_with_exit_code_2(uninterrupted_run, tmp
     shutil.copytree(dump_folder / "checkpoint", tmp_path / "checkpoint")
     apply_damage, problem = DAMAGE[damage]
     apply_damage(tmp_path / "checkpoint" / "step-4")
-    result = train(tmp_path)
+    result = train(tmp_path, steps=6)
     assert result.returncode == 2, (result.stdout + result.stderr)[-4000:]
     assert re.search(r"error: checkpoint \S*step-4\b.*" + problem, result.stderr), result.stderr[-4000:]
     assert "Traceback" not in result.stderr
