@@ -24,7 +24,7 @@ from torchtitan_ext.experiments.moe_backends.expert_timing import (
 )
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts, runnable_backends
 from torchtitan_ext.metrics.metadata import run_metadata
-from torchtitan_ext.train import FlavorConfigManager
+from torchtitan_ext.run_training import FlavorConfigManager
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 PNG_MAGIC = b"\x89PNG"

@@ -1,6 +1,8 @@
 """Short keys on the command line: same effect, validation and suggestions as in TOML."""
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,9 +11,12 @@ from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.command_line import split_override_args, take_options
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.metrics.metadata import run_metadata
-from torchtitan_ext.train import FlavorConfigManager, main
+from torchtitan_ext.run_training import FlavorConfigManager
+from torchtitan_ext.stdout_pipe import READER_GONE_EXIT_CODE
+from torchtitan_ext.train import main
 
 TINY = "tiny-moe-grouped-mm"
+FLAVOR_ARGS = ["--flavor", TINY]
 
 
 def parse(*args):
@@ -160,8 +165,63 @@ def test_model_keys_on_the_command_line_are_the_toml_keys(capsys):
     for args, message in (
         (["--model.dim", "128"], "command line: model.dim cannot be overridden"),
         (["--loss.loss_fn.global_vocab_size", "5"], "loss.loss_fn.global_vocab_size cannot be overridden"),
-        (["--model.dimm", "128"], "unknown key 'model.dimm'; did you mean model.dim?"),
+        (["--model.dimm", "128"], "unknown option --model.dimm; did you mean --model.dim?"),
     ):
         assert main(["--flavor", TINY, *args]) == 2
         err = capsys.readouterr().err
         assert message in err and "subcommands" not in err, err
+
+
+@pytest.mark.parametrize(
+    "args, warmup_steps, decay_ratio",
+    [
+        (["--training.steps", "50"], 5, 0.8),  # the flavor's schedule fits
+        (["--training.steps", "20"], 5, 0.75),
+        (["--training.steps", "3"], 3, 0.0),
+        (["--training.steps", "20", "--lr_scheduler.warmup_steps", "10"], 10, 0.8),  # set: torchtitan's to adjust
+    ],
+)
+def test_a_short_run_gets_a_schedule_that_fits_unless_one_is_set(args, warmup_steps, decay_ratio):
+    scheduler = parse(*args).lr_scheduler
+    assert (scheduler.warmup_steps, scheduler.decay_ratio) == (warmup_steps, pytest.approx(decay_ratio))
+
+
+QUICK_ANSWERS = {
+    "--help": (["--help"], 0, "short keys (command line --KEY VALUE, or TOML):"),
+    "unknown option": ([*FLAVOR_ARGS, "--training.stesp", "3"], 2, "unknown option --training.stesp; did you mean"),
+    "unknown flavor": (["--flavor", "mixtral"], 2, "unknown flavor 'mixtral'; did you mean mixtral-8x7b?"),
+    "no flavor": (["--training.steps", "3"], 2, "--flavor is required"),
+    "torchrun option last": (
+        [*FLAVOR_ARGS, "--nproc_per_node", "2"],
+        2,
+        f"--nproc_per_node 2: torchrun options come first, before the training arguments: "
+        f"python -m torchtitan_ext.train --nproc_per_node 2 --flavor {TINY}",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(QUICK_ANSWERS))
+def test_help_and_argument_errors_come_before_torch_is_imported(capsys, case):
+    args, code, text = QUICK_ANSWERS[case]
+    assert main(args) == code  # fills the command facts cache of this test session
+    assert text in capsys.readouterr()[0 if code == 0 else 1]
+    probe = (
+        "import sys\n"
+        "from torchtitan_ext.train import main\n"
+        f"print('exit', main({args!r}))\n"
+        "print('heavy modules:', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchtitan')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.stdout.endswith(f"exit {code}\nheavy modules: []\n"), result.stdout[-2000:] + result.stderr
+    assert text in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("module, args", [("torchtitan_ext.flavors", []), ("torchtitan_ext.train", ["--help"])])
+def test_output_into_a_reader_that_stopped_ends_quietly(module, args):
+    command = subprocess.Popen(
+        [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    command.stdout.close()  # as `| head -1` does once it has its line
+    err = command.stderr.read()
+    assert command.wait(timeout=120) == READER_GONE_EXIT_CODE, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

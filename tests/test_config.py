@@ -12,13 +12,14 @@ import pytest
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.apply import apply_overrides, apply_toml_files
 from torchtitan_ext.config.checks import run_config_checks
+from torchtitan_ext.config.command_line import split_project_args
 from torchtitan_ext.config.toml_files import load_toml
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.flavors import main as flavors_main
 from torchtitan_ext.model_size import parameter_counts
 from torchtitan_ext.registry import UnknownFlavorError, all_flavors, get_flavor
-from torchtitan_ext.train import FlavorConfigManager, split_project_args
+from torchtitan_ext.run_training import FlavorConfigManager
 
 TINY = "tiny-moe-grouped-mm"
 FULL_SIZE = {"qwen3-30b-a3b", "deepseek-v3-16b", "mixtral-8x7b", "olmoe-1b-7b"}

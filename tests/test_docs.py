@@ -12,7 +12,7 @@ from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.short_keys import short_keys
 from torchtitan_ext.launch import split_launcher_args
 from torchtitan_ext.registry import all_flavors
-from torchtitan_ext.train import FlavorConfigManager
+from torchtitan_ext.run_training import FlavorConfigManager
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS_TEXT = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])

@@ -46,7 +46,7 @@ from torchtitan_ext.config import ConfigError  # noqa: E402
 from torchtitan_ext.config.apply import apply_overrides  # noqa: E402
 from torchtitan_ext.config.value_sources import forget_value_sources  # noqa: E402
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts  # noqa: E402
-from torchtitan_ext.train import resolve_config  # noqa: E402
+from torchtitan_ext.run_training import resolve_config  # noqa: E402
 
 TABLE = [
     ("flavor", "flavor"),

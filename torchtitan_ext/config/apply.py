@@ -8,7 +8,6 @@ final config.
 """
 
 import copy
-import difflib
 import itertools
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from torchtitan_ext.config.config_tree import (
     resolve_parent,
     set_child,
 )
+from torchtitan_ext.config.names import unknown_key_message
 from torchtitan_ext.config.short_keys import short_key, short_keys
 from torchtitan_ext.config.toml_files import read_toml
 from torchtitan_ext.config.value_sources import record_value_sources
@@ -68,12 +68,6 @@ def valid_keys(config) -> list[str]:
     return [k.key for k in short_keys()] + leaf_keys(config)
 
 
-def _unknown_key_message(key: str, config) -> str:
-    close = difflib.get_close_matches(key, valid_keys(config), n=3, cutoff=0.6)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
-    return f"unknown key {key!r}{hint}"
-
-
 def _apply_one(config, key: str, value: Any) -> str | None:
     """Apply one override to ``config``; the problem (without its source), or None when applied."""
     if (short := short_key(key)) is not None:
@@ -84,7 +78,7 @@ def _apply_one(config, key: str, value: Any) -> str | None:
     try:
         parent, name = resolve_parent(config, key.split("."))
     except KeyError:
-        return _unknown_key_message(key, config)
+        return unknown_key_message(key, valid_keys(config))
     if children(child(parent, name)):
         return f"{key} is a section, not a value; set one of its keys"
     set_child(parent, name, check_value(key, value, field_annotation(parent, name)))
@@ -101,7 +95,9 @@ def _try_apply(config, key: str, value: Any) -> str | None:
 
 def _snapshot(config) -> dict[str, Any]:
     """Every leaf of the config tree; containers copied, so that a change in place shows."""
-    return {key: copy.copy(value) if isinstance(value, (dict, list)) else value for key, value in leaf_items(config).items()}
+    return {
+        key: copy.copy(value) if isinstance(value, (dict, list)) else value for key, value in leaf_items(config).items()
+    }
 
 
 def _differs(after: Any, before: Any) -> bool:
