@@ -163,12 +163,12 @@ def test_the_memory_rule_is_the_estimate_not_the_flavor_name(monkeypatch, cpu_wi
     assert memory_errors(olmoe) == []
 
 
-def test_expert_parallel_degree_above_world_suggests_torchrun(capsys):
+def test_expert_parallel_degree_above_world_suggests_the_launcher(capsys):
     assert_refused(
         capsys,
         ["--parallelism.expert_parallel_degree", "2"],
         "needs at least 2 processes",
-        "torchrun --nproc_per_node=2 -m torchtitan_ext.train",
+        "python -m torchtitan_ext.train --nproc_per_node=2 --flavor tiny-moe-grouped-mm",
     )
 
 
@@ -187,7 +187,7 @@ def test_the_parallel_layout_of_the_ranks():
     layout = ParallelismConfig(data_parallel_shard_degree=2, expert_parallel_degree=4)
     (too_few,) = layout_errors(layout, 2)
     assert too_few.startswith("parallelism.expert_parallel_degree (4) needs at least 4 processes but this run has 2")
-    assert "launch one process per rank: torchrun --nproc_per_node=4 -m torchtitan_ext.train" in too_few
+    assert "launch one process per rank: python -m torchtitan_ext.train --nproc_per_node=4" in too_few
     assert layout_errors(layout, 4) == [
         "parallelism: dp_replicate(1) * dp_shard(2) * cp(1) * tp(1) * pp(1) != world size 4",
         "parallelism.expert_parallel_degree (4) must divide dp_shard*cp*tp = 2 "
