@@ -350,8 +350,10 @@ def test_auto_in_toml_resolves_at_startup_and_is_recorded(tmp_path, monkeypatch)
     assert run_metadata()["toml_overrides"][str(toml)] == {"moe.compute_backend": "auto"}
     ep2 = ["--flavor", "tiny-moe-grouped-mm", "--toml", str(toml), "--parallelism.expert_parallel_degree", "2"]
     monkeypatch.setenv("WORLD_SIZE", "2")  # ranks only read the cache: EP 2 was never measured
-    with pytest.raises(ConfigError, match="no cached choice"):
+    with pytest.raises(ConfigError, match="no cached choice") as error:
         FlavorConfigManager().parse_args(ep2)
+    exact = f"--flavor tiny-moe-grouped-mm --toml {toml} --batch-size 8 --seq-len 128 --expert-parallel-degree 2"
+    assert f"run the single-process `python -m torchtitan_ext.bench auto {exact}` first" in str(error.value)
     monkeypatch.setenv("WORLD_SIZE", "1")  # the documented single-process step measures it
     assert main(["auto", "--flavor", "tiny-moe-grouped-mm", "--toml", str(toml), "--expert-parallel-degree", "2"]) == 0
     monkeypatch.setenv("WORLD_SIZE", "2")  # every rank now reads the same cached choice

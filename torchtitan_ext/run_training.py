@@ -36,7 +36,7 @@ from torchtitan_ext.config.command_line import (
     unknown_option_errors,
 )
 from torchtitan_ext.config.toml_files import toml_value
-from torchtitan_ext.config.value_sources import forget_value_sources, record_value_sources
+from torchtitan_ext.config.value_sources import forget_value_sources, record_resolved_from, record_value_sources
 from torchtitan_ext.launch import INTERRUPTED_EXIT_CODE, report_startup_error, under_this_launcher
 from torchtitan_ext.metrics.metadata import record_run_metadata, run_metadata
 from torchtitan_ext.metrics.processor import close_interrupted_runs
@@ -52,6 +52,7 @@ def resolve_config(flavor_name: str, toml_paths: list[str]):
     except UnknownFlavorError as e:
         raise ConfigError(str(e)) from None
     forget_value_sources()
+    record_resolved_from(flavor_name, toml_paths)
     return apply_toml_files(flavor.build(), toml_paths)
 
 
