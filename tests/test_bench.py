@@ -1,6 +1,7 @@
 """The benchmark CLI on CPU with tiny shapes, its plots, and the "auto" compute-backend choice."""
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 from helpers import make_backend_unavailable
 
+from torchtitan_ext.bench import common
 from torchtitan_ext.bench.__main__ import main
-from torchtitan_ext.bench.common import TINY_SHAPE
+from torchtitan_ext.bench.common import PROJECT_ROOT, TINY_SHAPE, checkout_commit, source_commit
 from torchtitan_ext.bench.plot import chart_of
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.experiments.moe_backends import auto_backend
@@ -629,3 +631,23 @@ def test_train_step_times_a_stock_flavor_as_one_torchtitan_row(capsys):
     assert not train_step.has_switchable_experts(config) and len(config.model_spec.model.layers) == 1
     assert main(["train-step", "--flavor", "olmoe-1b-7b-torchtitan-moe", "--backends", "grouped_mm"]) == 2
     assert "built with torchtitan's own MoE layers" in capsys.readouterr().err
+
+
+def test_results_record_the_commit_of_the_checkout_that_runs_not_of_the_current_folder(tmp_path, monkeypatch):
+    def git(folder, *args):
+        return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, check=True)
+
+    other = tmp_path / "another_repository"
+    (other / "sub").mkdir(parents=True)
+    git(other, "init", "-q")
+    git(other, "-c", "user.name=a", "-c", "user.email=a@b", "commit", "-q", "--allow-empty", "-m", "x")
+    assert checkout_commit(other) == git(other, "rev-parse", "--short", "HEAD").stdout.strip()
+    assert checkout_commit(other / "sub") is None  # a folder inside another repository
+    assert checkout_commit(tmp_path) is None  # no repository at all
+    monkeypatch.delenv("SOURCE_COMMIT", raising=False)
+    monkeypatch.chdir(other)
+    assert source_commit() == checkout_commit(PROJECT_ROOT)  # the running package's, None outside a checkout
+    monkeypatch.setattr(common, "PROJECT_ROOT", tmp_path)
+    assert source_commit() is None
+    monkeypatch.setenv("SOURCE_COMMIT", "abc1234")
+    assert source_commit() == "abc1234"
