@@ -12,7 +12,7 @@ from helpers import make_backend_unavailable
 from torchtitan_ext.bench import common
 from torchtitan_ext.bench.__main__ import main
 from torchtitan_ext.bench.common import PROJECT_ROOT, TINY_SHAPE, checkout_commit, source_commit
-from torchtitan_ext.bench.plot import chart_of
+from torchtitan_ext.bench.plot import chart_of, plot
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.experiments.moe_backends import auto_backend
 from torchtitan_ext.experiments.moe_backends.expert_timing import (
@@ -651,3 +651,23 @@ def test_results_record_the_commit_of_the_checkout_that_runs_not_of_the_current_
     assert source_commit() is None
     monkeypatch.setenv("SOURCE_COMMIT", "abc1234")
     assert source_commit() == "abc1234"
+
+
+def test_a_backend_has_one_colour_in_every_plot(tmp_path, monkeypatch):
+    """The expert-block and MoE-layer charts of the measured H100 results: grouped_mm (first in the
+    layer chart only after stock torchtitan) and triton keep one colour each."""
+    import matplotlib.axes
+
+    drawn = {}
+    draw_bars = matplotlib.axes.Axes.bar
+
+    def recording_bar(axis, *args, label=None, color=None, **kwargs):
+        drawn.setdefault(label, set()).add(color)
+        return draw_bars(axis, *args, label=label, color=color, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", recording_bar)
+    for name in ("expert_block_h100.json", "moe_layer_h100.json"):
+        plot(json.loads((RESULTS / name).read_text()), str(tmp_path / f"{name}.png"))
+    assert {"grouped_mm", "triton", "torchtitan"} <= drawn.keys()
+    assert all(len(colours) == 1 for colours in drawn.values()), drawn
+    assert len({colour for colours in drawn.values() for colour in colours}) == len(drawn)

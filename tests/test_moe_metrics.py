@@ -358,6 +358,18 @@ def test_heatmap_is_a_png():
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("layers, experts, most_pixels", [(48, 128, (1200, 800)), (2, 8, (500, 300))])
+def test_a_heatmap_of_any_size_stays_within_a_readable_image(layers, experts, most_pixels):
+    """Qwen3-30B-A3B's 48 x 128 map was 3400 x 1590 px with 7-pt labels; text no longer shrinks with the map."""
+    from PIL import Image
+
+    names = [f"layer_{i}" for i in range(layers)]
+    png = routing_heatmap_png(np.arange(layers * experts).reshape(layers, experts) % 7, names, step=1)
+    width, height = Image.open(io.BytesIO(png)).size
+    assert width <= most_pixels[0] and height <= most_pixels[1]
+    assert width >= 0.8 * most_pixels[0] and height >= 0.8 * most_pixels[1]
+
+
 def test_wandb_goes_offline_without_credentials(monkeypatch, tmp_path):
     for variable in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_PROJECT"):
         monkeypatch.delenv(variable, raising=False)
