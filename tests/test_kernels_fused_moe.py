@@ -140,7 +140,7 @@ def test_fp32_weights_with_fp16_activations():
 
 
 def test_results_repeat_bit_for_bit():
-    inputs, generator = routed_inputs(10, 40, 24, 4, 2, torch.float32, seed=11)
+    inputs, _ = routed_inputs(10, 40, 24, 4, 2, torch.float32, seed=11)
     runs = []
     for _ in range(2):
         out = fused_moe_routed(*inputs)
@@ -267,7 +267,7 @@ def test_grouped_token_rows_match_index_select():
 
 def test_clear_error_without_cuda_or_interpreter(monkeypatch):
     if torch.cuda.is_available():
-        pytest.skip("CUDA is available here")
+        pytest.skip("the error of a machine without CUDA (and the interpreter off); this one has CUDA")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert "CUDA" in triton_available_reason()
     inputs, _ = routed_inputs(4, 16, 16, 2, 1, torch.float32, seed=0)

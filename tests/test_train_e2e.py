@@ -15,7 +15,9 @@ from torchtitan_ext.experiments.moe_backends.flavors import tiny_flavor_name
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo end-to-end runs"),
+    pytest.mark.skipif(
+        torch.cuda.is_available(), reason="CPU/gloo end-to-end runs (GPU runs: scripts/measure_on_gpu.sh train-tiny)"
+    ),
 ]
 
 STEP_LOSS = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
