@@ -225,3 +225,19 @@ def test_output_into_a_reader_that_stopped_ends_quietly(module, args):
     err = command.stderr.read()
     assert command.wait(timeout=120) == READER_GONE_EXIT_CODE, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_a_flavor_that_does_not_build_leaves_the_others_and_its_run_to_say_why(monkeypatch):
+    from torchtitan_ext import registry
+    from torchtitan_ext.command_facts import CommandFacts, build_command_facts
+    from torchtitan_ext.train import argument_errors
+
+    def broken():
+        raise ValueError("this flavor's config does not build")
+
+    registry.all_flavors()
+    monkeypatch.setitem(registry._FLAVORS, "broken", registry.Flavor("broken", "d", "moe_backends", broken))
+    facts = CommandFacts(**build_command_facts())
+    assert facts.flavor_keys["broken"] is None and "training.steps" in facts.flavor_keys[TINY]
+    assert argument_errors(["--flavor", "broken", "--anything", "1"], facts) == []  # the run reports the build
+    assert argument_errors([*FLAVOR_ARGS, "--anything", "1"], facts) == ["command line: unknown option --anything"]

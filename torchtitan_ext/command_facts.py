@@ -61,7 +61,7 @@ def source_fingerprint() -> str:
 
 def cached_by_sources(name: str, build: Callable[[], Any], what: str) -> Any:
     """``build()`` (JSON data), from ``cache_dir() / name`` when its fingerprint is ``source_fingerprint()``;
-    otherwise built (saying so on stderr: it takes seconds) and cached."""
+    otherwise built (saying so on a terminal's stderr: it takes seconds) and cached."""
     path = cache_dir() / name
     fingerprint = source_fingerprint()
     try:
@@ -70,7 +70,8 @@ def cached_by_sources(name: str, build: Callable[[], Any], what: str) -> Any:
             return cached["data"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    print(f"building {what} (first time after an install or an edit; cached after)", file=sys.stderr, flush=True)
+    if sys.stderr.isatty():
+        print(f"building {what} (first time after an install or an edit; cached after)", file=sys.stderr, flush=True)
     data = build()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,11 +98,12 @@ def torchtitan_logger_quiet() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class CommandFacts:
-    """``flavor_keys``: flavor name -> every key a run of it may set (short keys and config fields);
+    """``flavor_keys``: flavor name -> every key a run of it may set (short keys and config fields), None
+    when its config did not build (the run itself then says why);
     ``short_keys_help``: the short keys as ``--help`` lists them; ``torchrun_options``: torchrun's
     options (those a user may pass), each mapped to whether it takes a value."""
 
-    flavor_keys: dict[str, list[str]]
+    flavor_keys: dict[str, list[str] | None]
     short_keys_help: str
     torchrun_options: dict[str, bool]
 
@@ -138,8 +140,14 @@ def build_command_facts() -> dict[str, Any]:
     from torchtitan_ext.config.apply import valid_keys
     from torchtitan_ext.registry import all_flavors
 
+    def keys_of(flavor) -> list[str] | None:
+        try:
+            return valid_keys(flavor.build())
+        except Exception:  # one flavor that does not build keeps neither the others nor --help from working
+            return None
+
     with torchtitan_logger_quiet():
-        flavor_keys = {flavor.name: valid_keys(flavor.build()) for flavor in all_flavors()}
+        flavor_keys = {flavor.name: keys_of(flavor) for flavor in all_flavors()}
     return {"flavor_keys": flavor_keys, "short_keys_help": short_keys_help(), "torchrun_options": torchrun_options()}
 
 

@@ -20,7 +20,7 @@ import torchtitan.train as titan_train
 from torchtitan.config import ConfigManager
 from torchtitan.tools.logging import logger
 
-from torchtitan_ext.command_facts import command_facts
+from torchtitan_ext.command_facts import torchrun_options
 from torchtitan_ext.compat.cpu import adapt_config_for_cpu, cpu_training, patch_torchtitan_for_cpu
 from torchtitan_ext.compat.quiet_cpu import quiet_cpu_warnings
 from torchtitan_ext.compat.run_noise import quiet_run_noise
@@ -30,10 +30,11 @@ from torchtitan_ext.config.apply import apply_overrides, apply_toml_files, valid
 from torchtitan_ext.config.checks import run_config_checks
 from torchtitan_ext.config.command_line import (
     COMMAND_LINE,
+    FLAVOR_REQUIRED,
+    command_line_errors,
     option_key,
     split_override_args,
     split_project_args,
-    unknown_option_errors,
 )
 from torchtitan_ext.config.toml_files import toml_value
 from torchtitan_ext.config.value_sources import forget_value_sources, record_resolved_from, record_value_sources
@@ -94,7 +95,7 @@ class FlavorConfigManager(ConfigManager):
     def _load_config(self, args: list[str]):
         flavor, tomls, rest = split_project_args(args)
         if flavor is None:
-            raise ConfigError("--flavor is required (list flavors: python -m torchtitan_ext.flavors)")
+            raise ConfigError(FLAVOR_REQUIRED)
         if "--help-torchtitan" in rest:
             rest = [a for a in rest if a != "--help-torchtitan"] + ["--help"]
         self.run_arguments = (flavor, tomls, rest)
@@ -104,7 +105,7 @@ class FlavorConfigManager(ConfigManager):
         config = apply_overrides(from_files, cli_overrides, source=COMMAND_LINE)
         known = set(valid_keys(config))
         parser_keys = parser_options(rest, known)
-        errors = unknown_option_errors(list(known), rest, command_facts().torchrun_options)
+        errors = command_line_errors(list(known), rest, torchrun_options())
         errors += parser_conflict_errors(from_files, cli_overrides, parser_keys)
         if errors:
             raise ConfigError("\n".join(errors))

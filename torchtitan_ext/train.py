@@ -15,7 +15,7 @@ import sys
 
 from torchtitan_ext.command_facts import CommandFacts, command_facts
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.config.command_line import misplaced_torchrun_options, split_project_args, unknown_option_errors
+from torchtitan_ext.config.command_line import FLAVOR_REQUIRED, command_line_errors, split_project_args
 from torchtitan_ext.config.names import unknown_flavor_message
 from torchtitan_ext.launch import launch, report_startup_error, split_launcher_args, wants_launcher
 from torchtitan_ext.place_in_launch import is_rank_zero
@@ -43,20 +43,18 @@ the TOML files, e.g. --moe.compute_backend for_loop --parallelism.ep 2 --trainin
 
 def argument_errors(args: list[str], facts: CommandFacts) -> list[str]:
     """What the cached facts tell about the training arguments ``args`` without building a config:
-    the flavor (missing, unknown), unknown options, torchrun options after the training arguments."""
+    the flavor (missing, unknown), torchrun options after the training arguments, unknown options
+    (left to the run when the flavor's config did not build for the facts: the run says why)."""
     try:
-        flavor, _, rest = split_project_args(args)
+        flavor = split_project_args(args)[0]
     except ConfigError as e:
         return [str(e)]
     if flavor is None:
-        return ["--flavor is required (list flavors: python -m torchtitan_ext.flavors)"]
+        return [FLAVOR_REQUIRED]
     if flavor not in facts.flavor_keys:
         return [unknown_flavor_message(flavor, facts.flavor_keys)]
-    misplaced = misplaced_torchrun_options(args, facts.torchrun_options)
-    return [
-        *([misplaced] if misplaced else []),
-        *unknown_option_errors(facts.flavor_keys[flavor], rest, facts.torchrun_options),
-    ]
+    keys = facts.flavor_keys[flavor]
+    return [] if keys is None else command_line_errors(keys, args, facts.torchrun_options)
 
 
 def main(argv: list[str] | None = None) -> int:

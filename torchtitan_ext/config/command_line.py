@@ -80,6 +80,8 @@ def split_override_args(args: list[str]) -> tuple[dict[str, Any], list[str]]:
 PROJECT_OPTIONS = ("--flavor", "--toml")
 """The train entry's own options; short keys and torchtitan's options follow them."""
 
+FLAVOR_REQUIRED = "--flavor is required (list flavors: python -m torchtitan_ext.flavors)"
+
 
 def split_project_args(args: list[str]) -> tuple[str | None, list[str], list[str]]:
     """Take ``--flavor`` and ``--toml`` out of ``args``: (flavor, toml files, the rest)."""
@@ -103,6 +105,14 @@ def option_key(arg: str, known: set[str]) -> str | None:
     parent, _, leaf = name.rpartition(".")
     plain = f"{parent}.{leaf.removeprefix('no_')}".lstrip(".")
     return name if name in known else plain if plain in known else None
+
+
+def command_line_errors(keys: list[str], args: list[str], torchrun_options: dict[str, bool]) -> list[str]:
+    """The options of the training arguments ``args`` that cannot be: torchrun options placed among them
+    (``misplaced_torchrun_options``), then options that name none of the settable ``keys``."""
+    flavor_and_files_out = split_project_args(args)[2]
+    misplaced = misplaced_torchrun_options(args, torchrun_options)
+    return [*([misplaced] if misplaced else []), *unknown_option_errors(keys, flavor_and_files_out, torchrun_options)]
 
 
 def unknown_option_errors(keys: list[str], args: list[str], torchrun_options: Collection[str]) -> list[str]:
