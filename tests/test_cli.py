@@ -165,7 +165,7 @@ def test_model_keys_on_the_command_line_are_the_toml_keys(capsys):
     for args, message in (
         (["--model.dim", "128"], "command line: model.dim cannot be overridden"),
         (["--loss.loss_fn.global_vocab_size", "5"], "loss.loss_fn.global_vocab_size cannot be overridden"),
-        (["--model.dimm", "128"], "unknown option --model.dimm; did you mean --model.dim?"),
+        (["--model.dimm", "128"], "command line: unknown key 'model.dimm'; did you mean model.dim?"),
     ):
         assert main(["--flavor", TINY, *args]) == 2
         err = capsys.readouterr().err
@@ -241,3 +241,28 @@ def test_a_flavor_that_does_not_build_leaves_the_others_and_its_run_to_say_why(m
     assert facts.flavor_keys["broken"] is None and "training.steps" in facts.flavor_keys[TINY]
     assert argument_errors(["--flavor", "broken", "--anything", "1"], facts) == []  # the run reports the build
     assert argument_errors([*FLAVOR_ARGS, "--anything", "1"], facts) == ["command line: unknown option --anything"]
+
+
+@pytest.mark.parametrize(
+    "args, toml",
+    [
+        (["--training.stesp", "3"], None),
+        (["--model.dim", "128"], None),
+        (["--model.layers.0.moe", "3"], None),
+        (["--nproc_per_node", "2", "--training.steps", "3"], None),
+        ([], "[training]\nstepz = 3\n[model]\ndim = 5\ntraining = 3\n"),
+        ([], "[training\n"),
+        (["--toml"], None),
+    ],
+)
+def test_the_checks_before_torch_say_what_the_run_would(tmp_path, args, toml):
+    from torchtitan_ext.command_facts import command_facts
+    from torchtitan_ext.train import argument_errors
+
+    if toml is not None:
+        (tmp_path / "bad.toml").write_text(toml)
+        args = ["--toml", str(tmp_path / "bad.toml"), *args]
+    quick = argument_errors([*FLAVOR_ARGS, *args], command_facts())
+    with pytest.raises(ConfigError) as error:
+        parse(*args)
+    assert quick and "\n".join(quick) == str(error.value)

@@ -105,7 +105,7 @@ class FlavorConfigManager(ConfigManager):
         config = apply_overrides(from_files, cli_overrides, source=COMMAND_LINE)
         known = set(valid_keys(config))
         parser_keys = parser_options(rest, known)
-        errors = command_line_errors(list(known), rest, torchrun_options())
+        errors = command_line_errors(list(known), args, torchrun_options())
         errors += parser_conflict_errors(from_files, cli_overrides, parser_keys)
         if errors:
             raise ConfigError("\n".join(errors))

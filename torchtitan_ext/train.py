@@ -12,11 +12,20 @@ Configuration errors exit with code 2.
 """
 
 import sys
+from pathlib import Path
 
 from torchtitan_ext.command_facts import CommandFacts, command_facts
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.config.command_line import FLAVOR_REQUIRED, command_line_errors, split_project_args
+from torchtitan_ext.config.apply import name_errors
+from torchtitan_ext.config.command_line import (
+    COMMAND_LINE,
+    FLAVOR_REQUIRED,
+    command_line_errors,
+    split_override_args,
+    split_project_args,
+)
 from torchtitan_ext.config.names import unknown_flavor_message
+from torchtitan_ext.config.toml_files import read_toml
 from torchtitan_ext.launch import launch, report_startup_error, split_launcher_args, wants_launcher
 from torchtitan_ext.place_in_launch import is_rank_zero
 from torchtitan_ext.stdout_pipe import until_the_reader_stops
@@ -42,19 +51,29 @@ the TOML files, e.g. --moe.compute_backend for_loop --parallelism.ep 2 --trainin
 
 
 def argument_errors(args: list[str], facts: CommandFacts) -> list[str]:
-    """What the cached facts tell about the training arguments ``args`` without building a config:
-    the flavor (missing, unknown), torchrun options after the training arguments, unknown options
-    (left to the run when the flavor's config did not build for the facts: the run says why)."""
+    """What the cached facts tell about the training arguments ``args`` without building a config, in
+    the order the run would find it: the flavor (missing, unknown); the keys of a TOML file (unreadable,
+    unknown, fixed by the flavor) or of the command line's overrides; torchrun options after the
+    training arguments, unknown options. Values are the run's to check, and so is everything of a
+    flavor whose config did not build for the facts."""
     try:
-        flavor = split_project_args(args)[0]
+        flavor, tomls, rest = split_project_args(args)
+        if flavor is None:
+            return [FLAVOR_REQUIRED]
+        if flavor not in facts.flavor_keys:
+            return [unknown_flavor_message(flavor, facts.flavor_keys)]
+        keys = facts.flavor_keys[flavor]
+        if keys is None:
+            return []
+        for path in tomls:
+            overrides, lines = read_toml(Path(path))
+            if errors := name_errors(overrides, keys, path, lines):
+                return errors
+        if errors := name_errors(split_override_args(rest)[0], keys, COMMAND_LINE):
+            return errors
     except ConfigError as e:
         return [str(e)]
-    if flavor is None:
-        return [FLAVOR_REQUIRED]
-    if flavor not in facts.flavor_keys:
-        return [unknown_flavor_message(flavor, facts.flavor_keys)]
-    keys = facts.flavor_keys[flavor]
-    return [] if keys is None else command_line_errors(keys, args, facts.torchrun_options)
+    return command_line_errors(keys, args, facts.torchrun_options)
 
 
 def main(argv: list[str] | None = None) -> int:

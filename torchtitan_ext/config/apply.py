@@ -9,6 +9,7 @@ final config.
 
 import copy
 import itertools
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,37 @@ def valid_keys(config) -> list[str]:
     return [k.key for k in short_keys()] + leaf_keys(config)
 
 
+def _section_message(key: str) -> str:
+    return f"{key} is a section, not a value; set one of its keys"
+
+
+def key_name_problem(key: str, known: Collection[str]) -> str | None:
+    """Why ``key`` cannot be set, as far as its name tells against ``known`` (every settable key,
+    ``valid_keys``): a field the flavor fixed, a section, or no such key; worded as when it is applied."""
+    if (reason := fixed_field_error(key)) is not None:
+        return reason
+    if key in known:
+        return None
+    if any(other.startswith(key + ".") for other in known):
+        return _section_message(key)
+    return unknown_key_message(key, known)
+
+
+def name_errors(overrides: dict[str, Any], known: Collection[str], source: str, lines: dict | None = None) -> list[str]:
+    """``key_name_problem`` of every key of ``overrides`` (from ``source``, keys at ``lines``), as
+    ``apply_overrides`` reports it: without building a config."""
+    return [
+        f"{_where(key, source, lines)}: {problem}"
+        for key in overrides
+        if (problem := key_name_problem(key, known)) is not None
+    ]
+
+
+def _where(key: str, source: str, lines: dict[str, int] | None) -> str:
+    """How errors name where ``key`` was set: ``file:line``, or the source."""
+    return f"{source}:{lines[key]}" if lines and key in lines else source
+
+
 def _apply_one(config, key: str, value: Any) -> str | None:
     """Apply one override to ``config``; the problem (without its source), or None when applied."""
     if (short := short_key(key)) is not None:
@@ -80,7 +112,7 @@ def _apply_one(config, key: str, value: Any) -> str | None:
     except KeyError:
         return unknown_key_message(key, valid_keys(config))
     if children(child(parent, name)):
-        return f"{key} is a section, not a value; set one of its keys"
+        return _section_message(key)
     set_child(parent, name, check_value(key, value, field_annotation(parent, name)))
     return None
 
@@ -162,7 +194,7 @@ def apply_overrides(config, overrides: dict[str, Any], source: str = "TOML", lin
     """
     result = copy.deepcopy(config)
     errors: list[str] = []
-    where = {key: f"{source}:{lines[key]}" if lines and key in lines else source for key in overrides}
+    where = {key: _where(key, source, lines) for key in overrides}
     for key, value in overrides.items():
         if (problem := _try_apply(result, key, value)) is not None:
             errors.append(f"{where[key]}: {problem}")
