@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on the measurement machines, which have torch and triton but not
 # torchtitan: its wheels are carried in .whl/. Results go to $OUT (or ./gpu_results).
-#   scripts/measure_on_gpu.sh tests   # GPU tests (kernels, fused layer, router gate)
+#   scripts/measure_on_gpu.sh tests   # the whole test suite, as the README runs it, where CUDA is
 #   scripts/measure_on_gpu.sh bench   # MoE layer (eager and compiled, vs stock torchtitan eager and
 #     compiled) and expert block benchmarks
 #   scripts/measure_on_gpu.sh ep4 ep2 # EP equivalence + dispatch/combine benchmark on 4 and 2 GPUs
@@ -25,7 +25,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$out/gpu.txt"
 for task in "$@"; do
   case $task in
-    tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused_moe_gpu.py tests/test_fused_layer.py tests/test_router_gpu.py tests/test_topk_routing.py tests/test_no_host_sync_gpu.py 2>&1 | tee "$out/gpu_tests.log" ;;
+    tests)
+      # Every test file; on worker processes when pytest-xdist is installed, else in one process.
+      one_process=$(python3 -c "import xdist" 2>/dev/null || echo "-o addopts=-rfEs")
+      python3 -m pytest -q -p no:cacheprovider $one_process 2>&1 | tee "$out/gpu_tests.log" ;;
     bench)
       # BENCH_ROUNDS times every layer / implementation that many times, taking turns, and keeps the medians.
       # The layer bench times stock torchtitan's layer and each of BENCH_LAYERS (default grouped_mm triton),

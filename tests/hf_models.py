@@ -14,7 +14,7 @@ from torchtitan_ext.compat.cpu import adapt_config_for_cpu
 from torchtitan_ext.data import TINY_STORIES_DIR, TOKENIZER_DIR
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts, get_backend
 from torchtitan_ext.experiments.moe_backends.flavors import TINY_HF_FLAVORS, hf_flavor_config, tiny_hf_config
-from torchtitan_ext.train import FlavorConfigManager
+from torchtitan_ext.run_training import FlavorConfigManager
 
 FAMILY_FLAVORS = list(TINY_HF_FLAVORS)
 """The tiny flavor of every family."""

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -10,10 +11,10 @@ import torch
 from helpers import make_backend_unavailable
 
 from torchtitan_ext.bench import __main__ as bench_cli
-from torchtitan_ext.bench import expert_block, moe_layer
+from torchtitan_ext.bench import common, expert_block, moe_layer
 from torchtitan_ext.bench.__main__ import flavor_shapes, main
-from torchtitan_ext.bench.common import SHAPES, TINY_SHAPE, relative_error
-from torchtitan_ext.bench.plot import chart_of
+from torchtitan_ext.bench.common import PROJECT_ROOT, SHAPES, TINY_SHAPE, checkout_commit, relative_error, source_commit
+from torchtitan_ext.bench.plot import chart_of, plot
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.experiments.moe_backends import auto_backend
 from torchtitan_ext.experiments.moe_backends.expert_timing import (
@@ -27,7 +28,7 @@ from torchtitan_ext.experiments.moe_backends.expert_timing import (
 )
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts, runnable_backends
 from torchtitan_ext.metrics.metadata import run_metadata
-from torchtitan_ext.train import FlavorConfigManager
+from torchtitan_ext.run_training import FlavorConfigManager
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 PNG_MAGIC = b"\x89PNG"
@@ -412,8 +413,10 @@ def test_auto_in_toml_resolves_at_startup_and_is_recorded(tmp_path, monkeypatch)
     assert run_metadata()["toml_overrides"][str(toml)] == {"moe.compute_backend": "auto"}
     ep2 = ["--flavor", "tiny-moe-grouped-mm", "--toml", str(toml), "--parallelism.expert_parallel_degree", "2"]
     monkeypatch.setenv("WORLD_SIZE", "2")  # ranks only read the cache: EP 2 was never measured
-    with pytest.raises(ConfigError, match="no cached choice"):
+    with pytest.raises(ConfigError, match="no cached choice") as error:
         FlavorConfigManager().parse_args(ep2)
+    exact = f"--flavor tiny-moe-grouped-mm --toml {toml} --batch-size 8 --seq-len 128 --expert-parallel-degree 2"
+    assert f"run the single-process `python -m torchtitan_ext.bench auto {exact}` first" in str(error.value)
     monkeypatch.setenv("WORLD_SIZE", "1")  # the documented single-process step measures it
     assert main(["auto", "--flavor", "tiny-moe-grouped-mm", "--toml", str(toml), "--expert-parallel-degree", "2"]) == 0
     monkeypatch.setenv("WORLD_SIZE", "2")  # every rank now reads the same cached choice
@@ -824,3 +827,43 @@ def test_train_step_stock_flavor_must_have_torchtitans_moe_layers(capsys):
     argv = ["train-step", "--flavor", "tiny-moe-grouped-mm", "--stock-flavor", "tiny-moe-for-loop", *TINY_SIZES]
     assert main(argv) == 2
     assert "--stock-flavor tiny-moe-for-loop is built with this project's MoE layers" in capsys.readouterr().err
+
+
+def test_results_record_the_commit_of_the_checkout_that_runs_not_of_the_current_folder(tmp_path, monkeypatch):
+    def git(folder, *args):
+        return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, check=True)
+
+    other = tmp_path / "another_repository"
+    (other / "sub").mkdir(parents=True)
+    git(other, "init", "-q")
+    git(other, "-c", "user.name=a", "-c", "user.email=a@b", "commit", "-q", "--allow-empty", "-m", "x")
+    assert checkout_commit(other) == git(other, "rev-parse", "--short", "HEAD").stdout.strip()
+    assert checkout_commit(other / "sub") is None  # a folder inside another repository
+    assert checkout_commit(tmp_path) is None  # no repository at all
+    monkeypatch.delenv("SOURCE_COMMIT", raising=False)
+    monkeypatch.chdir(other)
+    assert source_commit() == checkout_commit(PROJECT_ROOT)  # the running package's, None outside a checkout
+    monkeypatch.setattr(common, "PROJECT_ROOT", tmp_path)
+    assert source_commit() is None
+    monkeypatch.setenv("SOURCE_COMMIT", "abc1234")
+    assert source_commit() == "abc1234"
+
+
+def test_a_backend_has_one_colour_in_every_plot(tmp_path, monkeypatch):
+    """The expert-block and MoE-layer charts of the measured H100 results: grouped_mm (first in the
+    layer chart only after stock torchtitan) and triton keep one colour each."""
+    import matplotlib.axes
+
+    drawn = {}
+    draw_bars = matplotlib.axes.Axes.bar
+
+    def recording_bar(axis, *args, label=None, color=None, **kwargs):
+        drawn.setdefault(label, set()).add(color)
+        return draw_bars(axis, *args, label=label, color=color, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", recording_bar)
+    for name in ("expert_block_h100.json", "moe_layer_h100.json"):
+        plot(json.loads((RESULTS / name).read_text()), str(tmp_path / f"{name}.png"))
+    assert {"grouped_mm", "triton", "torchtitan"} <= drawn.keys()
+    assert all(len(colours) == 1 for colours in drawn.values()), drawn
+    assert len({colour for colours in drawn.values() for colour in colours}) == len(drawn)

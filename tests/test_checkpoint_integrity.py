@@ -158,6 +158,70 @@ def test_missing_load_step_is_named(saved):
         manager.load(step=7)
 
 
+def test_a_chosen_step_that_is_damaged_lists_the_intact_choices(saved):
+    base_folder, _ = saved
+    flip_bytes(distcp_shard(step_folder(base_folder)))
+    manager, _ = build_manager(base_folder, seed=1)
+    with pytest.raises(CheckpointIntegrityError) as error:
+        manager.load(step=2)
+    message = str(error.value)
+    assert f"steps present in {base_folder / 'checkpoint'}: 2" in message
+    assert "move it away" not in message  # it was chosen, not found as the latest
+
+
+# --- start-up checks of a resume: before any process group or model ------------------------
+
+
+def refused_resume(capsys, dump_folder, *args) -> str:
+    """The start-up error of a checkpointed run of the tiny flavor with ``args`` in ``dump_folder``."""
+    from torchtitan_ext.train import main
+
+    code = main(["--flavor", "tiny-moe-grouped-mm", "--checkpoint.enable", "--dump_folder", str(dump_folder), *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture
+def step_folders(tmp_path):
+    """``checkpoint/step-5`` and ``checkpoint/step-17`` under ``tmp_path`` (names are what the checks read)."""
+    for step in (5, 17):
+        step_folder(tmp_path, step).mkdir(parents=True)
+    return tmp_path
+
+
+@pytest.mark.parametrize("steps", ["10", "17"])
+def test_resuming_at_or_past_the_last_step_is_refused_with_how_to_go_on(step_folders, capsys, steps):
+    err = refused_resume(capsys, step_folders, "--training.steps", steps)
+    assert f"command line: training.steps = {steps}: the run would resume from {step_folders}" in err
+    assert "step-17, at or past its last step" in err
+    assert "--training.steps" in err and "--checkpoint.start_fresh" in err and "--checkpoint.load_step" in err
+    assert f"steps present in {step_folders / 'checkpoint'}: 5, 17" in err
+
+
+def test_a_load_step_without_its_folder_lists_the_steps_present(step_folders, capsys):
+    err = refused_resume(capsys, step_folders, "--checkpoint.load_step", "7")
+    assert f"checkpoint.load_step = 7: no step folder; steps present in {step_folders / 'checkpoint'}: 5, 17" in err
+    assert "move it away" not in err
+
+
+def test_a_resume_before_the_last_step_or_a_fresh_start_passes_the_checks(step_folders):
+    from torchtitan_ext.registry import get_flavor
+    from torchtitan_ext.validation import resume_errors
+
+    config = get_flavor("tiny-moe-grouped-mm").build()
+    config.dump_folder, config.checkpoint.enable, config.training.steps = str(step_folders), True, 18
+    assert resume_errors(config) == []
+    config.training.steps = 10
+    config.checkpoint.load_step = 5
+    assert resume_errors(config) == []
+    config.checkpoint.load_step, config.checkpoint.start_fresh = -1, True
+    assert resume_errors(config) == []
+    config.checkpoint.enable = False
+    assert resume_errors(config) == []
+
+
 @pytest.fixture
 def world_of_one(monkeypatch):
     """A one-process gloo group, as torchtitan's async checkpointing needs one."""
@@ -192,15 +256,16 @@ CHECKPOINTED_RUN = [
     "--checkpoint.enable",
     "--checkpoint.interval",
     "2",
-    "--training.steps",
-    "4",
     "--metrics.disable_color_printing",
 ]
 
 
-def train(dump_folder) -> subprocess.CompletedProcess:
+def train(dump_folder, steps: int = 4) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "torchtitan_ext.train", *CHECKPOINTED_RUN, "--dump_folder", str(dump_folder)],
+        [
+            *(sys.executable, "-m", "torchtitan_ext.train", *CHECKPOINTED_RUN),
+            *("--training.steps", str(steps), "--dump_folder", str(dump_folder)),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -239,7 +304,7 @@ def test_damaged_checkpoint_ends_the_run_with_exit_code_2(uninterrupted_run, tmp
     shutil.copytree(dump_folder / "checkpoint", tmp_path / "checkpoint")
     apply_damage, problem = DAMAGE[damage]
     apply_damage(tmp_path / "checkpoint" / "step-4")
-    result = train(tmp_path)
+    result = train(tmp_path, steps=6)
     assert result.returncode == 2, (result.stdout + result.stderr)[-4000:]
     assert re.search(r"error: checkpoint \S*step-4\b.*" + problem, result.stderr), result.stderr[-4000:]
     assert "Traceback" not in result.stderr

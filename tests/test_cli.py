@@ -1,17 +1,22 @@
 """Short keys on the command line: same effect, validation and suggestions as in TOML."""
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.config.command_line import split_short_key_args, take_options
+from torchtitan_ext.config.command_line import split_override_args, take_options
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.metrics.metadata import run_metadata
-from torchtitan_ext.train import FlavorConfigManager, main
+from torchtitan_ext.run_training import FlavorConfigManager
+from torchtitan_ext.stdout_pipe import READER_GONE_EXIT_CODE
+from torchtitan_ext.train import main
 
 TINY = "tiny-moe-grouped-mm"
+FLAVOR_ARGS = ["--flavor", TINY]
 
 
 def parse(*args):
@@ -19,7 +24,7 @@ def parse(*args):
 
 
 def test_short_keys_split_from_the_command_line_with_toml_values():
-    overrides, rest = split_short_key_args(
+    overrides, rest = split_override_args(
         ["--parallelism.ep=1", "--training.lr", "1e-3", "--wandb.enable", "--training.steps", "3"]
     )
     assert overrides == {"parallelism.ep": 1, "training.lr": 1e-3, "wandb.enable": True}
@@ -36,8 +41,8 @@ def test_one_splitter_takes_options_with_inline_next_or_no_value():
 
 def test_a_short_key_without_a_value_is_refused_unless_it_is_a_switch():
     with pytest.raises(ConfigError, match=r"^command line: --training\.lr needs a value$"):
-        split_short_key_args(["--training.lr", "--training.steps", "3"])
-    assert split_short_key_args(["--wandb.enable", "--training.batch-size=4"]) == (
+        split_override_args(["--training.lr", "--training.steps", "3"])
+    assert split_override_args(["--wandb.enable", "--training.batch-size=4"]) == (
         {"wandb.enable": True, "training.batch_size": 4},
         [],
     )
@@ -72,6 +77,7 @@ def test_command_line_beats_toml(tmp_path):
         (["--parallelism.epp", "2"], ["unknown option --parallelism.epp; did you mean", "--parallelism.ep"]),
         (["--training.steps", "x"], ["--training.steps", "invalid literal for int()"]),
         (["--training.steps", "0"], ["training.steps = 0: must be >= 1"]),
+        (["--metrics.log_freq", "0"], ["metrics.log_freq = 0: must be >= 1 (every N steps)"]),
         (["--training.lr"], ["--training.lr needs a value"]),
     ],
 )
@@ -124,3 +130,139 @@ def test_all_to_all_within_a_gpu_host_notes_symm_mem(monkeypatch, caplog, cuda, 
     with caplog.at_level(logging.INFO):
         parse("--parallelism.expert_parallel_degree", "2", "--moe.ep_transport", transport)
     assert ("moe.ep_transport = 'symm_mem' (--toml examples/ep_symm_mem.toml)" in caplog.text) == noted
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--training.batch_size", "4", "--training.local_batch_size", "2"],
+        ["--training.local_batch_size", "2", "--training.batch_size", "4"],
+        ["--training.batch_size", "8", "--training.local_batch_size", "2"],  # 8: the flavor's own value
+        ["--parallelism.ep", "2", "--parallelism.expert_parallel_degree", "1"],
+        ["--moe.top_k", "1", "--model.layers.0.moe.router.top_k", "2"],
+    ],
+)
+def test_two_options_that_set_one_field_are_an_error_naming_both(capsys, args):
+    code = main(["--flavor", TINY, *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("error:") == 1 and "keep one of them" in err, err
+    for option in args[::2]:
+        assert option.removeprefix("--") in err, err
+
+
+def test_two_options_that_agree_or_sources_in_precedence_are_no_conflict(tmp_path):
+    config = parse("--training.batch_size", "2", "--training.local_batch_size", "2")
+    assert config.training.local_batch_size == 2
+    toml = tmp_path / "a.toml"
+    toml.write_text("[training]\nbatch_size = 4\n")
+    assert parse("--toml", str(toml), "--training.local_batch_size", "2").training.local_batch_size == 2
+
+
+def test_model_keys_on_the_command_line_are_the_toml_keys(capsys):
+    config = parse("--model.layers.0.moe.router.route_scale", "2.5")
+    assert config.model_spec.model.layers[0].moe.router.route_scale == 2.5
+    for args, message in (
+        (["--model.dim", "128"], "command line: model.dim cannot be overridden"),
+        (["--loss.loss_fn.global_vocab_size", "5"], "loss.loss_fn.global_vocab_size cannot be overridden"),
+        (["--model.dimm", "128"], "command line: unknown key 'model.dimm'; did you mean model.dim?"),
+    ):
+        assert main(["--flavor", TINY, *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "subcommands" not in err, err
+
+
+@pytest.mark.parametrize(
+    "args, warmup_steps, decay_ratio",
+    [
+        (["--training.steps", "50"], 5, 0.8),  # the flavor's schedule fits
+        (["--training.steps", "20"], 5, 0.75),
+        (["--training.steps", "3"], 3, 0.0),
+        (["--training.steps", "20", "--lr_scheduler.warmup_steps", "10"], 10, 0.8),  # set: torchtitan's to adjust
+    ],
+)
+def test_a_short_run_gets_a_schedule_that_fits_unless_one_is_set(args, warmup_steps, decay_ratio):
+    scheduler = parse(*args).lr_scheduler
+    assert (scheduler.warmup_steps, scheduler.decay_ratio) == (warmup_steps, pytest.approx(decay_ratio))
+
+
+QUICK_ANSWERS = {
+    "--help": (["--help"], 0, "short keys (command line --KEY VALUE, or TOML):"),
+    "unknown option": ([*FLAVOR_ARGS, "--training.stesp", "3"], 2, "unknown option --training.stesp; did you mean"),
+    "unknown flavor": (["--flavor", "mixtral"], 2, "unknown flavor 'mixtral'; did you mean tiny-mixtral, mixtral-8x7b?"),
+    "no flavor": (["--training.steps", "3"], 2, "--flavor is required"),
+    "torchrun option last": (
+        [*FLAVOR_ARGS, "--nproc_per_node", "2"],
+        2,
+        f"--nproc_per_node 2: torchrun options come first, before the training arguments: "
+        f"python -m torchtitan_ext.train --nproc_per_node 2 --flavor {TINY}",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(QUICK_ANSWERS))
+def test_help_and_argument_errors_come_before_torch_is_imported(capsys, case):
+    args, code, text = QUICK_ANSWERS[case]
+    assert main(args) == code  # fills the command facts cache of this test session
+    assert text in capsys.readouterr()[0 if code == 0 else 1]
+    probe = (
+        "import sys\n"
+        "from torchtitan_ext.train import main\n"
+        f"print('exit', main({args!r}))\n"
+        "print('heavy modules:', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchtitan')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.stdout.endswith(f"exit {code}\nheavy modules: []\n"), result.stdout[-2000:] + result.stderr
+    assert text in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("module, args", [("torchtitan_ext.flavors", []), ("torchtitan_ext.train", ["--help"])])
+def test_output_into_a_reader_that_stopped_ends_quietly(module, args):
+    command = subprocess.Popen(
+        [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    command.stdout.close()  # as `| head -1` does once it has its line
+    err = command.stderr.read()
+    assert command.wait(timeout=120) == READER_GONE_EXIT_CODE, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_a_flavor_that_does_not_build_leaves_the_others_and_its_run_to_say_why(monkeypatch):
+    from torchtitan_ext import registry
+    from torchtitan_ext.command_facts import CommandFacts, build_command_facts
+    from torchtitan_ext.train import argument_errors
+
+    def broken():
+        raise ValueError("this flavor's config does not build")
+
+    registry.all_flavors()
+    monkeypatch.setitem(registry._FLAVORS, "broken", registry.Flavor("broken", "d", "moe_backends", broken))
+    facts = CommandFacts(**build_command_facts())
+    assert facts.flavor_keys["broken"] is None and "training.steps" in facts.flavor_keys[TINY]
+    assert argument_errors(["--flavor", "broken", "--anything", "1"], facts) == []  # the run reports the build
+    assert argument_errors([*FLAVOR_ARGS, "--anything", "1"], facts) == ["command line: unknown option --anything"]
+
+
+@pytest.mark.parametrize(
+    "args, toml",
+    [
+        (["--training.stesp", "3"], None),
+        (["--model.dim", "128"], None),
+        (["--model.layers.0.moe", "3"], None),
+        (["--nproc_per_node", "2", "--training.steps", "3"], None),
+        ([], "[training]\nstepz = 3\n[model]\ndim = 5\ntraining = 3\n"),
+        ([], "[training\n"),
+        (["--toml"], None),
+    ],
+)
+def test_the_checks_before_torch_say_what_the_run_would(tmp_path, args, toml):
+    from torchtitan_ext.command_facts import command_facts
+    from torchtitan_ext.train import argument_errors
+
+    if toml is not None:
+        (tmp_path / "bad.toml").write_text(toml)
+        args = ["--toml", str(tmp_path / "bad.toml"), *args]
+    quick = argument_errors([*FLAVOR_ARGS, *args], command_facts())
+    with pytest.raises(ConfigError) as error:
+        parse(*args)
+    assert quick and "\n".join(quick) == str(error.value)

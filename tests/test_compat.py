@@ -126,6 +126,8 @@ def test_adapted_config_uses_settings_torchtitan_accepts():
     config = get_flavor("tiny-moe-for-loop").build()
     adapt_config_for_cpu(config)
     assert config.training.disable_cuda_graphs is True
+    assert config.comm.trace_buf_size == 0 and config.comm.train_timeout_seconds == 30
+    assert "os.makedirs(dump_dir" in inspect.getsource(titan_dist_utils.init_distributed)
     backends = typing.get_args(typing.get_type_hints(ParallelismConfig)["spmd_backend"])
     assert "partial_dtensor" in backends
 
@@ -250,3 +252,68 @@ def test_dispatchers_that_say_whether_they_wait_pass_torchtitans_check_and_other
     moe.routed_experts.token_dispatcher = AllToAllTokenDispatcher.Config(num_experts=8, top_k=2)
     with pytest.raises(ValueError, match="CUDA graphs support only expert parallel token dispatcher"):
         validate_cuda_graphs_with_declared_dispatchers(config)
+
+
+# What the train entry says and waits for (every device)
+
+
+def test_torchtitan_still_logs_its_version_first_and_waits_for_other_ranks():
+    import torchtitan.train as titan_train
+    from torchtitan.trainer import Trainer
+
+    main_source = inspect.getsource(titan_train.main)
+    assert main_source.index('"torchtitan version: %s') < main_source.index("config_manager.parse_args()")
+    train_source = inspect.getsource(Trainer.train)
+    assert 'logger.info("Sleeping 2 seconds for other ranks to complete")' in train_source
+    assert "time.sleep(2)" in train_source
+
+
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_run_noise_drops_the_version_line_and_the_wait_of_a_run_of_one(monkeypatch, caplog, world):
+    import logging
+    import time
+
+    import torchtitan.trainer as titan_trainer
+    from torchtitan.tools.logging import logger
+
+    from torchtitan_ext.compat.run_noise import quiet_run_noise
+
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setattr(logger, "filters", [])
+    monkeypatch.setattr(titan_trainer, "time", time)
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    caplog.set_level(logging.INFO)
+    quiet_run_noise()
+    quiet_run_noise()
+    logger.info("torchtitan version: %s (0.0.0 means __version__ is not defined correctly).", "0.3.0")
+    logger.info("Sleeping 2 seconds for other ranks to complete")
+    titan_trainer.time.sleep(2)
+    assert titan_trainer.time.perf_counter() > 0
+    waits = world != "1"
+    assert [r.getMessage() for r in caplog.records] == ["Sleeping 2 seconds for other ranks to complete"] * waits
+    assert slept == [2] * waits
+
+
+def test_a_resumed_schedule_warns_nothing(monkeypatch):
+    import warnings
+
+    import torchtitan.trainer as titan_trainer
+    from torchtitan.components.optimizer import LRSchedulersContainer
+    from torchtitan.tools.logging import logger
+
+    from torchtitan_ext.compat.run_noise import quiet_run_noise
+
+    monkeypatch.setattr(logger, "filters", [])
+    monkeypatch.setattr(titan_trainer, "time", titan_trainer.time)
+
+    assert "scheduler.get_lr()" in inspect.getsource(LRSchedulersContainer.load_state_dict)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    with warnings.catch_warnings(record=True) as recorded:
+        warnings.simplefilter("always")
+        scheduler.get_lr()
+        assert len(recorded) == 1  # torch still warns where torchtitan calls it
+        quiet_run_noise()
+        scheduler.get_lr()
+    assert len(recorded) == 1

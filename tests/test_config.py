@@ -12,13 +12,14 @@ import pytest
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.apply import apply_overrides, apply_toml_files
 from torchtitan_ext.config.checks import run_config_checks
+from torchtitan_ext.config.command_line import split_project_args
 from torchtitan_ext.config.toml_files import load_toml
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.flavors import main as flavors_main
-from torchtitan_ext.flavors import parameter_counts
+from torchtitan_ext.model_size import parameter_counts
 from torchtitan_ext.registry import UnknownFlavorError, all_flavors, get_flavor
-from torchtitan_ext.train import FlavorConfigManager, split_project_args
+from torchtitan_ext.run_training import FlavorConfigManager
 
 TINY = "tiny-moe-grouped-mm"
 FULL_SIZE = {"qwen3-30b-a3b", "deepseek-v3-16b", "mixtral-8x7b", "olmoe-1b-7b"}
@@ -294,3 +295,16 @@ def test_example_toml_files_apply(example):
     assert set(keys) <= set(read_back), f"no read-back for {sorted(set(keys) - set(read_back))}"
     for key, value in keys.items():
         assert read_back[key](config) == {value}, key
+
+
+def test_two_keys_of_one_toml_file_that_set_one_field_are_an_error_naming_both(tmp_path):
+    path = write_toml(tmp_path, "both.toml", "[training]\nbatch_size = 4\nlocal_batch_size = 2\n")
+    with pytest.raises(ConfigError) as error:
+        apply_toml_files(get_flavor(TINY).build(), [path])
+    assert str(error.value) == (
+        f"{path}:2: training.batch_size = 4 and {path}:3: training.local_batch_size = 2 both set "
+        "training.local_batch_size; keep one of them"
+    )
+    path = write_toml(tmp_path, "moe.toml", "[moe]\ntop_k = 1\n[model.layers.1.moe.router]\ntop_k = 2\n")
+    with pytest.raises(ConfigError, match=r"moe\.top_k = 1 and .* model\.layers\.1\.moe\.router\.top_k = 2 both set"):
+        apply_toml_files(get_flavor(TINY).build(), [path])

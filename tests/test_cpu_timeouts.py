@@ -13,7 +13,9 @@ from helpers import free_port
 from torchtitan_ext.compat.cpu import adapt_config_for_cpu
 from torchtitan_ext.registry import get_flavor
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo adaptation")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="gloo timeouts of CPU training (compat.cpu); CUDA runs keep torchtitan's"
+)
 
 
 def test_cpu_train_timeout_replaces_torchtitan_default_only():
@@ -36,39 +38,40 @@ def test_stopped_rank_ends_the_job_at_the_train_timeout(tmp_path):
     port = str(free_port())
     rank0_log = tmp_path / "rank0.log"
     ranks = []
-    for rank in (0, 1):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
-        output = open(rank0_log, "w") if rank == 0 else subprocess.PIPE
-        ranks.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "torchtitan_ext.train",
-                    "--flavor",
-                    "tiny-moe-grouped-mm",
-                    "--training.steps",
-                    "200",
-                    "--comm.train_timeout_seconds",
-                    "5",
-                    "--dump_folder",
-                    str(tmp_path / f"rank{rank}"),
-                    "--metrics.disable_color_printing",
-                ],
-                env=env,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                text=True,
+    with open(rank0_log, "w") as rank0_output:  # each process keeps its own copy of the descriptor
+        for rank in (0, 1):
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE="2",
+                LOCAL_WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
             )
-        )
+            output = rank0_output if rank == 0 else subprocess.PIPE
+            ranks.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "torchtitan_ext.train",
+                        "--flavor",
+                        "tiny-moe-grouped-mm",
+                        "--training.steps",
+                        "200",
+                        "--comm.train_timeout_seconds",
+                        "5",
+                        "--dump_folder",
+                        str(tmp_path / f"rank{rank}"),
+                        "--metrics.disable_color_printing",
+                    ],
+                    env=env,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
     rank0, rank1 = ranks
     try:
         for line in rank1.stdout:

@@ -1,7 +1,8 @@
 """Local token dispatch: grouping, align_size padding, dropped slots, torch vs Triton permute.
 
-The Triton checks run in a subprocess with ``TRITON_INTERPRET=1`` (the interpreter is chosen
-when the kernels are defined), fp32 and fp16 on CPU.
+The Triton checks run on CUDA where there is one; otherwise in a subprocess with
+``TRITON_INTERPRET=1`` (the interpreter is chosen when the kernels are defined), on CPU. fp32
+and fp16 either way.
 """
 
 import os
@@ -48,7 +49,7 @@ def routing(num_tokens: int, seed: int = 0, drop_every: int = 0):
 
 def per_expert_linear(rows_RD, rows_per_expert_E, weights_EDD):
     """A stand-in expert: row r of expert e -> rows_RD[r] @ weights_EDD[e] (zero rows stay zero)."""
-    expert_R = torch.repeat_interleave(torch.arange(len(rows_per_expert_E)), rows_per_expert_E)
+    expert_R = torch.repeat_interleave(torch.arange(len(rows_per_expert_E), device=rows_RD.device), rows_per_expert_E)
     return torch.einsum("rd,rde->re", rows_RD, weights_EDD[expert_R])
 
 
@@ -267,12 +268,19 @@ def test_ep_misconfiguration_exits_before_training():
     assert "expert_parallel_degree (3) does not divide the number of experts (8)" in result.stderr
 
 
-def triton_checks() -> None:
-    """Triton permute / unpermute / token sum (and as a gather) vs the torch references, and the
-    dispatcher with each backend."""
+def triton_checks(device: torch.device) -> None:
+    """Triton permute / unpermute / token sum (and as a gather) vs the torch references, and the dispatcher
+    with each backend, on ``device``."""
+
+    def on_device(*tensors):
+        return [t.to(device) for t in tensors]
+
+    def ramp(out):
+        return torch.linspace(-1, 1, out.numel(), device=device).view_as(out)
+
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         for align_size, drop_every in ((1, 0), (4, 3)):
-            x_TD, scores_TK, ids_TK, counts_E = routing(7, seed=5, drop_every=drop_every)
+            x_TD, scores_TK, ids_TK, counts_E = on_device(*routing(7, seed=5, drop_every=drop_every))
             plan = plan_slots(ids_TK, counts_E, align_size)
             grads = []
             for permute, unpermute in (
@@ -284,22 +292,24 @@ def triton_checks() -> None:
                 rows = permute(x, plan.dest_row_S, TOP_K, plan.num_rows)
                 rows = rows * 2 + 1  # padding rows become nonzero: they must still not leak
                 out = unpermute(rows, plan.dest_row_S, scores, TOP_K)
-                out.backward(torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype))
+                out.backward(ramp(out).to(dtype))
                 grads.append((rows, out, x.grad, scores.grad))
             for expected, actual in zip(*grads):
                 torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
 
             grads = []
             for sum_rows in (moe_permute.sum_token_rows_reference, moe_permute.sum_token_rows):
-                rows = (torch.arange(plan.num_rows * DIM, dtype=torch.float32).view(-1, DIM) / 7).to(dtype)
+                rows = (torch.arange(plan.num_rows * DIM, dtype=torch.float32, device=device).view(-1, DIM) / 7).to(
+                    dtype
+                )
                 rows.requires_grad_()
                 out = sum_rows(rows, plan.dest_row_S, TOP_K)
-                out.backward(torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype))
+                out.backward(ramp(out).to(dtype))
                 grads.append((out, rows.grad))
             for expected, actual in zip(*grads):
                 torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
 
-        x_TD, _, ids_TK, counts_E = routing(7, seed=8, drop_every=3)
+        x_TD, _, ids_TK, counts_E = on_device(*routing(7, seed=8, drop_every=3))
         plan = plan_slots(ids_TK, counts_E, 1)
         written_R = plan.dest_row_S[plan.dest_row_S >= 0].long()
         zeroed, unzeroed = (
@@ -308,19 +318,17 @@ def triton_checks() -> None:
         )
         assert torch.equal(unzeroed[written_R], zeroed[written_R])
 
-        rows_RD = torch.randn(9, DIM, generator=torch.Generator().manual_seed(7)).to(dtype).requires_grad_()
-        index_N = torch.tensor([4, 0, 8, 2, 7, 1])  # one row each, no repeats: a gather; rows 3, 5, 6 unread
+        rows_RD = torch.randn(9, DIM, generator=torch.Generator().manual_seed(7)).to(device, dtype).requires_grad_()
+        index_N = torch.tensor([4, 0, 8, 2, 7, 1], device=device)  # one row each, no repeats: a gather
         out = moe_permute.sum_token_rows(rows_RD, index_N, 1)
-        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype))
+        out.backward(ramp(out).to(dtype))
         assert torch.equal(out, rows_RD[index_N])
-        expected_grad = torch.zeros_like(rows_RD).index_copy(
-            0, index_N, torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype)
-        )
+        expected_grad = torch.zeros_like(rows_RD).index_copy(0, index_N, ramp(out).to(dtype))
         assert torch.equal(rows_RD.grad, expected_grad)
 
-    x_TD, scores_TK, ids_TK, counts_E = routing(8, seed=6, drop_every=5)
+    x_TD, scores_TK, ids_TK, counts_E, weights_EDD = on_device(*routing(8, seed=6, drop_every=5), WEIGHTS_EDD)
     results = [
-        dispatch_combine(dispatcher(4, backend), x_TD, scores_TK, ids_TK, counts_E, WEIGHTS_EDD)
+        dispatch_combine(dispatcher(4, backend), x_TD, scores_TK, ids_TK, counts_E, weights_EDD)
         for backend in ("torch", "triton")
     ]
     for expected, actual in zip(*results):
@@ -343,7 +351,10 @@ def test_auto_permute_takes_the_kernels_for_cuda_tokens_only(monkeypatch):
     assert calls == ["torch", "triton", "torch"]
 
 
-def test_triton_permute_matches_torch_under_interpreter():
+def test_triton_permute_matches_torch():
+    if torch.cuda.is_available():
+        triton_checks(torch.device("cuda"))
+        return
     result = subprocess.run(
         [sys.executable, __file__],
         capture_output=True,
@@ -356,5 +367,5 @@ def test_triton_permute_matches_torch_under_interpreter():
 
 
 if __name__ == "__main__":
-    triton_checks()
+    triton_checks(torch.device("cpu"))
     print("triton checks passed")

@@ -26,6 +26,9 @@ from torchtitan_ext.kernels.symm_mem_rows import publish_routing, receive_layout
 NUM_EXPERTS, TOP_K, DIM, TOKENS = 8, 3, 12, 10
 
 needs_triton = pytest.mark.skipif(triton_available_reason() is not None, reason="Triton cannot run here")
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+"""Where the kernel checks run: CUDA when there is one, else CPU tensors through Triton's interpreter
+(``TRITON_INTERPRET=1``, set by conftest.py where there is no CUDA)."""
 
 
 @needs_triton
@@ -34,11 +37,15 @@ def test_publish_routing_kernel_matches_a_direct_enumeration():
     expert (dropped slots, id E, excluded), then the token count; every region overwritten."""
     generator = torch.Generator().manual_seed(2)
     for experts, tokens, top_k in ((8, 10, 3), (5, 1, 2), (64, 300, 8), (3, 0, 2)):
-        expert_S = torch.randint(0, experts + 1, (tokens * top_k,), generator=generator)
-        scores_S = torch.rand(tokens * top_k, generator=generator, dtype=torch.float64).to(torch.bfloat16)
-        slot_expert, slot_position = (torch.full((tokens * top_k,), -7, dtype=torch.int32) for _ in range(2))
-        slot_score = torch.full((tokens * top_k,), -7.0)
-        counts = torch.full((experts + 1,), -7, dtype=torch.int32)
+        expert_S = torch.randint(0, experts + 1, (tokens * top_k,), generator=generator).to(KERNEL_DEVICE)
+        scores_S = torch.rand(tokens * top_k, generator=generator, dtype=torch.float64).to(
+            KERNEL_DEVICE, torch.bfloat16
+        )
+        slot_expert, slot_position = (
+            torch.full((tokens * top_k,), -7, dtype=torch.int32, device=KERNEL_DEVICE) for _ in range(2)
+        )
+        slot_score = torch.full((tokens * top_k,), -7.0, device=KERNEL_DEVICE)
+        counts = torch.full((experts + 1,), -7, dtype=torch.int32, device=KERNEL_DEVICE)
         order_S = stable_expert_order(expert_S, experts)
         publish_routing(order_S, expert_S, scores_S, slot_expert, slot_score, slot_position, counts, experts, tokens)
         expected_position = [0] * expert_S.numel()
@@ -59,8 +66,10 @@ def test_receive_layout_kernel_matches_a_direct_enumeration():
     for world, experts in ((2, 4), (4, 8), (3, 6), (1, 5)):
         counts_WE = torch.randint(0, 4, (world, experts), generator=generator, dtype=torch.int32)
         counts_WE[0, 1] = 0
-        regions = [torch.cat([counts_WE[s], torch.tensor([7 + s], dtype=torch.int32)]) for s in range(world)]
-        table = torch.tensor([region.data_ptr() for region in regions], dtype=torch.int64)
+        regions = [
+            torch.cat([counts_WE[s], torch.tensor([7 + s], dtype=torch.int32)]).to(KERNEL_DEVICE) for s in range(world)
+        ]
+        table = torch.tensor([region.data_ptr() for region in regions], dtype=torch.int64, device=KERNEL_DEVICE)
         local = experts // world
         for rank in range(world):
             layout = receive_layout(table, experts, rank, table)
@@ -97,8 +106,11 @@ def test_pair_table_kernel_matches_a_direct_enumeration():
             kept = expert_WS[source][expert_WS[source] < experts].long()
             counts.append(torch.cat([torch.bincount(kept, minlength=experts), torch.tensor([tokens])]).int())
 
+        expert_WS, position_WS, score_WS = (t.to(KERNEL_DEVICE) for t in (expert_WS, position_WS, score_WS))
+        counts = [count.to(KERNEL_DEVICE) for count in counts]
+
         def table(regions):
-            return torch.tensor([region.data_ptr() for region in regions], dtype=torch.int64)
+            return torch.tensor([region.data_ptr() for region in regions], dtype=torch.int64, device=KERNEL_DEVICE)
 
         for rank in range(world):
             layout = receive_layout(table(counts), experts, rank, expert_WS)
@@ -196,6 +208,12 @@ def exchange_worker(rank: int, world: int, port: int) -> None:
 
 
 @needs_triton
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the CPU stand-in of symm_mem (shared-memory files, Triton's interpreter, gloo); on GPUs "
+    "`torchrun --nproc_per_node=N -m torchtitan_ext.bench ep --check` checks both transports "
+    "(scripts/measure_on_gpu.sh ep2)",
+)
 @pytest.mark.parametrize("world", [2, 4])
 def test_symm_mem_transport_equals_nccl_transport(world):
     mp.spawn(exchange_worker, args=(world, free_port()), nprocs=world, join=True)

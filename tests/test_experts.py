@@ -29,6 +29,13 @@ from torchtitan_ext.kernels.fused_moe import reference_grouped
 
 BACKENDS_UNDER_TEST = [b for b in backend_names() if b != "for_loop"]
 
+
+def device_of(backend: str) -> torch.device:
+    """Where a backend is tested: ``triton`` on CUDA when there is one, else on CPU tensors through Triton's
+    interpreter (``TRITON_INTERPRET=1``, set by conftest.py where there is no CUDA); the others on CPU."""
+    return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+
+
 # Relative error bounds (||a - b|| / ||b||) per compute dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
@@ -41,19 +48,19 @@ COUNT_CASES = {
 }
 
 
-def make_inputs(counts, dim, hidden, x_dtype, w_dtype, seed):
+def make_inputs(counts, dim, hidden, x_dtype, w_dtype, seed, device="cpu"):
     generator = torch.Generator().manual_seed(seed)
     num_experts, num_rows = len(counts), sum(counts)
 
     def randn(*shape, dtype, scale=1.0):
-        return (torch.randn(*shape, generator=generator) * scale).to(dtype)
+        return (torch.randn(*shape, generator=generator) * scale).to(device, dtype)
 
     x = randn(num_rows, dim, dtype=x_dtype)
     w1 = randn(num_experts, hidden, dim, dtype=w_dtype, scale=max(dim, 1) ** -0.5)
     w2 = randn(num_experts, dim, hidden, dtype=w_dtype, scale=max(hidden, 1) ** -0.5)
     w3 = randn(num_experts, hidden, dim, dtype=w_dtype, scale=max(dim, 1) ** -0.5)
     grad_out = randn(num_rows, dim, dtype=x_dtype)
-    return (x, w1, w2, w3), torch.tensor(counts, dtype=torch.int64), grad_out
+    return (x, w1, w2, w3), torch.tensor(counts, dtype=torch.int64, device=device), grad_out
 
 
 def run_backend(fn, tensors, counts, grad_out):
@@ -71,7 +78,7 @@ def skip_interpreted_bf16(backend: str, dtype: torch.dtype) -> None:
 
 def assert_backend_matches_reference(backend, counts, dim, hidden, x_dtype, w_dtype, seed=0):
     skip_interpreted_bf16(backend, x_dtype)
-    tensors, counts_E, grad_out = make_inputs(counts, dim, hidden, x_dtype, w_dtype, seed)
+    tensors, counts_E, grad_out = make_inputs(counts, dim, hidden, x_dtype, w_dtype, seed, device_of(backend))
     expected_out, expected_grads = run_backend(reference_grouped, tensors, counts_E, grad_out)
     actual_out, actual_grads = run_backend(BACKENDS[backend].grouped, tensors, counts_E, grad_out)
 
@@ -115,15 +122,23 @@ def test_half_precision(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim,hidden", [(32, 47), (33, 48)])
+def test_half_precision_rows_not_16_byte_aligned(backend, dtype, dim, hidden):
+    """An odd F or D leaves 16-bit rows off 16-byte alignment, which ``torch._grouped_mm`` refuses."""
+    assert_backend_matches_reference(backend, [5, 0, 9, 2, 7], dim, hidden, dtype, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
 def test_bf16_inputs_with_fp32_parameters(backend):
     """As under FSDP mixed precision: compute in bf16, weight grads flow back in fp32."""
     assert_backend_matches_reference(backend, [6, 3, 0, 8], 32, 40, torch.bfloat16, torch.float32)
 
 
 def test_empty_experts_receive_zero_weight_gradients():
-    tensors, counts_E, grad_out = make_inputs([5, 0, 4], 8, 12, torch.float32, torch.float32, 3)
     for backend in backend_names():
-        _, grads = run_backend(BACKENDS[backend].grouped, tensors, counts_E, grad_out)
+        inputs = make_inputs([5, 0, 4], 8, 12, torch.float32, torch.float32, 3, device_of(backend))
+        _, grads = run_backend(BACKENDS[backend].grouped, *inputs)
         for grad in grads[1:]:
             assert grad[1].abs().max() == 0, backend
             assert grad[0].abs().max() > 0, backend
@@ -137,8 +152,9 @@ def test_module_uses_configured_backend_and_matches_reference():
         torch.manual_seed(1)
         for weight in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD):
             torch.nn.init.normal_(weight, std=0.1)
-        x = torch.randn(10, 16, generator=torch.Generator().manual_seed(2))
-        outputs[backend] = experts(x, torch.tensor([2, 0, 5, 3]))
+        device = device_of(backend)
+        x = torch.randn(10, 16, generator=torch.Generator().manual_seed(2)).to(device)
+        outputs[backend] = experts.to(device)(x, torch.tensor([2, 0, 5, 3], device=device)).cpu()
         assert backend in repr(experts)
     for backend in backend_names():
         assert relative_error(outputs[backend], outputs["for_loop"]) < 1e-5
@@ -183,13 +199,13 @@ def strided_input(x: torch.Tensor, layout: str) -> torch.Tensor:
     if layout == "contiguous":
         return x.clone()
     if layout == "row_padded":  # row stride dim + 1: not 16-byte aligned
-        wide = torch.zeros(rows, dim + 1, dtype=x.dtype)
+        wide = x.new_zeros(rows, dim + 1)
         wide[:, :dim] = x
         return wide[:, :dim]
     if layout == "column_major":
         return x.t().contiguous().t()
     if layout == "every_other_row":
-        spaced = torch.zeros(2 * rows, dim, dtype=x.dtype)
+        spaced = x.new_zeros(2 * rows, dim)
         spaced[::2] = x
         return spaced[::2]
     raise ValueError(layout)
@@ -198,13 +214,13 @@ def strided_input(x: torch.Tensor, layout: str) -> torch.Tensor:
 # Incoming gradients of the shapes autograd hands a backend.
 def incoming_gradient(out: torch.Tensor, kind: str, generator: torch.Generator) -> torch.Tensor:
     if kind == "dense":
-        return torch.randn(out.shape, generator=generator).to(out.dtype)
+        return torch.randn(out.shape, generator=generator).to(out.device, out.dtype)
     if kind == "broadcast_scalar":  # out.sum().backward(): stride 0 in every dimension
-        return torch.ones((), dtype=out.dtype).expand(out.shape)
+        return out.new_ones(()).expand(out.shape)
     if kind == "broadcast_row":  # (out * v).sum().backward(): stride 0 across rows
-        return torch.randn(out.shape[1], generator=generator).to(out.dtype).expand(out.shape)
+        return torch.randn(out.shape[1], generator=generator).to(out.device, out.dtype).expand(out.shape)
     if kind == "transposed":
-        return torch.randn(out.shape[::-1], generator=generator).to(out.dtype).t()
+        return torch.randn(out.shape[::-1], generator=generator).to(out.device, out.dtype).t()
     raise ValueError(kind)
 
 
@@ -219,7 +235,7 @@ def run_with_layout(fn, tensors, counts_E, layout, gradient_kind):
 
 
 def assert_same_as_reference_with_layout(backend, counts, dim, hidden, layout, gradient_kind):
-    tensors, counts_E, _ = make_inputs(counts, dim, hidden, torch.float32, torch.float32, 11)
+    tensors, counts_E, _ = make_inputs(counts, dim, hidden, torch.float32, torch.float32, 11, device_of(backend))
     expected_out, expected_grads = run_with_layout(reference_grouped, tensors, counts_E, layout, gradient_kind)
     actual_out, actual_grads = run_with_layout(BACKENDS[backend].grouped, tensors, counts_E, layout, gradient_kind)
     assert actual_out.shape == expected_out.shape
@@ -230,14 +246,24 @@ def assert_same_as_reference_with_layout(backend, counts, dim, hidden, layout, g
 
 
 GRADIENT_KINDS = ["dense", "broadcast_scalar", "broadcast_row", "transposed"]
+LAYOUTS = ["contiguous", "row_padded", "column_major", "every_other_row"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
-@pytest.mark.parametrize("layout", ["contiguous", "row_padded", "column_major", "every_other_row"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("gradient_kind", GRADIENT_KINDS)
 def test_non_contiguous_input_with_every_gradient_shape(backend, layout, gradient_kind):
     """D = 16 (16-byte aligned in fp32): the strides, not the padding, are what is tested."""
     assert_same_as_reference_with_layout(backend, [3, 0, 4, 1], 16, 8, layout, gradient_kind)
+
+
+@pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("gradient_kind", GRADIENT_KINDS)
+def test_one_routed_row_with_every_layout_and_gradient_shape(backend, layout, gradient_kind):
+    """One row: ``is_contiguous`` ignores the stride of a size-1 dimension, ``torch._grouped_mm`` reads it
+    (a row of a wider buffer, or a transposed gradient, has a row stride that is not 16-byte aligned)."""
+    assert_same_as_reference_with_layout(backend, [0, 1, 0], 16, 8, layout, gradient_kind)
 
 
 @pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
@@ -258,8 +284,9 @@ def test_experts_compute_in_the_autocast_dtype(backend):
     """Single-device training: fp32 parameters under autocast. ``torch._grouped_mm`` and the Triton
     kernels are not on autocast's list, so the layer casts its tokens to the autocast dtype (fp16
     here: Triton's CPU interpreter cannot run bf16) before dispatch and the expert block."""
+    device = device_of(backend)
     config = moe_layer_config(compute_backend=backend, dim=16, hidden_dim=24, num_experts=4, top_k=2)
-    layer = config.build()
+    layer = config.build().to(device)
     torch.manual_seed(0)
     for param in layer.parameters():
         torch.nn.init.normal_(param, std=0.2)
@@ -276,8 +303,8 @@ def test_experts_compute_in_the_autocast_dtype(backend):
     layer.routed_experts.inner_experts.backend = dataclasses.replace(
         spec, grouped=spy(spec.grouped), routed=spec.routed and spy(spec.routed)
     )
-    x = torch.randn(2, 5, 16, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.float16):
+    x = torch.randn(2, 5, 16, device=device, requires_grad=True)
+    with torch.autocast(device.type, dtype=torch.float16):
         out = layer(x)
     out.float().sum().backward()
     assert seen_dtypes == [torch.float16]

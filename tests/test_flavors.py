@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from torchtitan_ext import flavors
+from torchtitan_ext import command_facts, flavors
 from torchtitan_ext.experiments.moe_backends import flavors as moe_backends_flavors
 from torchtitan_ext.experiments.moe_backends.cache import CACHE_ENV
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts, backend_names
@@ -41,10 +41,10 @@ def test_listing_cache_follows_the_sources(monkeypatch, tmp_path):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     builds = []
     monkeypatch.setattr(flavors, "listing_rows", lambda: builds.append(1) or [["f", "1", "1", "b", "d"]])
-    monkeypatch.setattr(flavors, "source_fingerprint", lambda: "sources v1")
+    monkeypatch.setattr(command_facts, "source_fingerprint", lambda: "sources v1")
     assert flavors.cached_listing_rows() == [["f", "1", "1", "b", "d"]]
     assert flavors.cached_listing_rows() == [["f", "1", "1", "b", "d"]] and len(builds) == 1
-    monkeypatch.setattr(flavors, "source_fingerprint", lambda: "sources v2")
+    monkeypatch.setattr(command_facts, "source_fingerprint", lambda: "sources v2")
     flavors.cached_listing_rows()
     assert len(builds) == 2
     (tmp_path / flavors.LISTING_CACHE_NAME).write_text("not json")
@@ -56,14 +56,14 @@ def test_fingerprint_changes_with_any_source_file(tmp_path):
     module = tmp_path / "package" / "module.py"
     module.parent.mkdir()
     module.write_text("A = 1\n")
-    first = flavors.files_fingerprint([tmp_path], "torch 2.13")
-    assert flavors.files_fingerprint([tmp_path], "torch 2.13") == first
-    assert flavors.files_fingerprint([tmp_path], "torch 2.14") != first
+    first = command_facts.files_fingerprint([tmp_path], "torch 2.13")
+    assert command_facts.files_fingerprint([tmp_path], "torch 2.13") == first
+    assert command_facts.files_fingerprint([tmp_path], "torch 2.14") != first
     stat = module.stat()
     os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
-    assert flavors.files_fingerprint([tmp_path], "torch 2.13") != first
+    assert command_facts.files_fingerprint([tmp_path], "torch 2.13") != first
     (tmp_path / "new_experiment.py").write_text("")
-    assert len({first, flavors.files_fingerprint([tmp_path], "torch 2.13")}) == 2
+    assert len({first, command_facts.files_fingerprint([tmp_path], "torch 2.13")}) == 2
 
 
 def test_show_is_concise_and_applies_toml(tmp_path, capsys):

@@ -57,7 +57,7 @@ from torchtitan_ext.experiments.moe_backends.hf.architectures import (
     scaled_down,
 )
 from torchtitan_ext.experiments.moe_backends.hf.torchtitan_features import STAGING_FOLDER, hf_config_of
-from torchtitan_ext.train import FlavorConfigManager
+from torchtitan_ext.run_training import FlavorConfigManager
 
 BACKENDS = runnable_backends()
 CASES = [(flavor, index) for flavor in FAMILY_FLAVORS for index in range(len(VARIANTS[flavor]))]

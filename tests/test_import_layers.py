@@ -25,7 +25,13 @@ BASE_MODULES = {"torchtitan_ext.place_in_launch"}
 
 BASE, KERNELS, EXPERIMENT, FRAMEWORK, REGISTRATION, TOP = range(6)
 LAYER_NAMES = ["base", "kernels", "experiment", "framework", "experiment registration", "CLIs and benchmarks"]
-TOP_MODULES = {"torchtitan_ext.train", "torchtitan_ext.launch", "torchtitan_ext.flavors"}
+TOP_MODULES = {
+    "torchtitan_ext.train",
+    "torchtitan_ext.run_training",
+    "torchtitan_ext.launch",
+    "torchtitan_ext.flavors",
+    "torchtitan_ext.command_facts",
+}
 """The user-facing CLIs of the framework package."""
 
 

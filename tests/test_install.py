@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from torchtitan_ext.launch import split_launcher_args
-from torchtitan_ext.train import FlavorConfigManager
+from torchtitan_ext.run_training import FlavorConfigManager
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -53,8 +53,10 @@ def test_every_source_file_imports_under_the_name_of_its_folder(tmp_path):
     spells (no import hook, no install): what editors and type checkers assume.
 
     ``python -S`` skips the site .pth files, so an editable install's finder is not there; the
-    dependencies come from site-packages put on PYTHONPATH by hand. The top-level ``kernels`` and
-    ``experiments`` entries are links into the package, so the files exist once, at their import path.
+    dependencies come from this interpreter's own search path (site-packages, dist-packages, a
+    ``pip install --target`` folder) put on PYTHONPATH by hand, after the checkout. The top-level
+    ``kernels`` and ``experiments`` entries are links into the package, so the files exist once, at
+    their import path.
     """
     for folder in ("kernels", "experiments"):
         assert (ROOT / folder).is_symlink() and (ROOT / folder).resolve() == ROOT / "torchtitan_ext" / folder
@@ -65,7 +67,7 @@ def test_every_source_file_imports_under_the_name_of_its_folder(tmp_path):
         for path in package.rglob("*.py")
         if path.name not in ("__init__.py", "__main__.py")
     }
-    site_packages = next(p for p in map(Path, sys.path) if p.name == "site-packages" and (p / "torch").is_dir())
+    dependencies = [p for p in sys.path if p and Path(p).is_dir() and Path(p).resolve() != ROOT]
     code = (
         "import importlib, sys\n"
         "assert not any('editable' in type(m).__name__.lower() for m in sys.meta_path), sys.meta_path\n"
@@ -78,7 +80,7 @@ def test_every_source_file_imports_under_the_name_of_its_folder(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{site_packages}"},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *dependencies])},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     imported = dict(line.split(" ", 1) for line in result.stdout.splitlines())

@@ -55,7 +55,9 @@ def train(toml: Path, dump_folder: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU run")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a CPU/gloo training run (GPU runs: scripts/measure_on_gpu.sh train-tiny)"
+)
 def test_documented_example_trains_on_own_jsonl_folder(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

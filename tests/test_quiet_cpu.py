@@ -44,6 +44,7 @@ def test_torchtitan_log_lines_are_dropped(quiet, caplog):
     logger.info("Peak FLOPS used for computing MFU: 3.120e+14")
     logger.warning("ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3 based on job config")
     logger.warning("model.safetensors.index.json not found at hf_assets_path: /x/model.safetensors.index.json.")
+    logger.info("CPU memory usage for model: 0.55GiB(2.36%)")
     logger.warning("Warmup steps (5) exceed total steps (2). Adjusting warmup steps to 2.")
     assert [record.getMessage() for record in caplog.records] == [
         "Warmup steps (5) exceed total steps (2). Adjusting warmup steps to 2."
@@ -58,8 +59,8 @@ def test_python_warnings_are_ignored(quiet):
     with torch.autocast(device_type="cpu", dtype=torch.float32):
         pass
     is_rng_supported_mesh(types.SimpleNamespace(device_type="cpu"))
-    warnings.warn("DTensor manual_seed() may not have complete support on cpu device mesh", UserWarning)
-    warnings.warn("a warning that matters", UserWarning)
+    warnings.warn("DTensor manual_seed() may not have complete support on cpu device mesh", UserWarning, stacklevel=1)
+    warnings.warn("a warning that matters", UserWarning, stacklevel=1)
     assert [str(w.message) for w in quiet] == ["a warning that matters"]
 
 

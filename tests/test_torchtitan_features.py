@@ -6,7 +6,7 @@ import pytest
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.experiments.moe_backends.experts import backend_names
 from torchtitan_ext.experiments.moe_backends.flavors import tiny_flavor_name
-from torchtitan_ext.train import FlavorConfigManager
+from torchtitan_ext.run_training import FlavorConfigManager
 
 CUDA_GRAPHS = "--training.no-disable-cuda-graphs"
 

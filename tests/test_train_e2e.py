@@ -1,5 +1,6 @@
 """End-to-end training through the real entry point: torchrun, gloo, EP=2, checkpoints."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -14,7 +15,9 @@ from torchtitan_ext.experiments.moe_backends.flavors import tiny_flavor_name
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo end-to-end runs"),
+    pytest.mark.skipif(
+        torch.cuda.is_available(), reason="CPU/gloo end-to-end runs (GPU runs: scripts/measure_on_gpu.sh train-tiny)"
+    ),
 ]
 
 STEP_LOSS = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
@@ -148,3 +151,38 @@ def test_activation_checkpointing_modes_train_like_no_checkpointing(tmp_path):
     for mode in ("selective", "full"):
         for step, loss in losses["none"].items():
             assert losses[mode][step] == pytest.approx(loss, rel=1e-5), (mode, step)
+
+
+NOISE = (
+    "Sleeping 2 seconds",  # the wait for other ranks, in a run of one
+    "torchtitan version:",  # before the config was read
+    "Warmup",  # torchtitan shortening the flavor's schedule to a short run
+    "memory usage for model",  # on CPU, the whole process's peak
+    "UserWarning",  # the lr scheduler's get_lr() on resume
+    "Traceback",
+)
+
+
+def test_a_short_single_process_run_and_its_resume_say_only_what_matters(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    outputs = []
+    for steps in ("3", "5"):  # the second run resumes from the first's step-3 checkpoint
+        result = subprocess.run(
+            [
+                *(sys.executable, "-m", "torchtitan_ext.train", "--flavor", "tiny-moe-grouped-mm"),
+                *("--training.steps", steps, "--checkpoint.enable", "--checkpoint.interval", "3"),
+                *("--dump_folder", str(tmp_path)),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, output[-4000:]
+        outputs.append(output)
+    assert "Training starts at step 4" in outputs[1]
+    for output in outputs:
+        assert output.count("CPU: 1 thread(s) per process, OMP_NUM_THREADS=1") == 1, output[-4000:]
+        assert [noise for noise in NOISE if noise in output] == [], output[-4000:]
+    assert not (tmp_path / "comm_traces").exists()

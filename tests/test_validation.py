@@ -61,6 +61,10 @@ def assert_refused(capsys, args, *fragments):
             ["moe.align_size = 4096: must be in [1, 128]"],
         ),
         ("[training]\nbatch_size = 0\n", ["training.local_batch_size = 0: must be >= 1"]),
+        ("[metrics]\nlog_freq = 0\n", ["bad.toml:2: metrics.log_freq = 0: must be >= 1 (every N steps)"]),
+        ("[training]\ngc_freq = -1\n", ["training.gc_freq = -1: must be >= 1"]),
+        ("[checkpoint]\ninterval = 0\n", ["checkpoint.interval = 0: must be >= 1"]),
+        ("[profiler]\nmemory_snapshot_freq = 0\n", ["profiler.memory_snapshot_freq = 0: must be >= 1"]),
         ("[training]\nseq_len = -8\n", ["training.seq_len = -8: must be >= 1"]),
         ("[training]\nseq_len = 100\n", ["training.seq_len = 100", "use a multiple of 8"]),
         ("[training]\nseq_len = 4096\n", ["exceeds the model's RoPE length (max_seq_len = 512)"]),
@@ -124,12 +128,47 @@ def test_toml_that_is_not_utf8(tmp_path, capsys):
     assert_refused(capsys, ["--toml", toml], "bad.toml:2: not a UTF-8 text file", "TOML files must be UTF-8")
 
 
-def test_expert_parallel_degree_above_world_suggests_torchrun(capsys):
+@pytest.fixture
+def cpu_with_16_gib(monkeypatch):
+    """A CPU machine (no CUDA) with 16 GiB of memory."""
+    import torchtitan_ext.compat
+    import torchtitan_ext.model_size
+
+    monkeypatch.setattr(torchtitan_ext.compat, "cpu_training", lambda: True)
+    monkeypatch.setattr(torchtitan_ext.model_size, "machine_memory_bytes", lambda: 16 * 2**30)
+
+
+def test_a_model_too_large_for_this_machine_is_refused_with_the_memory_it_needs(capsys, cpu_with_16_gib):
+    code = main(["--flavor", "qwen3-30b-a3b", "--training.steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert "the model (qwen3, 30.53B parameters) needs at least 455.0 GiB on this host to train on CPU" in err
+    assert "4 copies of every parameter in float32" in err and "this machine has 16.0 GiB of memory" in err
+
+
+def test_the_memory_rule_is_the_estimate_not_the_flavor_name(monkeypatch, cpu_with_16_gib):
+    import torchtitan_ext.model_size
+    from torchtitan_ext.registry import get_flavor
+    from torchtitan_ext.validation import memory_errors
+
+    tiny = get_flavor(TINY).build()
+    assert memory_errors(tiny) == []
+    monkeypatch.setattr(torchtitan_ext.model_size, "machine_memory_bytes", lambda: 2**20)
+    (error,) = memory_errors(tiny)
+    assert "402.82K parameters" in error and "needs at least 0.0 GiB" in error
+    monkeypatch.setenv("WORLD_SIZE", "64")  # 64 hosts of one rank share the state
+    olmoe = get_flavor("olmoe-1b-7b").build()
+    monkeypatch.setattr(torchtitan_ext.model_size, "machine_memory_bytes", lambda: 16 * 2**30)
+    assert memory_errors(olmoe) == []
+
+
+def test_expert_parallel_degree_above_world_suggests_the_launcher(capsys):
     assert_refused(
         capsys,
         ["--parallelism.expert_parallel_degree", "2"],
         "needs at least 2 processes",
-        "torchrun --nproc_per_node=2 -m torchtitan_ext.train",
+        "python -m torchtitan_ext.train --nproc_per_node=2 --flavor tiny-moe-grouped-mm",
     )
 
 
@@ -148,7 +187,7 @@ def test_the_parallel_layout_of_the_ranks():
     layout = ParallelismConfig(data_parallel_shard_degree=2, expert_parallel_degree=4)
     (too_few,) = layout_errors(layout, 2)
     assert too_few.startswith("parallelism.expert_parallel_degree (4) needs at least 4 processes but this run has 2")
-    assert "launch one process per rank: torchrun --nproc_per_node=4 -m torchtitan_ext.train" in too_few
+    assert "launch one process per rank: python -m torchtitan_ext.train --nproc_per_node=4" in too_few
     assert layout_errors(layout, 4) == [
         "parallelism: dp_replicate(1) * dp_shard(2) * cp(1) * tp(1) * pp(1) != world size 4",
         "parallelism.expert_parallel_degree (4) must divide dp_shard*cp*tp = 2 "

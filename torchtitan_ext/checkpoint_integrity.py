@@ -74,6 +74,15 @@ def step_numbers(folder: str) -> list[int]:
     )
 
 
+def steps_present(folder: str) -> str:
+    """``steps present in FOLDER: 2, 4`` (or that it holds none), FOLDER absolute: how messages list them."""
+    steps = step_numbers(folder)
+    where = os.path.abspath(folder)
+    if not steps:
+        return f"{where} holds no step folders"
+    return f"steps present in {where}: {', '.join(str(step) for step in steps)}"
+
+
 def _rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -223,7 +232,8 @@ class IntegrityCheckpointManager(CheckpointManager):
         return steps[-1]
 
     def _load(self, step: int = -1) -> bool:
-        if step == -1:
+        chosen = step != -1
+        if not chosen:
             existing = step_numbers(self.folder)
             if existing and self.start_fresh:
                 logger.warning(
@@ -237,10 +247,11 @@ class IntegrityCheckpointManager(CheckpointManager):
         try:
             verified = verify_checkpoint(checkpoint_dir, self.allow_unverified)
         except CheckpointIntegrityError as e:
+            previous = "" if chosen else "move it away to resume from the previous step folder, "
             raise CheckpointIntegrityError(
-                f"{e}. Cannot resume from it: move it away to resume from the previous step folder, "
-                "pass --checkpoint.load_step with an intact step, or start at step 1 deliberately "
-                "with --checkpoint.start_fresh or another --checkpoint.folder"
+                f"{e}. Cannot resume from it: {previous}pass --checkpoint.load_step with an intact step "
+                f"({steps_present(self.folder)}), or start at step 1 deliberately with "
+                "--checkpoint.start_fresh or another --checkpoint.folder"
             ) from None
         if verified:
             logger.info(f"checkpoint {checkpoint_dir}: every file matches {MANIFEST_NAME}")

@@ -7,96 +7,27 @@
 
 The listing is cached in ``$TORCHTITAN_EXT_CACHE/flavors.json`` (default
 ``~/.cache/torchtitan_ext/``), keyed by the project's source files and the installed torch
-and torchtitan; a cache hit imports neither torch nor torchtitan. Everything else builds
-the flavors' configs (torchtitan's Trainer and model code, several seconds to import).
+and torchtitan (``command_facts.cached_by_sources``); a cache hit imports neither torch nor
+torchtitan. Everything else builds the flavors' configs (torchtitan's Trainer and model code,
+several seconds to import).
 """
 
 import argparse
-import hashlib
 import json
 import os
 import re
 import sys
 from collections import Counter
-from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 
-from torchtitan_ext.experiments.moe_backends.cache import cache_dir
+from torchtitan_ext.command_facts import cached_by_sources, torchtitan_logger_quiet
+from torchtitan_ext.stdout_pipe import until_the_reader_stops
 
 LISTING_CACHE_NAME = "flavors.json"
 LISTING_HEADER = ("flavor", "total", "active", "compute_backend", "description")
 
 
-def _installed_version(distribution: str) -> str:
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return "not installed"
-
-
-def source_fingerprint() -> str:
-    """Hash of what the listing depends on: the project's Python files, the interpreter
-    prefix and the torch and torchtitan versions."""
-    import torchtitan_ext
-    import torchtitan_ext.experiments
-    import torchtitan_ext.kernels
-
-    roots = [
-        Path(p)
-        for package in (torchtitan_ext, torchtitan_ext.experiments, torchtitan_ext.kernels)
-        for p in package.__path__
-    ]
-    installed = f"{sys.prefix}|{_installed_version('torch')}|{_installed_version('torchtitan')}"
-    return files_fingerprint(roots, installed)
-
-
-def files_fingerprint(roots: list[Path], salt: str) -> str:
-    """Hash of ``salt`` and the path, size and modification time of every ``*.py`` under ``roots``."""
-    digest = hashlib.sha256(salt.encode())
-    for root in sorted(set(roots)):
-        for path in sorted(root.rglob("*.py")):
-            stat = path.stat()
-            digest.update(f"{path}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()
-
-
-def _human(count: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if count >= scale:
-            return f"{count / scale:.2f}{unit}"
-    return str(count)
-
-
 # ---------------------------------------------------------------------------
 # Built from the configs (imports torch and torchtitan)
-
-
-def quiet_torchtitan_logger() -> None:
-    """Building configs logs torchtitan warnings meant for training runs; keep listings clean."""
-    import logging
-
-    from torchtitan.tools.logging import logger
-
-    logger.setLevel(logging.ERROR)
-
-
-def parameter_counts(model_config) -> tuple[int, int]:
-    """(total, active per token) parameters of a model config, built on the meta device.
-
-    Active counts each MoE layer's routed experts as top_k of num_experts.
-    """
-    import torch
-    from torchtitan.models.common.moe import MoE
-
-    with torch.device("meta"):
-        model = model_config.build()
-    total = sum(p.numel() for p in model.parameters())
-    inactive = 0
-    for _, moe, _, _ in model_config.traverse(MoE.Config):
-        experts = moe.routed_experts.inner_experts
-        per_expert = 3 * experts.dim * experts.hidden_dim
-        inactive += per_expert * (experts.num_experts - moe.router.top_k)
-    return total, total - inactive
 
 
 def _backend(experts_config) -> str:
@@ -118,41 +49,23 @@ def compute_backends(model_config) -> str:
 
 def listing_rows() -> list[list[str]]:
     """One row per registered flavor, cells as in ``LISTING_HEADER``."""
+    from torchtitan_ext.model_size import human_count, parameter_counts
     from torchtitan_ext.registry import all_flavors
 
-    quiet_torchtitan_logger()
     rows = []
     for flavor in all_flavors():
-        model_config = flavor.build().model_spec.model
+        with torchtitan_logger_quiet():
+            model_config = flavor.build().model_spec.model
         total, active = parameter_counts(model_config)
-        rows.append([flavor.name, _human(total), _human(active), compute_backends(model_config), flavor.description])
+        rows.append(
+            [flavor.name, human_count(total), human_count(active), compute_backends(model_config), flavor.description]
+        )
     return rows
 
 
 def cached_listing_rows() -> list[list[str]]:
-    """``listing_rows()``, from the cache when the fingerprint matches; refreshes the cache."""
-    path = cache_dir() / LISTING_CACHE_NAME
-    fingerprint = source_fingerprint()
-    try:
-        cached = json.loads(path.read_text())
-        if cached["fingerprint"] == fingerprint:
-            return cached["rows"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    print(
-        "building the flavor list (first listing after an install or an edit; cached after)",
-        file=sys.stderr,
-        flush=True,
-    )
-    rows = listing_rows()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps({"fingerprint": fingerprint, "rows": rows}))
-        temporary.replace(path)
-    except OSError:
-        pass  # a read-only home still lists, only slower
-    return rows
+    """``listing_rows()``, cached by the project's sources (``command_facts.cached_by_sources``)."""
+    return cached_by_sources(LISTING_CACHE_NAME, listing_rows, "the flavor list")
 
 
 def list_flavors() -> None:
@@ -179,6 +92,8 @@ def moe_layer_summary(model_config) -> str:
 
 def concise_view(name: str, tomls: list[str], config) -> list[str]:
     """The settings a user looks at first, one line per area, named like the TOML keys."""
+    from torchtitan_ext.model_size import human_count, parameter_counts
+
     model_config = config.model_spec.model
     total, active = parameter_counts(model_config)
     training, parallelism, metrics, checkpoint = config.training, config.parallelism, config.metrics, config.checkpoint
@@ -200,7 +115,7 @@ def concise_view(name: str, tomls: list[str], config) -> list[str]:
         (
             "model",
             f"{config.model_spec.name}: {len(model_config.layers)} layers, dim {model_config.dim}, "
-            f"vocab {model_config.vocab_size}; {_human(total)} parameters, {_human(active)} active per token",
+            f"vocab {model_config.vocab_size}; {human_count(total)} parameters, {human_count(active)} active per token",
         ),
         ("moe", moe_layer_summary(model_config)),
         (
@@ -253,10 +168,10 @@ def readable_callables(value):
 
 
 def show_flavor(name: str, tomls: list[str], *, full: bool) -> None:
-    from torchtitan_ext.train import resolve_config
+    from torchtitan_ext.run_training import resolve_config
 
-    quiet_torchtitan_logger()
-    config = resolve_config(name, tomls)
+    with torchtitan_logger_quiet():
+        config = resolve_config(name, tomls)
     if not full:
         print("\n".join(concise_view(name, tomls, config)))
         return
@@ -277,6 +192,10 @@ def list_short_keys() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return until_the_reader_stops(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m torchtitan_ext.flavors",
         description="List registered flavors (with parameter counts and compute backend), "

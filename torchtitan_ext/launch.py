@@ -5,43 +5,39 @@
 
 Leading torchrun options (``--nproc_per_node``, ``--nnodes``, ``--rdzv_endpoint``, ...) make the
 train entry start torchrun in this process with ``-m torchtitan_ext.train`` and the remaining
-arguments; only rank 0's output is shown unless ``--local-ranks-filter`` says otherwise.
+arguments; only rank 0's output is shown unless ``--local-ranks-filter`` says otherwise. Each process
+gets ``OMP_NUM_THREADS=1`` unless it is set, as torchrun would give it (without torchrun's notice).
 
-torchrun turns any failed worker into a ``ChildFailedError`` traceback and exit code 1. Here a
-worker that refuses its configuration writes the message to a file this launcher names
-(``ERROR_FILE_ENV``) and exits 2; the launcher silences torchrun's failure report, prints the
-message last and exits 2. Other failures keep torchrun's report and exit code.
+torchrun turns any failed worker into a ``ChildFailedError`` traceback and exit code 1. Here every
+worker that refuses its configuration writes the message to its own file in a folder this launcher
+names (``ERROR_FOLDER_ENV``) and exits 2, whichever rank it is; the launcher silences torchrun's
+failure report, prints the message of the rank that failed first, once, last, and exits 2. Other
+failures keep torchrun's report and exit code. Ctrl-C stops the workers (rank 0 prints its run
+summary) and ends the launcher with one line and exit code 130.
 """
 
 import logging
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
 
-from torchtitan_ext.place_in_launch import is_rank_zero
+from torchtitan_ext.command_facts import command_facts
+from torchtitan_ext.place_in_launch import rank
 
-ERROR_FILE_ENV = "TORCHTITAN_EXT_ERROR_FILE"
-"""Where rank 0 writes a start-up error for the launcher to print."""
+ERROR_FOLDER_ENV = "TORCHTITAN_EXT_ERROR_FOLDER"
+"""The folder where every rank writes its start-up error (``rank-<N>.txt``) for the launcher."""
+
+INTERRUPTED_EXIT_CODE = 130
+"""A run stopped by Ctrl-C (SIGINT), as a shell reports it."""
 
 RANK_FILTER_OPTIONS = ("--local-ranks-filter", "--local_ranks_filter")
 
 
-def _torchrun_options() -> dict[str, bool]:
-    """torchrun's option strings, each mapped to whether it takes a value."""
-    from torch.distributed.run import get_args_parser
-
-    return {
-        option: action.nargs != 0
-        for option, action in get_args_parser()._option_string_actions.items()
-        if option.startswith("--")
-        and option not in ("--help", "--module", "--no-python", "--no_python", "--run-path", "--run_path")
-    }
-
-
 def split_launcher_args(args: list[str]) -> tuple[list[str], list[str]]:
     """The leading torchrun options of ``args`` and the rest (the training arguments)."""
-    options = _torchrun_options()
+    options = command_facts().torchrun_options
     launcher, i = [], 0
     while i < len(args):
         name = args[i].partition("=")[0]
@@ -61,34 +57,73 @@ def wants_launcher(args: list[str]) -> bool:
 
 
 def report_startup_error(message: str) -> bool:
-    """Hand rank 0's start-up ``message`` to the launcher; False when no launcher waits for it."""
-    path = os.environ.get(ERROR_FILE_ENV)
-    if not path:
+    """Hand this rank's start-up ``message`` to the launcher; False when no launcher waits for it.
+
+    The file appears whole (written aside, then renamed), so the launcher never reads half of it.
+    """
+    folder = os.environ.get(ERROR_FOLDER_ENV)
+    if not folder:
         return False
-    if is_rank_zero():
-        Path(path).write_text(message)
+    path = Path(folder) / f"rank-{rank()}.txt"
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(message)
+    temporary.replace(path)
     return True
+
+
+def first_startup_error(folder: str) -> str | None:
+    """The message of the rank whose start-up error was written first; None when no rank wrote one."""
+    written = sorted(Path(folder).glob("rank-*.txt"), key=lambda path: (path.stat().st_mtime_ns, path.name))
+    return written[0].read_text() if written else None
+
+
+def under_this_launcher() -> bool:
+    """True in a worker this launcher started (it reports start-up errors and Ctrl-C for the run)."""
+    return ERROR_FOLDER_ENV in os.environ
+
+
+class _WithoutCtrlCReports(logging.Filter):
+    """Drops torchrun's lines about passing Ctrl-C (SIGINT) on to the workers: the launcher says it once."""
+
+    PATTERN = re.compile(r"Received (2|Signals\.SIGINT) death signal|Sending process \d+ closing signal (2|SIGINT)")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.PATTERN.match(record.getMessage()) is None
+
+
+TORCHRUN_CTRL_C_LOGGERS = (
+    "torch.distributed.elastic.agent.server.api",
+    "torch.distributed.elastic.multiprocessing.api",
+)
 
 
 def launch(args: list[str]) -> int:
     """Run torchrun with ``args`` (torchrun options, then training arguments); see the module docstring."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
     launcher_args, train_args = split_launcher_args(args)
     if not any(a.partition("=")[0] in RANK_FILTER_OPTIONS for a in launcher_args):
         launcher_args.append("--local-ranks-filter=0")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for name in TORCHRUN_CTRL_C_LOGGERS:
+        logging.getLogger(name).addFilter(_WithoutCtrlCReports())
     with tempfile.TemporaryDirectory(prefix="moe-train-") as folder:
-        error_file = Path(folder) / "startup_error.txt"
-        os.environ[ERROR_FILE_ENV] = str(error_file)
+        os.environ[ERROR_FOLDER_ENV] = folder
         try:
             torchrun_main([*launcher_args, "-m", "torchtitan_ext.train", *train_args])
         except ChildFailedError:
-            if not error_file.exists():
+            message = first_startup_error(folder)
+            if message is None:
                 raise
             _silence_torchrun_reports()
-            print(f"error: {error_file.read_text()}", file=sys.stderr)
+            print(f"error: {message}", file=sys.stderr)
             return 2
+        except (KeyboardInterrupt, SignalException):
+            _silence_torchrun_reports()
+            print("interrupted (Ctrl-C): the workers stopped", file=sys.stderr)
+            return INTERRUPTED_EXIT_CODE
     return 0
 
 

@@ -10,9 +10,10 @@ import sys
 
 
 def launch_command(nproc_per_node: int) -> str:
-    """The torchrun command running this command line's arguments on ``nproc_per_node`` processes."""
+    """The train entry's launcher command running this command line's training arguments on
+    ``nproc_per_node`` processes."""
     args = " ".join(shlex.quote(a) for a in sys.argv[1:])
-    return f"torchrun --nproc_per_node={nproc_per_node} -m torchtitan_ext.train {args}".rstrip()
+    return f"python -m torchtitan_ext.train --nproc_per_node={nproc_per_node} {args}".rstrip()
 
 
 def data_parallel_shard_degree(parallelism, world: int) -> int:

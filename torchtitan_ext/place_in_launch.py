@@ -2,7 +2,7 @@
 
 torchrun gives every process ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``;
 the train entry sets the same variables for a single process it starts itself
-(``train.set_single_process_env``). Outside any launch a process is rank 0 of a world of 1.
+(``run_training.set_single_process_env``). Outside any launch a process is rank 0 of a world of 1.
 Every other module asks here; this module imports nothing of the project, so every layer may.
 """
 

@@ -13,7 +13,6 @@ run of a config (e.g. its compute backend), which the metrics record as run meta
 for this machine) the train entry logs before training.
 """
 
-import difflib
 import importlib
 import pkgutil
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from typing import Any
 from torchtitan.trainer import Trainer
 
 import torchtitan_ext.experiments as experiments_package
+from torchtitan_ext.config.names import unknown_flavor_message
 
 
 class UnknownFlavorError(KeyError):
@@ -91,11 +91,7 @@ def get_flavor(name: str) -> Flavor:
     load_experiments()
     if name in _FLAVORS:
         return _FLAVORS[name]
-    close = difflib.get_close_matches(name, list(_FLAVORS), n=3, cutoff=0.5)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
-    raise UnknownFlavorError(
-        f"unknown flavor {name!r}{hint} (run `python -m torchtitan_ext.flavors` to list all flavors)"
-    )
+    raise UnknownFlavorError(unknown_flavor_message(name, _FLAVORS))
 
 
 _RUN_DESCRIPTIONS: list[Callable[[Trainer.Config], dict[str, Any]]] = []

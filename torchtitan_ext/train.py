@@ -4,42 +4,31 @@
     torchrun --nproc_per_node=2 -m torchtitan_ext.train --flavor tiny-moe-grouped-mm
     python -m torchtitan_ext.train --flavor tiny-moe-for-loop --toml my.toml --training.steps 20
 
-Precedence: torchtitan CLI flags > TOML files (later wins) > flavor defaults.
-Without CUDA, training runs on CPU with gloo (see ``compat.cpu``); with CUDA it is
-torchtitan's NCCL path. On every device the fixes the running torch needs
-(``compat.torch_versions``) are applied first. Configuration errors exit with code 2
-before any process group or model is built.
+Precedence: command line > TOML files (later wins) > flavor defaults. ``--help``, a missing or
+unknown flavor, an unknown option and a torchrun option placed after the training arguments are
+answered from the cached command facts (``command_facts``) before torch is imported; everything
+else is checked once the config is built (``run_training``), before any process group or model.
+Configuration errors exit with code 2.
 """
 
-import os
-import socket
 import sys
+from pathlib import Path
 
-import torch
-import torchtitan.train as titan_train
-from torchtitan.config import ConfigManager
-from torchtitan.tools.logging import logger
-
-from torchtitan_ext.compat.cpu import (
-    adapt_config_for_cpu,
-    cpu_training,
-    exit_after_cpu_training,
-    patch_torchtitan_for_cpu,
-)
-from torchtitan_ext.compat.quiet_cpu import quiet_cpu_warnings
-from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
+from torchtitan_ext.command_facts import CommandFacts, command_facts
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.config.apply import apply_overrides, apply_toml_files, valid_keys
-from torchtitan_ext.config.checks import run_config_checks
-from torchtitan_ext.config.command_line import COMMAND_LINE, split_short_key_args, take_options
-from torchtitan_ext.config.short_keys import short_keys
-from torchtitan_ext.config.value_sources import forget_value_sources
-from torchtitan_ext.config.value_types import annotation_name
-from torchtitan_ext.launch import launch, report_startup_error, wants_launcher
-from torchtitan_ext.metrics.metadata import record_run_metadata, run_metadata
-from torchtitan_ext.place_in_launch import in_launch, is_rank_zero
-from torchtitan_ext.registry import UnknownFlavorError, all_flavors, get_flavor, startup_notes
-from torchtitan_ext.validation import check_config_values  # noqa: F401  (registers the start-up checks)
+from torchtitan_ext.config.apply import name_errors
+from torchtitan_ext.config.command_line import (
+    COMMAND_LINE,
+    FLAVOR_REQUIRED,
+    command_line_errors,
+    split_override_args,
+    split_project_args,
+)
+from torchtitan_ext.config.names import unknown_flavor_message
+from torchtitan_ext.config.toml_files import read_toml
+from torchtitan_ext.launch import launch, report_startup_error, split_launcher_args, wants_launcher
+from torchtitan_ext.place_in_launch import is_rank_zero
+from torchtitan_ext.stdout_pipe import until_the_reader_stops
 
 USAGE = """\
 usage: python -m torchtitan_ext.train [TORCHRUN OPTIONS] --flavor NAME
@@ -61,184 +50,60 @@ the TOML files, e.g. --moe.compute_backend for_loop --parallelism.ep 2 --trainin
 """
 
 
-def short_keys_help() -> str:
-    """The short keys with their types and choices, as listed by ``--help``."""
-    all_flavors()  # experiments register their keys on import
-    keys = short_keys()
-    width = max(len(k.key) for k in keys) + 2
-    lines = ["short keys (command line --KEY VALUE, or TOML):"]
-    for key in keys:
-        lines.append(f"  --{key.key:<{width}} {annotation_name(key.annotation):<14} {key.help}")
-    return "\n".join(lines)
-
-
-PROJECT_OPTIONS = ("--flavor", "--toml")
-"""The train entry's own options; short keys and torchtitan's options follow them."""
-
-
-def split_project_args(args: list[str]) -> tuple[str | None, list[str], list[str]]:
-    """Take ``--flavor`` and ``--toml`` out of ``args``: (flavor, toml files, the rest)."""
-    taken, rest = take_options(args, lambda name: name if name in PROJECT_OPTIONS else None)
-    flavor, tomls = None, []
-    for option, value in taken:
-        if value is None:
-            raise ConfigError(f"{option} needs a value")
-        if option == "--flavor":
-            flavor = value
-        else:
-            tomls.append(value)
-    return flavor, tomls, rest
-
-
-def resolve_config(flavor_name: str, toml_paths: list[str], cli_overrides: dict | None = None):
-    """The flavor's ``Trainer.Config`` with the TOML files, then the command-line short keys, applied."""
+def argument_errors(args: list[str], facts: CommandFacts) -> list[str]:
+    """What the cached facts tell about the training arguments ``args`` without building a config, in
+    the order the run would find it: the flavor (missing, unknown); the keys of a TOML file (unreadable,
+    unknown, fixed by the flavor) or of the command line's overrides; torchrun options after the
+    training arguments, unknown options. Values are the run's to check, and so is everything of a
+    flavor whose config did not build for the facts."""
     try:
-        flavor = get_flavor(flavor_name)
-    except UnknownFlavorError as e:
-        raise ConfigError(str(e)) from None
-    forget_value_sources()
-    config = apply_toml_files(flavor.build(), toml_paths)
-    return apply_overrides(config, cli_overrides or {}, source=COMMAND_LINE)
-
-
-def unknown_option_errors(config, args: list[str]) -> list[str]:
-    """``--a.b`` options of ``args`` that name no config field, with close matches (short keys included)."""
-    import difflib
-
-    keys = valid_keys(config)
-    known = set(keys)
-    errors = []
-    for arg in args:
-        if not arg.startswith("--") or arg in ("--help", "--help-torchtitan"):
-            continue
-        name = arg[2:].partition("=")[0].replace("-", "_")
-        parent, _, leaf = name.rpartition(".")
-        plain = f"{parent}.{leaf.removeprefix('no_')}".lstrip(".")
-        if name in known or plain in known or any(k.startswith(name + ".") for k in keys):
-            continue
-        close = difflib.get_close_matches(name, keys, n=3, cutoff=0.6)
-        hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
-        errors.append(f"{COMMAND_LINE}: unknown option {arg.partition('=')[0]}{hint}")
-    return errors
-
-
-class FlavorConfigManager(ConfigManager):
-    """torchtitan's ConfigManager, loading ``--flavor``/``--toml`` instead of ``--module``/``--config``."""
-
-    def _load_config(self, args: list[str]):
         flavor, tomls, rest = split_project_args(args)
         if flavor is None:
-            raise ConfigError("--flavor is required (list flavors: python -m torchtitan_ext.flavors)")
-        if "--help-torchtitan" in rest:
-            rest = [a for a in rest if a != "--help-torchtitan"] + ["--help"]
-        self.run_arguments = (flavor, tomls, rest)
-        all_flavors()  # experiments register their short keys on import
-        cli_overrides, rest = split_short_key_args(rest)
-        config = resolve_config(flavor, tomls, cli_overrides)
-        if errors := unknown_option_errors(config, rest):
-            raise ConfigError("\n".join(errors))
-        return config, rest
-
-    def parse_args(self, args: list[str] | None = None):
-        from torchtitan_ext.compat.cuda_graph_dispatchers import apply_cuda_graph_dispatcher_fix
-
-        apply_cuda_graph_dispatcher_fix()  # before tyro builds the config: torchtitan checks CUDA graphs there
-        config = parse_with_tyro(lambda: super(FlavorConfigManager, self).parse_args(args))
-        flavor, tomls, cli_args = self.run_arguments
-        run_config_checks(config)  # cross-field checks (and "auto" resolution), before any process group exists
-        # Run metadata for the metrics loggers (wandb config).
-        record_run_metadata(flavor=flavor, toml_files=tomls, cli_args=cli_args, config=config)
-        if is_rank_zero():
-            metadata = run_metadata()
-            transport = f", ep_transport={metadata['ep_transport']}" if "ep_transport" in metadata else ""
-            logger.info(
-                f"flavor {flavor}: compute_backend={metadata['compute_backend']}, "
-                f"expert_parallel_degree={metadata['expert_parallel_degree']}{transport}, "
-                f"compile={'on' if compiles_model(config) else 'off'}, "
-                f"cuda_graphs={'off' if config.training.disable_cuda_graphs else 'on'}, "
-                f"toml files: {', '.join(tomls) or 'none'}"
-            )
-            for note in startup_notes(config):
-                logger.info(note)
-        fixes = apply_torch_version_fixes()
-        if fixes and is_rank_zero():
-            logger.info(f"torch {torch.__version__}: torchtitan compatibility fixes applied: {', '.join(fixes)}")
-        if cpu_training():
-            adapt_config_for_cpu(config)
-            patch_torchtitan_for_cpu()
-        return config
-
-
-def compiles_model(config) -> bool:
-    """Whether torchtitan compiles the model's blocks (``compile.enable`` with the ``model`` component)."""
-    return config.compile.enable and "model" in config.compile.components
-
-
-def parse_with_tyro(parse):
-    """Run torchtitan's tyro parsing; its usage errors and ``ValueError``s become ``ConfigError``."""
-    import contextlib
-    import io
-    import re
-
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
-            return parse()
-    except SystemExit as e:
-        if e.code in (0, None):
-            sys.stdout.write(captured.getvalue())
-            raise
-        text = re.sub(r"[\u2500-\u257f]", " ", captured.getvalue())
-        lines = [
-            line.strip() for line in text.splitlines() if line.strip().strip("-") and "For full helptext" not in line
-        ]
-        raise ConfigError(f"{COMMAND_LINE}: " + "\n".join(lines or [f"invalid arguments (exit {e.code})"])) from None
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(f"{COMMAND_LINE}: {e}") from None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def set_single_process_env() -> None:
-    """Outside torchrun, provide the rendezvous variables torchtitan expects (world of 1)."""
-    if in_launch():
-        return
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            return [FLAVOR_REQUIRED]
+        if flavor not in facts.flavor_keys:
+            return [unknown_flavor_message(flavor, facts.flavor_keys)]
+        keys = facts.flavor_keys[flavor]
+        if keys is None:
+            return []
+        for path in tomls:
+            overrides, lines = read_toml(Path(path))
+            if errors := name_errors(overrides, keys, path, lines):
+                return errors
+        if errors := name_errors(split_override_args(rest)[0], keys, COMMAND_LINE):
+            return errors
+    except ConfigError as e:
+        return [str(e)]
+    return command_line_errors(keys, args, facts.torchrun_options)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The train entry on ``argv`` (default: this process's arguments); returns the exit code."""
     args = sys.argv[1:] if argv is None else argv
     if "-h" in args or "--help" in args:
         print(USAGE)
-        print(short_keys_help())
+        print(command_facts().short_keys_help)
         return 0
-    if wants_launcher(args):
-        return launch(args)
-    set_single_process_env()
-    quiet_cpu_warnings()
-    # torchtitan's main builds its config through the name ``ConfigManager``.
-    titan_train.ConfigManager = FlavorConfigManager
-    sys.argv = [sys.argv[0], *args]
-    try:
-        titan_train.main()
-    except ConfigError as e:
-        if not report_startup_error(str(e)) and is_rank_zero():
-            print(f"error: {e}", file=sys.stderr)
+    launcher = wants_launcher(args)
+    if errors := argument_errors(split_launcher_args(args)[1] if launcher else args, command_facts()):
+        message = "\n".join(errors)
+        if not report_startup_error(message) and is_rank_zero():
+            print(f"error: {message}", file=sys.stderr)
         return 2
-    return 0
+    if launcher:
+        return launch(args)
+    from torchtitan_ext.run_training import run
+
+    return run(args)
 
 
 def cli() -> None:
-    """Command-line entry: ``main`` and the process exit that suits the device."""
-    exit_after_cpu_training(main())
+    """Command-line entry: ``main``, and the process exit that suits the device after a training run."""
+    code = until_the_reader_stops(main)
+    if "torchtitan_ext.run_training" in sys.modules:  # a run in this process: gloo's threads may outlive it
+        from torchtitan_ext.compat.cpu import exit_after_cpu_training
+
+        exit_after_cpu_training(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,16 @@ key, where its value came from when it was overridden, the value and what is all
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.checks import register_config_check
+from torchtitan_ext.config.config_tree import child, resolve_parent
 from torchtitan_ext.config.value_sources import value_source
 from torchtitan_ext.parallel_layout import data_parallel_shard_degree
-from torchtitan_ext.place_in_launch import world_size
+from torchtitan_ext.place_in_launch import local_world_size, world_size
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model")
 
@@ -57,7 +59,7 @@ def non_finite_errors(config) -> list[str]:
 
 
 def training_errors(config, world: int) -> list[str]:
-    """Steps, batch sizes, learning rate, sequence length vs RoPE and loss chunking."""
+    """Steps, batch sizes, learning rate, sequence length vs RoPE and loss chunking, step intervals."""
     t = config.training
     errors = []
     if t.steps < 1:
@@ -81,6 +83,31 @@ def training_errors(config, world: int) -> list[str]:
             errors.append(f"{named('training.lr')} = {lr}: must be a finite number > 0")
             break
     errors.extend(sequence_length_errors(config))
+    errors.extend(step_interval_errors(config))
+    return errors
+
+
+STEP_INTERVALS = (
+    "metrics.log_freq",
+    "training.gc_freq",
+    "checkpoint.interval",
+    "validator.freq",
+    "profiler.profile_freq",
+    "profiler.memory_snapshot_freq",
+)
+"""Fields that say "every N steps": torchtitan divides the step by them (``step % N``)."""
+
+
+def step_interval_errors(config) -> list[str]:
+    """Every ``STEP_INTERVALS`` field the config has is None (off, where allowed) or >= 1."""
+    errors = []
+    for key in STEP_INTERVALS:
+        try:
+            value = child(*resolve_parent(config, key.split(".")))
+        except (KeyError, AttributeError):
+            continue
+        if isinstance(value, int) and value < 1:
+            errors.append(f"{named(key)} = {value}: must be >= 1 (every N steps)")
     return errors
 
 
@@ -192,6 +219,70 @@ def output_errors(config) -> list[str]:
     return []
 
 
+def resume_errors(config) -> list[str]:
+    """With checkpointing on: ``checkpoint.load_step`` names a step folder that exists, and the step a
+    resume starts from (that one, else the highest unless ``checkpoint.start_fresh``) is before
+    ``training.steps`` (else the run would train nothing)."""
+    from torchtitan_ext.checkpoint_integrity import step_numbers, steps_present
+
+    checkpoint = config.checkpoint
+    if not checkpoint.enable:
+        return []
+    folder = os.path.join(config.dump_folder, checkpoint.folder)
+    steps = step_numbers(folder)
+    if checkpoint.load_step != -1:
+        if checkpoint.load_step not in steps:
+            return [
+                f"{named('checkpoint.load_step')} = {checkpoint.load_step}: no step folder; {steps_present(folder)}"
+            ]
+        resumed = checkpoint.load_step
+    elif steps and not getattr(checkpoint, "start_fresh", False):
+        resumed = steps[-1]
+    else:
+        return []
+    total = config.training.steps
+    if resumed < total:
+        return []
+    return [
+        f"{named('training.steps')} = {total}: the run would resume from "
+        f"{os.path.abspath(os.path.join(folder, f'step-{resumed}'))}, at or past its last step, and train "
+        f"nothing. To go on, raise training.steps above {resumed} (e.g. --training.steps {resumed + total}); "
+        "to start over, pass --checkpoint.start_fresh or another --checkpoint.folder; to resume an earlier "
+        f"step, pass --checkpoint.load_step N ({steps_present(folder)})"
+    ]
+
+
+def memory_errors(config) -> list[str]:
+    """On CPU: the model's weights, gradients and optimizer state (a lower bound of training's memory,
+    ``model_size.training_state_bytes``), this host's share of them, fit in this machine's memory."""
+    from torchtitan_ext.compat import cpu_training
+    from torchtitan_ext.model_size import (
+        TRAINING_COPIES_PER_PARAMETER,
+        gibibytes,
+        human_count,
+        machine_memory_bytes,
+        training_state_bytes,
+    )
+
+    if config.model_spec is None or not cpu_training():
+        return []
+    try:
+        parameters, state_bytes = training_state_bytes(config)
+    except Exception:  # a model that does not build: the checks of its values say why
+        return []
+    needed = state_bytes * local_world_size() // world_size()
+    available = machine_memory_bytes()
+    if needed <= available:
+        return []
+    return [
+        f"the model ({config.model_spec.name}, {human_count(parameters)} parameters) needs at least "
+        f"{gibibytes(needed)} on this host to train on CPU ({TRAINING_COPIES_PER_PARAMETER} copies of every "
+        f"parameter in {config.training.dtype}: weights, gradients and AdamW's two moments), but this machine has "
+        f"{gibibytes(available)} of memory; train it on GPUs, or pick a smaller flavor "
+        "(python -m torchtitan_ext.flavors lists them with their parameter counts)"
+    ]
+
+
 @register_config_check
 def check_config_values(config) -> None:
     """Every value and cross-field rule of the framework; one ``ConfigError`` lists all problems."""
@@ -201,6 +292,8 @@ def check_config_values(config) -> None:
         *training_errors(config, world),
         *data_errors(config),
         *output_errors(config),
+        *resume_errors(config),
+        *memory_errors(config),
     ]
     if errors:
         raise ConfigError("\n".join(dict.fromkeys(errors)))

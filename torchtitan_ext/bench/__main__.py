@@ -52,7 +52,7 @@ def _trainer_stack():
     """The modules that build torchtitan Trainer configs (torch >= 2.13), imported on first use so
     that the expert, layer and EP benchmarks also run on older torch."""
     from torchtitan_ext.bench import train_step
-    from torchtitan_ext.train import resolve_config
+    from torchtitan_ext.run_training import resolve_config
 
     return train_step, resolve_config
 

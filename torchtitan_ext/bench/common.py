@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
@@ -169,21 +170,47 @@ def runnable(names: Sequence[str], backend_of: Mapping[str, str]) -> list[str]:
     return [name for name in names if name not in unavailable]
 
 
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+"""The folder holding the ``torchtitan_ext`` package that runs: a checkout's top folder, or site-packages."""
+
+
+def checkout_commit(root: Path) -> str | None:
+    """The short commit of the git checkout whose top folder is ``root``; None when ``root`` is not the
+    top of one (an installed package, or a folder inside another repository) or git is missing."""
+
+    def git(*args: str) -> str | None:
+        try:
+            result = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+        except OSError:
+            return None
+        return result.stdout.strip() if result.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != root.resolve():
+        return None
+    return git("rev-parse", "--short", "HEAD")
+
+
 def source_commit() -> str | None:
     """The measured code's commit: ``SOURCE_COMMIT`` when set (a copied checkout's ``.git`` may lag
-    its files), else ``git rev-parse --short HEAD``; None outside a git checkout."""
-    commit = (
-        os.environ.get("SOURCE_COMMIT")
-        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    )
-    return commit or None
+    its files), else the commit of the checkout the package runs from (``PROJECT_ROOT``, whatever
+    the current folder); None when it runs from no git checkout of its own."""
+    return os.environ.get("SOURCE_COMMIT") or checkout_commit(PROJECT_ROOT)
 
 
 def environment(command: str, device: torch.device, dtype: torch.dtype) -> dict:
+    """What a result was measured with: commit, device, torch and triton, dtype, date, command (a missing
+    commit is said on stderr)."""
     import triton
 
+    commit = source_commit()
+    if commit is None:
+        progress(
+            f"commit: none recorded ({PROJECT_ROOT} is not a git checkout of its own); "
+            "set SOURCE_COMMIT to record the one measured"
+        )
     return {
-        "commit": source_commit(),
+        "commit": commit,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,

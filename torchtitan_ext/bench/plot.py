@@ -149,6 +149,19 @@ def chart_of(results: dict, only: Iterable[str] | None = None) -> Chart:
     return Chart(bars, label, title)
 
 
+def series_colours(series: list[str]) -> dict[str, str]:
+    """A colour per series name that every chart shares: each compute backend (table order), the stock
+    torchtitan layer and the routed references keep theirs from chart to chart; other series take the
+    colours after them, in order."""
+    from torchtitan_ext.bench.expert_block import ROUTED_IMPLS
+    from torchtitan_ext.bench.moe_layer import STOCK
+    from torchtitan_ext.experiments.moe_backends.experts import backend_names
+
+    fixed = [*backend_names(), STOCK, *ROUTED_IMPLS]
+    others = [name for name in series if name not in fixed]
+    return {name: f"C{(fixed + others).index(name) % 10}" for name in series}
+
+
 def _value_text(value: float) -> str:
     return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
 
@@ -169,6 +182,7 @@ def plot(results: dict, path: str, only: Iterable[str] | None = None) -> None:
     figure, axes = plt.subplots(
         len(panels), 1, figsize=(11, 3.4 * len(panels) + 0.3 * legend_rows + 0.6), squeeze=False, layout="constrained"
     )
+    colours = series_colours(list(order))  # compiled bars share their series' colour, hatched
     width = 0.8 / len(series)
     rotation = 90 if len(series) > 3 else 0
     for axis, panel in zip(axes[:, 0], panels):
@@ -179,7 +193,7 @@ def plot(results: dict, path: str, only: Iterable[str] | None = None) -> None:
             positions = [g + (index - (len(series) - 1) / 2) * width for g, _ in present]
             heights = [value for _, value in present]
             hatch = {"hatch": "//", "edgecolor": "white"} if bar_of[name].compiled else {}
-            colour = f"C{order[bar_of[name].series]}"
+            colour = colours[bar_of[name].series]
             bars = axis.bar(positions, heights, width, label=name, color=colour, **hatch)
             axis.bar_label(bars, labels=[_value_text(h) for h in heights], fontsize=7, padding=2, rotation=rotation)
         axis.set_xticks(range(len(groups)), groups)

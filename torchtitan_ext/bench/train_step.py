@@ -56,7 +56,7 @@ from torchtitan_ext.config.apply import apply_overrides
 from torchtitan_ext.config.value_sources import forget_value_sources
 from torchtitan_ext.experiments.moe_backends.expert_timing import make_timer
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
-from torchtitan_ext.train import resolve_config
+from torchtitan_ext.run_training import resolve_config
 
 TABLE = [
     ("flavor", "flavor"),

@@ -31,8 +31,6 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_ext.compat import cpu_training
 
-_patched = False
-
 
 class CPUDeviceModule:
     """``torch.cpu`` plus the memory queries torchtitan's metrics ask a device module for.
@@ -119,6 +117,9 @@ def adapt_config_for_cpu(config) -> None:
     - ``config/configs.py`` ``CommConfig.train_timeout_seconds`` (gloo timeout after the
       first step): torchtitan's 100 s let a frozen rank hold a CPU job for 132 s; left at
       torchtitan's default it becomes 30 s on CPU, any other value is kept.
+    - ``distributed/utils.py`` ``init_distributed``: a ``CommConfig.trace_buf_size`` above 0 sets up
+      NCCL's flight recorder and creates its empty ``comm_traces`` folder in the dump folder; gloo
+      has no flight recorder, so torchtitan's default becomes 0 on CPU (any other value is kept).
     """
     if config.model_spec is not None:
         for _, _, parent, attr in list(config.model_spec.model.traverse(FlexAttention.Config)):
@@ -128,8 +129,11 @@ def adapt_config_for_cpu(config) -> None:
             else:
                 setattr(parent, attr, replacement)
     config.training.disable_cuda_graphs = True
-    if config.comm.train_timeout_seconds == CommConfig().train_timeout_seconds:
+    defaults = CommConfig()
+    if config.comm.train_timeout_seconds == defaults.train_timeout_seconds:
         config.comm.train_timeout_seconds = 30
+    if config.comm.trace_buf_size == defaults.trace_buf_size:
+        config.comm.trace_buf_size = 0
 
 
 def _cpu_attention_masks(self, positions):
@@ -183,9 +187,8 @@ def patch_torchtitan_for_cpu() -> None:
     - ``models/common/decoder.py`` ``Decoder.get_attention_masks``: only knows Flex
       and varlen masks; build the dense mask ``DocumentCausalSDPA`` expects.
     """
-    global _patched
-    if _patched:
-        return
+    if Decoder.get_attention_masks is _cpu_attention_masks:
+        return  # patched already
     for module in list(sys.modules.values()):
         name = getattr(module, "__name__", "") or ""
         if name.startswith("torchtitan") and getattr(module, "device_type", None) == "cuda":
@@ -195,5 +198,4 @@ def patch_torchtitan_for_cpu() -> None:
     titan_utils.device_type, titan_utils.device_module = "cpu", CPU_DEVICE_MODULE
     titan_fsdp.disable_fsdp_gradient_division = _disable_division_with_sum_reductions
     Decoder.get_attention_masks = _cpu_attention_masks
-    _patched = True
     logger.info("No CUDA device: torchtitan patched for CPU training with gloo")

@@ -4,10 +4,9 @@
 device visible); with CUDA it does nothing, so GPU runs keep every message. Each
 entry names the message it drops and why the message tells a CPU user nothing.
 
-Not covered here: torchrun's ``Setting OMP_NUM_THREADS environment variable for each
-process to be 1`` notice. The launcher prints it before any worker starts, whenever
-``OMP_NUM_THREADS`` is unset; setting the variable (e.g. ``OMP_NUM_THREADS=1 torchrun ...``)
-is the only way to leave it out.
+torchrun's ``Setting OMP_NUM_THREADS environment variable for each process to be 1`` notice is
+left out by the train entry's launcher, which sets the variable itself when it is unset
+(``launch``); a bare ``torchrun`` still prints it.
 """
 
 import logging
@@ -49,6 +48,11 @@ TORCHTITAN_LOG_MESSAGES = (
     SilencedMessage(
         r"ENV\[TORCH_(NCCL|FR)_\w+\] = .* will be overridden",
         "NCCL and its flight recorder are not used by gloo, the CPU backend",
+    ),
+    SilencedMessage(
+        r"CPU memory usage for model",
+        "on CPU the memory monitor's only figure is the peak resident memory of the whole process, "
+        "not the model's; every step line carries the same figure",
     ),
     SilencedMessage(
         r"model\.safetensors\.index\.json not found at hf_assets_path",

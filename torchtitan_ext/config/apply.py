@@ -8,12 +8,22 @@ final config.
 """
 
 import copy
-import difflib
+import itertools
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.config.config_tree import child, children, field_annotation, leaf_keys, resolve_parent, set_child
+from torchtitan_ext.config.config_tree import (
+    child,
+    children,
+    field_annotation,
+    leaf_items,
+    leaf_keys,
+    resolve_parent,
+    set_child,
+)
+from torchtitan_ext.config.names import unknown_key_message
 from torchtitan_ext.config.short_keys import short_key, short_keys
 from torchtitan_ext.config.toml_files import read_toml
 from torchtitan_ext.config.value_sources import record_value_sources
@@ -43,7 +53,7 @@ FLAVOR_FIXED_FIELDS: dict[str, str] = {
 copy would leave the others unchanged (or build a model whose shapes disagree), so it is refused."""
 
 
-def _fixed_field_error(key: str) -> str | None:
+def fixed_field_error(key: str) -> str | None:
     """Why ``key`` cannot be overridden after the flavor was built, or None."""
     parts = key.split(".")
     if parts[0] not in ("model", "loss") or parts[-1] not in FLAVOR_FIXED_FIELDS:
@@ -59,10 +69,35 @@ def valid_keys(config) -> list[str]:
     return [k.key for k in short_keys()] + leaf_keys(config)
 
 
-def _unknown_key_message(key: str, config) -> str:
-    close = difflib.get_close_matches(key, valid_keys(config), n=3, cutoff=0.6)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
-    return f"unknown key {key!r}{hint}"
+def _section_message(key: str) -> str:
+    return f"{key} is a section, not a value; set one of its keys"
+
+
+def key_name_problem(key: str, known: Collection[str]) -> str | None:
+    """Why ``key`` cannot be set, as far as its name tells against ``known`` (every settable key,
+    ``valid_keys``): a field the flavor fixed, a section, or no such key; worded as when it is applied."""
+    if (reason := fixed_field_error(key)) is not None:
+        return reason
+    if key in known:
+        return None
+    if any(other.startswith(key + ".") for other in known):
+        return _section_message(key)
+    return unknown_key_message(key, known)
+
+
+def name_errors(overrides: dict[str, Any], known: Collection[str], source: str, lines: dict | None = None) -> list[str]:
+    """``key_name_problem`` of every key of ``overrides`` (from ``source``, keys at ``lines``), as
+    ``apply_overrides`` reports it: without building a config."""
+    return [
+        f"{_where(key, source, lines)}: {problem}"
+        for key in overrides
+        if (problem := key_name_problem(key, known)) is not None
+    ]
+
+
+def _where(key: str, source: str, lines: dict[str, int] | None) -> str:
+    """How errors name where ``key`` was set: ``file:line``, or the source."""
+    return f"{source}:{lines[key]}" if lines and key in lines else source
 
 
 def _apply_one(config, key: str, value: Any) -> str | None:
@@ -70,41 +105,104 @@ def _apply_one(config, key: str, value: Any) -> str | None:
     if (short := short_key(key)) is not None:
         short.apply(config, check_value(key, value, short.annotation))
         return None
-    if (reason := _fixed_field_error(key)) is not None:
+    if (reason := fixed_field_error(key)) is not None:
         return reason
     try:
         parent, name = resolve_parent(config, key.split("."))
     except KeyError:
-        return _unknown_key_message(key, config)
+        return unknown_key_message(key, valid_keys(config))
     if children(child(parent, name)):
-        return f"{key} is a section, not a value; set one of its keys"
+        return _section_message(key)
     set_child(parent, name, check_value(key, value, field_annotation(parent, name)))
     return None
+
+
+def _try_apply(config, key: str, value: Any) -> str | None:
+    """``_apply_one`` with a ``ConfigError`` of the key's own handler as the problem."""
+    try:
+        return _apply_one(config, key, value)
+    except ConfigError as e:
+        return str(e)
+
+
+def _snapshot(config) -> dict[str, Any]:
+    """Every leaf of the config tree; containers copied, so that a change in place shows."""
+    return {
+        key: copy.copy(value) if isinstance(value, (dict, list)) else value for key, value in leaf_items(config).items()
+    }
+
+
+def _differs(after: Any, before: Any) -> bool:
+    if after is before:
+        return False
+    try:
+        return bool(after != before)
+    except Exception:  # values without a truth value for ==: different objects count as different
+        return True
+
+
+def _changed_fields(config, key: str, value: Any) -> dict[str, Any]:
+    """``{dotted field: new value}`` that applying ``key = value`` to a copy of ``config`` changes."""
+    trial = copy.deepcopy(config)
+    before = _snapshot(trial)
+    if _try_apply(trial, key, value) is not None:
+        return {}
+    return {field: new for field, new in leaf_items(trial).items() if _differs(new, before.get(field, object()))}
+
+
+def written_fields(config, overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """For each key of ``overrides``: ``{dotted field: value}`` it writes, applied to ``config`` and to
+    ``config`` with the other overrides applied (a field it sets to the value already there shows in
+    one of the two); a short key's declared ``fields`` count as written."""
+    written = {}
+    for key, value in overrides.items():
+        others = copy.deepcopy(config)
+        for other, other_value in overrides.items():
+            if other != key:
+                _try_apply(others, other, other_value)
+        fields = _changed_fields(config, key, value) | _changed_fields(others, key, value)
+        declared = short_key(key).fields if short_key(key) is not None else ()
+        written[key] = {field: fields.get(field, value) for field in declared} | fields
+    return written
+
+
+def conflict_errors(config, overrides: dict[str, Any], where: dict[str, str]) -> list[str]:
+    """Pairs of ``overrides`` (one source) that set a field to different values, each an error naming
+    both keys (``where[key]``: the key's source) and the field; the result would depend on their order."""
+    if len(overrides) < 2:
+        return []
+    written = written_fields(config, overrides)
+    errors = []
+    for first, second in itertools.combinations(overrides, 2):
+        fields = [f for f in written[first] if f in written[second] and _differs(written[first][f], written[second][f])]
+        if fields:
+            errors.append(
+                f"{where[first]}: {first} = {overrides[first]!r} and {where[second]}: {second} = "
+                f"{overrides[second]!r} both set {', '.join(fields[:3])}{' ...' if len(fields) > 3 else ''}; "
+                "keep one of them"
+            )
+    return errors
 
 
 def apply_overrides(config, overrides: dict[str, Any], source: str = "TOML", lines: dict[str, int] | None = None):
     """Return a copy of ``config`` with ``{dotted_key: value}`` applied, or raise.
 
     All keys are checked before the copy is returned; on any error the caller's
-    ``config`` is untouched and ``ConfigError`` lists every problem. ``lines`` maps keys
-    to their line in ``source``; errors and ``value_source`` name it.
+    ``config`` is untouched and ``ConfigError`` lists every problem, two keys that set one
+    field to different values included (``conflict_errors``). ``lines`` maps keys to their
+    line in ``source``; errors and ``value_source`` name it.
     """
     result = copy.deepcopy(config)
     errors: list[str] = []
-    applied: dict[str, str] = {}
+    where = {key: _where(key, source, lines) for key in overrides}
     for key, value in overrides.items():
-        where = f"{source}:{lines[key]}" if lines and key in lines else source
-        try:
-            problem = _apply_one(result, key, value)
-        except ConfigError as e:
-            problem = str(e)
-        if problem is None:
-            applied[key] = where
-        else:
-            errors.append(f"{where}: {problem}")
+        if (problem := _try_apply(result, key, value)) is not None:
+            errors.append(f"{where[key]}: {problem}")
     if errors:
         raise ConfigError("\n".join(errors))
-    record_value_sources(applied)
+    if errors := conflict_errors(config, overrides, where):
+        raise ConfigError("\n".join(errors))
+    record_value_sources(where)
     return result
 
 

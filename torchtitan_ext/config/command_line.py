@@ -1,10 +1,14 @@
 """``--name value`` options taken out of a command line: the one splitter of the train entry's
-``--flavor``/``--toml`` and of the short keys (``--training.lr 1e-3``), which win over the TOML files."""
+``--flavor``/``--toml`` and of the keys the project's overrides set (short keys such as
+``--training.lr 1e-3``, and ``--model.*``), which win over the TOML files."""
 
-from collections.abc import Callable
+import shlex
+from collections.abc import Callable, Collection
 from typing import Any
 
 from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config.apply import fixed_field_error
+from torchtitan_ext.config.names import close_matches_hint
 from torchtitan_ext.config.short_keys import short_key
 from torchtitan_ext.config.toml_files import toml_value
 
@@ -40,22 +44,109 @@ def take_options(
     return taken, rest
 
 
-def _short_key_option(name: str) -> str | None:
-    """The short key ``--NAME`` spells (dashes read as underscores), or None."""
+def override_key(name: str) -> str | None:
+    """The key option ``--NAME`` sets through the project's overrides (dashes read as underscores),
+    or None for an option torchtitan's parser takes.
+
+    The overrides take every short key, and the config keys torchtitan's parser cannot set (the
+    model's, ``model.*``) or must not (fields a flavor fixed when it was built).
+    """
     key = name[2:].replace("-", "_") if name.startswith("--") else None
-    return key if key is not None and short_key(key) is not None else None
+    if key is None:
+        return None
+    if short_key(key) is not None or key.startswith("model.") or fixed_field_error(key) is not None:
+        return key
+    return None
 
 
-def split_short_key_args(args: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """Take ``--<short key> VALUE`` / ``--<short key>=VALUE`` out of ``args``: (overrides, the rest).
+def split_override_args(args: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Take the options the overrides set (``override_key``), ``--KEY VALUE`` / ``--KEY=VALUE``, out of
+    ``args``: (overrides, the rest, for torchtitan's parser).
 
     A value is read as a TOML value (``2``, ``1e-3``, ``true``, ``"x"``), else as a bare
-    string (``for_loop``); a bool key given without a value means true.
+    string (``for_loop``); a key given without a value means true, unless it is a short key of
+    another type.
     """
-    taken, rest = take_options(args, _short_key_option)
+    taken, rest = take_options(args, override_key)
     overrides: dict[str, Any] = {}
     for key, text in taken:
-        if text is None and getattr(short_key(key), "annotation", None) is not bool:
+        annotation = getattr(short_key(key), "annotation", bool)
+        if text is None and annotation is not bool:
             raise ConfigError(f"{COMMAND_LINE}: --{key} needs a value")
         overrides[key] = toml_value("true" if text is None else text)
     return overrides, rest
+
+
+PROJECT_OPTIONS = ("--flavor", "--toml")
+"""The train entry's own options; short keys and torchtitan's options follow them."""
+
+FLAVOR_REQUIRED = "--flavor is required (list flavors: python -m torchtitan_ext.flavors)"
+
+
+def split_project_args(args: list[str]) -> tuple[str | None, list[str], list[str]]:
+    """Take ``--flavor`` and ``--toml`` out of ``args``: (flavor, toml files, the rest)."""
+    taken, rest = take_options(args, lambda name: name if name in PROJECT_OPTIONS else None)
+    flavor, tomls = None, []
+    for option, value in taken:
+        if value is None:
+            raise ConfigError(f"{option} needs a value")
+        if option == "--flavor":
+            flavor = value
+        else:
+            tomls.append(value)
+    return flavor, tomls, rest
+
+
+def option_key(arg: str, known: set[str]) -> str | None:
+    """The config key an option ``--a.b[=v]`` / ``--a.no_b`` sets, when it is in ``known``; else None."""
+    if not arg.startswith("--"):
+        return None
+    name = arg[2:].partition("=")[0].replace("-", "_")
+    parent, _, leaf = name.rpartition(".")
+    plain = f"{parent}.{leaf.removeprefix('no_')}".lstrip(".")
+    return name if name in known else plain if plain in known else None
+
+
+def command_line_errors(keys: list[str], args: list[str], torchrun_options: dict[str, bool]) -> list[str]:
+    """The options of the training arguments ``args`` that cannot be: torchrun options placed among them
+    (``misplaced_torchrun_options``), then options that name none of the settable ``keys``."""
+    flavor_and_files_out = split_project_args(args)[2]
+    misplaced = misplaced_torchrun_options(args, torchrun_options)
+    return [*([misplaced] if misplaced else []), *unknown_option_errors(keys, flavor_and_files_out, torchrun_options)]
+
+
+def unknown_option_errors(keys: list[str], args: list[str], torchrun_options: Collection[str]) -> list[str]:
+    """``--a.b`` options of ``args`` that name none of the settable ``keys``, with close matches;
+    torchrun's options are left to ``misplaced_torchrun_options``."""
+    known = set(keys)
+    errors = []
+    for arg in args:
+        option = arg.partition("=")[0]
+        if not arg.startswith("--") or option in ("--help", "--help-torchtitan") or option in torchrun_options:
+            continue
+        name = option[2:].replace("-", "_")
+        if option_key(arg, known) is not None or any(k.startswith(name + ".") for k in keys):
+            continue
+        errors.append(f"{COMMAND_LINE}: unknown option {option}{close_matches_hint(name, keys, prefix='--')}")
+    return errors
+
+
+def misplaced_torchrun_options(args: list[str], torchrun_options: dict[str, bool]) -> str | None:
+    """The error for torchrun options (``torchrun_options``: option -> takes a value) placed among the
+    training arguments ``args``, with the command that puts them first; None when there are none."""
+    moved, rest, i = [], [], 0
+    while i < len(args):
+        option = args[i].partition("=")[0]
+        if option not in torchrun_options:
+            rest.append(args[i])
+        else:
+            takes_value = torchrun_options[option] and "=" not in args[i] and i + 1 < len(args)
+            moved += args[i : i + 1 + takes_value]
+            i += takes_value
+        i += 1
+    if not moved:
+        return None
+    return (
+        f"{COMMAND_LINE}: {' '.join(moved)}: torchrun options come first, before the training arguments: "
+        f"python -m torchtitan_ext.train {shlex.join(moved + rest)}"
+    )

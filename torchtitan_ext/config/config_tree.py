@@ -67,9 +67,9 @@ def field_annotation(parent: Any, name: str) -> Any:
         return type(getattr(parent, name))
 
 
-def leaf_keys(config) -> list[str]:
-    """The dotted key of every leaf field of the config tree."""
-    keys = []
+def leaf_items(config) -> dict[str, Any]:
+    """Every leaf field of the config tree by dotted key, with its value."""
+    items = {}
 
     def walk(nodes: dict[str, Any], prefix: str) -> None:
         for name, value in nodes.items():
@@ -77,7 +77,12 @@ def leaf_keys(config) -> list[str]:
             if grandchildren:
                 walk(grandchildren, f"{prefix}{name}.")
             else:
-                keys.append(f"{prefix}{name}")
+                items[f"{prefix}{name}"] = value
 
     walk(root_children(config), "")
-    return keys
+    return items
+
+
+def leaf_keys(config) -> list[str]:
+    """The dotted key of every leaf field of the config tree."""
+    return list(leaf_items(config))

@@ -21,18 +21,21 @@ class ShortKey:
     annotation: Any
     help: str
     apply: Callable[[Any, Any], None]
+    fields: tuple[str, ...] = ()
+    """The config fields (dotted keys) this key is another name for, when it names fixed ones."""
 
 
 _SHORT_KEYS: dict[str, ShortKey] = {}
 
 
-def register_short_key(key: str, annotation: Any, help: str):
-    """Decorator registering ``apply(config, value)`` as the handler of TOML ``key``."""
+def register_short_key(key: str, annotation: Any, help: str, fields: tuple[str, ...] = ()):
+    """Decorator registering ``apply(config, value)`` as the handler of TOML ``key``; ``fields``: the
+    config fields it is another name for (``ShortKey.fields``)."""
 
     def decorator(apply: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
         if key in _SHORT_KEYS:
             raise ValueError(f"short TOML key {key!r} is registered twice")
-        _SHORT_KEYS[key] = ShortKey(key, annotation, help, apply)
+        _SHORT_KEYS[key] = ShortKey(key, annotation, help, apply, fields)
         return apply
 
     return decorator
@@ -54,7 +57,7 @@ def _field_alias(key: str, path: str, annotation: Any, help: str) -> None:
     def apply(config, value):
         set_value(config, path, value)
 
-    register_short_key(key, annotation, f"{help} (= {path})")(apply)
+    register_short_key(key, annotation, f"{help} (= {path})", fields=(path,))(apply)
 
 
 _field_alias("training.batch_size", "training.local_batch_size", int, "per-rank batch size")

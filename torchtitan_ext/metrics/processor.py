@@ -11,12 +11,14 @@ peak); colour codes only go to a terminal; ``close`` prints a run summary (steps
 first and last loss, wall time, output, checkpoint and wandb folders).
 """
 
+import dataclasses
 import io
 import logging
 import os
 import re
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ import numpy as np
 import torch.distributed as dist
 from torchtitan.components.metrics import (
     BaseLogger,
+    LoggerContainer,
     MetricsProcessor,
     TensorBoardLogger,
     WandBLogger,
@@ -48,8 +51,12 @@ KEY_PREFIX = "moe"
 MODEL_SCOPE = "model"
 
 
-GPU_ONLY_METRICS = ("tflops", "mfu(%)")
-"""torchtitan metrics that are rates against a GPU's peak FLOP/s: meaningless on CPU."""
+GPU_ONLY_METRICS = ("tflops", "mfu(%)", "memory/num_alloc_retries", "memory/num_ooms")
+"""torchtitan metrics meaningless on CPU: rates against a GPU's peak FLOP/s, and the CUDA caching
+allocator's retry and out-of-memory counts (a CPU run has neither: they are always 0)."""
+
+WANDB_FOLDER = "wandb"
+"""Where wandb runs go in the dump folder (torchtitan puts them under its TensorBoard folder)."""
 
 _GPU_ONLY_COLUMNS = re.compile(r"\s*(?:\x1b\[[0-9;]*m)?tflops: .*?mfu: [^\s\x1b]*")
 """The ``tflops: X  mfu: Y%`` columns of torchtitan's console step line (with their colour codes)."""
@@ -82,6 +89,7 @@ class RunProgress:
     """What the closing summary reports: steps run, first and last logged loss, start time."""
 
     started: float = field(default_factory=time.perf_counter)
+    interrupted: bool = False
     steps_run: int = 0
     last_step: int | None = None
     first_loss: tuple[int, float] | None = None
@@ -113,8 +121,9 @@ def run_summary_lines(
     else:
         (first_step, first), (last_step, last) = progress.first_loss, progress.last_loss
         loss = f"loss {first:.4f} (step {first_step}) -> {last:.4f} (step {last_step})"
+    ended = " (interrupted)" if progress.interrupted else ""
     lines = [
-        f"run summary: {steps}, {loss}, wall time {wall_seconds:.1f} s",
+        f"run summary{ended}: {steps}, {loss}, wall time {wall_seconds:.1f} s",
         f"  output folder:     {os.path.abspath(output_folder)}",
         "  checkpoint folder: "
         + (os.path.abspath(checkpoint_folder) if checkpoint_folder else "none (checkpoint.enable is false)"),
@@ -166,17 +175,29 @@ class MoEMetricsProcessor(MetricsProcessor):
         self._checkpoint_folder = _checkpoint_folder(dump_folder, config_dict)
         self._on_cpu = cpu_training()
         super().__init__(config, dump_folder=dump_folder, config_dict=config_dict, **kwargs)
+        _open_processors.add(self)
         if not sys.stdout.isatty():
             self.color = NoColor()
 
     def _build_metric_logger(self, *, config: Config, config_dict=None, **kwargs) -> BaseLogger:
+        """torchtitan's loggers; wandb's run in ``WANDB_FOLDER`` of the dump folder, TensorBoard's in its own."""
         if config.enable_wandb:
             configure_wandb_environment(
                 project=config.wandb_project, entity=config.wandb_entity, run_name=config.wandb_run_name
             )
         config_dict = {**(config_dict or {}), "run_metadata": run_metadata()}
-        built = super()._build_metric_logger(config=config, config_dict=config_dict, **kwargs)
-        children = getattr(built, "_loggers", [built])
+        parts = []
+        if config.enable_wandb:
+            parts.append(dataclasses.replace(config, enable_tensorboard=False, save_tb_folder=WANDB_FOLDER))
+        if config.enable_tensorboard:
+            parts.append(dataclasses.replace(config, enable_wandb=False))
+        built = LoggerContainer()
+        for part in parts:
+            for child in getattr(
+                super()._build_metric_logger(config=part, config_dict=config_dict, **kwargs), "_loggers", []
+            ):
+                built.add_logger(child)
+        children = built._loggers
         self._rich_loggers = [child for child in children if isinstance(child, (WandBLogger, TensorBoardLogger))]
         for child in children:
             if isinstance(child, WandBLogger) and child.wandb.run is not None:
@@ -292,6 +313,7 @@ class MoEMetricsProcessor(MetricsProcessor):
 
     def close(self) -> None:
         """Close the loggers, then print the run summary (rank 0, and the rank holding the wandb run)."""
+        _open_processors.discard(self)
         super().close()
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank != 0 and self._wandb_run is None:
@@ -313,6 +335,18 @@ class MoEMetricsProcessor(MetricsProcessor):
                 _log_rich_wandb(rich_logger, rich["histograms"], heatmap_png, step)
             else:
                 _log_rich_tensorboard(rich_logger, rich["histograms"], heatmap_png, step)
+
+
+_open_processors: "weakref.WeakSet[MoEMetricsProcessor]" = weakref.WeakSet()
+"""Processors whose run has not closed them yet (``close_interrupted_runs``)."""
+
+
+def close_interrupted_runs() -> None:
+    """After Ctrl-C, which skips the trainer's close: close every open processor's loggers and print its
+    run summary, marked interrupted."""
+    for processor in list(_open_processors):
+        processor._progress.interrupted = True
+        processor.close()
 
 
 def heatmap_due(step: int, last_heatmap_step: int | None, every: int) -> bool:

@@ -32,31 +32,53 @@ def routing_scalars(tokens_per_expert_E: np.ndarray) -> dict[str, float]:
 HEATMAP_SCALE_MAX = 4.0
 """Top of the heatmap's fixed colour scale: load / layer mean; larger cells take the top colour."""
 
+HEATMAP_INCHES = ((5.0, 12.0), (3.0, 8.0))
+"""(smallest, largest) width and height of the heatmap at 100 dpi: 1200 x 800 px at most (a Qwen3-sized
+48 x 128 map included), so that its labels stay readable where wandb and TensorBoard show it."""
+
+HEATMAP_MAX_LAYER_LABELS = 24
+"""At most this many layer names on the y axis (every second, third, ... layer beyond)."""
+
+
+def _clamp(value: float, bounds: tuple[float, float]) -> float:
+    return min(max(value, bounds[0]), bounds[1])
+
 
 def routing_heatmap_png(tokens_per_layer_expert: np.ndarray, layer_names: list[str], step: int) -> bytes:
     """PNG of the layers x experts load, each cell relative to its layer's mean.
 
     The colour scale is the same at every step: 0 (no token) to ``HEATMAP_SCALE_MAX``,
-    centred on 1 (balanced), so images of different steps compare directly.
+    centred on 1 (balanced), so images of different steps compare directly. The image grows with
+    the map up to ``HEATMAP_INCHES``; text keeps one size (9 pt and up), and the layer axis names
+    at most ``HEATMAP_MAX_LAYER_LABELS`` layers.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import TwoSlopeNorm
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     counts = np.asarray(tokens_per_layer_expert, dtype=np.float64)
     relative = counts / np.maximum(counts.mean(axis=1, keepdims=True), 1e-12)
     num_layers, num_experts = counts.shape
-    figure = Figure(figsize=(max(4.0, 0.25 * num_experts + 2), max(2.5, 0.3 * num_layers + 1.5)))
+    (width_bounds, height_bounds) = HEATMAP_INCHES
+    figure = Figure(
+        figsize=(_clamp(0.1 * num_experts + 3.5, width_bounds), _clamp(0.2 * num_layers + 1.8, height_bounds))
+    )
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=HEATMAP_SCALE_MAX)
     image = axes.imshow(relative, aspect="auto", cmap="RdBu_r", norm=norm, interpolation="nearest")
-    axes.set_xlabel("expert")
-    axes.set_ylabel("MoE layer")
-    axes.set_yticks(range(num_layers), layer_names, fontsize=7)
-    axes.set_title(f"tokens per expert / layer mean, step {step}")
+    axes.set_xlabel("expert", fontsize=10)
+    axes.set_ylabel("MoE layer", fontsize=10)
+    every = -(-num_layers // HEATMAP_MAX_LAYER_LABELS)
+    shown = range(0, num_layers, every)
+    axes.set_yticks(shown, [layer_names[i] for i in shown])
+    axes.xaxis.set_major_locator(MaxNLocator(nbins=16, integer=True))
+    axes.tick_params(labelsize=9)
+    axes.set_title(f"tokens per expert / layer mean, step {step}", fontsize=11)
     colorbar = figure.colorbar(image, ax=axes, extend="max")
-    colorbar.set_label("1 = balanced", fontsize=8)
+    colorbar.set_label("1 = balanced", fontsize=10)
+    colorbar.ax.tick_params(labelsize=9)
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100)

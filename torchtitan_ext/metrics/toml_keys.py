@@ -31,11 +31,12 @@ for _key, _field, _annotation, _help in (
     ("wandb.entity", "wandb_entity", str, "wandb entity/team (= metrics.wandb_entity)"),
     ("wandb.run_name", "wandb_run_name", str, "wandb run name (= metrics.wandb_run_name)"),
 ):
-    register_short_key(_key, _annotation, _help)(_set_metrics_field(_key, _field))
+    register_short_key(_key, _annotation, _help, fields=(f"metrics.{_field}",))(_set_metrics_field(_key, _field))
 
 register_short_key(
     "moe_metrics.heatmap_every",
     int,
     "layers x experts heatmap at the first log step and at the first log step at or after each "
     "multiple of N, 0: never (= metrics.heatmap_every)",
+    fields=("metrics.heatmap_every",),
 )(_heatmap_every)

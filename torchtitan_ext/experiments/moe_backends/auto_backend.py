@@ -42,6 +42,28 @@ class AutoBackendError(ValueError):
     """``auto`` cannot be resolved here (a cache miss where measuring is not allowed)."""
 
 
+AUTO_COMMAND_OUTLINE = (
+    "python -m torchtitan_ext.bench auto --flavor NAME [--toml FILE] [--batch-size B --seq-len L] "
+    "[--expert-parallel-degree N]"
+)
+
+
+class UncachedAutoChoice(AutoBackendError):
+    """No cached choice for ``key`` in ``path``, where this process may not measure (several ranks
+    would measure apart); ``message(command)`` names the command that measures it."""
+
+    def __init__(self, key: str, path: Path):
+        self.key, self.path = key, path
+        super().__init__(self.message(AUTO_COMMAND_OUTLINE, "with the run's settings "))
+
+    def message(self, command: str, settings: str = "") -> str:
+        return (
+            f"moe.compute_backend = 'auto': no cached choice for {self.key} in {self.path}, and several "
+            f"processes would measure apart; run the single-process `{command}` {settings}first "
+            f"(same {CACHE_ENV}), or set a backend: {', '.join(backend_names())}"
+        )
+
+
 CACHE_FILE_NAME = "auto_backend.json"
 
 Measure = Callable[[BenchShape, list[str]], dict[str, float]]
@@ -195,13 +217,7 @@ def resolve(
         entry = cache[key]
         return AutoChoice(entry["backend"], entry["ms_per_step"], True, key, measured)
     if not may_measure:
-        raise AutoBackendError(
-            f"moe.compute_backend = 'auto': no cached choice for {key} in {path}, "
-            "and several processes would measure apart; run the single-process "
-            "`python -m torchtitan_ext.bench auto --flavor NAME [--toml FILE] [--batch-size B --seq-len L] "
-            "[--expert-parallel-degree N]` with the run's settings first "
-            f"(same {CACHE_ENV}), or set a backend: {', '.join(backend_names())}"
-        )
+        raise UncachedAutoChoice(key, path)
     if len(candidates) == 1:
         backend, ms_per_step = candidates[0], {}
     else:

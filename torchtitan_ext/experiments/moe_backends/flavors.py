@@ -27,6 +27,8 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
 from torchtitan_ext.checkpoint_integrity import IntegrityCheckpointManager
+from torchtitan_ext.config.checks import register_config_check
+from torchtitan_ext.config.value_sources import value_source
 from torchtitan_ext.data import TINY_STORIES, TOKENIZER_DIR
 from torchtitan_ext.metrics.processor import MoEMetricsProcessor
 from torchtitan_ext.registry import register_flavor
@@ -95,6 +97,24 @@ def moe_trainer_config(model_spec: ModelSpec, run: TrainingRun, *, expert_parall
         activation_checkpoint=MoESelectiveAC.Config(),
         debug=DebugConfig(seed=0),
     )
+
+
+SCHEDULE_KEYS = ("lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio", "lr_scheduler.total_steps")
+
+
+@register_config_check
+def fit_the_schedule_to_a_short_run(config) -> None:
+    """A run shorter than its flavor's warm-up plus decay (``TrainingRun``: under 25 steps for the tiny
+    flavors) warms up for at most its steps and decays over the rest, unless the TOML files or the
+    command line set the schedule (torchtitan would shorten it too, with two warnings per run)."""
+    scheduler = config.lr_scheduler
+    if any(value_source(key) for key in SCHEDULE_KEYS) or not isinstance(scheduler.decay_ratio, float):
+        return
+    steps = scheduler.total_steps or config.training.steps
+    if steps < 1 or scheduler.warmup_steps + round(steps * scheduler.decay_ratio) <= steps:
+        return
+    scheduler.warmup_steps = min(scheduler.warmup_steps, steps)
+    scheduler.decay_ratio = (steps - scheduler.warmup_steps) / steps
 
 
 def tiny_flavor_name(compute_backend: ComputeBackend) -> str:

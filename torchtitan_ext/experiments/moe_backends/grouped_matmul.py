@@ -37,10 +37,25 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(a, b, offs)
 
 
+def row_major_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a row-major tensor of ``shape``: each the product of the sizes after it."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
 def row_major(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with row-major strides. A zero-size tensor may carry any strides (an expanded gradient has
-    stride 0) and counts as contiguous, so it is always copied (the copy is free)."""
-    if t.numel() and t.is_contiguous():
+    """``t`` with exactly row-major strides, copied when it has others.
+
+    ``torch._grouped_mm`` reads every stride, those of size-1 dimensions included, which
+    ``is_contiguous`` ignores: one row of a wider buffer (row stride D + 1) or a transposed
+    ``[D, 1]`` gradient counts as contiguous but is refused ("strides should be multiple of 16
+    bytes"). A zero-size tensor may carry any strides (an expanded gradient has stride 0), so it
+    is always copied (the copy is free).
+    """
+    if t.numel() and t.stride() == row_major_strides(t.shape):
         return t
     return t.clone(memory_format=torch.contiguous_format)
 

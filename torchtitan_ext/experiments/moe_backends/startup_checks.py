@@ -7,15 +7,18 @@ against the routed rows of a step. ``check_compute_backends_run_here`` refuses a
 machine cannot run; ``resolve_auto_backend`` then replaces "auto" by the fastest backend here.
 """
 
+import shlex
+
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.checks import register_config_check
+from torchtitan_ext.config.value_sources import resolved_from
 from torchtitan_ext.kernels.availability import triton_available_reason
 from torchtitan_ext.parallel_layout import degree_errors, layout_errors
 from torchtitan_ext.place_in_launch import local_world_size
 from torchtitan_ext.place_in_launch import world_size as launch_world_size
 from torchtitan_ext.validation import named
 
-from .auto_backend import AutoBackendError, resolve_auto_compute_backend
+from .auto_backend import AUTO_COMMAND_OUTLINE, AutoBackendError, UncachedAutoChoice, resolve_auto_compute_backend
 from .dispatcher import RoutingDispatcher
 from .experts import BackendGroupedExperts, backend_unavailable_reason, resolved_at_startup
 from .layer import routing_dispatchers
@@ -99,8 +102,25 @@ def resolve_auto_backend(config) -> None:
         return
     try:
         resolve_auto_compute_backend(config)
+    except UncachedAutoChoice as e:
+        raise ConfigError(e.message(auto_choice_command(config))) from None
     except AutoBackendError as e:
         raise ConfigError(str(e)) from None
+
+
+def auto_choice_command(config) -> str:
+    """The single-process command that measures and caches the "auto" choice of a run of ``config``
+    (its flavor, TOML files, batch, sequence length and expert parallel degree)."""
+    flavor, toml_files = resolved_from()
+    if flavor is None:
+        return AUTO_COMMAND_OUTLINE
+    arguments = [
+        *("--flavor", flavor),
+        *(argument for path in toml_files for argument in ("--toml", path)),
+        *("--batch-size", str(config.training.local_batch_size), "--seq-len", str(config.training.seq_len)),
+        *("--expert-parallel-degree", str(config.parallelism.expert_parallel_degree)),
+    ]
+    return f"python -m torchtitan_ext.bench auto {shlex.join(arguments)}"
 
 
 MAX_ALIGN_SIZE = 4096

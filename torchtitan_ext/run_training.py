@@ -1,0 +1,235 @@
+"""torchtitan's Trainer on a registered flavor: the ``ConfigManager`` that loads ``--flavor`` / ``--toml``
+and the command line, and a training run in this process (``run``).
+
+The train entry (``torchtitan_ext.train``) checks the arguments it can without torch and comes
+here to train. Without CUDA, training runs on CPU with gloo (see ``compat.cpu``), one thread per
+process unless ``OMP_NUM_THREADS`` says otherwise (as torchrun sets it); with CUDA it is
+torchtitan's NCCL path. On every device the fixes the running torch needs
+(``compat.torch_versions``) are applied first. Configuration errors exit with code 2 before any
+process group or model is built; Ctrl-C ends a run with one line and its summary (exit code 130).
+"""
+
+import os
+import socket
+import sys
+from typing import Any
+
+import torch
+import torchtitan
+import torchtitan.train as titan_train
+from torchtitan.config import ConfigManager
+from torchtitan.tools.logging import logger
+
+from torchtitan_ext.command_facts import torchrun_options
+from torchtitan_ext.compat.cpu import adapt_config_for_cpu, cpu_training, patch_torchtitan_for_cpu
+from torchtitan_ext.compat.quiet_cpu import quiet_cpu_warnings
+from torchtitan_ext.compat.run_noise import quiet_run_noise
+from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config.apply import apply_overrides, apply_toml_files, valid_keys, written_fields
+from torchtitan_ext.config.checks import run_config_checks
+from torchtitan_ext.config.command_line import (
+    COMMAND_LINE,
+    FLAVOR_REQUIRED,
+    command_line_errors,
+    option_key,
+    split_override_args,
+    split_project_args,
+)
+from torchtitan_ext.config.toml_files import toml_value
+from torchtitan_ext.config.value_sources import forget_value_sources, record_resolved_from, record_value_sources
+from torchtitan_ext.launch import INTERRUPTED_EXIT_CODE, report_startup_error, under_this_launcher
+from torchtitan_ext.metrics.metadata import record_run_metadata, run_metadata
+from torchtitan_ext.metrics.processor import close_interrupted_runs
+from torchtitan_ext.place_in_launch import in_launch, is_rank_zero
+from torchtitan_ext.registry import UnknownFlavorError, all_flavors, get_flavor, startup_notes
+from torchtitan_ext.validation import check_config_values
+
+
+def resolve_config(flavor_name: str, toml_paths: list[str]):
+    """The flavor's ``Trainer.Config`` with the TOML files applied (later files win)."""
+    try:
+        flavor = get_flavor(flavor_name)
+    except UnknownFlavorError as e:
+        raise ConfigError(str(e)) from None
+    forget_value_sources()
+    record_resolved_from(flavor_name, toml_paths)
+    return apply_toml_files(flavor.build(), toml_paths)
+
+
+def parser_options(args: list[str], known: set[str]) -> dict[str, tuple[str, Any]]:
+    """``{config key: (option as given, its value read as a TOML value)}`` of the options in ``args``
+    that torchtitan's parser takes; a switch (``--a.b``, ``--a.no_b``) has the value true or false."""
+    options = {}
+    for i, arg in enumerate(args):
+        if (key := option_key(arg, known)) is None:
+            continue
+        name, has_inline, inline = arg.partition("=")
+        if has_inline:
+            shown, text = arg, inline
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            shown, text = f"{arg} {args[i + 1]}", args[i + 1]
+        else:
+            switched_off = name[2:].replace("-", "_") != key
+            shown, text = arg, "false" if switched_off else "true"
+        options[key] = (shown, toml_value(text))
+    return options
+
+
+def parser_conflict_errors(config, overrides: dict, parser_keys: dict[str, tuple[str, Any]]) -> list[str]:
+    """Command-line ``overrides`` (the project's) that set a field to another value than an option
+    torchtitan's parser takes (``parser_options``), each an error naming both."""
+    errors = []
+    for key, fields in written_fields(config, overrides).items():
+        errors += [
+            f"{COMMAND_LINE}: --{key} {overrides[key]!r} and {parser_keys[field][0]} both set {field}; keep one of them"
+            for field, value in fields.items()
+            if field in parser_keys and parser_keys[field][1] != value
+        ]
+    return errors
+
+
+class FlavorConfigManager(ConfigManager):
+    """torchtitan's ConfigManager, loading ``--flavor``/``--toml`` instead of ``--module``/``--config``."""
+
+    def _load_config(self, args: list[str]):
+        flavor, tomls, rest = split_project_args(args)
+        if flavor is None:
+            raise ConfigError(FLAVOR_REQUIRED)
+        if "--help-torchtitan" in rest:
+            rest = [a for a in rest if a != "--help-torchtitan"] + ["--help"]
+        self.run_arguments = (flavor, tomls, rest)
+        all_flavors()  # experiments register their short keys on import
+        cli_overrides, rest = split_override_args(rest)
+        from_files = resolve_config(flavor, tomls)
+        config = apply_overrides(from_files, cli_overrides, source=COMMAND_LINE)
+        known = set(valid_keys(config))
+        parser_keys = parser_options(rest, known)
+        errors = command_line_errors(list(known), args, torchrun_options())
+        errors += parser_conflict_errors(from_files, cli_overrides, parser_keys)
+        if errors:
+            raise ConfigError("\n".join(errors))
+        record_value_sources(dict.fromkeys(parser_keys, COMMAND_LINE))
+        self.resolved_config = config
+        return config, rest
+
+    def parse_args(self, args: list[str] | None = None):
+        from torchtitan_ext.compat.cuda_graph_dispatchers import apply_cuda_graph_dispatcher_fix
+
+        apply_cuda_graph_dispatcher_fix()  # before tyro builds the config: torchtitan checks CUDA graphs there
+        self.resolved_config = None
+        try:
+            config = parse_with_tyro(lambda: super(FlavorConfigManager, self).parse_args(args))
+        except ConfigError:
+            if self.resolved_config is not None:
+                # torchtitan's own checks refused a value; a TOML file's is named with its line.
+                check_config_values(self.resolved_config)
+            raise
+        flavor, tomls, cli_args = self.run_arguments
+        run_config_checks(config)  # cross-field checks (and "auto" resolution), before any process group exists
+        # Run metadata for the metrics loggers (wandb config).
+        record_run_metadata(flavor=flavor, toml_files=tomls, cli_args=cli_args, config=config)
+        if is_rank_zero():
+            metadata = run_metadata()
+            transport = f", ep_transport={metadata['ep_transport']}" if "ep_transport" in metadata else ""
+            logger.info(
+                f"flavor {flavor}: compute_backend={metadata['compute_backend']}, "
+                f"expert_parallel_degree={metadata['expert_parallel_degree']}{transport}, "
+                f"compile={'on' if compiles_model(config) else 'off'}, "
+                f"cuda_graphs={'off' if config.training.disable_cuda_graphs else 'on'}, "
+                f"toml files: {', '.join(tomls) or 'none'}; torch {torch.__version__}, "
+                f"torchtitan {torchtitan.__version__}"
+            )
+            if cpu_training():
+                logger.info(
+                    f"CPU: {torch.get_num_threads()} thread(s) per process, OMP_NUM_THREADS="
+                    f"{os.environ.get('OMP_NUM_THREADS')} (1 when it is unset, as torchrun gives each process)"
+                )
+            for note in startup_notes(config):
+                logger.info(note)
+        fixes = apply_torch_version_fixes()
+        if fixes and is_rank_zero():
+            logger.info(f"torch {torch.__version__}: torchtitan compatibility fixes applied: {', '.join(fixes)}")
+        if cpu_training():
+            adapt_config_for_cpu(config)
+            patch_torchtitan_for_cpu()
+        return config
+
+
+def compiles_model(config) -> bool:
+    """Whether torchtitan compiles the model's blocks (``compile.enable`` with the ``model`` component)."""
+    return config.compile.enable and "model" in config.compile.components
+
+
+def parse_with_tyro(parse):
+    """Run torchtitan's tyro parsing; its usage errors and ``ValueError``s become ``ConfigError``."""
+    import contextlib
+    import io
+    import re
+
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+            return parse()
+    except SystemExit as e:
+        if e.code in (0, None):
+            sys.stdout.write(captured.getvalue())
+            raise
+        text = re.sub(r"[\u2500-\u257f]", " ", captured.getvalue())
+        lines = [
+            line.strip()
+            for line in text.splitlines()
+            if line.strip().strip("-") and "For full helptext" not in line and not line.rstrip().endswith(" --help")
+        ]
+        raise ConfigError(f"{COMMAND_LINE}: " + "\n".join(lines or [f"invalid arguments (exit {e.code})"])) from None
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"{COMMAND_LINE}: {e}") from None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_single_process_env() -> None:
+    """Outside torchrun, provide the rendezvous variables torchtitan expects (world of 1)."""
+    if in_launch():
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def use_one_thread_on_cpu() -> None:
+    """On CPU, one thread per process unless ``OMP_NUM_THREADS`` is set: what torchrun gives each
+    process (the tiny flavors' steps are several times faster than on every core of a busy machine)."""
+    if cpu_training() and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+def run(args: list[str]) -> int:
+    """Train with torchtitan's main in this process on ``args`` (``--flavor``, ``--toml``, overrides);
+    the exit code: 0, 2 for a start-up error, ``INTERRUPTED_EXIT_CODE`` after Ctrl-C."""
+    set_single_process_env()
+    use_one_thread_on_cpu()
+    quiet_cpu_warnings()
+    quiet_run_noise()
+    # torchtitan's main builds its config through the name ``ConfigManager``.
+    titan_train.ConfigManager = FlavorConfigManager
+    sys.argv = [sys.argv[0], *args]
+    try:
+        titan_train.main()
+    except ConfigError as e:
+        if not report_startup_error(str(e)) and is_rank_zero():
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if is_rank_zero() and not under_this_launcher():
+            print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        close_interrupted_runs()
+        return INTERRUPTED_EXIT_CODE
+    return 0
