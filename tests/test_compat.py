@@ -15,11 +15,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 import torchtitan.components.metrics as titan_metrics
 import torchtitan.distributed.fsdp as titan_fsdp
 import torchtitan.distributed.utils as titan_dist_utils
 import torchtitan.tools.utils as titan_utils
 from helpers import free_port
+from torch._functorch import partitioners
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.utils.checkpoint import checkpoint
 from torchtitan.config.configs import ParallelismConfig
 from torchtitan.models.common.attention import (
     FlexAttention,
@@ -188,6 +193,61 @@ def test_torchtitan_dispatcher_reads_non_strict_tracing():
 
     assert "torch.compiler._is_non_strict_tracing()" in inspect.getsource(token_dispatcher)
     assert callable(torch.compiler._is_non_strict_tracing)
+
+
+def test_rng_state_order_fix_applies_exactly_when_torch_misorders():
+    assert "functionalize_rng_ops(" in inspect.getsource(partitioners.min_cut_rematerialization_partition)
+    misorders = torch_versions.needs_rng_state_order_fix()
+    patched = partitioners.functionalize_rng_ops is torch_versions.functionalize_rng_ops_before_opaque_objects
+    assert patched is misorders
+    if torch.__version__.startswith("2.13."):
+        assert misorders, "torch 2.13 saves RNG states before opaque objects itself: the fix is no longer needed"
+
+
+def _mesh_saving_block_worker(rank: int, port: int, results) -> None:
+    """A compiled, checkpointed block whose backward needs a DeviceMesh (a DTensor weight's
+    ``to_local``) and recomputes attention (a random op on CPU): its gradients unfixed and fixed."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=1)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        mesh = init_device_mesh("cpu", (1,))
+        weight = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8, generator=generator), mesh, [Shard(0)]))
+        x = torch.randn(1, 2, 4, 8, generator=generator, requires_grad=True)
+
+        def block(x):
+            return F.scaled_dot_product_attention(x, x, x, is_causal=True) @ weight.to_local()
+
+        def gradients(step) -> tuple[torch.Tensor, torch.Tensor]:
+            x.grad = weight.grad = None
+            step(x).square().sum().backward()
+            return x.grad, weight.grad.to_local()
+
+        def checkpointed(x):
+            return checkpoint(block, x, use_reentrant=False)
+
+        expected = gradients(checkpointed)
+        try:
+            gradients(torch.compile(checkpointed, backend="aot_eager", fullgraph=True))
+            results["unfixed"] = "trained"
+        except AssertionError as error:
+            results["unfixed"] = str(error)
+        torch_versions.apply_torch_version_fixes()
+        torch._dynamo.reset()
+        actual = gradients(torch.compile(checkpointed, backend="aot_eager", fullgraph=True))
+        results["fixed"] = all(torch.allclose(a, e, rtol=1e-5, atol=1e-6) for a, e in zip(actual, expected))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compiled_block_saving_a_device_mesh_and_recomputing_attention_trains():
+    results = mp.Manager().dict()
+    mp.spawn(_mesh_saving_block_worker, args=(free_port(), results), nprocs=1, join=True)
+    if torch_versions.needs_rng_state_order_fix():
+        assert "expected all tensors_saved_with_vc_check to be Tensors" in results["unfixed"]
+    else:
+        assert results["unfixed"] == "trained"
+    assert results["fixed"]
 
 
 @cpu_only
