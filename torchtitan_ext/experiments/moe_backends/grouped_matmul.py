@@ -38,9 +38,14 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def row_major(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with row-major strides. A zero-size tensor may carry any strides (an expanded gradient has
-    stride 0) and counts as contiguous, so it is always copied (the copy is free)."""
-    if t.numel() and t.is_contiguous():
+    """``t`` [R, C] with row-major strides ``(C, 1)``, copied only when it has others.
+
+    The strides are compared rather than ``is_contiguous()`` asked: a zero-size tensor counts as
+    contiguous whatever its strides (an expanded gradient has stride 0), which ``_grouped_mm``
+    rejects; and R is never read, so it may be data-dependent (the received rows under expert
+    parallelism, compiled).
+    """
+    if t.stride() == (t.shape[1], 1):
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
