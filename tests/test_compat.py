@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import typing
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,10 +23,13 @@ import torchtitan.distributed.utils as titan_dist_utils
 import torchtitan.tools.utils as titan_utils
 from helpers import free_port
 from torch._functorch import partitioners
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils.checkpoint import checkpoint
+from torchtitan.components.optimizer import OptimizersContainer, default_adamw, register_moe_load_balancing_hook
 from torchtitan.config.configs import ParallelismConfig
+from torchtitan.distributed import compile as titan_compile
 from torchtitan.models.common.attention import (
     FlexAttention,
     get_causal_mask_mod,
@@ -41,6 +45,7 @@ from torchtitan_ext.compat.cpu import (
     document_causal_mask,
     patch_torchtitan_for_cpu,
 )
+from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 from torchtitan_ext.registry import get_flavor
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo fixes apply only without CUDA")
@@ -248,6 +253,51 @@ def test_compiled_block_saving_a_device_mesh_and_recomputing_attention_trains():
     else:
         assert results["unfixed"] == "trained"
     assert results["fixed"]
+
+
+def test_torchtitan_expert_bias_update_still_halves_counts_that_its_compile_does_not_double():
+    assert torch_versions.needs_expert_bias_count_fix(), "torchtitan no longer halves recomputed counts"
+    assert "skip_fwd_side_effects_in_bwd_under_checkpoint = (\n        True" in inspect.getsource(
+        titan_compile.apply_compile
+    )
+
+
+class _Block(torch.nn.Module):
+    moe_enabled = True
+
+    def __init__(self):
+        super().__init__()
+        self.moe = moe_layer_config(compute_backend="for_loop", dim=8, hidden_dim=8, num_experts=8, top_k=2).build()
+
+    def forward(self, x):
+        return self.moe(x)
+
+
+def _expert_bias_after_update(tokens_per_expert: list[float], compiled: bool) -> torch.Tensor:
+    """torchtitan's expert-bias update of one checkpointed block holding these counts."""
+    block = checkpoint_wrapper(_Block())
+    if compiled:
+        block.compile()
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"0": block})
+    optimizers = OptimizersContainer(default_adamw(), model_parts=[model])
+    no_parallelism = SimpleNamespace(ep_enabled=False, tp=1, get_optional_mesh=lambda name: None)
+    register_moe_load_balancing_hook(optimizers, [model], no_parallelism)
+    block.moe.tokens_per_expert_E.copy_(torch.tensor(tokens_per_expert))
+    optimizers.step()
+    return block.moe.expert_bias_E.clone()
+
+
+def test_compiled_checkpointed_block_gets_the_expert_bias_update_of_eager():
+    """Eager recomputation counts every token twice, a compiled block once; same update either way."""
+    single = [3.0, 1.0, 2.0, 2.0, 5.0, 0.0, 1.0, 2.0]
+    eager = _expert_bias_after_update([2 * count for count in single], compiled=False)
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        compiled = _expert_bias_after_update(single, compiled=True)
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+        counted_as_eager = _expert_bias_after_update(single, compiled=True)
+    assert torch.equal(compiled, eager)
+    assert not torch.equal(counted_as_eager, eager), "torchtitan's update no longer halves: the fix is unneeded"
 
 
 @cpu_only

@@ -1,10 +1,11 @@
 """Fixes torchtitan 0.3.0 needs on the torch it runs on, applied on every device.
 
-torchtitan 0.3.0 was written against a torch newer than 2.13 in two places, and torch 2.13
-mis-orders one compiled graph's saved values. Each fix is applied only where the running
-torch has the gap or the defect, on CPU and GPU alike, names the torch or torchtitan code it
-answers, and is covered by ``tests/test_compat.py`` (which fails loudly when a torch or
-torchtitan upgrade makes a fix unneeded or wrong).
+torchtitan 0.3.0 was written against a torch newer than 2.13 in two places, torch 2.13
+mis-orders one compiled graph's saved values, and torchtitan's expert-bias update miscounts
+compiled blocks. Each fix is applied only where the running torch or torchtitan has the gap
+or the defect, on CPU and GPU alike, names the torch or torchtitan code it answers, and is
+covered by ``tests/test_compat.py`` (which fails loudly when a torch or torchtitan upgrade
+makes a fix unneeded or wrong).
 
 - ``distributed/utils.py`` ``set_pg_timeouts`` calls ``torch.distributed.set_timeout``
   (torch >= 2.14) after the first step; on torch 2.13 every run died there. The fix sets
@@ -22,9 +23,17 @@ torchtitan upgrade makes a fix unneeded or wrong).
   with Inductor's ``fallback_random`` or functorch's ``graphsafe_rng_functionalization``
   off). The fix puts the RNG states before the opaque objects, in the forward's outputs and
   the backward's inputs alike.
+- ``components/optimizer/optimizer.py`` ``register_moe_load_balancing_hook``: the expert-bias
+  update halves ``tokens_per_expert_E`` of every block wrapped for activation checkpointing,
+  whose eager recomputation counts each token a second time. ``distributed/compile.py``
+  ``apply_compile`` sets ``skip_fwd_side_effects_in_bwd_under_checkpoint``, so a compiled
+  block's recomputation counts nothing: the update saw half the counts (rounded down) and
+  moved the biases differently from eager. The fix doubles a compiled checkpointed block's
+  counts in a global optimizer step pre-hook, which runs before torchtitan's own.
 """
 
 import functools
+import inspect
 from datetime import timedelta
 
 import torch
@@ -35,7 +44,10 @@ from torch import fx
 from torch._functorch import partitioners
 from torch._functorch._aot_autograd.graph_compile import is_opaque_node
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import CheckpointPolicy
+from torchtitan.components.optimizer import OptimizersContainer, register_moe_load_balancing_hook
 
 original_set_pg_timeouts = titan_dist_utils.set_pg_timeouts
 original_functionalize_rng_ops = partitioners.functionalize_rng_ops
@@ -136,6 +148,35 @@ def needs_rng_state_order_fix() -> bool:
     return _outputs(forward)[-1].name != "opaque"
 
 
+def double_counts_of_compiled_checkpointed_blocks(optimizer, args, kwargs) -> None:
+    """Global optimizer step pre-hook: ``tokens_per_expert_E`` x 2 in each compiled block that
+    torchtitan's expert-bias update halves (wrapped for recomputation, load balancing on)."""
+    if not (
+        isinstance(optimizer, OptimizersContainer)
+        and torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+    ):
+        return
+    for model_part in optimizer.model_parts:
+        for block in model_part.get_submodule("layers").values():
+            if (
+                getattr(block, "moe_enabled", False)
+                and block.moe.load_balance_coeff is not None
+                and getattr(block, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT
+                and block._compiled_call_impl is not None
+            ):
+                block.moe.tokens_per_expert_E.mul_(2)
+
+
+def needs_expert_bias_count_fix() -> bool:
+    return "tokens_per_expert_E // 2" in inspect.getsource(register_moe_load_balancing_hook)
+
+
+@functools.cache
+def register_expert_bias_count_hook():
+    """Register ``double_counts_of_compiled_checkpointed_blocks`` once; its handle."""
+    return register_optimizer_step_pre_hook(double_counts_of_compiled_checkpointed_blocks)
+
+
 def apply_torch_version_fixes() -> list[str]:
     """Apply the fixes this torch needs (idempotent); returns the names of those applied."""
     applied = []
@@ -148,4 +189,7 @@ def apply_torch_version_fixes() -> list[str]:
     if needs_rng_state_order_fix():
         partitioners.functionalize_rng_ops = functionalize_rng_ops_before_opaque_objects
         applied.append("functionalize_rng_ops")
+    if needs_expert_bias_count_fix():
+        register_expert_bias_count_hook()
+        applied.append("register_moe_load_balancing_hook")
     return applied
