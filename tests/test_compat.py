@@ -10,17 +10,26 @@ import os
 import subprocess
 import sys
 import typing
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 import torchtitan.components.metrics as titan_metrics
 import torchtitan.distributed.fsdp as titan_fsdp
 import torchtitan.distributed.utils as titan_dist_utils
 import torchtitan.tools.utils as titan_utils
 from helpers import free_port
+from torch._functorch import partitioners
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.utils.checkpoint import checkpoint
+from torchtitan.components.optimizer import OptimizersContainer, default_adamw, register_moe_load_balancing_hook
 from torchtitan.config.configs import ParallelismConfig
+from torchtitan.distributed import compile as titan_compile
 from torchtitan.models.common.attention import (
     FlexAttention,
     get_causal_mask_mod,
@@ -36,6 +45,7 @@ from torchtitan_ext.compat.cpu import (
     document_causal_mask,
     patch_torchtitan_for_cpu,
 )
+from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 from torchtitan_ext.registry import get_flavor
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo fixes apply only without CUDA")
@@ -190,6 +200,106 @@ def test_torchtitan_dispatcher_reads_non_strict_tracing():
 
     assert "torch.compiler._is_non_strict_tracing()" in inspect.getsource(token_dispatcher)
     assert callable(torch.compiler._is_non_strict_tracing)
+
+
+def test_rng_state_order_fix_applies_exactly_when_torch_misorders():
+    assert "functionalize_rng_ops(" in inspect.getsource(partitioners.min_cut_rematerialization_partition)
+    misorders = torch_versions.needs_rng_state_order_fix()
+    patched = partitioners.functionalize_rng_ops is torch_versions.functionalize_rng_ops_before_opaque_objects
+    assert patched is misorders
+    if torch.__version__.startswith("2.13."):
+        assert misorders, "torch 2.13 saves RNG states before opaque objects itself: the fix is no longer needed"
+
+
+def _mesh_saving_block_worker(rank: int, port: int, results) -> None:
+    """A compiled, checkpointed block whose backward needs a DeviceMesh (a DTensor weight's
+    ``to_local``) and recomputes attention (a random op on CPU): its gradients unfixed and fixed."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=1)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        mesh = init_device_mesh("cpu", (1,))
+        weight = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8, generator=generator), mesh, [Shard(0)]))
+        x = torch.randn(1, 2, 4, 8, generator=generator, requires_grad=True)
+
+        def block(x):
+            return F.scaled_dot_product_attention(x, x, x, is_causal=True) @ weight.to_local()
+
+        def gradients(step) -> tuple[torch.Tensor, torch.Tensor]:
+            x.grad = weight.grad = None
+            step(x).square().sum().backward()
+            return x.grad, weight.grad.to_local()
+
+        def checkpointed(x):
+            return checkpoint(block, x, use_reentrant=False)
+
+        expected = gradients(checkpointed)
+        try:
+            gradients(torch.compile(checkpointed, backend="aot_eager", fullgraph=True))
+            results["unfixed"] = "trained"
+        except AssertionError as error:
+            results["unfixed"] = str(error)
+        torch_versions.apply_torch_version_fixes()
+        torch._dynamo.reset()
+        actual = gradients(torch.compile(checkpointed, backend="aot_eager", fullgraph=True))
+        results["fixed"] = all(torch.allclose(a, e, rtol=1e-5, atol=1e-6) for a, e in zip(actual, expected))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compiled_block_saving_a_device_mesh_and_recomputing_attention_trains():
+    results = mp.Manager().dict()
+    mp.spawn(_mesh_saving_block_worker, args=(free_port(), results), nprocs=1, join=True)
+    if torch_versions.needs_rng_state_order_fix():
+        assert "expected all tensors_saved_with_vc_check to be Tensors" in results["unfixed"]
+    else:
+        assert results["unfixed"] == "trained"
+    assert results["fixed"]
+
+
+def test_torchtitan_expert_bias_update_still_halves_counts_that_its_compile_does_not_double():
+    assert torch_versions.needs_expert_bias_count_fix(), "torchtitan no longer halves recomputed counts"
+    assert "skip_fwd_side_effects_in_bwd_under_checkpoint = (\n        True" in inspect.getsource(
+        titan_compile.apply_compile
+    )
+
+
+class _Block(torch.nn.Module):
+    moe_enabled = True
+
+    def __init__(self):
+        super().__init__()
+        self.moe = moe_layer_config(compute_backend="for_loop", dim=8, hidden_dim=8, num_experts=8, top_k=2).build()
+
+    def forward(self, x):
+        return self.moe(x)
+
+
+def _expert_bias_after_update(tokens_per_expert: list[float], compiled: bool) -> torch.Tensor:
+    """torchtitan's expert-bias update of one checkpointed block holding these counts."""
+    block = checkpoint_wrapper(_Block())
+    if compiled:
+        block.compile()
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"0": block})
+    optimizers = OptimizersContainer(default_adamw(), model_parts=[model])
+    no_parallelism = SimpleNamespace(ep_enabled=False, tp=1, get_optional_mesh=lambda name: None)
+    register_moe_load_balancing_hook(optimizers, [model], no_parallelism)
+    block.moe.tokens_per_expert_E.copy_(torch.tensor(tokens_per_expert))
+    optimizers.step()
+    return block.moe.expert_bias_E.clone()
+
+
+def test_compiled_checkpointed_block_gets_the_expert_bias_update_of_eager():
+    """Eager recomputation counts every token twice, a compiled block once; same update either way."""
+    single = [3.0, 1.0, 2.0, 2.0, 5.0, 0.0, 1.0, 2.0]
+    eager = _expert_bias_after_update([2 * count for count in single], compiled=False)
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        compiled = _expert_bias_after_update(single, compiled=True)
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+        counted_as_eager = _expert_bias_after_update(single, compiled=True)
+    assert torch.equal(compiled, eager)
+    assert not torch.equal(counted_as_eager, eager), "torchtitan's update no longer halves: the fix is unneeded"
 
 
 @cpu_only

@@ -1,24 +1,56 @@
 """Fixes torchtitan 0.3.0 needs on the torch it runs on, applied on every device.
 
-torchtitan 0.3.0 was written against a torch newer than 2.13 in two places. Each fix
-is applied only where the running torch lacks what torchtitan calls, on CPU and GPU
-alike, names the torchtitan code it answers, and is covered by ``tests/test_compat.py``
-(which fails loudly when a torch or torchtitan upgrade makes a fix unneeded or wrong).
+torchtitan 0.3.0 was written against a torch newer than 2.13 in two places, torch 2.13
+mis-orders one compiled graph's saved values, and torchtitan's expert-bias update miscounts
+compiled blocks. Each fix is applied only where the running torch or torchtitan has the gap
+or the defect, on CPU and GPU alike, names the torch or torchtitan code it answers, and is
+covered by ``tests/test_compat.py`` (which fails loudly when a torch or torchtitan upgrade
+makes a fix unneeded or wrong).
 
 - ``distributed/utils.py`` ``set_pg_timeouts`` calls ``torch.distributed.set_timeout``
   (torch >= 2.14) after the first step; on torch 2.13 every run died there. The fix sets
   each group's timeout through c10d's per-group setter, after the same barrier.
 - ``models/common/token_dispatcher.py`` reads ``torch.compiler._is_non_strict_tracing``
   (torch >= 2.13); the benchmarks also run on older torch builds (2.11 on the GPU image).
+- ``torch/_functorch/partitioners.py`` ``functionalize_rng_ops``: a compiled block that
+  recomputes a random op under activation checkpointing (CPU attention is one: every SDPA
+  kernel is tagged ``nondeterministic_seeded``) saves that op's RNG state as a forward output,
+  inserted right before the saved symints, i.e. after the saved opaque objects (the
+  DeviceMesh of an expert-parallel DTensor weight). AOTAutograd's runtime reads tensors,
+  then opaque objects, then symints (``ViewAndMutationMeta`` slices), so the step died with
+  "expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh". CUDA
+  takes the graph-safe RNG path, which adds inputs, not outputs, so CPU met it (a GPU only
+  with Inductor's ``fallback_random`` or functorch's ``graphsafe_rng_functionalization``
+  off). The fix puts the RNG states before the opaque objects, in the forward's outputs and
+  the backward's inputs alike.
+- ``components/optimizer/optimizer.py`` ``register_moe_load_balancing_hook``: the expert-bias
+  update halves ``tokens_per_expert_E`` of every block wrapped for activation checkpointing,
+  whose eager recomputation counts each token a second time. ``distributed/compile.py``
+  ``apply_compile`` sets ``skip_fwd_side_effects_in_bwd_under_checkpoint``, so a compiled
+  block's recomputation counts nothing: the update saw half the counts (rounded down) and
+  moved the biases differently from eager. The fix doubles a compiled checkpointed block's
+  counts in a global optimizer step pre-hook, which runs before torchtitan's own.
 """
 
+import functools
+import inspect
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor  # registers DeviceMesh and ProcessGroup as opaque types
 import torchtitan.distributed.utils as titan_dist_utils
+from torch import fx
+from torch._functorch import partitioners
+from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.checkpoint import CheckpointPolicy
+from torchtitan.components.optimizer import OptimizersContainer, register_moe_load_balancing_hook
 
 original_set_pg_timeouts = titan_dist_utils.set_pg_timeouts
+original_functionalize_rng_ops = partitioners.functionalize_rng_ops
 
 
 def set_pg_timeouts_per_group(timeout: timedelta, parallel_dims) -> None:
@@ -33,7 +65,7 @@ def set_pg_timeouts_per_group(timeout: timedelta, parallel_dims) -> None:
     else:
         dist.barrier()
     groups = [mesh.get_group() for mesh in parallel_dims.get_all_one_dimensional_meshes().values()]
-    for group in groups + [None]:
+    for group in [*groups, None]:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
@@ -45,6 +77,106 @@ def needs_non_strict_tracing_fix() -> bool:
     return not hasattr(torch.compiler, "_is_non_strict_tracing")
 
 
+def _placeholders(module: fx.GraphModule) -> list[fx.Node]:
+    return list(module.graph.find_nodes(op="placeholder"))
+
+
+def _outputs(module: fx.GraphModule) -> tuple:
+    return tuple(module.graph.output_node().args[0])
+
+
+def functionalize_rng_ops_before_opaque_objects(
+    joint_module: fx.GraphModule, fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_sym_nodes: int
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """torch's ``functionalize_rng_ops``, the RNG states saved ahead of the saved opaque objects.
+
+    The opaque objects saved right before the symints count as trailing, so torch inserts the
+    RNG state outputs before them; its new backward inputs (placed before the first tangent)
+    move ahead of the first opaque input, matching the order the runtime passes them in.
+    """
+    bw_inputs = set(_placeholders(bw_module))
+    saved_before_symints = _outputs(fw_module)[: len(_outputs(fw_module)) - num_sym_nodes]
+    bw_input_names = {node.name for node in bw_inputs}
+    num_opaque = 0
+    for node in reversed(saved_before_symints):
+        if not (is_opaque_node(node) and node.name in bw_input_names):
+            break
+        num_opaque += 1
+    if num_opaque == 0:
+        return original_functionalize_rng_ops(joint_module, fw_module, bw_module, num_sym_nodes)
+    fw_module, bw_module = original_functionalize_rng_ops(
+        joint_module, fw_module, bw_module, num_sym_nodes + num_opaque
+    )
+    placeholders = _placeholders(bw_module)
+    first_opaque = next(node for node in placeholders if is_opaque_node(node))
+    first_tangent = next(index for index, node in enumerate(placeholders) if "tangent" in node.name)
+    for node in placeholders[:first_tangent]:
+        if node not in bw_inputs:
+            first_opaque.prepend(node)
+    bw_module.recompile()
+    return fw_module, bw_module
+
+
+@functools.cache
+def needs_rng_state_order_fix() -> bool:
+    """Whether torch's own ``functionalize_rng_ops`` saves an RNG state after a saved opaque object.
+
+    Runs it on a forward/backward pair of one recomputed ``rand_like`` whose forward saves a
+    tensor, then a ProcessGroup (an opaque object, as a DeviceMesh is); milliseconds.
+    """
+    with FakeTensorMode():
+        x = torch.empty(2)
+        opaque = dist.ProcessGroup(dist.HashStore(), 0, 1)
+
+        def graph_module(inputs: tuple[str, ...], saved: tuple[str, ...] = ()) -> fx.GraphModule:
+            graph = fx.Graph()
+            nodes = {}
+            for name in inputs:
+                nodes[name] = graph.placeholder(name)
+                nodes[name].meta["val"] = opaque if name == "opaque" else x
+            rand = graph.call_function(torch.ops.aten.rand_like.default, (nodes["x"],))
+            rand.meta.update(val=x, recompute=CheckpointPolicy.PREFER_RECOMPUTE)
+            graph.output((rand, *(nodes[name] for name in saved)))
+            return fx.GraphModule(torch.nn.Module(), graph)
+
+        forward, _ = original_functionalize_rng_ops(
+            graph_module(("x", "opaque", "tangents_1")),
+            graph_module(("x", "opaque"), saved=("x", "opaque")),
+            graph_module(("x", "opaque", "tangents_1")),
+            0,
+        )
+    return _outputs(forward)[-1].name != "opaque"
+
+
+def double_counts_of_compiled_checkpointed_blocks(optimizer, args, kwargs) -> None:
+    """Global optimizer step pre-hook: ``tokens_per_expert_E`` x 2 in each compiled block that
+    torchtitan's expert-bias update halves (wrapped for recomputation, load balancing on)."""
+    if not (
+        isinstance(optimizer, OptimizersContainer)
+        and torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+    ):
+        return
+    for model_part in optimizer.model_parts:
+        for block in model_part.get_submodule("layers").values():
+            if (
+                getattr(block, "moe_enabled", False)
+                and block.moe.load_balance_coeff is not None
+                and getattr(block, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT
+                and block._compiled_call_impl is not None
+            ):
+                block.moe.tokens_per_expert_E.mul_(2)
+
+
+def needs_expert_bias_count_fix() -> bool:
+    return "tokens_per_expert_E // 2" in inspect.getsource(register_moe_load_balancing_hook)
+
+
+@functools.cache
+def register_expert_bias_count_hook():
+    """Register ``double_counts_of_compiled_checkpointed_blocks`` once; its handle."""
+    return register_optimizer_step_pre_hook(double_counts_of_compiled_checkpointed_blocks)
+
+
 def apply_torch_version_fixes() -> list[str]:
     """Apply the fixes this torch needs (idempotent); returns the names of those applied."""
     applied = []
@@ -54,4 +186,10 @@ def apply_torch_version_fixes() -> list[str]:
     if needs_non_strict_tracing_fix():
         torch.compiler._is_non_strict_tracing = lambda: False
         applied.append("_is_non_strict_tracing")
+    if needs_rng_state_order_fix():
+        partitioners.functionalize_rng_ops = functionalize_rng_ops_before_opaque_objects
+        applied.append("functionalize_rng_ops")
+    if needs_expert_bias_count_fix():
+        register_expert_bias_count_hook()
+        applied.append("register_moe_load_balancing_hook")
     return applied

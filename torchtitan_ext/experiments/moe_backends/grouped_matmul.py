@@ -49,13 +49,14 @@ def row_major_strides(shape: torch.Size) -> tuple[int, ...]:
 def row_major(t: torch.Tensor) -> torch.Tensor:
     """``t`` with exactly row-major strides, copied when it has others.
 
-    ``torch._grouped_mm`` reads every stride, those of size-1 dimensions included, which
-    ``is_contiguous`` ignores: one row of a wider buffer (row stride D + 1) or a transposed
-    ``[D, 1]`` gradient counts as contiguous but is refused ("strides should be multiple of 16
-    bytes"). A zero-size tensor may carry any strides (an expanded gradient has stride 0), so it
-    is always copied (the copy is free).
+    ``torch._grouped_mm`` reads every stride, those of size-1 and size-0 dimensions included, which
+    ``is_contiguous`` ignores: one row of a wider buffer (row stride D + 1), a transposed ``[D, 1]``
+    gradient or an expanded zero-size gradient (stride 0) counts as contiguous but is refused
+    ("strides should be multiple of 16 bytes"). The strides are compared rather than the size
+    read, so the row count may be data-dependent (the received rows under expert parallelism,
+    compiled).
     """
-    if t.numel() and t.stride() == row_major_strides(t.shape):
+    if t.stride() == row_major_strides(t.shape):
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
