@@ -33,7 +33,7 @@ def set_pg_timeouts_per_group(timeout: timedelta, parallel_dims) -> None:
     else:
         dist.barrier()
     groups = [mesh.get_group() for mesh in parallel_dims.get_all_one_dimensional_meshes().values()]
-    for group in groups + [None]:
+    for group in [*groups, None]:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
