@@ -35,51 +35,53 @@ def test_stopped_rank_ends_the_job_at_the_train_timeout(tmp_path):
     """
     port = str(free_port())
     rank0_log = tmp_path / "rank0.log"
-    ranks = []
-    for rank in (0, 1):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
-        output = open(rank0_log, "w") if rank == 0 else subprocess.PIPE
-        ranks.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "torchtitan_ext.train",
-                    "--flavor",
-                    "tiny-moe-grouped-mm",
-                    "--training.steps",
-                    "200",
-                    "--comm.train_timeout_seconds",
-                    "5",
-                    "--dump_folder",
-                    str(tmp_path / f"rank{rank}"),
-                    "--metrics.disable_color_printing",
-                ],
-                env=env,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                text=True,
+    with open(rank0_log, "w") as rank0_output:
+        ranks = []
+        for rank in (0, 1):
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE="2",
+                LOCAL_WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
             )
-        )
-    rank0, rank1 = ranks
-    try:
-        for line in rank1.stdout:
-            if re.search(r"step:\s+2\s+loss", line):
-                rank1.send_signal(signal.SIGSTOP)
-                break
-        rank0.wait(timeout=300)
-        text = rank0_log.read_text()
-        assert rank0.returncode != 0, text[-4000:]
-        assert "Timed out waiting 5000ms" in text, text[-4000:]
-    finally:
-        for process in ranks:
-            process.kill()
-            process.wait()
+            output = rank0_output if rank == 0 else subprocess.PIPE
+            ranks.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "torchtitan_ext.train",
+                        "--flavor",
+                        "tiny-moe-grouped-mm",
+                        "--training.steps",
+                        "200",
+                        "--comm.train_timeout_seconds",
+                        "5",
+                        "--dump_folder",
+                        str(tmp_path / f"rank{rank}"),
+                        "--metrics.disable_color_printing",
+                    ],
+                    env=env,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+        rank0, rank1 = ranks
+        try:
+            assert rank1.stdout is not None
+            for line in rank1.stdout:
+                if re.search(r"step:\s+2\s+loss", line):
+                    rank1.send_signal(signal.SIGSTOP)
+                    break
+            rank0.wait(timeout=300)
+            text = rank0_log.read_text()
+            assert rank0.returncode != 0, text[-4000:]
+            assert "Timed out waiting 5000ms" in text, text[-4000:]
+        finally:
+            for process in ranks:
+                process.kill()
+                process.wait()

@@ -184,7 +184,7 @@ class MoERoutingObserver:
             moe.register_forward_pre_hook(_training_forward_hook(self._moe_pre_hook(layer))),
             moe.register_forward_hook(_training_forward_hook(self._moe_hook(layer))),
             moe.get_submodule("router.gate").register_forward_hook(
-                # pyrefly: ignore[missing-attribute]  # torch types module attributes as Tensor | Module
+                # pyrefly: ignore[missing-attribute]  # torch types a module's attributes as Tensor | Module
                 _training_forward_hook(self._gate_hook(layer, moe.router.score_func))
             ),
         ]
