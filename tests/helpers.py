@@ -1,13 +1,20 @@
 """Helpers shared by the tests: weight-gradient and bf16 rounding checks, a free TCP port, a
-backend made unavailable."""
+backend made unavailable, the model config of a flavor and the configs inside it."""
+
+from __future__ import annotations
 
 import dataclasses
 import socket
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
+from torchtitan.models.common.decoder import Decoder
 
 from torchtitan_ext.bench.common import relative_error
 from torchtitan_ext.experiments.moe_backends.experts import BACKENDS
+
+if TYPE_CHECKING:
+    from torchtitan.trainer import Trainer
 
 
 def assert_weight_gradient_matches(
@@ -25,11 +32,12 @@ def assert_weight_gradient_matches(
         start += count
 
 
-def assert_bf16_rounds_like(actual: torch.Tensor, expected_fp32: torch.Tensor) -> None:
+def assert_bf16_rounds_like(actual: torch.Tensor | None, expected_fp32: torch.Tensor | None) -> None:
     """``actual`` (bf16) is ``expected_fp32`` rounded to bf16, up to sums taken in another order:
     at least 99% of the elements equal the rounded value and none is more than one bf16 step
     off (sums that cancel to near zero may be off by the rounding of tensor-core fp32 sums:
-    2^-16 of the largest value)."""
+    2^-16 of the largest value). Either may be a ``.grad``: one backward did not set fails."""
+    assert actual is not None and expected_fp32 is not None, "a gradient was not set"
     assert actual.dtype == torch.bfloat16
     rounded = expected_fp32.to(torch.bfloat16)
     assert (actual == rounded).float().mean() >= 0.99
@@ -48,3 +56,19 @@ def make_backend_unavailable(monkeypatch, name: str, reason: str | None) -> None
     """For this test, backend ``name``'s spec reports ``reason`` (None: it runs here)."""
     spec = dataclasses.replace(BACKENDS[name], unavailable_reason=lambda: reason)
     monkeypatch.setitem(BACKENDS, name, spec)
+
+
+def model_config(config: Trainer.Config) -> Decoder.Config:
+    """The model config of a flavor's ``Trainer.Config``: every flavor here has a decoder model spec
+    (torchtitan types the spec as optional and its model as any model's config)."""
+    assert config.model_spec is not None and isinstance(config.model_spec.model, Decoder.Config)
+    return config.model_spec.model
+
+
+NestedConfig = TypeVar("NestedConfig")
+
+
+def nested_configs(config: Trainer.Config, config_class: type[NestedConfig]) -> list[NestedConfig]:
+    """Every ``config_class`` config inside the flavor's model, in model order (torchtitan's
+    ``traverse`` finds them, typed as any config)."""
+    return [c for _, c, _, _ in model_config(config).traverse(config_class) if isinstance(c, config_class)]

@@ -189,7 +189,11 @@ def test_a_short_run_gets_a_schedule_that_fits_unless_one_is_set(args, warmup_st
 QUICK_ANSWERS = {
     "--help": (["--help"], 0, "short keys (command line --KEY VALUE, or TOML):"),
     "unknown option": ([*FLAVOR_ARGS, "--training.stesp", "3"], 2, "unknown option --training.stesp; did you mean"),
-    "unknown flavor": (["--flavor", "mixtral"], 2, "unknown flavor 'mixtral'; did you mean tiny-mixtral, mixtral-8x7b?"),
+    "unknown flavor": (
+        ["--flavor", "mixtral"],
+        2,
+        "unknown flavor 'mixtral'; did you mean tiny-mixtral, mixtral-8x7b?",
+    ),
     "no flavor": (["--training.steps", "3"], 2, "--flavor is required"),
     "torchrun option last": (
         [*FLAVOR_ARGS, "--nproc_per_node", "2"],

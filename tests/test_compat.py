@@ -11,6 +11,7 @@ import subprocess
 import sys
 import typing
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ import torchtitan.components.metrics as titan_metrics
 import torchtitan.distributed.fsdp as titan_fsdp
 import torchtitan.distributed.utils as titan_dist_utils
 import torchtitan.tools.utils as titan_utils
-from helpers import free_port
+from helpers import free_port, model_config, nested_configs
 from torch._functorch import partitioners
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
@@ -47,6 +48,9 @@ from torchtitan_ext.compat.cpu import (
 )
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 from torchtitan_ext.registry import get_flavor
+
+if TYPE_CHECKING:
+    from torchtitan_ext.experiments.moe_backends.dispatcher import EPReceiveRows, EPTransport
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo fixes apply only without CUDA")
 
@@ -94,10 +98,14 @@ def test_document_causal_mask_matches_torchtitan_mask_mods():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 0, 1, 2]])
     batch, seq_len = positions.shape
     causal, document = get_causal_mask_mod(), get_document_mask_mod(positions)
+    head = torch.tensor(0)
     q_idx = torch.arange(seq_len).view(-1, 1)
     kv_idx = torch.arange(seq_len).view(1, -1)
     expected = torch.stack(
-        [causal(b, 0, q_idx, kv_idx) & document(torch.tensor(b), 0, q_idx, kv_idx) for b in range(batch)]
+        [
+            causal(torch.tensor(b), head, q_idx, kv_idx) & document(torch.tensor(b), head, q_idx, kv_idx)
+            for b in range(batch)
+        ]
     ).unsqueeze(1)
     assert torch.equal(document_causal_mask(positions), expected)
 
@@ -119,10 +127,10 @@ def test_document_causal_sdpa_forward_and_backward_on_cpu():
 @cpu_only
 def test_decoder_masks_for_cpu_attention():
     config = get_flavor("tiny-moe-grouped-mm").build()
-    assert any(True for _ in config.model_spec.model.traverse(FlexAttention.Config))
+    assert nested_configs(config, FlexAttention.Config)
     adapt_config_for_cpu(config)
-    assert not any(True for _ in config.model_spec.model.traverse(FlexAttention.Config))
-    model = config.model_spec.model.build()
+    assert not nested_configs(config, FlexAttention.Config)
+    model = model_config(config).build()
     positions = torch.tensor([[0, 1, 0, 1, 2]])
     assert torch.equal(model.get_attention_masks(positions), document_causal_mask(positions))
     assert Decoder.get_attention_masks is cpu_support._cpu_attention_masks
@@ -165,13 +173,16 @@ def _fsdp_worker(rank: int, world: int, port: int, results) -> None:
         model(inputs[rank]).square().sum().backward()
         for x in inputs:
             reference(x).square().sum().backward()
+        # pyrefly: ignore[missing-attribute]  # torch types a module's attributes as Tensor | Module
         grad = model[0].weight.grad.full_tensor()
+        # pyrefly: ignore[bad-argument-type]  # torch types a module's attributes as Tensor | Module
         results[rank] = torch.allclose(grad, reference[0].weight.grad, atol=1e-5)
 
         class OneGroupDims:
             def get_all_one_dimensional_meshes(self):
                 return {}
 
+        # pyrefly: ignore[bad-argument-type]  # a stand-in with the one method set_pg_timeouts calls
         titan_dist_utils.set_pg_timeouts(timedelta(seconds=30), OneGroupDims())
     finally:
         dist.destroy_process_group()
@@ -329,13 +340,13 @@ def test_cpu_training_exit_keeps_code_and_flushes_output():
 # torchtitan's CUDA-graph check and dispatchers that say whether they wait for the host
 
 
-def cuda_graph_config(ep_transport: str, receive_rows: str):
+def cuda_graph_config(ep_transport: "EPTransport", receive_rows: "EPReceiveRows"):
     from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 
     config = get_flavor("tiny-moe-grouped-mm").build()
     config.training.disable_cuda_graphs = False
     config.parallelism.expert_parallel_degree = 2
-    for _, dispatcher, _, _ in config.model_spec.model.traverse(RoutingDispatcher.Config):
+    for dispatcher in nested_configs(config, RoutingDispatcher.Config):
         dispatcher.ep_transport, dispatcher.ep_receive_rows = ep_transport, receive_rows
     return config
 
@@ -358,7 +369,7 @@ def test_dispatchers_that_say_whether_they_wait_pass_torchtitans_check_and_other
 
     validate_cuda_graphs_with_declared_dispatchers(cuda_graph_config("symm_mem", "static"))
     config = cuda_graph_config("all_to_all", "exact")
-    moe = config.model_spec.model.layers[0].moe
+    moe = model_config(config).layers[0].moe
     moe.routed_experts.token_dispatcher = AllToAllTokenDispatcher.Config(num_experts=8, top_k=2)
     with pytest.raises(ValueError, match="CUDA graphs support only expert parallel token dispatcher"):
         validate_cuda_graphs_with_declared_dispatchers(config)

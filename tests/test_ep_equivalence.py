@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -29,7 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torchtitan.distributed.utils import set_spmd_backend
 
 from torchtitan_ext.experiments.moe_backends.activation_checkpoint import MoESelectiveAC
-from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
+from torchtitan_ext.experiments.moe_backends.dispatcher import EPTransport, RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process, seeded_layer
 from torchtitan_ext.experiments.moe_backends.experts import runnable_backends
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
@@ -43,18 +44,22 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # Every backend that runs here (the fused Triton one needs CUDA or the interpreter).
 BACKENDS = runnable_backends()
 
-LOSS_CASES = [
+LOSS_CASES: list[dict[str, Any]] = [  # keyword arguments of build_layer
     dict(aux_loss_coeff=0.0, z_loss_coeff=0.0, aux_loss_type="batch"),
     dict(aux_loss_coeff=0.1, z_loss_coeff=0.01, aux_loss_type="global"),
     dict(aux_loss_coeff=0.1, z_loss_coeff=0.0, aux_loss_type="seq"),
 ]
 
 
-def build_layer(compute_backend: str, *, aux_loss_coeff, z_loss_coeff, aux_loss_type, ep_transport="all_to_all"):
+def build_layer(
+    compute_backend: str, *, aux_loss_coeff, z_loss_coeff, aux_loss_type, ep_transport: EPTransport = "all_to_all"
+):
     """A RoutedMoE layer with deterministic weights (identical in every process)."""
     config = moe_layer_config(compute_backend=compute_backend, load_balance_coeff=None, **LAYER_SHAPE)
     config.aux_loss_coeff, config.z_loss_coeff, config.aux_loss_type = aux_loss_coeff, z_loss_coeff, aux_loss_type
-    config.routed_experts.token_dispatcher.ep_transport = ep_transport
+    dispatcher = config.routed_experts.token_dispatcher
+    assert isinstance(dispatcher, RoutingDispatcher.Config)
+    dispatcher.ep_transport = ep_transport
     layer = seeded_layer(config)
     with torch.no_grad():
         # Feature 0 of every token is large (see ``batch``): experts 6 and 7 (the last
@@ -72,7 +77,7 @@ def batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x_BLD, grad_BLD
 
 
-def check_layer_shard(ep_mesh, ep_transport: str = "all_to_all") -> None:
+def check_layer_shard(ep_mesh, ep_transport: EPTransport = "all_to_all") -> None:
     """This rank's outputs and gradients equal the single-process run on the whole batch."""
     world = 1 if ep_mesh is None else ep_mesh.size()
     x_all, grad_all = batch(world)
@@ -165,7 +170,7 @@ def check_one_row_per_token_and_rank(ep_mesh) -> None:
     assert metadata.input_splits == expected, (metadata.input_splits, expected)
 
 
-def ep_worker(rank: int, world: int, port: int, ep_transport: str) -> None:
+def ep_worker(rank: int, world: int, port: int, ep_transport: EPTransport) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     set_spmd_backend("partial_dtensor")  # the backend CPU training uses
@@ -188,8 +193,9 @@ def test_moe_layer_ep1_local_dispatch_equals_reference():
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("ep_transport", ["all_to_all", "symm_mem"])
 def test_moe_layer_under_ep_equals_single_process(world, ep_transport):
-    if ep_transport == "symm_mem" and triton_available_reason() is not None:
-        pytest.skip(triton_available_reason())
+    reason = triton_available_reason()
+    if ep_transport == "symm_mem" and reason is not None:
+        pytest.skip(reason)
     mp.spawn(ep_worker, args=(world, free_port(), ep_transport), nprocs=world, join=True)
 
 
@@ -197,6 +203,7 @@ def test_skewed_router_leaves_last_experts_empty():
     layer = build_layer("for_loop", **LOSS_CASES[0])
     x_all, _ = batch(MAX_WORLD)
     layer(x_all)
+    assert layer.last_router_statistics is not None
     counts_E = layer.last_router_statistics.tokens_per_expert_E
     assert counts_E[6:].sum() == 0 and counts_E[:6].min() >= 0
     assert len(set(counts_E[:6].tolist())) > 1, "splits should be uneven"

@@ -17,7 +17,7 @@ from test_ep_equivalence import free_port
 from torch.distributed.device_mesh import init_device_mesh
 from torchtitan.distributed.utils import set_spmd_backend
 
-from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
+from torchtitan_ext.experiments.moe_backends.dispatcher import EPTransport, RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.startup_checks import symm_mem_errors
 from torchtitan_ext.kernels.availability import triton_available_reason
 from torchtitan_ext.kernels.moe_permute import stable_expert_order
@@ -160,7 +160,7 @@ def moe_block(dispatcher, x_TD, scores_TK, ids_TK, weights_LDD, grouping: list):
     return dispatcher.combine(out_RD, metadata, x_TD)
 
 
-def run_two_layers(mesh, transport: str, align_size: int, dtype: torch.dtype):
+def run_two_layers(mesh, transport: EPTransport, align_size: int, dtype: torch.dtype):
     rank, world = dist.get_rank(), dist.get_world_size()
     local = NUM_EXPERTS // world
     dispatcher = RoutingDispatcher(
@@ -234,4 +234,5 @@ def test_symm_mem_start_up_errors(monkeypatch):
 
 def test_unknown_ep_transport_is_rejected():
     with pytest.raises(ValueError, match="ep_transport = 'nvlink': not one of the valid choices: all_to_all, symm_mem"):
+        # pyrefly: ignore[bad-argument-type]  # an invalid transport on purpose: the test checks it is refused
         RoutingDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K, ep_transport="nvlink")

@@ -174,10 +174,12 @@ def test_the_table_says_which_names_are_valid_and_what_auto_means():
     assert compute_backend_choices() == (*backend_names(), "auto")
     assert typing.get_args(ComputeBackend) == backend_names()
     assert typing.get_args(ComputeBackendChoice) == compute_backend_choices()
-    assert short_key("moe.compute_backend").annotation == ComputeBackendChoice
+    key = short_key("moe.compute_backend")
+    assert key is not None and key.annotation == ComputeBackendChoice
     assert resolved_at_startup("auto") and not any(resolved_at_startup(name) for name in backend_names())
     assert all(backend_name_error(name) is None for name in backend_names())
-    assert "resolved to a backend at start-up" in backend_name_error("auto")
+    auto_error = backend_name_error("auto")
+    assert auto_error is not None and "resolved to a backend at start-up" in auto_error
     assert backend_unavailable_reason("auto") is None  # it picks only backends that run here
     with pytest.raises(ValueError, match="'auto' is already taken"):
         register_backend(ComputeBackendSpec(name="auto", grouped=reference_grouped))
@@ -313,4 +315,4 @@ def test_experts_compute_in_the_autocast_dtype(backend):
         for param in layer.parameters()
         if param.grad is not None
     )
-    assert x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()
+    assert x.grad is not None and x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import nested_configs
 
 from torchtitan_ext import command_facts, flavors
 from torchtitan_ext.experiments.moe_backends import flavors as moe_backends_flavors
@@ -108,7 +109,5 @@ def test_one_tiny_flavor_per_backend_of_the_table():
         build = tiny[tiny_flavor_name(backend)].build
         assert build.__name__ == f"tiny_moe_{backend}"
         assert getattr(moe_backends_flavors, build.__name__) is build  # torchtitan's --config finds it
-        model = build().model_spec.model
-        assert {experts.compute_backend for _, experts, _, _ in model.traverse(BackendGroupedExperts.Config)} == {
-            backend
-        }
+        experts = nested_configs(build(), BackendGroupedExperts.Config)
+        assert {e.compute_backend for e in experts} == {backend}

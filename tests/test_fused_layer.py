@@ -45,6 +45,7 @@ def run(layer, dtype: torch.dtype):
     out = layer(x)
     out.backward(torch.randn(out.shape, generator=generator).to(DEVICE, dtype))
     grads = {name: p.grad.float() for name, p in layer.named_parameters()}
+    assert x.grad is not None
     return out.detach().float(), x.grad.float(), grads
 
 

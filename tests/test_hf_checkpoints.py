@@ -126,7 +126,9 @@ def test_hf_to_project_to_hf_is_bit_exact(case, hub):
     _, folder = hub(flavor, variant)
     config = project_config(hf_config_variant(flavor, VARIANTS[flavor][variant]), "for_loop")
     model = load_project_model(config, folder)
-    adapter = config.model_spec.state_dict_adapter(config.model_spec.model, None)
+    spec = config.model_spec
+    assert spec is not None and spec.state_dict_adapter is not None
+    adapter = spec.state_dict_adapter(spec.model, None)
     saved, original = adapter.to_hf(model.state_dict()), hub_tensors(folder)
     assert sorted(saved) == sorted(original)
     for name, tensor in original.items():

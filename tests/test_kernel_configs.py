@@ -1,6 +1,8 @@
 """The GEMM kernels' config choice: configs are listed best first, and the first one whose
 tiles fit the shape and whose pipeline fits in shared memory is taken."""
 
+from typing import ClassVar
+
 import torch
 import triton
 
@@ -67,7 +69,7 @@ def test_every_listed_first_choice_fits_hopper_shared_memory():
 class RecordingKernel:
     """Stands in for a ``@triton.jit`` kernel: records each launch's grid, arguments and options."""
 
-    arg_names = ["x_ptr", "dim", "hidden", "USE_TMA", "EVEN_K", "BLOCK_M", "BLOCK_N", "BLOCK_K"]
+    arg_names: ClassVar[list[str]] = ["x_ptr", "dim", "hidden", "USE_TMA", "EVEN_K", "BLOCK_M", "BLOCK_N", "BLOCK_K"]
 
     def __init__(self):
         self.launches = []

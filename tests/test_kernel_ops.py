@@ -62,7 +62,7 @@ def test_swiglu_experts_forward_op(make_args):
 
 
 def test_swiglu_experts_backward_op():
-    x, w1, w2, w3, group_end, row_slot, slot_row, scores, top_k, _ = routed_op_args(1)
+    _, w1, w2, w3, group_end, row_slot, slot_row, scores, top_k, _ = routed_op_args(1)
     _, x_RD, gate, up = swiglu_experts_forward(*routed_op_args(1))
     dout = torch.randn(NUM_TOKENS, DIM, device=DEVICE)
     args = (dout, x_RD, w1, w2, w3, group_end, row_slot, slot_row, scores, gate, up, top_k, [True] * 5)
@@ -99,7 +99,9 @@ def forward_and_gradients(fn, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     outputs = fn(*inputs)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     differentiable = [t for t in inputs if torch.is_tensor(t) and t.requires_grad]
-    loss = sum((out.float() * (index + 1)).sum() for index, out in enumerate(outputs) if out.is_floating_point())
+    loss = torch.stack(
+        [(out.float() * (index + 1)).sum() for index, out in enumerate(outputs) if out.is_floating_point()]
+    ).sum()
     return [*(out.detach() for out in outputs), *torch.autograd.grad(loss, differentiable)]
 
 

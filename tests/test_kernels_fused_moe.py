@@ -124,14 +124,15 @@ def test_grouped_matches_reference(counts, dtype):
 def test_fp32_weights_with_fp16_activations():
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(9, 32, generator=generator).half().requires_grad_()
-    weights = [w.detach().float().requires_grad_() for w in make_experts(3, 32, 16, torch.float16, generator)]
+    w1, w2, w3 = (w.detach().float().requires_grad_() for w in make_experts(3, 32, 16, torch.float16, generator))
     scores, ids = torch.randn(9, 3, generator=generator).softmax(-1).topk(2, dim=-1)
     scores.requires_grad_()
-    out = fused_moe_routed(x, *weights, ids, scores)
-    grads = torch.autograd.grad(out, [x, *weights, scores], torch.ones_like(out))
+    out = fused_moe_routed(x, w1, w2, w3, ids, scores)
+    grads = torch.autograd.grad(out, [x, w1, w2, w3, scores], torch.ones_like(out))
     assert out.dtype == torch.float16
     assert [g.dtype for g in grads] == [torch.float16] + [torch.float32] * 4
-    expected = reference_routed(x.double(), *[w.half().double() for w in weights], ids, scores.double())
+    w1_ref, w2_ref, w3_ref = (w.half().double() for w in (w1, w2, w3))
+    expected = reference_routed(x.double(), w1_ref, w2_ref, w3_ref, ids, scores.double())
     assert relative_error(out, expected) < TOLERANCE[torch.float16]
 
 
@@ -265,7 +266,8 @@ def test_clear_error_without_cuda_or_interpreter(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("the error of a machine without CUDA (and the interpreter off); this one has CUDA")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert "CUDA" in triton_available_reason()
+    reason = triton_available_reason()
+    assert reason is not None and "CUDA" in reason
     inputs, _ = routed_inputs(4, 16, 16, 2, 1, torch.float32, seed=0)
     with pytest.raises(RuntimeError, match="CUDA"):
         fused_moe_routed(*inputs)

@@ -98,13 +98,14 @@ def test_fp32_weights_bf16_activations():
     tokens, dim, hidden, num_experts, top_k = 512, 512, 384, 8, 2
     scores, ids = torch.randn(tokens, num_experts, device="cuda").softmax(-1).topk(top_k, dim=-1)
     x = torch.randn(tokens, dim, device="cuda").bfloat16().requires_grad_()
-    weights = [w.detach().float().requires_grad_() for w in make_weights(num_experts, dim, hidden, torch.bfloat16)]
+    w1, w2, w3 = (w.detach().float().requires_grad_() for w in make_weights(num_experts, dim, hidden, torch.bfloat16))
     scores = scores.requires_grad_()
-    out = fused_moe_routed(x, *weights, ids, scores)
-    grads = torch.autograd.grad(out, [x, *weights, scores], torch.ones_like(out))
+    out = fused_moe_routed(x, w1, w2, w3, ids, scores)
+    grads = torch.autograd.grad(out, [x, w1, w2, w3, scores], torch.ones_like(out))
     assert out.dtype == torch.bfloat16
     assert [g.dtype for g in grads] == [torch.bfloat16] + [torch.float32] * 4
-    expected = reference_routed(x.float(), *[w.bfloat16().float() for w in weights], ids, scores)
+    w1_ref, w2_ref, w3_ref = (w.bfloat16().float() for w in (w1, w2, w3))
+    expected = reference_routed(x.float(), w1_ref, w2_ref, w3_ref, ids, scores)
     assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
 
 
@@ -115,12 +116,12 @@ def test_deterministic():
     tokens, dim, hidden, num_experts, top_k = 1024, 512, 384, 8, 8
     scores, ids = torch.randn(tokens, num_experts, device="cuda").softmax(-1).topk(top_k, dim=-1)
     x = torch.randn(tokens, dim, device="cuda").bfloat16().requires_grad_()
-    weights = make_weights(num_experts, dim, hidden, torch.bfloat16)
+    w1, w2, w3 = make_weights(num_experts, dim, hidden, torch.bfloat16)
     scores = scores.bfloat16().requires_grad_()
     results = []
     for _ in range(2):
-        out = fused_moe_routed(x, *weights, ids, scores)
-        results.append([out, *torch.autograd.grad(out, [x, *weights, scores], torch.ones_like(out))])
+        out = fused_moe_routed(x, w1, w2, w3, ids, scores)
+        results.append([out, *torch.autograd.grad(out, [x, w1, w2, w3, scores], torch.ones_like(out))])
     for first, second in zip(*results):
         assert torch.equal(first, second)
 

@@ -55,6 +55,7 @@ def read_wandb_records(path):
         pending += data[position + 7 : position + 7 + length]
         position += 7 + length
         if chunk_type in (1, 4):  # FULL or LAST chunk: a record is complete
+            # pyrefly: ignore[missing-attribute]  # a protobuf module generated without type stubs
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             yield record
@@ -191,9 +192,11 @@ def test_offline_run_writes_tensorboard_events(offline_run):
     (events_dir,) = {os.path.dirname(p) for p in glob.glob(str(root / "dump" / "tb" / "*" / "events.*"))}
     assert not glob.glob(str(root / "dump" / "tb" / "*" / "wandb"))  # wandb's run has a folder of its own
     events = EventAccumulator(events_dir, size_guidance={"histograms": 0, "images": 0}).Reload()
-    assert "moe/layer_0/load_imbalance" in events.Tags()["scalars"]
-    assert "moe/layer_1/tokens_per_expert" in events.Tags()["histograms"]
-    assert "moe/model/tokens_per_expert_heatmap" in events.Tags()["images"]
+    # pyrefly: ignore[bad-assignment]  # tensorboard types Tags() as dict[str, bool | list]; these keys hold lists
+    tags: dict[str, list[str]] = events.Tags()
+    assert "moe/layer_0/load_imbalance" in tags["scalars"]
+    assert "moe/layer_1/tokens_per_expert" in tags["histograms"]
+    assert "moe/model/tokens_per_expert_heatmap" in tags["images"]
 
 
 def test_console_has_moe_line_after_each_step_line_and_no_colour_codes(offline_run):
@@ -281,7 +284,7 @@ def test_heatmap_steps_follow_multiples_of_heatmap_every():
 def test_heatmaps_of_different_steps_share_one_colour_scale():
     from PIL import Image
 
-    def pixel(png: bytes, xy_fraction: tuple[float, float]) -> tuple:
+    def pixel(png: bytes, xy_fraction: tuple[float, float]) -> float | tuple[int, ...] | None:
         image = Image.open(io.BytesIO(png)).convert("RGB")
         return image.getpixel((int(image.width * xy_fraction[0]), int(image.height * xy_fraction[1])))
 
@@ -334,7 +337,7 @@ def test_router_biased_to_two_experts_shows_imbalance_and_dead_experts():
     assert natural["load_imbalance"] < 2.0
 
     with torch.no_grad():  # the routing bias makes experts 0 and 1 every token's top 2
-        moe.expert_bias_E.copy_(torch.tensor([10.0, 10.0, 0, 0, 0, 0, 0, 0]))
+        moe.get_buffer("expert_bias_E").copy_(torch.tensor([10.0, 10.0, 0, 0, 0, 0, 0, 0]))
     forced = observe(moe, steps=2)
     assert forced["routed_tokens"] == 2 * ROUTED_PER_STEP
     assert forced["load_imbalance"] == NUM_EXPERTS / TOP_K

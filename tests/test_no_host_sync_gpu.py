@@ -5,6 +5,7 @@ kernels while the GPU works, as torchtitan's own layer does."""
 import pytest
 import torch
 
+from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.experts import BACKENDS, runnable_backends
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 
@@ -19,7 +20,9 @@ def test_forward_backward_without_host_sync(compute_backend, align_size):
     if compute_backend not in runnable_backends():
         pytest.skip(f"{compute_backend} cannot run here")
     config = moe_layer_config(compute_backend=compute_backend, dim=256, hidden_dim=192, num_experts=16, top_k=4)
-    config.routed_experts.token_dispatcher.align_size = align_size
+    dispatcher = config.routed_experts.token_dispatcher
+    assert isinstance(dispatcher, RoutingDispatcher.Config)
+    dispatcher.align_size = align_size
     with torch.device("cuda"):
         layer = config.build()
     layer = layer.to(torch.bfloat16)

@@ -55,9 +55,11 @@ def test_torchtitan_log_lines_are_dropped(quiet, caplog):
 def test_python_warnings_are_ignored(quiet):
     from torch.distributed.tensor._random import is_rng_supported_mesh
 
+    # pyrefly: ignore[missing-attribute]  # torch's stubs lack set_vital, which it has at run time
     torch.set_vital("Dataloader", "enabled", "True")
     with torch.autocast(device_type="cpu", dtype=torch.float32):
         pass
+    # pyrefly: ignore[bad-argument-type]  # a stand-in: the check reads only the mesh's device type
     is_rng_supported_mesh(types.SimpleNamespace(device_type="cpu"))
     warnings.warn("DTensor manual_seed() may not have complete support on cpu device mesh", UserWarning, stacklevel=1)
     warnings.warn("a warning that matters", UserWarning, stacklevel=1)
@@ -66,6 +68,7 @@ def test_python_warnings_are_ignored(quiet):
 
 def test_nothing_is_silenced_with_cuda(monkeypatch, caplog):
     with quieted(monkeypatch, caplog, on_cpu=False) as recorded:
+        # pyrefly: ignore[missing-attribute]  # torch's stubs lack set_vital, which it has at run time
         torch.set_vital("Dataloader", "enabled", "True")
         logger.info("Peak FLOPS used for computing MFU: 9.890e+14")
     assert len(recorded) == 1 and len(caplog.records) == 1

@@ -88,6 +88,7 @@ def test_routing_kernels_route_and_differentiate_like_torchtitans_router(score_f
         # A loss that does not depend on the order of the K slots (torchtitan's top-k is unsorted).
         loss = (topk_scores * expert_weight_E[ids]).sum() + (scores * expert_weight_E).sum()
         loss.backward()
+        assert leaf.grad is not None
         results.append((ids.sort(dim=-1).values, scores, leaf.grad, grad_fns(topk_scores)))
     (stock_ids, stock_scores, stock_grad, _), (our_ids, our_scores, our_grad, our_nodes) = results
     assert "_TopKRoutingBackward" in our_nodes

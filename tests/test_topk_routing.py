@@ -60,8 +60,7 @@ def test_routing_and_gradients_match_the_reference(
     assert f_ids.dtype == f_counts.dtype == torch.int64
     torch.testing.assert_close(f_scores, r_scores, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(f_topk, r_topk, rtol=1e-6, atol=1e-7)
-    for outputs, leaf in ((fused, fused_logits), (reference, ref_logits)):
-        _, (topk, _, scores, _) = outputs
+    for _, (topk, _, scores, _) in (fused, reference):
         torch.autograd.backward([topk, scores], [grad_topk, grad_scores])
     torch.testing.assert_close(fused_logits.grad, ref_logits.grad, rtol=1e-5, atol=1e-6)
 
@@ -69,7 +68,7 @@ def test_routing_and_gradients_match_the_reference(
 @pytest.mark.parametrize("used", ["topk_scores", "scores"])
 def test_gradient_through_one_output(used):
     (fused, reference), (grad_topk, grad_scores) = routed_pair(23, 16, 3, "softmax", True, 1.0, True)
-    for leaf, (topk, _, scores, _) in (fused, reference):
+    for _, (topk, _, scores, _) in (fused, reference):
         if used == "topk_scores":
             topk.backward(grad_topk)
         else:
@@ -80,7 +79,7 @@ def test_gradient_through_one_output(used):
 def test_ties_go_to_the_lowest_expert_id_and_counts_sum_to_the_slots():
     logits = torch.zeros(6, 8, device=DEVICE)
     logits[:, 5] = 1.0
-    topk, ids, scores, counts = topk_routing(logits, None, 3, "softmax", True, 1.0)
+    topk, ids, _, counts = topk_routing(logits, None, 3, "softmax", True, 1.0)
     assert ids.tolist() == [[5, 0, 1]] * 6
     assert counts.tolist() == [6, 6, 0, 0, 0, 6, 0, 0]
     torch.testing.assert_close(topk.sum(dim=-1), torch.ones(6, device=DEVICE))
@@ -95,8 +94,13 @@ def test_the_bias_chooses_but_does_not_weigh():
 
 
 def test_unsupported_inputs_are_named():
-    assert "score function" in topk_routing_unsupported_reason(8, 2, "relu", torch.float32)
-    assert "fp32" in topk_routing_unsupported_reason(8, 2, "softmax", torch.bfloat16)
-    assert str(MAX_EXPERTS) in topk_routing_unsupported_reason(MAX_EXPERTS + 1, 2, "softmax", torch.float32)
+    def reason(num_experts: int, score_func: str, dtype: torch.dtype) -> str:
+        unsupported = topk_routing_unsupported_reason(num_experts, 2, score_func, dtype)
+        assert unsupported is not None
+        return unsupported
+
+    assert "score function" in reason(8, "relu", torch.float32)
+    assert "fp32" in reason(8, "softmax", torch.bfloat16)
+    assert str(MAX_EXPERTS) in reason(MAX_EXPERTS + 1, "softmax", torch.float32)
     with pytest.raises(ValueError, match="top_k"):
         topk_routing(torch.zeros(2, 4, device=DEVICE), None, 5, "softmax", True, 1.0)

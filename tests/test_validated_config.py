@@ -27,6 +27,7 @@ def test_every_validated_config_uses_the_mixin():
 
 def test_construction_lists_every_broken_rule():
     with pytest.raises(ValueError) as error:
+        # pyrefly: ignore[bad-argument-type]  # invalid values on purpose: the test checks they are refused
         RoutingDispatcher.Config(num_experts=2, top_k=1, permute_backend="numpy", ep_transport="nvlink", align_size=0)
     assert str(error.value) == (
         "permute_backend = 'numpy': not one of the valid choices: auto, torch, triton; "

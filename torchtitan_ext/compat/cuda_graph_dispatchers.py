@@ -26,7 +26,7 @@ def says_whether_host_sync_free(dispatcher_config) -> bool:
     return hasattr(dispatcher_config, "host_sync_free")
 
 
-def validate_cuda_graphs_with_declared_dispatchers(config) -> None:
+def validate_cuda_graphs_with_declared_dispatchers(config: Trainer.Config) -> None:
     """torchtitan's check, with expert parallelism's dispatcher rule left to dispatchers that say."""
     if config.training.disable_cuda_graphs or config.model_spec is None:
         return original_validate_cuda_graphs(config)
@@ -40,4 +40,5 @@ def validate_cuda_graphs_with_declared_dispatchers(config) -> None:
 
 def apply_cuda_graph_dispatcher_fix() -> None:
     """Install the check (idempotent)."""
+    # pyrefly: ignore[bad-assignment]  # a method replaced on torchtitan's class: its argument is named config here
     Trainer.Config._validate_cuda_graphs = validate_cuda_graphs_with_declared_dispatchers

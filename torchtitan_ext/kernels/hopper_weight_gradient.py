@@ -40,6 +40,13 @@ try:
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    # Names that moved between Triton minor versions: gl.thread_barrier in 3.6, gl.barrier from
+    # 3.7; tma.async_load and tma.async_store from 3.8, whose older names 3.9 removed.
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 except ImportError:
     gluon = None
 
@@ -86,11 +93,6 @@ def _block_n(size_n: int) -> int:
 
 
 if gluon is not None:
-    # Names that moved between Triton minor versions: gl.thread_barrier in 3.6, gl.barrier from
-    # 3.7; tma.async_load and tma.async_store from 3.8, whose older names 3.9 removed.
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
     @gluon.jit
     def _tile_of(
@@ -332,6 +334,7 @@ if gluon is not None:
             if STORE_TMA:
                 tma.store_wait(pendings=0)
                 _cta_barrier()
+                # pyrefly: ignore[unbound-name]  # Triton: bound under the same constexpr STORE_TMA
                 c_smem.store(acc.to(dtype))
                 fence_async_shared()
                 _tma_store(c_desc, [expert * size_m + m_tile * BLOCK_M, n_tile * BLOCK_N], c_smem)
@@ -346,8 +349,6 @@ if gluon is not None:
             tma.store_wait(pendings=0)
         for last_use in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(last_use))
-
-    _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 def weight_gradient(a_RM: torch.Tensor, b_RN: torch.Tensor, group_end_E: torch.Tensor, out_EMN: torch.Tensor) -> None:

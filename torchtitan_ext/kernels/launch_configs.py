@@ -57,8 +57,9 @@ def tensor_descriptors_usable(*tensors: torch.Tensor) -> bool:
 def tensor_descriptors(*tensors: torch.Tensor) -> tuple[bool, list]:
     """``(usable, descriptors)``: when ``tensor_descriptors_usable``, one descriptor per tensor (its
     block shape set per config by a ``descriptor_blocks`` pre-hook), else a None per tensor."""
-    usable = tensor_descriptors_usable(*tensors)
-    return usable, [TensorDescriptor.from_tensor(t, [1] * t.dim()) if usable else None for t in tensors]
+    if TensorDescriptor is None or not tensor_descriptors_usable(*tensors):
+        return False, [None] * len(tensors)
+    return True, [TensorDescriptor.from_tensor(t, [1] * t.dim()) for t in tensors]
 
 
 def descriptor_blocks(**block_shapes: tuple[int | str, ...]):
@@ -88,7 +89,9 @@ def _shared_memory_bytes(config: triton.Config, a_tiles: int, b_tiles: int, elem
 
 def _shared_memory_limit() -> int:
     if torch.cuda.is_available():
-        return cuda_properties(torch.cuda.current_device()).shared_memory_per_block_optin
+        properties = cuda_properties(torch.cuda.current_device())
+        # pyrefly: ignore[missing-attribute]  # torch's stub of _CudaDeviceProperties lacks it
+        return properties.shared_memory_per_block_optin
     return 227 * 1024
 
 

@@ -97,9 +97,10 @@ def swiglu_experts_backward(
     """``(dx, dw1, dw2, dw3, dscores)``; a gradient ``needs_grad`` does not ask for is a 0-size tensor."""
     grads = swiglu_backward(
         dout, x_RD, w1_EFD, w2_EDF, w3_EFD, group_end_E, row_slot_S, slot_row_S, scores_S, gate_RF, up_RF, top_k,
-        tuple(needs_grad),
+        needs_grad,
     )  # fmt: skip
-    return tuple(dout.new_empty(0) if grad is None else grad for grad in grads)
+    dx, dw1, dw2, dw3, dscores = (dout.new_empty(0) if grad is None else grad for grad in grads)
+    return dx, dw1, dw2, dw3, dscores
 
 
 @swiglu_experts_backward.register_fake

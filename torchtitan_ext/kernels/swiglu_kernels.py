@@ -531,7 +531,9 @@ def _swiglu_backward_kernel(
         silu = gate * sig
         h = silu * up
         if HAS_GATHER:
+            # pyrefly: ignore[unbound-name]  # Triton: bound under the same constexpr HAS_GATHER
             dscore += tl.sum(dh * h, axis=1)
+            # pyrefly: ignore[unbound-name]  # Triton: bound under the same constexpr HAS_GATHER
             dh = dh * score[:, None]
             h = h * score[:, None]
         tl.store(
@@ -540,6 +542,7 @@ def _swiglu_backward_kernel(
         tl.store(dup_ptr + offsets, (dh * silu).to(dup_ptr.dtype.element_ty), mask=mask)
         tl.store(dh_ptr + offsets, h.to(dh_ptr.dtype.element_ty), mask=mask)
     if HAS_GATHER:
+        # pyrefly: ignore[unbound-name]  # Triton: bound under the same constexpr HAS_GATHER
         tl.store(dscores_ptr + slots, dscore, mask=row_mask)
 
 

@@ -12,6 +12,7 @@ from run to run.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -154,12 +155,15 @@ def swiglu_forward(
     _announce_first_use(x_XD, w1_EFD, routed)
     x_XD = x_XD.contiguous()
     w1, w2, w3 = (w.to(x_XD.dtype).contiguous() for w in (w1_EFD, w2_EDF, w3_EFD))
-    x_RD = _grouped_rows(x_XD, slot_row_S, top_k) if routed else x_XD
+    if routed:
+        assert slot_row_S is not None and scores_S is not None, "routed mode needs slot_row_S and scores_S"
+        x_RD, scores = _grouped_rows(x_XD, slot_row_S, top_k), scores_S.contiguous()
+    else:
+        x_RD, scores = x_XD, None
     split = gate_up_in_two_passes(dim, hidden)
     gate_RF = x_XD.new_empty(num_rows, hidden) if keep_for_backward or split else None
     up_RF = x_XD.new_empty(num_rows, hidden) if keep_for_backward else None
     h_RF = x_XD.new_empty(num_rows, hidden)
-    scores = scores_S.contiguous() if routed else None
     common = _row_tile_meta(x_XD.dtype, num_experts)
     grid = _row_tile_grid(num_rows, num_experts, hidden)
     use_tma, (x_desc, w1_desc, w3_desc) = tensor_descriptors(x_RD, w1, w3)
@@ -241,8 +245,8 @@ def swiglu_backward(
     gate_RF: torch.Tensor,
     up_RF: torch.Tensor,
     top_k: int,
-    needs_grad: tuple[bool, bool, bool, bool, bool],
-) -> tuple[torch.Tensor | None, ...]:
+    needs_grad: Sequence[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``(dx, dw1, dw2, dw3, dscores)`` for ``needs_grad`` (the same five, in that order; None where
     not needed). ``x_RD``: the expert-ordered rows forward computed on (needed for weight gradients);
     ``gate_RF`` / ``up_RF``: forward's pre-activations, read only. Weight gradients come in the
@@ -255,7 +259,11 @@ def swiglu_backward(
     row_common = _row_tile_meta(gate_RF.dtype, num_experts)
     needs_dx, needs_dw1, needs_dw2, needs_dw3, needs_dscores = needs_grad
 
-    dout_RD = _grouped_rows(dout, slot_row_S, top_k) if routed else dout
+    if routed:
+        assert slot_row_S is not None and scores_S is not None, "routed mode needs slot_row_S and scores_S"
+        dout_RD, scores = _grouped_rows(dout, slot_row_S, top_k), scores_S.contiguous()
+    else:
+        dout_RD, scores = dout, None
     dh_RF = gate_RF.new_empty(num_rows, hidden)
     use_tma, (dy_desc, w2_desc) = tensor_descriptors(dout_RD, w2)
     _down_backward_kernel[_row_tile_grid(num_rows, num_experts, hidden)](
@@ -282,7 +290,7 @@ def swiglu_backward(
         dgate_RF,
         dup_RF,
         row_slot_S,
-        scores_S.contiguous() if routed else None,
+        scores,
         dscores_S,
         group_end_E,
         num_experts,
@@ -330,5 +338,5 @@ def swiglu_backward(
         _release(dgate_RF)
         dw3 = torch.empty_like(w3_EFD)
         _weight_gradient(dup_RF, x_RD, group_end_E, dw3)
-    dscores = dscores_S.to(scores_S.dtype) if routed and needs_dscores and scores_S is not None else None
+    dscores = dscores_S.to(scores_S.dtype) if needs_dscores and dscores_S is not None and scores_S is not None else None
     return dx, dw1, dw2, dw3, dscores

@@ -160,6 +160,7 @@ def _topk_routing_backward_kernel(
             expert = tl.load(topk_ids_ptr + slots + k, mask=t_mask, other=0)
             grad = tl.load(grad_topk_ptr + slots + k, mask=t_mask, other=0.0)
             if ROUTE_NORM:
+                # pyrefly: ignore[unbound-name]  # Triton: bound under the same constexpr ROUTE_NORM
                 grad = grad / denominator - shared
             pick = experts[None, :] == expert[:, None]
             grad_scores += tl.where(pick, (grad * route_scale)[:, None], 0.0)

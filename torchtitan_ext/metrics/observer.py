@@ -159,8 +159,9 @@ class MoERoutingObserver:
                     self._watch(_layer_name(qualified_name), module)
 
     def _watch(self, name: str, moe: torch.nn.Module) -> None:
-        num_experts = moe.tokens_per_expert_E.shape[0]
-        device = _local(moe.tokens_per_expert_E).device
+        counts_E = moe.get_buffer("tokens_per_expert_E")
+        num_experts = counts_E.shape[0]
+        device = _local(counts_E).device
 
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.float64, device=device)
@@ -170,7 +171,7 @@ class MoERoutingObserver:
             moe=moe,
             num_experts=num_experts,
             tokens_per_expert_E=zeros(num_experts),
-            counts_before_E=torch.zeros_like(_local(moe.tokens_per_expert_E)),
+            counts_before_E=torch.zeros_like(_local(counts_E)),
             entropy_sum=zeros(),
             num_tokens=zeros(),
             padding_rows=zeros(),
@@ -182,7 +183,8 @@ class MoERoutingObserver:
         self._handles += [
             moe.register_forward_pre_hook(_training_forward_hook(self._moe_pre_hook(layer))),
             moe.register_forward_hook(_training_forward_hook(self._moe_hook(layer))),
-            moe.router.gate.register_forward_hook(
+            moe.get_submodule("router.gate").register_forward_hook(
+                # pyrefly: ignore[missing-attribute]  # torch types a module's attributes as Tensor | Module
                 _training_forward_hook(self._gate_hook(layer, moe.router.score_func))
             ),
         ]
@@ -205,7 +207,7 @@ class MoERoutingObserver:
             counts_E = _local(moe.tokens_per_expert_E).double() - layer.counts_before_E.double()
             layer.tokens_per_expert_E.add_(counts_E)
             if self.expert_parallel is not None:
-                self._add_a2a_bytes(layer, counts_E, _local(args[0]))
+                _add_a2a_bytes(layer, counts_E, _local(args[0]), self.expert_parallel)
             for index, value in _router_statistics(moe).items():
                 layer.optional_sums[index] += value.detach().double()
                 layer.optional_counts[index] += 1
@@ -229,13 +231,6 @@ class MoERoutingObserver:
 
         return hook
 
-    def _add_a2a_bytes(self, layer: LayerAccumulator, counts_E: torch.Tensor, x: torch.Tensor) -> None:
-        """Dispatch + combine bytes of the rows routed to experts owned by other EP ranks."""
-        per_rank = layer.num_experts // self.expert_parallel.degree
-        first = self.expert_parallel.rank * per_rank
-        remote_rows = counts_E.sum() - counts_E[first : first + per_rank].sum()
-        layer.computed_a2a_bytes += 2 * remote_rows * x.shape[-1] * x.element_size()
-
     def _padded_experts_hook(self, layer: LayerAccumulator) -> Callable:
         """Rows a backend with ``pads_rows`` adds: every expert padded to the largest one."""
 
@@ -256,6 +251,16 @@ class MoERoutingObserver:
 
 _PUBLISHED_FIELDS = ("aux_loss", "z_loss", "num_dropped_slots", "num_padding_rows")
 """The ``PublishedRouterStatistics`` field of each of ``OPTIONAL_STATS``."""
+
+
+def _add_a2a_bytes(
+    layer: LayerAccumulator, counts_E: torch.Tensor, x: torch.Tensor, expert_parallel: ExpertParallelPlacement
+) -> None:
+    """Dispatch + combine bytes of the rows routed to experts owned by other EP ranks."""
+    per_rank = layer.num_experts // expert_parallel.degree
+    first = expert_parallel.rank * per_rank
+    remote_rows = counts_E.sum() - counts_E[first : first + per_rank].sum()
+    layer.computed_a2a_bytes += 2 * remote_rows * x.shape[-1] * x.element_size()
 
 
 def _router_statistics(moe: torch.nn.Module) -> dict[int, torch.Tensor]:
@@ -288,7 +293,7 @@ def summarize(observer: MoERoutingObserver, *, num_steps: int, reduce_groups: li
     for group in reduce_groups:
         dist.all_reduce(packed, group=group)
     bias_norms = [
-        torch.linalg.vector_norm(_local(layer.moe.expert_bias_E).double()).reshape(1)
+        torch.linalg.vector_norm(_local(layer.moe.get_buffer("expert_bias_E")).double()).reshape(1)
         if getattr(layer.moe, "expert_bias_E", None) is not None
         else torch.full((1,), math.nan, dtype=torch.float64, device=packed.device)
         for layer in observer.layers

@@ -116,7 +116,7 @@ def run_summary_lines(
     steps = f"{progress.steps_run} steps run"
     if progress.last_step is not None:
         steps += f" (last step {progress.last_step})"
-    if progress.first_loss is None:
+    if progress.first_loss is None or progress.last_loss is None:
         loss = "no loss logged"
     else:
         (first_step, first), (last_step, last) = progress.first_loss, progress.last_loss
@@ -168,7 +168,7 @@ class MoEMetricsProcessor(MetricsProcessor):
         self._optimizers = None
         self._steps_since_log = 0
         self._last_heatmap_step: int | None = None
-        self._rich_loggers: list[BaseLogger] = []
+        self._rich_loggers: list[WandBLogger | TensorBoardLogger] = []
         self._wandb_run: WandbRunLocation | None = None
         self._progress = RunProgress()
         self._output_folder = dump_folder
@@ -179,6 +179,10 @@ class MoEMetricsProcessor(MetricsProcessor):
         if not sys.stdout.isatty():
             self.color = NoColor()
 
+    # pyrefly: ignore[bad-override-mutable-attribute]  # torchtitan builds the processor from this Config
+    config: Config
+
+    # pyrefly: ignore[bad-override]  # torchtitan passes the processor's own config, this Config
     def _build_metric_logger(self, *, config: Config, config_dict=None, **kwargs) -> BaseLogger:
         """torchtitan's loggers; wandb's run in ``WANDB_FOLDER`` of the dump folder, TensorBoard's in its own."""
         if config.enable_wandb:
@@ -240,20 +244,22 @@ class MoEMetricsProcessor(MetricsProcessor):
         ep_mesh = self.parallel_dims.get_mesh("ep")
         return ExpertParallelPlacement(rank=ep_mesh.get_local_rank(), degree=self.parallel_dims.ep)
 
-    def _reduce_groups(self) -> list:
+    def _reduce_groups(self, observer: MoERoutingObserver) -> list:
         """Groups whose ranks route different tokens: the loss mesh, and TP when it shards tokens."""
         groups = []
         loss_mesh = self.parallel_dims.get_optional_mesh("loss")
         if loss_mesh is not None:
             groups.append(loss_mesh.get_group())
-        if self.parallel_dims.tp_enabled and any(layer.sharded_tokens for layer in self._observer.layers):
+        if self.parallel_dims.tp_enabled and any(layer.sharded_tokens for layer in observer.layers):
             groups.append(self.parallel_dims.get_mesh("tp").get_group())
         return groups
 
     def collect_moe_metrics(self, step: int) -> tuple[dict[str, float], dict[str, Any]]:
         """(scalars by full key, rich payload) for ``step``; resets the accumulators."""
+        observer = self._observer
+        assert observer is not None, "MoE metrics are collected only while MoE layers are watched"
         summaries = summarize(
-            self._observer, num_steps=max(self._steps_since_log, 1), reduce_groups=self._reduce_groups()
+            observer, num_steps=max(self._steps_since_log, 1), reduce_groups=self._reduce_groups(observer)
         )
         self._steps_since_log = 0
         per_layer = [layer_scalars(s) for s in summaries]
@@ -267,7 +273,7 @@ class MoEMetricsProcessor(MetricsProcessor):
         histograms = {f"{KEY_PREFIX}/{s.name}/tokens_per_expert": s.tokens_per_expert_E for s in summaries}
         counts_per_layer_expert = np.stack([s.tokens_per_expert_E for s in summaries])
         histograms[f"{KEY_PREFIX}/{MODEL_SCOPE}/tokens_per_expert"] = counts_per_layer_expert.sum(axis=0)
-        rich = {"histograms": histograms}
+        rich: dict[str, Any] = {"histograms": histograms}
         if self._heatmap_due(step):
             self._last_heatmap_step = step
             rich["heatmap"] = (counts_per_layer_expert, [s.name for s in summaries])

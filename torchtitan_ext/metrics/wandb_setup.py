@@ -15,6 +15,8 @@ def wandb_has_credentials() -> bool:
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return True
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    if host is None:
+        return False
     netrc_path = os.environ.get("NETRC", os.path.expanduser("~/.netrc"))
     try:
         return netrc.netrc(netrc_path).authenticators(host) is not None

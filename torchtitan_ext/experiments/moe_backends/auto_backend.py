@@ -33,7 +33,7 @@ from torchtitan.tools.logging import logger
 from torchtitan_ext.place_in_launch import is_rank_zero, world_size
 
 from .cache import CACHE_ENV, cache_dir
-from .expert_timing import BenchShape, expert_inputs, make_timer, seeded_generator
+from .expert_timing import BenchShape, TimedCall, expert_inputs, make_timer, seeded_generator
 from .experts import BackendGroupedExperts, backend_names, get_backend, resolved_at_startup, runnable_backends
 from .layer import moe_layer_config
 
@@ -156,7 +156,7 @@ def layer_measure(device: torch.device, dtype: torch.dtype) -> Measure:
         token_generator = seeded_generator(device)
         x_BLD = randn(token_generator, 1, shape.tokens, shape.dim).requires_grad_()
         grad_BLD = randn(token_generator, *x_BLD.shape)
-        calls = {}
+        calls: dict[str, TimedCall] = {}
         for backend in backends:
             with torch.device(device):
                 layer = moe_layer_config(compute_backend=backend, **shape.layer_kwargs()).build()
@@ -184,7 +184,7 @@ def choose_backend(
         for backend, ms in measure(shape, candidates).items():
             ms_per_step[backend] += count * ms
     ms_per_step = {backend: round(ms, 4) for backend, ms in ms_per_step.items()}
-    return min(ms_per_step, key=ms_per_step.get), ms_per_step
+    return min(ms_per_step, key=ms_per_step.__getitem__), ms_per_step
 
 
 def _read_cache(path: Path) -> dict:

@@ -12,11 +12,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .moe import RoutedMoE
+
 EXPERT_WEIGHTS = ("w1_EFD", "w2_EDF", "w3_EFD")
 """The expert weights of ``routed_experts.inner_experts``, sharded along E under EP."""
 
 
-def seeded_layer(config, device: torch.device | str = "cpu", seed: int = 0) -> torch.nn.Module:
+def seeded_layer(config: RoutedMoE.Config, device: torch.device | str = "cpu", seed: int = 0) -> RoutedMoE:
     """``config.build()`` on ``device``, every parameter drawn from a normal distribution of standard
     deviation ``fan_in ** -0.5`` by one CPU generator seeded with ``seed``, in parameter-name
     order: the same weights in every process."""
@@ -36,8 +38,14 @@ def run_forward_backward(
     x_BLD = x_BLD.clone().requires_grad_()
     out_BLD = layer(x_BLD)
     out_BLD.backward(grad_BLD)
-    grads = {name: param.grad.clone() for name, param in layer.named_parameters()}
-    return out_BLD.detach(), x_BLD.grad, grads
+    grads = {name: _gradient(param).clone() for name, param in layer.named_parameters()}
+    return out_BLD.detach(), _gradient(x_BLD), grads
+
+
+def _gradient(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.grad``, which backward must have set."""
+    assert tensor.grad is not None, "backward left a tensor without a gradient"
+    return tensor.grad
 
 
 def local_expert_slice(num_experts: int, ep_mesh: DeviceMesh | None) -> slice:
@@ -49,7 +57,7 @@ def local_expert_slice(num_experts: int, ep_mesh: DeviceMesh | None) -> slice:
     return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
-def shard_experts(layer: torch.nn.Module, experts: slice) -> None:
+def shard_experts(layer: RoutedMoE, experts: slice) -> None:
     """Keep only the ``experts`` block of the layer's expert weights (new parameters)."""
     inner = layer.routed_experts.inner_experts
     for name in EXPERT_WEIGHTS:
@@ -58,7 +66,7 @@ def shard_experts(layer: torch.nn.Module, experts: slice) -> None:
 
 def compare_with_single_process(
     reference_layer: torch.nn.Module,
-    layer: torch.nn.Module,
+    layer: RoutedMoE,
     x_all_BLD: torch.Tensor,
     grad_all_BLD: torch.Tensor,
     ep_mesh: DeviceMesh | None,

@@ -40,7 +40,7 @@ from typing import ClassVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
 from torchtitan_ext.kernels import symm_mem_rows as kernels
 from torchtitan_ext.kernels.moe_permute import stable_expert_order
@@ -160,6 +160,7 @@ class SharedMemoryWorkspace(Workspace):
         ]
         dist.barrier(group=group)
         os.unlink(paths[self.rank])  # every rank holds its mapping; the name is no longer needed
+        # pyrefly: ignore[bad-argument-type]  # torch's stub types from_file's result as TypedStorage | _StorageBase
         local_bytes = torch.empty(0, dtype=torch.uint8).set_(mine)
         return local_bytes, [storage.data_ptr() for storage in self._storages]
 
@@ -232,7 +233,7 @@ class EPExchange:
     def for_group_name(cls, group_name: str, device: torch.device) -> EPExchange:
         key = (group_name, str(device))
         if key not in cls._by_group:
-            cls._by_group[key] = cls(_resolve_process_group(group_name), device)
+            cls._by_group[key] = cls(_resolve_process_group(GroupName(group_name)), device)
         return cls._by_group[key]
 
     # ------------------------------------------------------------------ fences

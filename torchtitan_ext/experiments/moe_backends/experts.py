@@ -17,7 +17,7 @@ autocast's list and would otherwise compute in fp32.
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -211,10 +211,15 @@ register_backend(
 )
 
 
-ComputeBackend = Literal[backend_names()]
-"""A backend name of the table (the type of ``compute_backend``)."""
-ComputeBackendChoice = Literal[compute_backend_choices()]
-"""What the ``moe.compute_backend`` TOML key accepts: a backend, or "auto" (resolved at start-up)."""
+if TYPE_CHECKING:
+    # The table's names exist only once its modules have run; a static checker sees a str.
+    ComputeBackend = str
+    ComputeBackendChoice = str
+else:
+    ComputeBackend = Literal[backend_names()]
+    """A backend name of the table (the type of ``compute_backend``)."""
+    ComputeBackendChoice = Literal[compute_backend_choices()]
+    """What the ``moe.compute_backend`` TOML key accepts: a backend, or "auto" (resolved at start-up)."""
 
 
 def runnable_backends() -> list[str]:

@@ -78,6 +78,7 @@ def moe_trainer_config(model_spec: ModelSpec, run: TrainingRun, *, expert_parall
     return Trainer.Config(
         model_spec=model_spec,
         hf_assets_path=str(TOKENIZER_DIR),
+        # pyrefly: ignore[missing-attribute]  # ModelSpec types model as BaseModel.Config; a decoder's has vocab_size
         loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size)),
         metrics=MoEMetricsProcessor.Config(log_freq=run.log_freq),
         dataloader=HuggingFaceTextDataLoader.Config(dataset=TINY_STORIES),

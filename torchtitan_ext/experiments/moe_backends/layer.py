@@ -11,6 +11,7 @@ is torchtitan's own MoE layer config and ``moe_layer_config`` the same layer wit
 
 from collections.abc import Callable
 from functools import partial
+from typing import TypeVar, overload
 
 from torch import nn
 from torchtitan.config.override import derive
@@ -28,6 +29,7 @@ from torchtitan.models.common.token_dispatcher import (
 
 from .dispatcher import RoutingDispatcher
 from .experts import BackendGroupedExperts, ComputeBackend, FusedRoutedExperts
+from .model_shapes import ScoreFunc
 from .moe import RoutedMoE
 from .router import BalancedTopKRouter, RouterGate
 
@@ -46,6 +48,13 @@ def _replace(parent, attr, replacement) -> None:
         setattr(parent, attr, replacement)
 
 
+ModelConfig = TypeVar("ModelConfig")
+
+
+@overload
+def use_routing(model_config: MoE.Config) -> RoutedMoE.Config: ...
+@overload
+def use_routing(model_config: ModelConfig) -> ModelConfig: ...
 def use_routing(model_config):
     """Swap every torchtitan MoE / router / gate / standard dispatcher config (in place) for ours.
 
@@ -78,7 +87,7 @@ def stock_moe_config(
     hidden_dim: int,
     num_experts: int,
     top_k: int,
-    score_func: str = "softmax",
+    score_func: ScoreFunc = "softmax",
     route_norm: bool = True,
     load_balance_coeff: float | None = 1e-3,
     init_std: float = 0.02,

@@ -3,6 +3,10 @@ the benchmarks' named shapes are built from (every fact once; this module import
 so the benchmarks read it without loading the Trainer)."""
 
 from dataclasses import dataclass
+from typing import Literal
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+"""How a router turns logits into scores."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,7 +32,7 @@ class MoEShape:
     moe_hidden_dim: int
     num_experts: int
     top_k: int
-    score_func: str = "softmax"
+    score_func: ScoreFunc = "softmax"
     route_norm: bool = True
     rope_theta: float = 1_000_000.0
     max_seq_len: int = 4096

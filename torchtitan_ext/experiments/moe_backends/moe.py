@@ -28,6 +28,7 @@ After every forward, ``last_router_statistics`` holds that forward's ``RouterSta
 
 import functools
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -56,6 +57,7 @@ class _InjectLossGradient(torch.autograd.Function):
         return output.view_as(output)
 
     @staticmethod
+    # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); torch documents one argument per output
     def backward(ctx, grad_output):
         return grad_output, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=ctx.loss_device)
 
@@ -130,6 +132,7 @@ class RoutedMoE(MoE):
 
     @dataclass(kw_only=True, slots=True)
     class Config(ValidatedConfig, MoE.Config):
+        # pyrefly: ignore[bad-override-mutable-attribute]  # narrows torchtitan's field to this experiment's router
         router: BalancedTopKRouter.Config
         aux_loss_coeff: float = 0.0
         """Weight of the load-balancing loss in the objective (0: off)."""
@@ -211,7 +214,7 @@ class RoutedMoE(MoE):
             z_loss_value = z_loss.detach()
             weighted_losses.append(self.z_loss_coeff * z_loss)
         if weighted_losses and torch.is_grad_enabled():
-            out_BLD = inject_loss_gradient(out_BLD, self.loss_scale * sum(weighted_losses))
+            out_BLD = inject_loss_gradient(out_BLD, self.loss_scale * functools.reduce(operator.add, weighted_losses))
         return out_BLD, aux_loss_value, z_loss_value
 
 

@@ -94,6 +94,7 @@ class _Bf16GateLogits(torch.autograd.Function):
             return _matmul_fp32_out(x_ND, weight_ED.t())
 
     @staticmethod
+    # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); torch documents one argument per output
     def backward(ctx, grad_logits_NE):
         x_ND, weight_ED = ctx.saved_tensors
         num_experts, dim = weight_ED.shape
@@ -126,10 +127,10 @@ class RouterGate(Linear):
     class Config(Linear.Config):
         pass
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._bf16_path_applies(x):
-            return bf16_gate_logits(x, self.weight)
-        return super().forward(x)
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self._bf16_path_applies(input):
+            return bf16_gate_logits(input, self.weight)
+        return super().forward(input)
 
     def _bf16_path_applies(self, x: torch.Tensor) -> bool:
         weight = self.weight
@@ -184,7 +185,7 @@ class BalancedTopKRouter(TokenChoiceTopKRouter):
                 errors.append(
                     f"{key('num_expert_groups')} = {groups}: needs num_limited_groups too (group-limited routing)"
                 )
-            elif groups is not None:
+            elif groups is not None and limited is not None:
                 if groups < 1 or self.num_experts % groups:
                     errors.append(
                         f"{key('num_expert_groups')} = {groups}: must divide the number of experts ({self.num_experts})"
@@ -256,6 +257,7 @@ class BalancedTopKRouter(TokenChoiceTopKRouter):
             topk_scores_BLK, topk_expert_ids_BLK, scores_BLE = super().forward(x_BLD, expert_bias_E)
             counts_E = slot_counts(topk_expert_ids_BLK.reshape(-1), self.num_experts)
         logits_BLE, self._last_logits_BLE = self._last_logits_BLE, None
+        assert logits_BLE is not None, "the gate's forward hook keeps the logits of every route"
         routed_expert_ids_BLK = topk_expert_ids_BLK
         num_dropped_slots = torch.zeros((), dtype=torch.int64, device=topk_expert_ids_BLK.device)
         capacity = self.capacity(x_BLD.shape[0] * x_BLD.shape[1])

@@ -6,13 +6,12 @@ option is checked once, by its config's ``validation_errors``, in the start-up c
 (``startup_checks``).
 """
 
-from typing import Literal
-
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.short_keys import register_short_key
 
 from .dispatcher import EPReceiveRows, EPTransport, PermuteBackend, RoutingDispatcher
 from .experts import BackendGroupedExperts, ComputeBackendChoice
+from .model_shapes import ScoreFunc
 from .moe import AuxLossType, RoutedMoE
 
 
@@ -39,11 +38,12 @@ def moe_configs(config, key: str) -> list[RoutedMoE.Config]:
 
 def dispatcher_configs(config, key: str) -> list[RoutingDispatcher.Config]:
     dispatchers = [moe.routed_experts.token_dispatcher for moe in moe_configs(config, key)]
-    if not all(isinstance(d, RoutingDispatcher.Config) for d in dispatchers):
+    ours = [d for d in dispatchers if isinstance(d, RoutingDispatcher.Config)]
+    if len(ours) < len(dispatchers):
         raise ConfigError(
             f"{key}: this flavor's token dispatcher ({type(dispatchers[0]).__qualname__}) has no such option"
         )
-    return dispatchers
+    return ours
 
 
 def routers(config, key: str) -> list:
@@ -74,7 +74,7 @@ def _option_key(name: str, annotation, help: str, owners, convert=_as_is) -> Non
             setattr(owner, name, value)
 
 
-_option_key("score_func", Literal["softmax", "sigmoid"], "router score function", routers)
+_option_key("score_func", ScoreFunc, "router score function", routers)
 _option_key("route_norm", bool, "renormalize the top-k scores to sum 1", routers)
 _option_key("route_scale", float, "multiply the gating weights by this", routers)
 _option_key("num_expert_groups", int, "group-limited routing: expert groups (0 = off)", routers, _zero_is_off)

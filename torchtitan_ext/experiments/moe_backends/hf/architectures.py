@@ -375,6 +375,7 @@ def _build_deepseek_v3(read: ConfigReader, attn_backend: str):
     )
     for layer in layers:
         layer.attention_norm.eps = layer.ffn_norm.eps = eps
+        # pyrefly: ignore[missing-attribute]  # torchtitan types it BaseAttention.Config; MLA's has both norms
         layer.attention.q_norm.eps = layer.attention.kv_norm.eps = MLA_LATENT_NORM_EPS
     return DeepSeekV3Model.Config(**_decoder_parts(read, init), layers=layers), parallelize_deepseekv3
 

@@ -22,8 +22,9 @@ class HeadsRMSNorm(RMSNorm):
     class Config(RMSNorm.Config):
         pass
 
-    def forward(self, x_BLNH: torch.Tensor) -> torch.Tensor:
-        return super().forward(x_BLNH.flatten(-2)).view_as(x_BLNH)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``(..., N, H)`` (the parent's argument name, so that calls by keyword still work)."""
+        return super().forward(x.flatten(-2)).view_as(x)
 
 
 class ProjectionQKNormAttention(GQAttention):

@@ -32,10 +32,12 @@ import torch
 from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
 from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 
-class HFConfigAdapter:
-    """Mixin: the Hugging Face config (``config.json`` contents) the adapter's model was built from."""
+class HFConfigAdapter(BaseStateDictAdapter):
+    """Base of the adapters here: torchtitan's adapter interface, and the Hugging Face config
+    (``config.json`` contents) the adapter's model was built from."""
 
     hf_config: ClassVar[Mapping[str, Any]] = MappingProxyType({})
 

@@ -151,8 +151,9 @@ def checkpoint_folder_errors(config, hf_config: dict[str, Any]) -> list[str]:
     adapter = config.model_spec.state_dict_adapter
     ignored = partial(architecture_of(hf_config).ignored_tensors, reader(hf_config))
     problem = first_mismatch(expected_hf_tensors(config.model_spec.model, adapter), found, ignored)
-    other_family = checkpoint_config is not None and checkpoint_config.get("model_type") != hf_config["model_type"]
-    family = f"its {CONFIG_FILE} describes a {checkpoint_config.get('model_type')!r} model" if other_family else ""
+    checkpoint_family = None if checkpoint_config is None else checkpoint_config.get("model_type")
+    other_family = checkpoint_config is not None and checkpoint_family != hf_config["model_type"]
+    family = f"its {CONFIG_FILE} describes a {checkpoint_family!r} model" if other_family else ""
     if problem is None and checkpoint_config is not None:
         problem = family or flag_difference(hf_config, checkpoint_config)
     elif problem is not None and family:
