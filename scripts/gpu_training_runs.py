@@ -24,10 +24,12 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -66,8 +68,9 @@ class Run:
     error_tail: str | None = None
 
 
-def launch(run: Run, device_ids: str, port: int, env: dict[str, str]) -> Run:
-    """Train ``run`` on ``device_ids`` under torchrun; fill in what rank 0 logged."""
+def launch(run: Run, device_ids: str, port: int, env: dict[str, str], timeout_s: float) -> Run:
+    """Train ``run`` on ``device_ids`` under torchrun; fill in what rank 0 logged. A run still going
+    after ``timeout_s`` seconds is killed with its processes (return code -9, its log's tail kept)."""
     command = [
         sys.executable,
         "-m",
@@ -88,7 +91,10 @@ def launch(run: Run, device_ids: str, port: int, env: dict[str, str]) -> Run:
         stderr=subprocess.STDOUT,
         text=True,
         env={**env, "CUDA_VISIBLE_DEVICES": device_ids},
+        start_new_session=True,
     )
+    watchdog = threading.Timer(timeout_s, os.killpg, (process.pid, signal.SIGKILL))
+    watchdog.start()
     lines = []
     for raw_line in process.stdout:
         line = ANSI.sub("", raw_line)
@@ -104,6 +110,7 @@ def launch(run: Run, device_ids: str, port: int, env: dict[str, str]) -> Run:
                 run.mfu_percent[step] = float(match["mfu"])
             run.peak_memory_gib = max(run.peak_memory_gib or 0.0, float(match["memory"]))
     run.returncode = process.wait()
+    watchdog.cancel()
     run.wall_seconds = round(time.monotonic() - started, 1)
     if run.returncode != 0 or not run.losses:
         run.error_tail = "".join(lines[-60:])
@@ -308,6 +315,13 @@ def main() -> int:
         metavar="N",
         help="full suite: sequences of 2048 tokens per GPU per step (default 4)",
     )
+    parser.add_argument(
+        "--run-timeout",
+        type=float,
+        default=540,
+        metavar="S",
+        help="kill a run still going after S seconds (default 540)",
+    )
     args = parser.parse_args()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.suite == "tiny":
@@ -325,26 +339,29 @@ def main() -> int:
             futures = []
             for slot, run in enumerate(batch):
                 devices = str(slot) if run.gpus == 1 else ",".join(map(str, range(run.gpus)))
-                futures.append(pool.submit(launch, run, devices, port, env))
+                futures.append(pool.submit(launch, run, devices, port, env, args.run_timeout))
                 port += 1
             runs += [future.result() for future in futures]
-    if args.suite == "tiny":
+        problems = write_results(args.suite, runs, args.out)  # after every batch: a killed suite keeps what ran
+    if args.suite == "full":
+        print_throughput_ratios(runs)
+    print("problems:" if problems else "all runs agree", *problems, sep="\n  ")
+    return 1 if problems else 0
+
+
+def write_results(suite: str, runs: list[Run], path: str) -> list[str]:
+    """Write the suite's JSON (environment, runs, problems) to ``path``; return the problems: losses
+    that disagree (tiny: with for_loop's of the same layout, rel 1e-4; full: with the first run's,
+    the baseline, 2%) and runs that failed."""
+    if suite == "tiny":
         problems = compare_losses(runs, same_layout_for_loop(runs), 1e-4)
     else:
         problems = compare_losses(runs, lambda run: runs[0], 0.02)
     problems += [f"{run.name}: exit code {run.returncode}" for run in runs if run.returncode != 0]
-    if args.suite == "full":
-        print_throughput_ratios(runs)
-    result = {
-        "environment": environment(),
-        "suite": args.suite,
-        "runs": [asdict(r) for r in runs],
-        "problems": problems,
-    }
-    with open(args.out, "w") as f:
+    result = {"environment": environment(), "suite": suite, "runs": [asdict(r) for r in runs], "problems": problems}
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    print("problems:" if problems else "all runs agree", *problems, sep="\n  ")
-    return 1 if problems else 0
+    return problems
 
 
 if __name__ == "__main__":

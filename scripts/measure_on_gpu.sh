@@ -27,6 +27,13 @@ for task in "$@"; do
   case $task in
     tests)
       # Every test file; on worker processes when pytest-xdist is installed, else in one process.
+      # The Hugging Face checks need transformers, which the measurement machines lack: wheels in
+      # .whl-hf/ (transformers, what it needs that the machine lacks, pytest-xdist) are installed when
+      # present, e.g. pip download --only-binary=:all: --python-version 3.12 -d .whl-hf transformers
+      # safetensors pytest-xdist (then delete the numpy wheel: the machine's own stays).
+      if compgen -G ".whl-hf/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl-hf/*.whl || exit 1
+      fi
       one_process=$(python3 -c "import xdist" 2>/dev/null || echo "-o addopts=-rfEs")
       python3 -m pytest -q -p no:cacheprovider $one_process 2>&1 | tee "$out/gpu_tests.log" ;;
     bench)
@@ -53,6 +60,7 @@ for task in "$@"; do
       # TRAIN_LOCAL_BATCH sets the full suite's sequences per GPU per step (default 4; an H200 takes 8).
       python3 scripts/gpu_training_runs.py "$suite" --out "$out/train_$suite.json" \
           ${TRAIN_ONLY:+--only $TRAIN_ONLY} ${TRAIN_LOCAL_BATCH:+--local-batch-size $TRAIN_LOCAL_BATCH} \
+          ${TRAIN_RUN_TIMEOUT_S:+--run-timeout $TRAIN_RUN_TIMEOUT_S} \
           2>&1 | tee "$out/train_$suite.log" ;;
     train-step)
       # TRAIN_STEP_BACKENDS narrows the backends (default: grouped_mm triton); TRAIN_STEP_COMPILE=eager|compiled|both

@@ -27,6 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import free_port, relative_error
+
+pytest.importorskip("transformers", reason="the Hugging Face checks compare with transformers (the test extra)")
+
 from hf_models import (
     FAMILY_FLAVORS,
     TOKENS,

@@ -17,6 +17,9 @@ import sys
 import pytest
 import torch
 from helpers import relative_error
+
+pytest.importorskip("transformers", reason="the Hugging Face checks compare with transformers (the test extra)")
+
 from hf_models import (
     FAMILY_FLAVORS,
     TOKENS,
