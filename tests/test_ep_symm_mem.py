@@ -186,6 +186,16 @@ def run_two_layers(mesh, transport: EPTransport, align_size: int, dtype: torch.d
     return (out.detach(), x.grad, scores.grad, weights.grad), grouping
 
 
+def assert_dispatch_outputs_aligned(mesh) -> None:
+    """Each output of the dispatch op starts on a 16-byte boundary, as Inductor asserts of a custom
+    op's outputs when it compiles around one."""
+    x_TD, scores_TK, ids_TK = routing(dist.get_rank(), torch.float32)
+    group_name = mesh.get_group().group_name
+    outputs = torch.ops.torchtitan_ext.symm_mem_dispatch(x_TD, scores_TK, ids_TK, group_name, NUM_EXPERTS, TOP_K, False)
+    offsets = [output.storage_offset() * output.element_size() for output in outputs]
+    assert all(offset % 16 == 0 for offset in offsets), offsets
+
+
 def exchange_worker(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -203,6 +213,7 @@ def exchange_worker(rank: int, world: int, port: int) -> None:
                 for name, e, a in zip(("output", "x grad", "score grad", "weight grad"), expected, actual):
                     what = f"rank {rank}/{world} {dtype} align {align_size} {name}"
                     torch.testing.assert_close(a, e, atol=tol, rtol=tol, msg=lambda m, what=what: f"{what}: {m}")
+        assert_dispatch_outputs_aligned(mesh)
     finally:
         dist.destroy_process_group()
 

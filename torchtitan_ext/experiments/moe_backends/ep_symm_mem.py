@@ -402,12 +402,15 @@ def _dispatch_op(
     top_k: int,
     static_rows: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(rows_RD, rows_per_local_expert_e, recv_row_PK, recv_score_PK, ordinal_P)`` (``dispatch``)."""
+    """``(rows_RD, rows_per_local_expert_e, recv_row_PK, recv_score_PK, ordinal_P)`` (``dispatch``).
+
+    Every output starts on a 16-byte boundary, as Inductor assumes of a custom op's outputs: the
+    counts, a view into the packed receive layout, are copied out of it."""
     exchange = EPExchange.for_group_name(group_name, x_TD.device)
     rows_RD, rows_per_local_expert_e, route = exchange.dispatch_rows(
         x_TD, scores_S, expert_S, num_experts, top_k, static_rows
     )
-    return rows_RD, rows_per_local_expert_e, route.recv_row_PK, route.recv_score_PK, route.ordinal_P
+    return rows_RD, rows_per_local_expert_e.clone(), route.recv_row_PK, route.recv_score_PK, route.ordinal_P
 
 
 @_dispatch_op.register_fake
