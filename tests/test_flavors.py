@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import nested_configs
+from helpers import model_config, nested_configs
 
 from torchtitan_ext import command_facts, flavors
 from torchtitan_ext.experiments.moe_backends import flavors as moe_backends_flavors
@@ -121,7 +121,7 @@ def test_stock_sibling_is_the_same_model_with_torchtitans_moe(name):
     flavor, stock = get_flavor(name).build(), get_flavor(f"{name}-torchtitan-moe").build()
     assert nested_configs(flavor, BackendGroupedExperts.Config)
     assert not nested_configs(stock, BackendGroupedExperts.Config)
-    assert parameter_counts(stock.model_spec.model) == parameter_counts(flavor.model_spec.model)
+    assert parameter_counts(model_config(stock)) == parameter_counts(model_config(flavor))
     assert (stock.training, stock.optimizer, stock.lr_scheduler, stock.parallelism) == (
         flavor.training,
         flavor.optimizer,
