@@ -2,6 +2,7 @@
 
     python scripts/gpu_training_runs.py tiny --out train_tiny.json   # every tiny flavor, EP 1 and 2
     python scripts/gpu_training_runs.py full --out train_full.json   # olmoe-1b-7b compiled: stock, grouped_mm, triton
+    python scripts/gpu_training_runs.py scale8 --out train_scale8.json   # 8 GPUs: qwen3-30b-a3b, deepseek-v3-16b
     python scripts/gpu_training_runs.py plot --from train_full.json ... --out train.png
 
 ``tiny``: each tiny flavor (fp32) for 30 steps on one GPU (EP 1; two runs side by side, one per
@@ -15,12 +16,23 @@ triton over each EP transport, and triton over symm_mem with static received row
 graphs; triton over symm_mem eager for reference. Every loss must be within 2% of the baseline's
 at the same step. Printed per run: the median tokens/s over steps 5-20 (after warm-up and the first
 compilations), its ratio to the baseline, peak memory and the seconds to the first step.
+``scale4`` / ``scale8``: every run on all 4 / 8 GPUs of the host. First the tiny-moe-triton flavor (fp32,
+30 steps) at EP 1 and at EP 4 (and 8) over each EP transport: the same global batch, so every loss
+must equal EP 1's to rel 1e-4. Then qwen3-30b-a3b and deepseek-v3-16b, FSDP 4 x EP 4 (``scale4``) or
+FSDP 8 x EP 8 and FSDP 8 x EP 4 (``scale8``), bf16, 20 steps of ``--local-batch-size`` x 2048 tokens
+per GPU (default 1: qwen3-30b-a3b's weights, gradients and AdamW state alone take 57 GiB of each of
+8 GPUs), compiled: torchtitan's own MoE layers (``<model>-torchtitan-moe``, the baseline of its model
+and layout), grouped_mm, and triton over each EP transport; losses within 2% of the baseline's. A run
+whose weights, gradients and optimizer state alone do not fit its GPUs' memory is skipped, and said so.
 Per run: losses, tokens/s, MFU, peak memory (rank 0's log) and the seconds from launch to the
-first step's log line. The JSON carries the device, torch, triton and NCCL versions and the commit
-(``SOURCE_COMMIT`` where the tree has no git metadata).
+first step's log line; each run names the run it is compared with (``reference``). The JSON carries
+the device, torch, triton and NCCL versions, the commit (``SOURCE_COMMIT`` where the tree has no
+git metadata) and, for every suite but ``tiny``, a summary row per run: median tokens/s and MFU of
+steps 5-20, the ratio to the stock compiled baseline, peak memory and seconds to the first step.
 """
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -41,6 +53,8 @@ import triton
 from torchtitan_ext.bench.common import source_commit
 from torchtitan_ext.experiments.moe_backends.experts import backend_names
 from torchtitan_ext.experiments.moe_backends.flavors import tiny_flavor_name
+from torchtitan_ext.model_size import gibibytes, training_state_bytes
+from torchtitan_ext.registry import get_flavor
 
 TINY_BACKENDS = backend_names()
 STEP_LINE = re.compile(
@@ -58,6 +72,9 @@ class Run:
     flavor: str
     gpus: int
     args: list[str]
+    reference: str | None = None
+    """The run whose losses this one must match (and, when that run is stock, whose tokens/s it is
+    compared with); None: compared with none."""
     returncode: int | None = None
     seconds_to_first_step: float | None = None
     wall_seconds: float | None = None
@@ -136,53 +153,61 @@ def local_batch_size(run_args: list[str]) -> str:
     return run_args[run_args.index(flag) + 1] if flag in run_args else "flavor's"
 
 
-def tiny_runs() -> list[list[Run]]:
-    """Batches of runs that share the host: EP 1 pairs side by side, then each EP 2 run alone."""
-    steps = ["--training.steps", "30"]
-    ep1 = [Run(f"{b} ep1 1gpu", tiny_flavor_name(b), 1, steps) for b in TINY_BACKENDS]
-    batches = [ep1[i : i + 2] for i in range(0, len(ep1), 2)]
-    batches.append([Run("triton ep1 1gpu warm cache", "tiny-moe-triton", 1, steps)])
-    for transport in ("all_to_all", "symm_mem"):
-        for backend in TINY_BACKENDS:
-            batches.append(
-                [
-                    Run(
-                        f"{backend} ep2 {transport}",
-                        tiny_flavor_name(backend),
-                        2,
-                        [
-                            *steps,
-                            "--parallelism.expert_parallel_degree",
-                            "2",
-                            *(["--toml", "examples/ep_symm_mem.toml"] if transport == "symm_mem" else []),
-                        ],
-                    )
-                ]
-            )
-    return batches
-
-
 COMPILE = ["--compile.enable"]
 TRITON = ["--toml", "examples/triton.toml"]
 SYMM_MEM = ["--toml", "examples/ep_symm_mem.toml"]
 CUDA_GRAPHS = ["--moe.ep_receive_rows", "static", "--training.no-disable-cuda-graphs"]
+EP_TRANSPORT_ARGS = {"all_to_all": [], "symm_mem": SYMM_MEM}
+TINY_STEPS = ["--training.steps", "30"]
+TINY_LOSS_REL = 1e-4
+"""Tiny flavors train in fp32: every layout and backend computes the same function up to rounding."""
+FULL_SIZE_LOSS_REL = 0.02
+"""Full-size flavors train in bf16: losses agree with the baseline's to a few bf16 roundings."""
+
+
+def expert_parallel(degree: int) -> list[str]:
+    return ["--parallelism.expert_parallel_degree", str(degree)]
+
+
+def tiny_runs() -> list[list[Run]]:
+    """Batches of runs that share the host: EP 1 pairs side by side, then each EP 2 run alone; each
+    backend's run is compared with for_loop's of the same layout."""
+
+    def tiny_run(backend: str, layout: str, gpus: int, args: list[str]) -> Run:
+        reference = None if backend == "for_loop" else f"for_loop {layout}"
+        return Run(f"{backend} {layout}", tiny_flavor_name(backend), gpus, args, reference)
+
+    ep1 = [tiny_run(b, "ep1 1gpu", 1, TINY_STEPS) for b in TINY_BACKENDS]
+    batches = [ep1[i : i + 2] for i in range(0, len(ep1), 2)]
+    batches.append([Run("triton ep1 1gpu warm cache", "tiny-moe-triton", 1, TINY_STEPS)])
+    for transport, transport_args in EP_TRANSPORT_ARGS.items():
+        for backend in TINY_BACKENDS:
+            args = [*TINY_STEPS, *expert_parallel(2), *transport_args]
+            batches.append([tiny_run(backend, f"ep2 {transport}", 2, args)])
+    return batches
+
+
 STOCK_COMPILED = "olmoe torchtitan-moe compiled"
-"""The run every other run's throughput is compared with: torchtitan's own MoE layers, compiled."""
+"""The full suite's run every other run is compared with: torchtitan's own MoE layers, compiled."""
 
 
-def full_runs(local_batch_size: int) -> list[list[Run]]:
-    args = [
+def full_size_args(local_batch_size: int, expert_parallel_degree: int) -> list[str]:
+    """20 steps of ``local_batch_size`` x 2048 tokens per GPU, metrics every step."""
+    return [
         "--training.steps",
         "20",
         "--training.local_batch_size",
         str(local_batch_size),
         "--training.seq_len",
         "2048",
-        "--parallelism.expert_parallel_degree",
-        "2",
+        *expert_parallel(expert_parallel_degree),
         "--metrics.log_freq",
         "1",
     ]
+
+
+def full_runs(local_batch_size: int) -> list[list[Run]]:
+    args = full_size_args(local_batch_size, 2)
     runs = [
         Run(STOCK_COMPILED, "olmoe-1b-7b-torchtitan-moe", 2, [*args, *COMPILE]),
         Run("olmoe grouped_mm compiled", "olmoe-1b-7b", 2, [*args, *COMPILE]),
@@ -197,30 +222,130 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
         Run("olmoe torchtitan-moe eager", "olmoe-1b-7b-torchtitan-moe", 2, args),
         Run("olmoe triton eager symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *SYMM_MEM]),
     ]
+    for run in runs[1:]:
+        run.reference = STOCK_COMPILED
     return [[run] for run in runs]
 
 
-def print_throughput_ratios(runs: list[Run]) -> None:
-    """Each run's median tokens/s over torchtitan's MoE layers compiled (``STOCK_COMPILED``), with its
-    peak memory and the seconds to its first step (compilation included)."""
-    stock = next((run for run in runs if run.name == STOCK_COMPILED), None)
-    stock_tps = median_tokens_per_second(stock.tokens_per_second) if stock else None
+SCALE_MODELS = ("qwen3-30b-a3b", "deepseek-v3-16b")
+SCALE_TINY_FLAVOR = "tiny-moe-triton"
+SCALE_EXPERT_PARALLEL = {4: (4,), 8: (8, 4)}
+"""The EP degrees each scale suite trains its full-size models at, by the suite's GPU count."""
+SCALE_TINY_EXPERT_PARALLEL = {4: (4,), 8: (4, 8)}
+"""The EP degrees whose tiny-flavor losses each scale suite compares with EP 1's, by GPU count."""
+
+
+def stock_name(model: str) -> str:
+    """The flavor of ``model`` with torchtitan's own MoE layers."""
+    return f"{model}-torchtitan-moe"
+
+
+def scale_runs(gpus: int, local_batch_size: int) -> list[list[Run]]:
+    """Every run on all ``gpus`` GPUs, one at a time: the tiny flavor at EP 1 and at each EP degree over
+    each transport (compared with EP 1), then per model and EP degree its stock compiled baseline first
+    and the project's layers compiled (compared with that baseline)."""
+    tiny_ep1 = f"{SCALE_TINY_FLAVOR} fsdp{gpus} ep1"
+    runs = [Run(tiny_ep1, SCALE_TINY_FLAVOR, gpus, TINY_STEPS)]
+    for degree in SCALE_TINY_EXPERT_PARALLEL[gpus]:
+        for transport, transport_args in EP_TRANSPORT_ARGS.items():
+            args = [*TINY_STEPS, *expert_parallel(degree), *transport_args]
+            runs.append(
+                Run(f"{SCALE_TINY_FLAVOR} fsdp{gpus} ep{degree} {transport}", SCALE_TINY_FLAVOR, gpus, args, tiny_ep1)
+            )
+    for model in SCALE_MODELS:
+        for degree in SCALE_EXPERT_PARALLEL[gpus]:
+            layout = f"{model} fsdp{gpus} ep{degree}"
+            args = full_size_args(local_batch_size, degree)
+            baseline = f"{layout} torchtitan-moe compiled"
+            runs += [
+                Run(baseline, stock_name(model), gpus, [*args, *COMPILE]),
+                Run(f"{layout} grouped_mm compiled", model, gpus, [*args, *COMPILE], baseline),
+                Run(f"{layout} triton compiled", model, gpus, [*args, *TRITON, *COMPILE], baseline),
+                Run(f"{layout} triton compiled symm_mem", model, gpus, [*args, *TRITON, *SYMM_MEM, *COMPILE], baseline),
+            ]
+    return [[run] for run in runs]
+
+
+@functools.cache
+def training_state_gib(flavor: str) -> float:
+    """The weights, gradients and AdamW state of ``flavor``'s model, in GiB over all GPUs."""
+    _, state_bytes = training_state_bytes(get_flavor(flavor).build())
+    return state_bytes / 2**30
+
+
+def runs_that_do_not_fit(runs: list[Run], gpu_memory_bytes: int) -> dict[str, str]:
+    """{run name: why} of the full-size runs whose training state alone exceeds a GPU's memory."""
+    skipped = {}
+    for run in runs:
+        if run.flavor.startswith("tiny-"):
+            continue
+        needed = training_state_gib(run.flavor) / run.gpus  # FSDP shards it over all GPUs
+        if needed * 2**30 > gpu_memory_bytes:
+            skipped[run.name] = (
+                f"{run.flavor}'s weights, gradients and AdamW state alone take {needed:.1f} GiB of each of "
+                f"{run.gpus} GPUs, which have {gibibytes(gpu_memory_bytes)}"
+            )
+    return skipped
+
+
+def loss_rel(run: Run) -> float:
+    return TINY_LOSS_REL if run.flavor.startswith("tiny-") else FULL_SIZE_LOSS_REL
+
+
+def median_mfu_percent(run: Run, first_step: int = 5) -> float | None:
+    values = [mfu for step, mfu in run.mfu_percent.items() if int(step) >= first_step]
+    return float(statistics.median(values)) if values else None
+
+
+def is_stock(run: Run) -> bool:
+    """Whether ``run`` trains torchtitan's own MoE layers."""
+    return run.flavor.endswith("-torchtitan-moe")
+
+
+def throughput_summary(runs: list[Run]) -> list[dict]:
+    """Per run: median tokens/s per GPU and MFU of steps 5 on, the tokens/s ratio to the stock run it
+    is compared with (a stock run compared with none is a baseline: 1.0; no stock reference in
+    ``runs``: None), peak memory and the seconds to the first step (compilation included)."""
+    by_name = {run.name: run for run in runs}
+    rows = []
     for run in runs:
         tps = median_tokens_per_second(run.tokens_per_second)
-        ratio = f"{tps / stock_tps:.2f}x torchtitan's MoE compiled" if tps and stock_tps else "no ratio"
+        stock = by_name.get(run.reference) if run.reference else run
+        stock_tps = median_tokens_per_second(stock.tokens_per_second) if stock and is_stock(stock) else None
+        rows.append(
+            {
+                "name": run.name,
+                "median_tokens_per_second": tps,
+                "median_mfu_percent": median_mfu_percent(run),
+                "ratio_to_stock_compiled": round(tps / stock_tps, 3) if tps and stock_tps else None,
+                "peak_memory_gib": run.peak_memory_gib,
+                "seconds_to_first_step": run.seconds_to_first_step,
+            }
+        )
+    return rows
+
+
+def print_throughput_summary(rows: list[dict]) -> None:
+    for row in rows:
+        ratio = row["ratio_to_stock_compiled"]
+        versus_stock = f"{ratio:.2f}x torchtitan's MoE compiled" if ratio else "no ratio"
         print(
-            f"  {run.name}: median {tps} tokens/s per GPU, {ratio}, peak {run.peak_memory_gib} GiB, "
-            f"first step after {run.seconds_to_first_step} s"
+            f"  {row['name']}: median {row['median_tokens_per_second']} tokens/s per GPU, {versus_stock}, "
+            f"MFU {row['median_mfu_percent']}%, peak {row['peak_memory_gib']} GiB, "
+            f"first step after {row['seconds_to_first_step']} s"
         )
 
 
-def compare_losses(runs: list[Run], reference_of, rel: float) -> list[str]:
-    """Runs whose losses differ from ``reference_of(run)``'s (None: not compared) by more than ``rel``."""
+def compare_losses(runs: list[Run]) -> list[str]:
+    """Runs whose losses differ from their ``reference``'s by more than ``loss_rel(run)``; a run whose
+    reference is not among ``runs`` is not compared."""
+    by_name = {run.name: run for run in runs}
     problems = []
     for run in runs:
-        reference = reference_of(run)
-        if reference is None or reference is run:
+        reference = by_name.get(run.reference or "")
+        if reference is None:
             continue
+        rel = loss_rel(run)
         if run.losses.keys() != reference.losses.keys() or not run.losses:
             problems.append(f"{run.name}: steps {sorted(run.losses)} vs {reference.name}'s {sorted(reference.losses)}")
             continue
@@ -228,17 +353,6 @@ def compare_losses(runs: list[Run], reference_of, rel: float) -> list[str]:
         if worst > rel:
             problems.append(f"{run.name}: loss differs from {reference.name}'s by rel {worst:.2e} > {rel}")
     return problems
-
-
-def same_layout_for_loop(runs: list[Run]):
-    """The for_loop run of a run's layout (the name after the backend); warm-cache reruns excluded."""
-    by_name = {run.name: run for run in runs}
-
-    def reference_of(run: Run) -> Run | None:
-        layout = run.name.partition(" ")[2]
-        return None if "warm" in layout else by_name.get(f"for_loop {layout}")
-
-    return reference_of
 
 
 def environment() -> dict:
@@ -296,24 +410,43 @@ def plot(result_files: list[str], out: str) -> None:
     figure.savefig(out, dpi=110)
 
 
-def main() -> int:
-    if sys.argv[1:2] == ["plot"]:
+def device_ids(slot: int, run: Run) -> list[str]:
+    """The GPUs ``run`` trains on: its slot's GPU when it takes one (runs side by side), else GPUs 0 on."""
+    return [str(slot)] if run.gpus == 1 else [str(gpu) for gpu in range(run.gpus)]
+
+
+SUITES = ("tiny", "full", "scale4", "scale8")
+DEFAULT_LOCAL_BATCH_SIZE = {"full": 4, "scale4": 1, "scale8": 1}
+
+
+def suite_runs(suite: str, local_batch_size: int | None = None) -> list[list[Run]]:
+    """The batches of runs of ``suite`` (``SUITES``); ``local_batch_size`` None: the suite's default."""
+    if suite == "tiny":
+        return tiny_runs()
+    sequences = local_batch_size or DEFAULT_LOCAL_BATCH_SIZE[suite]
+    if suite == "full":
+        return full_runs(sequences)
+    return scale_runs(int(suite.removeprefix("scale")), sequences)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plot"]:
         parser = argparse.ArgumentParser(prog="gpu_training_runs.py plot")
         parser.add_argument("--from", dest="sources", nargs="+", required=True, help="result JSON files")
         parser.add_argument("--out", required=True, help="PNG file to write")
-        args = parser.parse_args(sys.argv[2:])
+        args = parser.parse_args(argv[1:])
         plot(args.sources, args.out)
         return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("suite", choices=("tiny", "full"))
+    parser.add_argument("suite", choices=SUITES)
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--only", nargs="+", metavar="REGEX", help="run only the runs whose name matches one of these")
     parser.add_argument(
         "--local-batch-size",
         type=int,
-        default=4,
         metavar="N",
-        help="full suite: sequences of 2048 tokens per GPU per step (default 4)",
+        help="full and scale suites: sequences of 2048 tokens per GPU per step (default: full 4, scale 1)",
     )
     parser.add_argument(
         "--run-timeout",
@@ -322,46 +455,65 @@ def main() -> int:
         metavar="S",
         help="kill a run still going after S seconds (default 540)",
     )
-    args = parser.parse_args()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if args.suite == "tiny":
-        env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
-    if args.local_batch_size < 1:
+    args = parser.parse_args(argv)
+    if args.local_batch_size is not None and args.local_batch_size < 1:
         parser.error(f"--local-batch-size must be >= 1, got {args.local_batch_size}")
-    batches = tiny_runs() if args.suite == "tiny" else full_runs(args.local_batch_size)
+    batches = suite_runs(args.suite, args.local_batch_size)
     if args.only:
         batches = [[r for r in batch if any(re.search(p, r.name) for p in args.only)] for batch in batches]
         batches = [batch for batch in batches if batch]
+    if not batches:
+        parser.error(f"no run of the {args.suite} suite matches --only {' '.join(args.only)}")
+    needed = 1 + max(int(gpu) for batch in batches for slot, run in enumerate(batch) for gpu in device_ids(slot, run))
+    if torch.cuda.device_count() < needed:
+        parser.error(
+            f"the {args.suite} suite runs on {needed} GPUs of one host; this host has {torch.cuda.device_count()}"
+        )
+    skipped = runs_that_do_not_fit(
+        [run for batch in batches for run in batch], torch.cuda.get_device_properties(0).total_memory
+    )
+    for name, why in skipped.items():
+        print(f"skipping {name}: {why}", flush=True)
+    batches = [[run for run in batch if run.name not in skipped] for batch in batches]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.suite == "tiny":
+        env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
     runs = []
+    result, problems = write_results(args.suite, runs, skipped, args.out)
     port = 29600
-    for batch in batches:
+    for batch in filter(None, batches):
         with ThreadPoolExecutor(len(batch)) as pool:
             futures = []
             for slot, run in enumerate(batch):
-                devices = str(slot) if run.gpus == 1 else ",".join(map(str, range(run.gpus)))
-                futures.append(pool.submit(launch, run, devices, port, env, args.run_timeout))
+                futures.append(pool.submit(launch, run, ",".join(device_ids(slot, run)), port, env, args.run_timeout))
                 port += 1
             runs += [future.result() for future in futures]
-        problems = write_results(args.suite, runs, args.out)  # after every batch: a killed suite keeps what ran
-    if args.suite == "full":
-        print_throughput_ratios(runs)
+        # After every batch: a suite killed on the way keeps what ran.
+        result, problems = write_results(args.suite, runs, skipped, args.out)
+    if args.suite != "tiny":
+        print_throughput_summary(result["summary"])
     print("problems:" if problems else "all runs agree", *problems, sep="\n  ")
     return 1 if problems else 0
 
 
-def write_results(suite: str, runs: list[Run], path: str) -> list[str]:
-    """Write the suite's JSON (environment, runs, problems) to ``path``; return the problems: losses
-    that disagree (tiny: with for_loop's of the same layout, rel 1e-4; full: with the first run's,
-    the baseline, 2%) and runs that failed."""
-    if suite == "tiny":
-        problems = compare_losses(runs, same_layout_for_loop(runs), 1e-4)
-    else:
-        problems = compare_losses(runs, lambda run: runs[0], 0.02)
+def write_results(suite: str, runs: list[Run], skipped: dict, path: str) -> tuple[dict, list[str]]:
+    """Write the suite's JSON to ``path``: environment, runs, skipped runs, problems (losses that
+    disagree with each run's reference, runs that failed) and, but for ``tiny``, the throughput
+    summary; return it and the problems."""
+    problems = compare_losses(runs)
     problems += [f"{run.name}: exit code {run.returncode}" for run in runs if run.returncode != 0]
-    result = {"environment": environment(), "suite": suite, "runs": [asdict(r) for r in runs], "problems": problems}
+    result = {
+        "environment": environment(),
+        "suite": suite,
+        "runs": [asdict(r) for r in runs],
+        "skipped": skipped,
+        "problems": problems,
+    }
+    if suite != "tiny":
+        result["summary"] = throughput_summary(runs)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    return problems
+    return result, problems
 
 
 if __name__ == "__main__":

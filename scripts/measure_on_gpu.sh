@@ -6,6 +6,8 @@
 #     compiled) and expert block benchmarks
 #   scripts/measure_on_gpu.sh ep4 ep2 # EP equivalence + dispatch/combine benchmark on 4 and 2 GPUs
 #   scripts/measure_on_gpu.sh train-tiny train-full   # training through the Trainer on 2 GPUs
+#   scripts/measure_on_gpu.sh scale-out   # 4 or 8 GPUs of one host: ep4 (and ep8), then train-scale4 (or
+#     train-scale8): EP 1 vs 4 (vs 8) losses of a tiny flavor, qwen3-30b-a3b and deepseek-v3-16b next to stock
 #   scripts/measure_on_gpu.sh train-step   # one GPU: a training step of 4 olmoe-1b-7b layers per
 #     backend (fp32 parameters under bf16 autocast, as torchtitan trains on one GPU) and of the
 #     same layers with torchtitan's own MoE, each eager and compiled (torchtitan's apply_compile),
@@ -23,7 +25,12 @@ export PYTHONPATH=$site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # NVLink multicast stays off on the shared measurement hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$out/gpu.txt"
-for task in "$@"; do
+gpus=$(nvidia-smi --list-gpus | wc -l)
+need_gpus() {  # need_gpus N TASK: stop with a clear message when this host has fewer than N GPUs
+  if (( gpus < $1 )); then echo "$2 needs $1 GPUs of one host; this host has $gpus"; exit 2; fi
+}
+run_task() {
+  local task=$1
   case $task in
     tests)
       # Every test file; on worker processes when pytest-xdist is installed, else in one process.
@@ -49,15 +56,20 @@ for task in "$@"; do
       python3 -m torchtitan_ext.bench expert ${BENCH_ROUNDS:+--rounds $BENCH_ROUNDS} --json "$out/expert_block.json" 2>&1 | tee "$out/expert_block.log" ;;
     ep[0-9]*)
       ranks=${task#ep}
+      need_gpus "$ranks" "$task"
       # EP_CHECK_BACKENDS narrows the equivalence check (e.g. "grouped_mm for_loop");
       # EP_TIMEOUT_S bounds each run (default 290 s; a cold Triton cache compiles for minutes).
       timeout "${EP_TIMEOUT_S:-290}" torchrun --nproc_per_node="$ranks" -m torchtitan_ext.bench ep --check \
           ${EP_CHECK_BACKENDS:+--check-backends $EP_CHECK_BACKENDS} \
           --json "$out/ep_dispatch_w$ranks.json" 2>&1 | tee "$out/ep_dispatch_w$ranks.log" ;;
-    train-tiny|train-full)
+    train-tiny|train-full|train-scale4|train-scale8)
       # TRAIN_ONLY narrows the runs (space-separated regular expressions on run names, e.g. "ep2.symm_mem").
+      # The scale suites take longer than one sitting may allow (each full-size run: compilation and
+      # 20 steps): TRAIN_ONLY="^qwen3-30b-a3b.fsdp8.ep8" runs one model and layout with its stock baseline;
+      # give each part its own OUT.
       suite=${task#train-}
-      # TRAIN_LOCAL_BATCH sets the full suite's sequences per GPU per step (default 4; an H200 takes 8).
+      # TRAIN_LOCAL_BATCH sets the full and scale suites' sequences per GPU per step (default: full 4, an
+      # H200 takes 8; scale 1).
       python3 scripts/gpu_training_runs.py "$suite" --out "$out/train_$suite.json" \
           ${TRAIN_ONLY:+--only $TRAIN_ONLY} ${TRAIN_LOCAL_BATCH:+--local-batch-size $TRAIN_LOCAL_BATCH} \
           ${TRAIN_RUN_TIMEOUT_S:+--run-timeout $TRAIN_RUN_TIMEOUT_S} \
@@ -73,6 +85,18 @@ for task in "$@"; do
           --json "$out/train_step_olmoe.json" 2>&1 | tee "$out/train_step_olmoe.log"
       TORCHTITAN_EXT_CACHE="$out/cache" python3 -m torchtitan_ext.bench auto --flavor olmoe-1b-7b \
           --json "$out/auto_olmoe.json" 2>&1 | tee "$out/auto_olmoe.log" ;;
-    *) echo "unknown task $task (tests, bench, ep<ranks>, train-tiny, train-full, train-step)"; exit 2 ;;
+    scale-out)
+      # Every run on all GPUs of the host: 8 or more take the 8-GPU runs, 4 to 7 the 4-GPU ones.
+      need_gpus 4 "$task"
+      if (( gpus >= 8 )); then
+        run_task ep4; run_task ep8; run_task train-scale8
+      else
+        run_task ep4; run_task train-scale4
+      fi ;;
+    *) echo "unknown task $task (tests, bench, ep<ranks>, train-tiny, train-full, train-scale4, train-scale8, scale-out, train-step)"
+       exit 2 ;;
   esac
+}
+for task in "$@"; do
+  run_task "$task"
 done

@@ -6,9 +6,9 @@ gate, each expert's weights) equal a single-process run on the whole batch, for 
 compute backend, with uneven splits and a rank whose experts receive no token, and with the aux / z losses on;
 over ``all_to_all`` each token is sent once to each rank that owns one of its experts.
 
-Training level: a tiny flavor trained for a few steps with torchrun on 2 processes gives the
-same loss curve with EP=2 (over each EP transport) as with EP=1 (data parallel only), so all
-see the same data.
+Training level: a tiny flavor trained for a few steps with torchrun on 2 (4) processes gives the
+same loss curve with EP=2 (EP=4), over each EP transport, as with EP=1 (data parallel only) on as
+many processes, so all see the same data.
 """
 
 import os
@@ -209,13 +209,15 @@ def test_skewed_router_leaves_last_experts_empty():
     assert len(set(counts_E[:6].tolist())) > 1, "splits should be uneven"
 
 
-def train_losses(tmp_path: Path, expert_parallel_degree: int, toml: Path | None = None) -> list[float]:
-    """Losses of the first steps of a 2-process torchrun training run (rank 0's log)."""
+def train_losses(
+    tmp_path: Path, expert_parallel_degree: int, toml: Path | None = None, processes: int = 2
+) -> list[float]:
+    """Losses of the first steps of a torchrun training run on ``processes`` processes (rank 0's log)."""
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nproc_per_node=2",
+        f"--nproc_per_node={processes}",
         f"--master_port={free_port()}",
         "--local-ranks-filter=0",
         "-m",
@@ -231,7 +233,7 @@ def train_losses(tmp_path: Path, expert_parallel_degree: int, toml: Path | None 
         "--parallelism.expert_parallel_degree",
         str(expert_parallel_degree),
         "--dump_folder",
-        str(tmp_path / f"ep{expert_parallel_degree}-{toml.stem if toml else 'default'}"),
+        str(tmp_path / f"{processes}x-ep{expert_parallel_degree}-{toml.stem if toml else 'default'}"),
         "--metrics.disable_color_printing",
     ] + (["--toml", str(toml)] if toml else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -251,3 +253,13 @@ def test_training_loss_curve_ep2_equals_ep1(tmp_path):
     if triton_available_reason() is None:
         ep2_symm_mem = train_losses(tmp_path, 2, EXAMPLES / "ep_symm_mem.toml")
         assert ep1 == pytest.approx(ep2_symm_mem, rel=1e-4), (ep1, ep2_symm_mem)
+
+
+@pytest.mark.slow
+def test_training_loss_curve_ep4_equals_ep1(tmp_path):
+    ep1 = train_losses(tmp_path, 1, processes=4)
+    ep4 = train_losses(tmp_path, 4, processes=4)
+    assert ep1 == pytest.approx(ep4, rel=1e-4), (ep1, ep4)
+    if triton_available_reason() is None:
+        ep4_symm_mem = train_losses(tmp_path, 4, EXAMPLES / "ep_symm_mem.toml", processes=4)
+        assert ep1 == pytest.approx(ep4_symm_mem, rel=1e-4), (ep1, ep4_symm_mem)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import nested_configs
+from helpers import model_config, nested_configs
 
 from torchtitan_ext import command_facts, flavors
 from torchtitan_ext.experiments.moe_backends import flavors as moe_backends_flavors
@@ -15,7 +15,8 @@ from torchtitan_ext.experiments.moe_backends.cache import CACHE_ENV
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts, backend_names
 from torchtitan_ext.experiments.moe_backends.flavors import tiny_flavor_name
 from torchtitan_ext.flavors import main
-from torchtitan_ext.registry import all_flavors
+from torchtitan_ext.model_size import parameter_counts
+from torchtitan_ext.registry import all_flavors, get_flavor
 
 TINY = "tiny-moe-grouped-mm"
 
@@ -111,3 +112,19 @@ def test_one_tiny_flavor_per_backend_of_the_table():
         assert getattr(moe_backends_flavors, build.__name__) is build  # torchtitan's --config finds it
         experts = nested_configs(build(), BackendGroupedExperts.Config)
         assert {e.compute_backend for e in experts} == {backend}
+
+
+@pytest.mark.parametrize("name", ["olmoe-1b-7b", "qwen3-30b-a3b", "deepseek-v3-16b"])
+def test_stock_sibling_is_the_same_model_with_torchtitans_moe(name):
+    """``<name>-torchtitan-moe``, the stock reference of the GPU runs, has the flavor's parameters and
+    training settings, and none of this project's experts."""
+    flavor, stock = get_flavor(name).build(), get_flavor(f"{name}-torchtitan-moe").build()
+    assert nested_configs(flavor, BackendGroupedExperts.Config)
+    assert not nested_configs(stock, BackendGroupedExperts.Config)
+    assert parameter_counts(model_config(stock)) == parameter_counts(model_config(flavor))
+    assert (stock.training, stock.optimizer, stock.lr_scheduler, stock.parallelism) == (
+        flavor.training,
+        flavor.optimizer,
+        flavor.lr_scheduler,
+        flavor.parallelism,
+    )

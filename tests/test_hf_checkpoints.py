@@ -153,10 +153,12 @@ def test_full_size_flavors_carry_the_published_configs():
 
     published = {
         "qwen3-30b-a3b": "Qwen3-30B-A3B",
+        "qwen3-30b-a3b-torchtitan-moe": "Qwen3-30B-A3B",
         "olmoe-1b-7b": "OLMoE-1B-7B-0924",
         "olmoe-1b-7b-torchtitan-moe": "OLMoE-1B-7B-0924",
         "mixtral-8x7b": "Mixtral-8x7B-v0.1",
         "deepseek-v3-16b": "Moonlight-16B-A3B",
+        "deepseek-v3-16b-torchtitan-moe": "Moonlight-16B-A3B",
     }
     for flavor, name in published.items():
         assert hf_config_of(get_flavor(flavor).build()) == PUBLISHED[name], flavor

@@ -5,7 +5,9 @@ layers) train in well under a second per step on two CPU cores. Full-size flavor
 models (Qwen3-30B-A3B, Mixtral-8x7B, OLMoE-1B-7B, a DeepSeek-V3 16B), built from their Hugging
 Face ``config.json`` so that they compute what transformers computes and load and save Hugging
 Face checkpoints (``hf_flavor_config``, docs/hf_checkpoints.md); each family also has a tiny
-flavor for CPU runs. Every flavor trains on the shipped offline corpus and tokenizer by default.
+flavor for CPU runs. ``<name>-torchtitan-moe`` (qwen3-30b-a3b, olmoe-1b-7b, deepseek-v3-16b) is the
+same model with torchtitan's own MoE layers: the stock reference of the GPU measurements. Every
+flavor trains on the shipped offline corpus and tokenizer by default.
 
 Every flavor is a zero-argument function of this module returning its ``Trainer.Config``,
 so this module is a torchtitan config registry: ``--module
@@ -71,6 +73,7 @@ class TrainingRun:
 
 TINY_RUN = TrainingRun(local_batch_size=8, seq_len=128, steps=50, lr=3e-3, warmup_steps=5, log_freq=1)
 FULL_SIZE_RUN = TrainingRun(local_batch_size=4, seq_len=4096, steps=1000, lr=3e-4, warmup_steps=100, log_freq=10)
+DEEPSEEK_V3_16B_RUN = dataclasses.replace(FULL_SIZE_RUN, lr=2.2e-4)
 
 
 def moe_trainer_config(model_spec: ModelSpec, run: TrainingRun, *, expert_parallel_degree: int = 1) -> Trainer.Config:
@@ -168,10 +171,11 @@ tiny_moe_batched_mm_padded = register_tiny_flavor("batched_mm_padded")
 tiny_moe_triton = register_tiny_flavor("triton")
 
 
-@register_flavor(
-    "tiny-torchtitan-moe",
-    "the tiny model with torchtitan's own MoE layers (router, dispatcher, grouped_mm experts): the stock reference",
-)
+STOCK_REFERENCE = "torchtitan's own MoE layers (router, dispatcher, grouped_mm experts): the stock reference"
+STOCK_FULL_SIZE = f"{STOCK_REFERENCE}; its experts compute in bf16 even with fp32 parameters"
+
+
+@register_flavor("tiny-torchtitan-moe", f"the tiny model with {STOCK_REFERENCE}")
 def tiny_torchtitan_moe() -> Trainer.Config:
     return tiny_moe("tiny-torchtitan-moe", None)
 
@@ -181,6 +185,11 @@ def tiny_torchtitan_moe() -> Trainer.Config:
 )
 def qwen3_30b_a3b() -> Trainer.Config:
     return hf_flavor_config("qwen3-30b-a3b", PUBLISHED["Qwen3-30B-A3B"])
+
+
+@register_flavor("qwen3-30b-a3b-torchtitan-moe", f"qwen3-30b-a3b with {STOCK_FULL_SIZE}")
+def qwen3_30b_a3b_torchtitan_moe() -> Trainer.Config:
+    return hf_flavor_config("qwen3-30b-a3b-torchtitan-moe", PUBLISHED["Qwen3-30B-A3B"], compute_backend=None)
 
 
 @register_flavor("mixtral-8x7b", "Mixtral-8x7B-v0.1: 32 layers, dim 4096, 8 experts top-2, F 14336, no QK-norm")
@@ -195,11 +204,7 @@ def olmoe_1b_7b() -> Trainer.Config:
     return hf_flavor_config("olmoe-1b-7b", PUBLISHED["OLMoE-1B-7B-0924"])
 
 
-@register_flavor(
-    "olmoe-1b-7b-torchtitan-moe",
-    "olmoe-1b-7b with torchtitan's own MoE layers (router, dispatcher, grouped_mm experts): the stock reference; "
-    "its experts compute in bf16 even with fp32 parameters",
-)
+@register_flavor("olmoe-1b-7b-torchtitan-moe", f"olmoe-1b-7b with {STOCK_FULL_SIZE}")
 def olmoe_1b_7b_torchtitan_moe() -> Trainer.Config:
     return hf_flavor_config("olmoe-1b-7b-torchtitan-moe", PUBLISHED["OLMoE-1B-7B-0924"], compute_backend=None)
 
@@ -210,8 +215,13 @@ def olmoe_1b_7b_torchtitan_moe() -> Trainer.Config:
     "sigmoid routing with correction bias",
 )
 def deepseek_v3_16b() -> Trainer.Config:
+    return hf_flavor_config("deepseek-v3-16b", PUBLISHED["Moonlight-16B-A3B"], run=DEEPSEEK_V3_16B_RUN)
+
+
+@register_flavor("deepseek-v3-16b-torchtitan-moe", f"deepseek-v3-16b with {STOCK_FULL_SIZE}")
+def deepseek_v3_16b_torchtitan_moe() -> Trainer.Config:
     return hf_flavor_config(
-        "deepseek-v3-16b", PUBLISHED["Moonlight-16B-A3B"], run=dataclasses.replace(FULL_SIZE_RUN, lr=2.2e-4)
+        "deepseek-v3-16b-torchtitan-moe", PUBLISHED["Moonlight-16B-A3B"], compute_backend=None, run=DEEPSEEK_V3_16B_RUN
     )
 
 

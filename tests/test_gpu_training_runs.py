@@ -1,0 +1,248 @@
+"""The GPU training suites of scripts/gpu_training_runs.py and the scale-out task of
+scripts/measure_on_gpu.sh, checked without GPUs: which runs each suite launches (flavors, EP
+degrees, transports, backends), that every run parses as the train entry would parse it on its
+host, that each is compared with the right run, and that a host with too few GPUs is told so."""
+
+import importlib.util
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import nested_configs
+
+import torchtitan_ext.model_size
+from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
+from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
+from torchtitan_ext.run_training import FlavorConfigManager
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = importlib.util.spec_from_file_location("gpu_training_runs", ROOT / "scripts" / "gpu_training_runs.py")
+assert SPEC is not None and SPEC.loader is not None
+runs_module = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(runs_module)
+Run = runs_module.Run
+
+SCALE_SUITES = {"scale4": 4, "scale8": 8}
+
+
+def all_runs(suite: str) -> list:
+    return [run for batch in runs_module.suite_runs(suite) for run in batch]
+
+
+def expert_parallel_degree(run) -> int:
+    flag = "--parallelism.expert_parallel_degree"
+    return int(run.args[run.args.index(flag) + 1]) if flag in run.args else 1
+
+
+def parsed(run, monkeypatch):
+    """``run``'s config as the train entry parses it on a host of ``run.gpus`` GPUs with the memory
+    its flavor needs."""
+    monkeypatch.setattr(torchtitan_ext.model_size, "machine_memory_bytes", lambda: 2**50)
+    monkeypatch.setenv("WORLD_SIZE", str(run.gpus))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(run.gpus))
+    monkeypatch.chdir(ROOT)  # the example TOML files are named relative to the checkout
+    return FlavorConfigManager().parse_args(["--flavor", run.flavor, *run.args])
+
+
+@pytest.mark.parametrize("suite, gpus", SCALE_SUITES.items())
+def test_scale_suite_runs_every_model_and_layout_next_to_its_stock_baseline(suite, gpus):
+    runs = all_runs(suite)
+    by_name = {run.name: run for run in runs}
+    assert len(by_name) == len(runs), "run names are unique"
+    assert {run.gpus for run in runs} == {gpus}
+    full_size = [run for run in runs if not run.flavor.startswith("tiny-")]
+    expected_degrees = {4: {4}, 8: {8, 4}}[gpus]
+    for model in ("qwen3-30b-a3b", "deepseek-v3-16b"):
+        for degree in expected_degrees:
+            layout = [r for r in full_size if r.name.startswith(f"{model} fsdp{gpus} ep{degree} ")]
+            stock = [r for r in layout if r.flavor == f"{model}-torchtitan-moe"]
+            assert len(stock) == 1 and stock[0].reference is None and "--compile.enable" in stock[0].args
+            assert sorted(r.name.split(" ", 3)[3] for r in layout) == [
+                "grouped_mm compiled",
+                "torchtitan-moe compiled",
+                "triton compiled",
+                "triton compiled symm_mem",
+            ]
+            for run in layout:
+                assert expert_parallel_degree(run) == degree and "--compile.enable" in run.args
+                assert run.args[run.args.index("--training.steps") + 1] == "20"
+                assert run.args[run.args.index("--training.seq_len") + 1] == "2048"
+                if run is not stock[0]:
+                    assert run.flavor == model and run.reference == stock[0].name
+                    # the same training as the baseline, with the project's layers and their TOML files
+                    project_only = [
+                        a for a in run.args if a not in ("--toml", *runs_module.TRITON, *runs_module.SYMM_MEM)
+                    ]
+                    assert project_only == stock[0].args
+    assert {expert_parallel_degree(r) for r in full_size} == expected_degrees
+    assert len(full_size) == 2 * len(expected_degrees) * 4
+
+
+@pytest.mark.parametrize("suite, gpus", SCALE_SUITES.items())
+def test_scale_suite_compares_tiny_losses_at_every_ep_degree_with_ep1(suite, gpus):
+    tiny = [run for run in all_runs(suite) if run.flavor.startswith("tiny-")]
+    (ep1,) = [run for run in tiny if expert_parallel_degree(run) == 1]
+    assert ep1.reference is None and all(run.reference == ep1.name for run in tiny if run is not ep1)
+    layouts = {
+        (expert_parallel_degree(run), "symm_mem" if "examples/ep_symm_mem.toml" in run.args else "all_to_all")
+        for run in tiny
+        if run is not ep1
+    }
+    degrees = {4: [4], 8: [4, 8]}[gpus]
+    assert layouts == {(degree, transport) for degree in degrees for transport in ("all_to_all", "symm_mem")}
+    assert all(run.gpus == gpus and run.args[:2] == ["--training.steps", "30"] for run in tiny)
+
+
+@pytest.mark.parametrize("suite", SCALE_SUITES)
+def test_every_scale_run_parses_and_trains_the_named_backend_and_transport(suite, monkeypatch):
+    for run in all_runs(suite):
+        config = parsed(run, monkeypatch)
+        backends = {experts.compute_backend for experts in nested_configs(config, BackendGroupedExperts.Config)}
+        transports = {d.ep_transport for d in nested_configs(config, RoutingDispatcher.Config)}
+        assert config.parallelism.expert_parallel_degree == expert_parallel_degree(run), run.name
+        assert config.compile.enable == ("compiled" in run.name), run.name
+        if run.flavor.endswith("-torchtitan-moe"):
+            assert backends == set() and transports == set(), run.name
+            continue
+        assert transports == {"symm_mem" if run.name.endswith("symm_mem") else "all_to_all"}, run.name
+        if run.flavor.startswith("tiny-"):
+            assert backends == {"triton"} and config.training.mixed_precision_param == "float32", run.name
+        else:
+            assert backends == {run.name.split()[3]}, run.name
+            assert config.training.local_batch_size == 1 and config.training.mixed_precision_param == "bfloat16"
+
+
+def test_local_batch_size_reaches_every_full_size_run():
+    for suite in SCALE_SUITES:
+        for batch in runs_module.suite_runs(suite, 3):
+            for run in batch:
+                if not run.flavor.startswith("tiny-"):
+                    assert run.args[run.args.index("--training.local_batch_size") + 1] == "3"
+
+
+def test_qwen3_on_four_80gb_gpus_is_skipped_with_the_reason():
+    skipped = runs_module.runs_that_do_not_fit(all_runs("scale4"), 80 * 10**9)
+    assert sorted(skipped) == sorted(run.name for run in all_runs("scale4") if run.flavor.startswith("qwen3"))
+    assert "113.7 GiB of each of 4 GPUs" in next(iter(skipped.values()))
+    assert runs_module.runs_that_do_not_fit(all_runs("scale8"), 80 * 10**9) == {}
+
+
+def make_run(name, flavor, reference=None, losses=(2.0, 1.5), tps=100):
+    steps = range(1, 21)
+    run = Run(name, flavor, 8, [], reference)
+    run.losses = {s: losses[0] + (losses[1] - losses[0]) * (s - 1) / 19 for s in steps}
+    run.tokens_per_second = dict.fromkeys(steps, tps)
+    run.mfu_percent = dict.fromkeys(steps, tps / 10)
+    return run
+
+
+def test_losses_are_compared_with_the_reference_at_the_flavors_tolerance():
+    stock = make_run("m stock", "qwen3-30b-a3b-torchtitan-moe")
+    close = make_run("m triton", "qwen3-30b-a3b", stock.name, losses=(2.03, 1.5))
+    far = make_run("m grouped_mm", "qwen3-30b-a3b", stock.name, losses=(2.1, 1.5))
+    tiny_ep1 = make_run("t ep1", "tiny-moe-triton")
+    tiny_close = make_run("t ep4", "tiny-moe-triton", tiny_ep1.name, losses=(2.0001, 1.5))
+    tiny_far = make_run("t ep8", "tiny-moe-triton", tiny_ep1.name, losses=(2.001, 1.5))
+    orphan = make_run("o", "qwen3-30b-a3b", "not run", losses=(9.0, 9.0))
+    problems = runs_module.compare_losses([stock, close, far, tiny_ep1, tiny_close, tiny_far, orphan])
+    assert [problem.split(":")[0] for problem in problems] == ["m grouped_mm", "t ep8"]
+
+
+def test_summary_gives_each_run_its_ratio_to_its_stock_baseline():
+    stock8 = make_run("m ep8 stock", "qwen3-30b-a3b-torchtitan-moe", tps=100)
+    triton8 = make_run("m ep8 triton", "qwen3-30b-a3b", stock8.name, tps=130)
+    stock4 = make_run("m ep4 stock", "qwen3-30b-a3b-torchtitan-moe", tps=200)
+    triton4 = make_run("m ep4 triton", "qwen3-30b-a3b", stock4.name, tps=250)
+    tiny = make_run("t ep4", "tiny-moe-triton", "t ep1")
+    rows = {row["name"]: row for row in runs_module.throughput_summary([stock8, triton8, stock4, triton4, tiny])}
+    assert {name: row["ratio_to_stock_compiled"] for name, row in rows.items()} == {
+        "m ep8 stock": 1.0,
+        "m ep8 triton": 1.3,
+        "m ep4 stock": 1.0,
+        "m ep4 triton": 1.25,
+        "t ep4": None,
+    }
+    assert (
+        rows["m ep8 triton"]["median_mfu_percent"] == 13.0 and rows["m ep8 triton"]["median_tokens_per_second"] == 130
+    )
+
+
+@pytest.mark.parametrize("suite", SCALE_SUITES)
+def test_a_host_with_too_few_gpus_is_told_before_anything_runs(suite, tmp_path, capsys):
+    gpus = SCALE_SUITES[suite]
+    if torch.cuda.device_count() >= gpus:
+        pytest.skip(f"this host has the {gpus} GPUs the {suite} suite runs on")
+    with pytest.raises(SystemExit) as exit_info:
+        runs_module.main([suite, "--out", str(tmp_path / "out.json")])
+    assert exit_info.value.code == 2
+    assert (
+        f"the {suite} suite runs on {gpus} GPUs of one host; this host has {torch.cuda.device_count()}"
+        in capsys.readouterr().err
+    )
+    assert not (tmp_path / "out.json").exists()
+
+
+def measure_on_gpu(tmp_path: Path, gpus: int, *tasks: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """scripts/measure_on_gpu.sh with stand-ins for nvidia-smi (``gpus`` GPUs), python3 and torchrun
+    that log their arguments: (the result, the logged commands)."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "commands.log"
+    bin_dir.mkdir()
+    stand_ins = {
+        "nvidia-smi": f'[ "$1" = --list-gpus ] && for i in $(seq {gpus}); do echo "GPU $i"; done; exit 0',
+        "python3": f'echo "python3 $*" >> {log}',
+        "torchrun": f'echo "torchrun $*" >> {log}',
+    }
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "measure_on_gpu.sh"), *tasks],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    commands = log.read_text().splitlines() if log.exists() else []
+    return result, [c for c in commands if "pip install" not in c]
+
+
+def test_scale_out_on_eight_gpus_runs_ep4_ep8_and_the_8_gpu_suite(tmp_path):
+    result, commands = measure_on_gpu(tmp_path, 8, "scale-out")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [c.split()[:2] for c in commands] == [
+        ["torchrun", "--nproc_per_node=4"],
+        ["torchrun", "--nproc_per_node=8"],
+        ["python3", "scripts/gpu_training_runs.py"],
+    ]
+    assert commands[2].split()[2] == "scale8"
+
+
+def test_scale_out_on_four_gpus_runs_ep4_and_the_4_gpu_suite(tmp_path):
+    result, commands = measure_on_gpu(tmp_path, 4, "scale-out")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [" ".join(c.split()[:3]) for c in commands] == [
+        "torchrun --nproc_per_node=4 -m",
+        "python3 scripts/gpu_training_runs.py scale4",
+    ]
+
+
+@pytest.mark.parametrize("task, needed", [("scale-out", 4), ("ep8", 8)])
+def test_tasks_refuse_a_host_with_too_few_gpus(tmp_path, task, needed):
+    result, commands = measure_on_gpu(tmp_path, 2, task)
+    assert result.returncode == 2 and commands == []
+    assert f"{task} needs {needed} GPUs of one host; this host has 2" in result.stdout
+
+
+def test_two_gpu_suites_compare_with_for_loop_and_with_stock_compiled():
+    tiny = all_runs("tiny")
+    for run in tiny:
+        backend, _, layout = run.name.partition(" ")
+        expected = None if backend == "for_loop" or "warm" in layout else f"for_loop {layout}"
+        assert run.reference == expected, run.name
+    (stock, *others) = all_runs("full")
+    assert stock.name == runs_module.STOCK_COMPILED and stock.reference is None
+    assert all(run.reference == stock.name for run in others)
