@@ -89,6 +89,7 @@ def launch(run: Run, device_ids: str, port: int, env: dict[str, str]) -> Run:
         text=True,
         env={**env, "CUDA_VISIBLE_DEVICES": device_ids},
     )
+    assert process.stdout is not None
     lines = []
     for raw_line in process.stdout:
         line = ANSI.sub("", raw_line)
