@@ -112,6 +112,7 @@ def launch(run: Run, device_ids: str, port: int, env: dict[str, str], timeout_s:
     )
     watchdog = threading.Timer(timeout_s, os.killpg, (process.pid, signal.SIGKILL))
     watchdog.start()
+    assert process.stdout is not None
     lines = []
     for raw_line in process.stdout:
         line = ANSI.sub("", raw_line)

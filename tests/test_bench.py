@@ -41,8 +41,8 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
 
 
-def run_main(argv, tmp_path) -> tuple[dict, str]:
-    """Run a subcommand writing JSON and PNG into tmp_path; (parsed JSON, stdout)."""
+def run_main(argv, tmp_path) -> dict:
+    """Run a subcommand writing JSON and PNG into tmp_path; the parsed JSON."""
     assert main([*argv, "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "out.png")]) == 0
     assert (tmp_path / "out.png").read_bytes()[:4] == PNG_MAGIC
     return json.loads((tmp_path / "out.json").read_text())
@@ -311,7 +311,7 @@ def test_what_cannot_run_here_is_the_backend_tables_verdict(monkeypatch, capsys)
 
 
 def test_the_cli_applies_the_torch_version_fixes_before_a_subcommand_runs(monkeypatch, tmp_path):
-    applied = []
+    applied: list[object] = []
     monkeypatch.setattr(bench_cli, "apply_torch_version_fixes", lambda: applied.append(True))
     monkeypatch.setattr(bench_cli, "run_plot", lambda parser, args, device, command: applied.append("plot"))
     assert main(["plot", "--from", "result.json", "--out", str(tmp_path / "result.png")]) == 0
@@ -645,7 +645,7 @@ def test_kernel_profile_clears_gradients_before_each_call_like_the_timed_runs():
 
     weight = torch.ones(4, requires_grad=True)
     kernel_profile(lambda: (weight * 2).sum().backward(), torch.device("cpu"), top=3, grad_to_none=[weight])
-    assert torch.equal(weight.grad, torch.full((4,), 2.0))
+    assert weight.grad is not None and torch.equal(weight.grad, torch.full((4,), 2.0))
 
 
 def test_train_step_goes_on_after_a_backend_runs_out_of_memory(tmp_path, capsys, monkeypatch):

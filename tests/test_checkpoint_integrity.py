@@ -211,14 +211,16 @@ def test_a_resume_before_the_last_step_or_a_fresh_start_passes_the_checks(step_f
     from torchtitan_ext.validation import resume_errors
 
     config = get_flavor("tiny-moe-grouped-mm").build()
-    config.dump_folder, config.checkpoint.enable, config.training.steps = str(step_folders), True, 18
+    checkpoint = config.checkpoint
+    assert isinstance(checkpoint, IntegrityCheckpointManager.Config)
+    config.dump_folder, checkpoint.enable, config.training.steps = str(step_folders), True, 18
     assert resume_errors(config) == []
     config.training.steps = 10
-    config.checkpoint.load_step = 5
+    checkpoint.load_step = 5
     assert resume_errors(config) == []
-    config.checkpoint.load_step, config.checkpoint.start_fresh = -1, True
+    checkpoint.load_step, checkpoint.start_fresh = -1, True
     assert resume_errors(config) == []
-    config.checkpoint.enable = False
+    checkpoint.enable = False
     assert resume_errors(config) == []
 
 

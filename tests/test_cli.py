@@ -225,6 +225,7 @@ def test_output_into_a_reader_that_stopped_ends_quietly(module, args):
     command = subprocess.Popen(
         [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+    assert command.stdout is not None and command.stderr is not None
     command.stdout.close()  # as `| head -1` does once it has its line
     err = command.stderr.read()
     assert command.wait(timeout=120) == READER_GONE_EXIT_CODE, err
@@ -242,7 +243,8 @@ def test_a_flavor_that_does_not_build_leaves_the_others_and_its_run_to_say_why(m
     registry.all_flavors()
     monkeypatch.setitem(registry._FLAVORS, "broken", registry.Flavor("broken", "d", "moe_backends", broken))
     facts = CommandFacts(**build_command_facts())
-    assert facts.flavor_keys["broken"] is None and "training.steps" in facts.flavor_keys[TINY]
+    tiny_keys = facts.flavor_keys[TINY]
+    assert facts.flavor_keys["broken"] is None and tiny_keys is not None and "training.steps" in tiny_keys
     assert argument_errors(["--flavor", "broken", "--anything", "1"], facts) == []  # the run reports the build
     assert argument_errors([*FLAVOR_ARGS, "--anything", "1"], facts) == ["command line: unknown option --anything"]
 

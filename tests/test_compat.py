@@ -26,7 +26,7 @@ from helpers import free_port, model_config, nested_configs
 from torch._functorch import partitioners
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 from torchtitan.components.optimizer import OptimizersContainer, default_adamw, register_moe_load_balancing_hook
 from torchtitan.config.configs import ParallelismConfig
@@ -234,11 +234,13 @@ def _mesh_saving_block_worker(rank: int, port: int, results) -> None:
         x = torch.randn(1, 2, 4, 8, generator=generator, requires_grad=True)
 
         def block(x):
+            # pyrefly: ignore[missing-attribute]  # a Parameter of a DTensor is a DTensor at run time
             return F.scaled_dot_product_attention(x, x, x, is_causal=True) @ weight.to_local()
 
         def gradients(step) -> tuple[torch.Tensor, torch.Tensor]:
             x.grad = weight.grad = None
             step(x).square().sum().backward()
+            assert x.grad is not None and isinstance(weight.grad, DTensor)
             return x.grad, weight.grad.to_local()
 
         def checkpointed(x):
@@ -288,17 +290,19 @@ class _Block(torch.nn.Module):
 
 def _expert_bias_after_update(tokens_per_expert: list[float], compiled: bool) -> torch.Tensor:
     """torchtitan's expert-bias update of one checkpointed block holding these counts."""
-    block = checkpoint_wrapper(_Block())
+    inner = _Block()
+    block = checkpoint_wrapper(inner)
     if compiled:
         block.compile()
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleDict({"0": block})
     optimizers = OptimizersContainer(default_adamw(), model_parts=[model])
     no_parallelism = SimpleNamespace(ep_enabled=False, tp=1, get_optional_mesh=lambda name: None)
+    # pyrefly: ignore[bad-argument-type]  # a stand-in with the ParallelDims attributes the hook reads
     register_moe_load_balancing_hook(optimizers, [model], no_parallelism)
-    block.moe.tokens_per_expert_E.copy_(torch.tensor(tokens_per_expert))
+    inner.moe.get_buffer("tokens_per_expert_E").copy_(torch.tensor(tokens_per_expert))
     optimizers.step()
-    return block.moe.expert_bias_E.clone()
+    return inner.moe.get_buffer("expert_bias_E").clone()
 
 
 def test_compiled_checkpointed_block_gets_the_expert_bias_update_of_eager():

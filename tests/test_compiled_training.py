@@ -162,10 +162,11 @@ def block_step(compute_backend: str, compile_backend: str | None) -> tuple:
     SelectiveAC.Config().build().apply(model)
     if compile_backend is not None:
         config = CompileConfig(enable=True, backend=compile_backend)
+        # pyrefly: ignore[bad-argument-type]  # a stand-in with the ParallelDims attribute apply_compile reads
         apply_compile(model, compile_config=config, parallel_dims=SimpleNamespace(tp_enabled=False))
     observer = MoERoutingObserver([model], expert_parallel=None)
     x_BLD = torch.randn(2, 6, LAYER_SHAPE["dim"], generator=torch.Generator().manual_seed(1)).requires_grad_()
-    out_BLD = model.layers["0"](x_BLD)
+    out_BLD = model.get_submodule("layers.0")(x_BLD)
     out_BLD.square().sum().backward()
     gradients = {name: param.grad for name, param in model.named_parameters()}
     return out_BLD.detach(), x_BLD.grad, gradients, summarize(observer, num_steps=1, reduce_groups=[])[0]

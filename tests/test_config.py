@@ -65,7 +65,7 @@ def test_flavor_build_returns_independent_configs():
     [("qwen3-30b-a3b", 30.5e9, 3.3e9), ("mixtral-8x7b", 46.7e9, 12.9e9), ("olmoe-1b-7b", 6.9e9, 1.3e9)],
 )
 def test_full_size_flavors_have_public_parameter_counts(flavor, total, active):
-    counted_total, counted_active = parameter_counts(get_flavor(flavor).build().model_spec.model)
+    counted_total, counted_active = parameter_counts(get_flavor(flavor).build_model_config())
     assert counted_total == pytest.approx(total, rel=0.02)
     assert counted_active == pytest.approx(active, rel=0.03)
 

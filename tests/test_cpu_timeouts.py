@@ -74,6 +74,7 @@ def test_stopped_rank_ends_the_job_at_the_train_timeout(tmp_path):
             )
     rank0, rank1 = ranks
     try:
+        assert rank1.stdout is not None
         for line in rank1.stdout:
             if re.search(r"step:\s+2\s+loss", line):
                 rank1.send_signal(signal.SIGSTOP)

@@ -122,6 +122,7 @@ def interrupted(tmp_path, *launcher: str) -> subprocess.CompletedProcess:
         )
     finally:
         signal.signal(signal.SIGINT, previous)
+    assert command.stdout is not None
     stdout = []
     for line in command.stdout:
         stdout.append(line)

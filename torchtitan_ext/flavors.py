@@ -55,7 +55,7 @@ def listing_rows() -> list[list[str]]:
     rows = []
     for flavor in all_flavors():
         with torchtitan_logger_quiet():
-            model_config = flavor.build().model_spec.model
+            model_config = flavor.build_model_config()
         total, active = parameter_counts(model_config)
         rows.append(
             [flavor.name, human_count(total), human_count(active), compute_backends(model_config), flavor.description]

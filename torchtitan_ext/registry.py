@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from torchtitan.protocols.model import BaseModel
 from torchtitan.trainer import Trainer
 
 import torchtitan_ext.experiments as experiments_package
@@ -48,6 +49,12 @@ class Flavor:
         ``build`` is a function of its experiment's flavors module under its own name.
         """
         return ["--module", self.build.__module__, "--config", self.build.__name__]
+
+    def build_model_config(self) -> BaseModel.Config:
+        """The model config of a fresh ``build()`` (every flavor names its model)."""
+        model_spec = self.build().model_spec
+        assert model_spec is not None, f"flavor {self.name} builds a config without a model"
+        return model_spec.model
 
 
 _FLAVORS: dict[str, Flavor] = {}

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, Timer, make_timer
+from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, TimedCall, Timer, make_timer
 from torchtitan_ext.experiments.moe_backends.experts import get_backend
 from torchtitan_ext.experiments.moe_backends.model_shapes import (
     DEEPSEEK_V2_LITE_MOE_LAYER,
@@ -282,11 +282,13 @@ def time_in_rounds(calls: TimedCalls, timer: Timer, rounds: int, label: str) -> 
     Returns name -> {"fwd_ms": [...], "fwdbwd_ms": [...]}."""
     times = {name: {"fwd_ms": [], "fwdbwd_ms": []} for name in calls}
     names = ", ".join(calls)
+    forwards: dict[str, TimedCall] = {name: (forward, ()) for name, (forward, _, _) in calls.items()}
+    steps: dict[str, TimedCall] = {name: (step, grad_to_none) for name, (_, step, grad_to_none) in calls.items()}
     for round_index in range(rounds):
         of_rounds = f"  (round {round_index + 1} of {rounds})" if rounds > 1 else ""
-        for key, what, index in (("fwd_ms", "forward", 0), ("fwdbwd_ms", "forward+backward", 1)):
+        for key, what, timed in (("fwd_ms", "forward", forwards), ("fwdbwd_ms", "forward+backward", steps)):
             progress(f"{label}  {what}: {names}{of_rounds}")
-            measured = timer.round({name: (call[index], call[2] if index else ()) for name, call in calls.items()})
+            measured = timer.round(timed)
             for name, ms in measured.items():
                 times[name][key].append(ms)
         for _, _, grad_to_none in calls.values():

@@ -48,10 +48,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torchtitan.distributed.utils import set_spmd_backend
 
 from torchtitan_ext.bench.common import environment, relative_error
-from torchtitan_ext.experiments.moe_backends.dispatcher import EP_TRANSPORTS, RoutingDispatcher
+from torchtitan_ext.experiments.moe_backends.dispatcher import (
+    EP_TRANSPORTS,
+    EPTransport,
+    PermuteBackend,
+    RoutingDispatcher,
+)
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process, seeded_layer
 from torchtitan_ext.experiments.moe_backends.experts import backend_names, get_backend, grouped_mm_experts
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
+from torchtitan_ext.experiments.moe_backends.transports import AllToAllTransport
 from torchtitan_ext.place_in_launch import local_rank
 
 NUM_EXPERTS, TOP_K = 64, 8
@@ -117,7 +123,7 @@ def raw_all_to_all(rows_to_rank_W: torch.Tensor, dim: int):
     return call, input_splits, output_splits
 
 
-def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: str) -> list[dict]:
+def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: PermuteBackend) -> list[dict]:
     """One routing case: raw all-to-all, then dispatch + combine over each EP transport."""
     rank, world = dist.get_rank(), dist.get_world_size()
     generator = torch.Generator().manual_seed(rank)
@@ -144,6 +150,7 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
     a2a = dispatchers["all_to_all"]
     grouped_RD, _, a2a_metadata = a2a.dispatch(x_TD, scores_TK, ids_TK, counts_E)
     a2a_transport = a2a.transport
+    assert isinstance(a2a_transport, AllToAllTransport), "wire_meshes installs the all_to_all transport"
     group = a2a_transport.group()
     counts_Wc = torch.zeros(world, NUM_EXPERTS // world + 1, dtype=torch.int64, device="cuda")
     num_sent = sum(a2a_metadata.input_splits)
@@ -239,7 +246,9 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: s
     return rows
 
 
-def build_layer(compute_backend: str, transport: str, permute_backend: str, dim: int = 256, hidden: int = 384):
+def build_layer(
+    compute_backend: str, transport: EPTransport, permute_backend: PermuteBackend, dim: int = 256, hidden: int = 384
+):
     """The project's MoE layer (sigmoid routing, aux and z losses on) with uneven expert loads."""
     config = moe_layer_config(
         compute_backend=compute_backend,
@@ -250,8 +259,9 @@ def build_layer(compute_backend: str, transport: str, permute_backend: str, dim:
         score_func="sigmoid",
         load_balance_coeff=None,
     )
-    config.routed_experts.token_dispatcher.permute_backend = permute_backend
-    config.routed_experts.token_dispatcher.ep_transport = transport
+    dispatcher = config.routed_experts.token_dispatcher
+    assert isinstance(dispatcher, RoutingDispatcher.Config), "moe_layer_config installs the project's dispatcher"
+    dispatcher.permute_backend, dispatcher.ep_transport = permute_backend, transport
     config.aux_loss_coeff, config.aux_loss_type, config.z_loss_coeff = 0.01, "global", 1e-3
     layer = seeded_layer(config, "cuda")
     with torch.no_grad():
@@ -292,7 +302,7 @@ def run(
     token_counts: list[int],
     dims: list[int],
     check: bool,
-    permute_backends: list[str],
+    permute_backends: list[PermuteBackend],
     command: str,
     check_backends: list[str] | None = None,
 ) -> dict:
@@ -310,7 +320,7 @@ def run(
         **environment(command, torch.device("cuda"), torch.bfloat16),
         "world": world,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-        "symm_mem_backend": symm_mem.get_backend("cuda"),
+        "symm_mem_backend": symm_mem.get_backend(torch.device("cuda")),
     }
     if check:
         try:

@@ -17,10 +17,13 @@ FLOPs (reported on GPUs): 6*N*D*F forward, 18*N*D*F forward+backward, N = T*K ro
     python -m torchtitan_ext.bench expert --tiny        # CPU smoke run
 """
 
+from collections.abc import Callable
+
 import torch
 
 from torchtitan_ext.bench.common import (
     SKEWS,
+    TimedCalls,
     dense_ceiling_tflops,
     environment,
     measure_shapes,
@@ -36,7 +39,13 @@ from torchtitan_ext.experiments.moe_backends.expert_timing import (
     expert_inputs,
     seeded_generator,
 )
-from torchtitan_ext.experiments.moe_backends.experts import BACKENDS, DEFAULT_BACKEND, get_backend
+from torchtitan_ext.experiments.moe_backends.experts import (
+    BACKENDS,
+    DEFAULT_BACKEND,
+    ExpertCompute,
+    RoutedExpertCompute,
+    get_backend,
+)
 
 FUSED_ROUTED_BACKEND = "triton"
 """The compute backend whose routed path ``fused_routed`` times."""
@@ -47,7 +56,14 @@ BACKEND_OF_IMPL = {**{name: name for name in BACKENDS}, **ROUTED_IMPLS}
 IMPLS = tuple(BACKEND_OF_IMPL)
 
 
-def torch_routed_experts(x_TD, w1_EFD, w2_EDF, w3_EFD, ids_TK, scores_TK):
+def torch_routed_experts(
+    x_TD: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    ids_TK: torch.Tensor,
+    scores_TK: torch.Tensor,
+) -> torch.Tensor:
     """The stock tokens-in/tokens-out path: permute, default-backend experts, weighted combine."""
     top_k = ids_TK.shape[1]
     slot_S = torch.argsort(ids_TK.reshape(-1), stable=True)
@@ -62,18 +78,20 @@ def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype, rou
     """One row per implementation: ms (medians of ``rounds`` rounds in which the implementations take
     turns, ``common.time_in_rounds``), TFLOP/s and memory (GPU), error vs grouped_mm."""
     ids_TK, scores_TK, counts_E, x_TD, x_RD, weights = expert_inputs(shape, skew, device, dtype)
-    forwards = {
-        name: (lambda fn=spec.grouped: fn(x_RD, *weights, counts_E), [x_RD, *weights])
-        for name, spec in BACKENDS.items()
+
+    def grouped(compute: ExpertCompute) -> Callable[[], torch.Tensor]:
+        return lambda: compute(x_RD, *weights, counts_E)
+
+    def routed(compute: RoutedExpertCompute) -> Callable[[], torch.Tensor]:
+        return lambda: compute(x_TD, *weights, ids_TK, scores_TK)
+
+    fused_routed = get_backend(FUSED_ROUTED_BACKEND).routed
+    assert fused_routed is not None, f"the {FUSED_ROUTED_BACKEND} backend has a routed path"
+    forwards: dict[str, tuple[Callable[[], torch.Tensor], list[torch.Tensor]]] = {
+        name: (grouped(spec.grouped), [x_RD, *weights]) for name, spec in BACKENDS.items()
     }
-    forwards["torch_routed"] = (
-        lambda: torch_routed_experts(x_TD, *weights, ids_TK, scores_TK),
-        [x_TD, *weights, scores_TK],
-    )
-    forwards["fused_routed"] = (
-        lambda: get_backend(FUSED_ROUTED_BACKEND).routed(x_TD, *weights, ids_TK, scores_TK),
-        [x_TD, *weights, scores_TK],
-    )
+    forwards["torch_routed"] = (routed(torch_routed_experts), [x_TD, *weights, scores_TK])
+    forwards["fused_routed"] = (routed(fused_routed), [x_TD, *weights, scores_TK])
     with torch.no_grad():
         references = {"grouped": forwards[DEFAULT_BACKEND][0](), "routed": forwards["torch_routed"][0]()}
 
@@ -89,7 +107,7 @@ def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype, rou
         forward = forwards[name][0]
         return lambda: torch.autograd.backward(forward(), grad_outs[kind_of(name)])
 
-    calls = {name: (forwards[name][0], forward_backward(name), forwards[name][1]) for name in impls}
+    calls: TimedCalls = {name: (forwards[name][0], forward_backward(name), forwards[name][1]) for name in impls}
     times = time_in_rounds(calls, timer, rounds, label=f"  expert block  {shape.name:18s} skew {skew}")
 
     rows = []

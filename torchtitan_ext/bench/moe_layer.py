@@ -19,7 +19,7 @@ seconds are reported apart (``first_call_s``). Speed-ups are reported against st
 where measured, stock compiled.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import NamedTuple
 
@@ -118,8 +118,9 @@ def bench_shape(
     with torch.no_grad():
         for param in stock.parameters():
             param.normal_(std=0.02, generator=generator)
-    bias_E = calibrate_skew(stock, x_BLD, TARGET_MAX_OVER_MEAN) if skew else torch.zeros_like(stock.expert_bias_E)
-    stock.expert_bias_E.copy_(bias_E)
+    stock_bias_E = stock.get_buffer("expert_bias_E")
+    bias_E = calibrate_skew(stock, x_BLD, TARGET_MAX_OVER_MEAN) if skew else torch.zeros_like(stock_bias_E)
+    stock_bias_E.copy_(bias_E)
     counts_E = routed_counts(stock, x_BLD)
     x_BLD.requires_grad_()
     grad_BLD = torch.randn(x_BLD.shape, device=device, dtype=dtype, generator=generator)
@@ -131,7 +132,7 @@ def bench_shape(
         layer = stock if kind == STOCK else build(kind, shape, device, dtype)
         if layer is not stock:
             layer.load_state_dict(stock.state_dict())
-            layer.expert_bias_E.copy_(bias_E)
+            layer.get_buffer("expert_bias_E").copy_(bias_E)
         layers[kind] = layer
     runs = {
         variant: common.compile_like_torchtitan(layers[variant.kind], compile_backend)
@@ -140,7 +141,10 @@ def bench_shape(
         for variant in measured
     }
 
-    def forward_backward(layer):
+    def forward(layer: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        return lambda: layer(x_BLD)
+
+    def forward_backward(layer: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
         return lambda: torch.autograd.backward(layer(x_BLD), grad_BLD)
 
     label = f"  MoE layer     {shape.name:18s} skew {skew}"
@@ -157,8 +161,8 @@ def bench_shape(
             common.progress(f"{label}  {variant.name}: {failed[variant]}")
         for tensor in [x_BLD, *layers[variant.kind].parameters()]:
             tensor.grad = None
-    calls = {
-        variant.name: (lambda layer=layer: layer(x_BLD), forward_backward(layer), [x_BLD, *layer.parameters()])
+    calls: common.TimedCalls = {
+        variant.name: (forward(layer), forward_backward(layer), [x_BLD, *layers[variant.kind].parameters()])
         for variant, layer in runs.items()
         if variant not in failed
     }

@@ -103,7 +103,7 @@ def step_config(
     """The flavor's ``Trainer.Config`` with the TOML files, ``backend`` (``STOCK_MOE``: as built) and the
     size overrides applied."""
     config = resolve_config(flavor, tomls)
-    overrides = {} if backend == STOCK_MOE else {"moe.compute_backend": backend}
+    overrides: dict[str, object] = {} if backend == STOCK_MOE else {"moe.compute_backend": backend}
     if batch_size:
         overrides["training.local_batch_size"] = batch_size
     if seq_len:
@@ -169,9 +169,6 @@ def bench_backend(
     tokens_per_s = tokens / (step_ms / 1e3)
     on_gpu = device.type == "cuda"
     peak = get_peak_flops(torch.cuda.get_device_name(device)) if on_gpu else None
-    model = optimizer = None  # free the model's memory before the next backend's
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return {
         **row_identity(config, backend, compiled),
         "dtype": str(autocast_dtype or torch.float32).removeprefix("torch."),
@@ -242,7 +239,8 @@ def run(
 
 def measure_variant(config, backend: str, device: torch.device, timer, compiled: bool, compile_backend: str) -> dict:
     """``bench_backend``'s row, or a row with the error where the step runs out of memory or, for a
-    compiled variant, the compilation fails; compiled code is dropped after a compiled variant."""
+    compiled variant, the compilation fails; compiled code is dropped after a compiled variant and the
+    CUDA cache emptied after every variant."""
     row = None
     try:
         row = bench_backend(config, backend, device, timer, compiled=compiled, compile_backend=compile_backend)
@@ -254,6 +252,8 @@ def measure_variant(config, backend: str, device: torch.device, timer, compiled:
         row = failed_row(config, backend, compiled, compile_failure(error), device)
     if compiled:
         torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the step's model is freed before the next backend's
     return row or failed_row(
         config, backend, compiled, "out of memory; try a smaller --batch-size or --num-layers", device
     )

@@ -57,5 +57,6 @@ def quiet_run_noise() -> None:
     ``get_lr()`` warning (module docstring)."""
     if not any(isinstance(existing, _DropRunNoise) for existing in logger.filters):
         logger.addFilter(_DropRunNoise())
+    # pyrefly: ignore[bad-assignment]  # the trainer module's `time`, replaced by a stand-in with its attributes
     titan_trainer.time = _TimeWithoutRankWait()
     warnings.filterwarnings("ignore", message=GET_LR_WARNING, category=UserWarning)

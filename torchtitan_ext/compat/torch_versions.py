@@ -82,7 +82,9 @@ def _placeholders(module: fx.GraphModule) -> list[fx.Node]:
 
 
 def _outputs(module: fx.GraphModule) -> tuple:
-    return tuple(module.graph.output_node().args[0])
+    outputs = module.graph.output_node().args[0]
+    assert isinstance(outputs, (tuple, list)), "a partitioned graph returns a tuple"
+    return tuple(outputs)
 
 
 def functionalize_rng_ops_before_opaque_objects(
@@ -157,14 +159,15 @@ def double_counts_of_compiled_checkpointed_blocks(optimizer, args, kwargs) -> No
     ):
         return
     for model_part in optimizer.model_parts:
-        for block in model_part.get_submodule("layers").values():
+        for block in model_part.get_submodule("layers").children():
+            moe = block.get_submodule("moe") if getattr(block, "moe_enabled", False) else None
             if (
-                getattr(block, "moe_enabled", False)
-                and block.moe.load_balance_coeff is not None
+                moe is not None
+                and moe.load_balance_coeff is not None
                 and getattr(block, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT
                 and block._compiled_call_impl is not None
             ):
-                block.moe.tokens_per_expert_E.mul_(2)
+                moe.get_buffer("tokens_per_expert_E").mul_(2)
 
 
 def needs_expert_bias_count_fix() -> bool:

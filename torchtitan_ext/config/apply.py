@@ -161,7 +161,7 @@ def written_fields(config, overrides: dict[str, Any]) -> dict[str, dict[str, Any
             if other != key:
                 _try_apply(others, other, other_value)
         fields = _changed_fields(config, key, value) | _changed_fields(others, key, value)
-        declared = short_key(key).fields if short_key(key) is not None else ()
+        declared = registered.fields if (registered := short_key(key)) is not None else ()
         written[key] = {field: fields.get(field, value) for field in declared} | fields
     return written
 

@@ -3,6 +3,7 @@ model config under ``model`` (``model.layers.0.moe.router.top_k``) in place of `
 
 import dataclasses
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -24,7 +25,7 @@ def root_children(config) -> dict[str, Any]:
     return sections
 
 
-def resolve_parent(config, parts: list[str]) -> tuple[Any, str]:
+def resolve_parent(config, parts: Sequence[str]) -> tuple[Any, str]:
     """The node holding the last part of ``parts`` and that part's name; KeyError naming the
     first part that is not there."""
     node_children = root_children(config)

@@ -48,9 +48,9 @@ from torchtitan_ext.experiments.moe_backends.transports import (
 from .validated_config import ValidatedConfig, choice_errors
 
 PermuteBackend = Literal["auto", "torch", "triton"]
-PERMUTE_BACKENDS: tuple[str, ...] = get_args(PermuteBackend)
+PERMUTE_BACKENDS: tuple[PermuteBackend, ...] = get_args(PermuteBackend)
 EPTransport = Literal["all_to_all", "symm_mem"]
-EP_TRANSPORTS: tuple[str, ...] = get_args(EPTransport)
+EP_TRANSPORTS: tuple[EPTransport, ...] = get_args(EPTransport)
 EPReceiveRows = Literal["exact", "static"]
 EP_RECEIVE_ROWS: tuple[str, ...] = get_args(EPReceiveRows)
 

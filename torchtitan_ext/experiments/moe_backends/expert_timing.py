@@ -67,14 +67,14 @@ def route(
 
 
 class ExpertInputs(NamedTuple):
-    """Leaf tensors of one expert-block measurement (``weights`` = [w1_EFD, w2_EDF, w3_EFD])."""
+    """Leaf tensors of one expert-block measurement (``weights`` = (w1_EFD, w2_EDF, w3_EFD))."""
 
     ids_TK: torch.Tensor
     scores_TK: torch.Tensor
     counts_E: torch.Tensor
     x_TD: torch.Tensor
     x_RD: torch.Tensor
-    weights: list[torch.Tensor]
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def expert_inputs(shape: BenchShape, skew: float, device, dtype) -> ExpertInputs:
@@ -90,11 +90,11 @@ def expert_inputs(shape: BenchShape, skew: float, device, dtype) -> ExpertInputs
     x_TD = randn(shape.tokens, shape.dim).requires_grad_()
     x_RD = x_TD.detach()[slot_S // shape.top_k].clone().requires_grad_()
     E, D, F = shape.num_experts, shape.dim, shape.hidden_dim
-    weights = [
+    weights = (
         (randn(E, F, D) * D**-0.5).requires_grad_(),
         (randn(E, D, F) * F**-0.5).requires_grad_(),
         (randn(E, F, D) * D**-0.5).requires_grad_(),
-    ]
+    )
     return ExpertInputs(ids_TK, scores_TK.to(dtype).requires_grad_(), counts_E, x_TD, x_RD, weights)
 
 
