@@ -17,7 +17,7 @@ from test_ep_equivalence import free_port
 from torch.distributed.device_mesh import init_device_mesh
 from torchtitan.distributed.utils import set_spmd_backend
 
-from torchtitan_ext.experiments.moe_backends.dispatcher import EPTransport, RoutingDispatcher
+from torchtitan_ext.experiments.moe_backends.dispatcher import EPReceiveRows, EPTransport, RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.startup_checks import symm_mem_errors
 from torchtitan_ext.kernels.availability import triton_available_reason
 from torchtitan_ext.kernels.moe_permute import stable_expert_order
@@ -153,14 +153,17 @@ def moe_block(dispatcher, x_TD, scores_TK, ids_TK, weights_LDD, grouping: list):
     counts_E = torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS + 1)[:NUM_EXPERTS]
     rows_RD, rows_per_expert_L, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
     grouping.append((rows_per_expert_L.tolist(), int(dispatcher.last_num_padding_rows)))
-    expert_R = torch.repeat_interleave(
-        torch.arange(weights_LDD.shape[0]), rows_per_expert_L, output_size=rows_RD.shape[0]
-    )
-    out_RD = torch.bmm(rows_RD.unsqueeze(1), weights_LDD[expert_R]).squeeze(1)
-    return dispatcher.combine(out_RD, metadata, x_TD)
+    expert_N = torch.repeat_interleave(torch.arange(weights_LDD.shape[0]), rows_per_expert_L)
+    num_received = expert_N.shape[0]
+    unreceived_RD = rows_RD[num_received:]  # static received rows: the most a rank can receive
+    assert not unreceived_RD.any(), "rows past the received ones must be zeros"
+    out_ND = torch.bmm(rows_RD[:num_received].unsqueeze(1), weights_LDD[expert_N]).squeeze(1)
+    return dispatcher.combine(torch.cat([out_ND, torch.zeros_like(unreceived_RD)]), metadata, x_TD)
 
 
-def run_two_layers(mesh, transport: EPTransport, align_size: int, dtype: torch.dtype):
+def run_two_layers(
+    mesh, transport: EPTransport, align_size: int, dtype: torch.dtype, receive_rows: EPReceiveRows = "exact"
+):
     rank, world = dist.get_rank(), dist.get_world_size()
     local = NUM_EXPERTS // world
     dispatcher = RoutingDispatcher(
@@ -170,6 +173,7 @@ def run_two_layers(mesh, transport: EPTransport, align_size: int, dtype: torch.d
             permute_backend="triton",
             align_size=align_size,
             ep_transport=transport,
+            ep_receive_rows=receive_rows,
         )
     )
     dispatcher.wire_meshes(ep_mesh=mesh)
@@ -213,6 +217,12 @@ def exchange_worker(rank: int, world: int, port: int) -> None:
                 for name, e, a in zip(("output", "x grad", "score grad", "weight grad"), expected, actual):
                     what = f"rank {rank}/{world} {dtype} align {align_size} {name}"
                     torch.testing.assert_close(a, e, atol=tol, rtol=tol, msg=lambda m, what=what: f"{what}: {m}")
+            static, _ = run_two_layers(mesh, "symm_mem", 1, dtype, receive_rows="static")
+            exact, _ = run_two_layers(mesh, "symm_mem", 1, dtype)
+            for name, e, a in zip(("output", "x grad", "score grad", "weight grad"), exact, static):
+                torch.testing.assert_close(
+                    a, e, atol=tol, rtol=tol, msg=lambda m, name=name: f"static rows {name}: {m}"
+                )
         assert_dispatch_outputs_aligned(mesh)
     finally:
         dist.destroy_process_group()

@@ -224,6 +224,10 @@ class EPExchange:
         self.workspace: Workspace | None = None
         self._peers_may_read_published = False
         self._landing_in_local_use = False
+        self.replayable = False
+        """Set by a dispatch with static received rows, which a CUDA graph may capture and replay: a replay
+        runs no Python, so every fence is then issued whatever the host's flags say, and the received
+        rows' buffers (and their gradients) are zeroed past the rows that arrive."""
 
     @classmethod
     def for_group(cls, group: dist.ProcessGroup, device: torch.device) -> EPExchange:
@@ -247,12 +251,12 @@ class EPExchange:
 
     def _before_publish(self) -> None:
         """About to overwrite this rank's tokens / routing: peers must be done reading them."""
-        if self._peers_may_read_published:
+        if self._peers_may_read_published or self.replayable:
             self.barrier()
 
     def _before_push(self) -> None:
         """About to write peers' landing regions: they must be done reading them."""
-        if self._landing_in_local_use:
+        if self._landing_in_local_use or self.replayable:
             self.barrier()
 
     def _workspace_for(self, shape: WorkspaceShape) -> Workspace:
@@ -289,6 +293,7 @@ class EPExchange:
         self.barrier()
         layout, pairs = self.read_routing(num_experts, num_tokens, top_k)
         if static_rows:
+            self.replayable = True
             num_rows = static_receive_rows(num_tokens, self.world, top_k, num_experts)
         else:
             on_host = kernels.ReceiveLayout.unpack(layout.packed.cpu(), num_experts // self.world, self.world)
@@ -307,7 +312,7 @@ class EPExchange:
             recv_score_PK=pairs.recv_score_PK,
             ordinal_P=pairs.ordinal_P,
         )
-        rows_RD = x_TD.new_empty(num_rows, dim)
+        rows_RD = x_TD.new_zeros(num_rows, dim) if static_rows else x_TD.new_empty(num_rows, dim)
         self.pull_rows(route, rows_RD)
         self._peers_may_read_published = True
         return rows_RD, layout.rows_per_local_expert_e, route
@@ -383,7 +388,7 @@ class EPExchange:
         workspace.local("tokens")[: route.pairs.num_tokens].copy_(grad_out_TD)
         self.barrier()
         grad_rows_RD = kernels.pull_output_grad(
-            workspace.table("tokens"), route.pairs, rows_RD, workspace.table("score_grad")
+            workspace.table("tokens"), route.pairs, rows_RD, workspace.table("score_grad"), self.replayable
         )
         self.barrier()
         kept_S = route.expert_S < route.num_experts
