@@ -170,6 +170,8 @@ def test_hopper_weight_gradient_is_the_triton_kernels_bit_for_bit(dtype, out_dty
     group_end_E = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
     a_RM = torch.randn(sum(counts) + 40, size_m, device="cuda").to(dtype)
     b_RN = torch.randn(sum(counts) + 40, size_n, device="cuda").to(dtype)
+    a_RM[sum(counts) :] = float("nan")  # trailing rows nobody wrote may hold anything
+    b_RN[sum(counts) :] = float("nan")
     gluon_out = torch.full((len(counts), size_m, size_n), float("nan"), device="cuda", dtype=out_dtype)
     assert hopper_weight_gradient.usable(a_RM, b_RN, gluon_out)
     hopper_weight_gradient.weight_gradient(a_RM, b_RN, group_end_E, gluon_out)

@@ -287,10 +287,13 @@ if gluon is not None:
                 mbarrier.wait(ready.index(stage), (consumed // STAGES) & 1)
                 rows_left = row_end - row_start - step * BLOCK_K
                 if rows_left < BLOCK_K:
+                    # Both operands' rows past the expert's last are zeroed: they hold the next expert's
+                    # rows or memory nobody wrote (possibly NaN, and 0 x NaN is NaN).
+                    rows = gl.expand_dims(gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, mask_layout)), 1)
                     a_part = a_smem.index(stage).load(mask_layout)
-                    rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, mask_layout))
-                    a_part = gl.where(gl.expand_dims(rows, 1) < rows_left, a_part, gl.zeros_like(a_part))
-                    a_smem.index(stage).store(a_part)
+                    a_smem.index(stage).store(gl.where(rows < rows_left, a_part, gl.zeros_like(a_part)))
+                    b_part = b_smem.index(stage).load(mask_layout)
+                    b_smem.index(stage).store(gl.where(rows < rows_left, b_part, gl.zeros_like(b_part)))
                     fence_async_shared()
                     _cta_barrier()
                 acc = warpgroup_mma(a_smem.index(stage).permute((1, 0)), b_smem.index(stage), acc, is_async=True)
