@@ -1,7 +1,9 @@
 # --- kernels: Triton interpreter on machines without CUDA -------------------------------
 # Must run before any test module imports triton: with no CUDA, the fused MoE kernel tests
 # run through Triton's CPU interpreter. A value already set in the environment wins.
+import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -9,6 +11,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # --- end kernels -------------------------------------------------------------------------
+
+# --- torchvision built for another torch --------------------------------------------------
+# transformers imports torchvision when it finds one (for image models only); a torchvision
+# built for another torch fails on import ("operator torchvision::nms does not exist"), and
+# every model class of transformers then fails to import. The MoE language models these tests
+# build need no torchvision: one that cannot be imported is hidden, so transformers sees none.
+if importlib.util.find_spec("torchvision") is not None:
+    try:
+        import torchvision  # noqa: F401
+    except Exception:
+        sys.modules["torchvision"] = None  # type: ignore[assignment]
+# --- end torchvision ---------------------------------------------------------------------
 
 
 @pytest.fixture(autouse=True, scope="session")

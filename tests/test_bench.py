@@ -96,7 +96,10 @@ def test_expert_explicit_dims(tmp_path):
 
 def test_layer_shapes_from_flavor(tmp_path, capsys):
     results = run_main(
-        ["layer", "--flavor", "tiny-moe-for-loop", "--tokens", "32", "--skew", "balanced", "--layers", "for_loop"],
+        [
+            *("layer", "--flavor", "tiny-moe-for-loop", "--tokens", "32", "--skew", "balanced"),
+            *("--layers", "for_loop", "--compile", "eager"),
+        ],
         tmp_path,
     )
     assert "err vs stock" in capsys.readouterr().out
@@ -107,7 +110,7 @@ def test_layer_shapes_from_flavor(tmp_path, capsys):
 
 TRAIN_STEP_ARGV = [
     *("train-step", "--flavor", "tiny-moe-grouped-mm", "--backends", "for_loop", "grouped_mm"),
-    *("--batch-size", "2", "--seq-len", "16"),
+    *("--batch-size", "2", "--seq-len", "16", "--compile", "eager"),  # eager: CUDA's default adds compiled rows
 ]
 
 
@@ -487,7 +490,10 @@ def test_layer_rounds_report_the_median_of_interleaved_timings(tmp_path, capsys,
             return next(measured)
 
     monkeypatch.setattr(common, "make_timer", lambda device: ScriptedTimer())
-    results = run_main(["layer", "--tiny", "--skew", "balanced", "--layers", "for_loop", "--rounds", "3"], tmp_path)
+    results = run_main(
+        ["layer", "--tiny", "--skew", "balanced", "--layers", "for_loop", "--rounds", "3", "--compile", "eager"],
+        tmp_path,
+    )
     stock, for_loop = results["rows"]
     # each round: the forwards of stock and for_loop, then their forward+backwards
     assert calls == ["fwd", "fwd", "fwd+bwd", "fwd+bwd"] * 3
