@@ -11,11 +11,13 @@ the Triton cache the first run filled (warm start). Every backend's losses must 
 of the same layout to rel 1e-4.
 ``full``: olmoe-1b-7b on two GPUs (FSDP 2, EP 2, bf16), 20 steps of ``--local-batch-size`` x 2048
 tokens per GPU (default 4: an H100's 80 GB; an H200 takes 8): torchtitan's own MoE layers compiled
-(``--compile.enable``, the baseline) and eager, and the project's layers compiled with grouped_mm,
-triton over each EP transport, and triton over symm_mem with static received rows under CUDA
-graphs; triton over symm_mem eager for reference. Every loss must be within 2% of the baseline's
-at the same step. Printed per run: the median tokens/s over steps 5-20 (after warm-up and the first
-compilations), its ratio to the baseline, peak memory and the seconds to the first step.
+(``--compile.enable``, the baseline) and eager (``--compile.no-enable``), and the project's layers
+compiled with grouped_mm, triton over each EP transport, and triton over symm_mem with static
+received rows under CUDA graphs; triton over symm_mem eager for reference. Every full-size run
+names its compute backend and whether it compiles, whatever the flavor's defaults. Every loss must
+be within 2% of the baseline's at the same step. Printed per run: the median tokens/s over steps
+5-20 (after warm-up and the first compilations), its ratio to the baseline, peak memory and the
+seconds to the first step.
 ``scale4`` / ``scale8``: every run on all 4 / 8 GPUs of the host. First the tiny-moe-triton flavor (fp32,
 30 steps) at EP 1 and at EP 4 (and 8) over each EP transport: the same global batch, so every loss
 must equal EP 1's to rel 1e-4. Then qwen3-30b-a3b and deepseek-v3-16b, FSDP 4 x EP 4 (``scale4``) or
@@ -155,7 +157,11 @@ def local_batch_size(run_args: list[str]) -> str:
 
 
 COMPILE = ["--compile.enable"]
+EAGER = ["--compile.no-enable"]
+"""Full-size flavors compile by default; every full-size run says which it does."""
+GROUPED_MM = ["--moe.compute_backend", "grouped_mm"]
 TRITON = ["--toml", "examples/triton.toml"]
+"""Every run of the project's full-size layers names its backend (triton is their default)."""
 SYMM_MEM = ["--toml", "examples/ep_symm_mem.toml"]
 CUDA_GRAPHS = ["--moe.ep_receive_rows", "static", "--training.no-disable-cuda-graphs"]
 EP_TRANSPORT_ARGS = {"all_to_all": [], "symm_mem": SYMM_MEM}
@@ -211,7 +217,7 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
     args = full_size_args(local_batch_size, 2)
     runs = [
         Run(STOCK_COMPILED, "olmoe-1b-7b-torchtitan-moe", 2, [*args, *COMPILE]),
-        Run("olmoe grouped_mm compiled", "olmoe-1b-7b", 2, [*args, *COMPILE]),
+        Run("olmoe grouped_mm compiled", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *COMPILE]),
         Run("olmoe triton compiled", "olmoe-1b-7b", 2, [*args, *TRITON, *COMPILE]),
         Run("olmoe triton compiled symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *SYMM_MEM, *COMPILE]),
         Run(
@@ -220,8 +226,8 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
             2,
             [*args, *TRITON, *SYMM_MEM, *COMPILE, *CUDA_GRAPHS],
         ),
-        Run("olmoe torchtitan-moe eager", "olmoe-1b-7b-torchtitan-moe", 2, args),
-        Run("olmoe triton eager symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *SYMM_MEM]),
+        Run("olmoe torchtitan-moe eager", "olmoe-1b-7b-torchtitan-moe", 2, [*args, *EAGER]),
+        Run("olmoe triton eager symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *SYMM_MEM, *EAGER]),
     ]
     for run in runs[1:]:
         run.reference = STOCK_COMPILED
@@ -260,7 +266,7 @@ def scale_runs(gpus: int, local_batch_size: int) -> list[list[Run]]:
             baseline = f"{layout} torchtitan-moe compiled"
             runs += [
                 Run(baseline, stock_name(model), gpus, [*args, *COMPILE]),
-                Run(f"{layout} grouped_mm compiled", model, gpus, [*args, *COMPILE], baseline),
+                Run(f"{layout} grouped_mm compiled", model, gpus, [*args, *GROUPED_MM, *COMPILE], baseline),
                 Run(f"{layout} triton compiled", model, gpus, [*args, *TRITON, *COMPILE], baseline),
                 Run(f"{layout} triton compiled symm_mem", model, gpus, [*args, *TRITON, *SYMM_MEM, *COMPILE], baseline),
             ]

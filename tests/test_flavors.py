@@ -122,9 +122,39 @@ def test_stock_sibling_is_the_same_model_with_torchtitans_moe(name):
     assert nested_configs(flavor, BackendGroupedExperts.Config)
     assert not nested_configs(stock, BackendGroupedExperts.Config)
     assert parameter_counts(model_config(stock)) == parameter_counts(model_config(flavor))
-    assert (stock.training, stock.optimizer, stock.lr_scheduler, stock.parallelism) == (
+    assert (stock.training, stock.optimizer, stock.lr_scheduler, stock.parallelism, stock.compile) == (
         flavor.training,
         flavor.optimizer,
         flavor.lr_scheduler,
         flavor.parallelism,
+        flavor.compile,
     )
+
+
+FULL_SIZE_FLAVORS = ["qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b", "deepseek-v3-16b"]
+STOCK_SIBLINGS = ["qwen3-30b-a3b-torchtitan-moe", "olmoe-1b-7b-torchtitan-moe", "deepseek-v3-16b-torchtitan-moe"]
+
+
+@pytest.mark.parametrize("name", FULL_SIZE_FLAVORS + STOCK_SIBLINGS)
+def test_full_size_flavors_compile_and_the_projects_compute_in_triton(name):
+    """Full-size flavors compile as torchtitan's ``--compile.enable`` does (its default components),
+    without CUDA graphs; the project's compute in triton, the stock siblings in torchtitan's layers."""
+    config = get_flavor(name).build()
+    assert config.compile.enable and config.compile.components == ["model", "loss"]
+    assert config.compile.backend == "inductor" and config.training.disable_cuda_graphs
+    backends = {experts.compute_backend for experts in nested_configs(config, BackendGroupedExperts.Config)}
+    assert backends == (set() if name.endswith("-torchtitan-moe") else {"triton"})
+
+
+def test_tiny_flavors_run_eager():
+    tiny = [flavor for flavor in all_flavors() if flavor.name.startswith("tiny-")]
+    assert len(tiny) >= len(backend_names()) + 5  # one per backend, the stock one, one per family
+    assert not any(flavor.build().compile.enable for flavor in tiny)
+
+
+def test_show_tells_whether_a_flavor_compiles(capsys):
+    assert main(["--show", "olmoe-1b-7b"]) == 0
+    (training,) = [line for line in capsys.readouterr().out.splitlines() if line.split()[0] == "training"]
+    assert training.endswith("params in bfloat16, compile on, cuda_graphs off"), training
+    assert main(["--show", TINY]) == 0
+    assert "compile off, cuda_graphs off" in capsys.readouterr().out

@@ -73,7 +73,9 @@ def test_scale_suite_runs_every_model_and_layout_next_to_its_stock_baseline(suit
                     assert run.flavor == model and run.reference == stock[0].name
                     # the same training as the baseline, with the project's layers and their TOML files
                     project_only = [
-                        a for a in run.args if a not in ("--toml", *runs_module.TRITON, *runs_module.SYMM_MEM)
+                        a
+                        for a in run.args
+                        if a not in ("--toml", *runs_module.TRITON, *runs_module.SYMM_MEM, *runs_module.GROUPED_MM)
                     ]
                     assert project_only == stock[0].args
     assert {expert_parallel_degree(r) for r in full_size} == expected_degrees
@@ -112,6 +114,26 @@ def test_every_scale_run_parses_and_trains_the_named_backend_and_transport(suite
         else:
             assert backends == {run.name.split()[3]}, run.name
             assert config.training.local_batch_size == 1 and config.training.mixed_precision_param == "bfloat16"
+
+
+@pytest.mark.parametrize("suite", ["full", *SCALE_SUITES])
+def test_every_full_size_run_names_its_backend_and_whether_it_compiles(suite, monkeypatch):
+    """The full-size flavors' defaults (compiled, triton) decide nothing: each run's arguments say
+    what its name says, and it parses to that."""
+    for run in all_runs(suite):
+        if run.flavor.startswith("tiny-"):
+            continue
+        compiled = "compiled" in run.name.split()
+        assert (runs_module.COMPILE if compiled else runs_module.EAGER)[0] in run.args, run.name
+        named_backend = {"grouped_mm": runs_module.GROUPED_MM, "triton": runs_module.TRITON}
+        if run.flavor.endswith("-torchtitan-moe"):
+            assert not any(" ".join(args) in " ".join(run.args) for args in named_backend.values()), run.name
+            continue
+        (backend,) = [name for name in named_backend if name in run.name.split()]
+        assert " ".join(named_backend[backend]) in " ".join(run.args), run.name
+        config = parsed(run, monkeypatch)
+        assert config.compile.enable == compiled, run.name
+        assert {e.compute_backend for e in nested_configs(config, BackendGroupedExperts.Config)} == {backend}
 
 
 def test_local_batch_size_reaches_every_full_size_run():

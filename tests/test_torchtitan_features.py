@@ -59,3 +59,26 @@ def test_static_receive_rows_need_symm_mem_without_padding(monkeypatch):
             "--moe.align_size",
             "8",
         )
+
+
+def test_full_size_defaults_switch_off_and_the_start_up_line_says_so(monkeypatch, caplog):
+    """olmoe-1b-7b compiles and computes in triton unless the command line says otherwise; the start-up
+    line names what the run does."""
+    import logging
+
+    import torchtitan_ext.model_size
+
+    monkeypatch.setattr(torchtitan_ext.model_size, "machine_memory_bytes", lambda: 2**50)
+    with caplog.at_level(logging.INFO):
+        config = parse(monkeypatch, "--flavor", "olmoe-1b-7b")
+    assert config.compile.enable
+    assert "flavor olmoe-1b-7b: compute_backend=triton, expert_parallel_degree=1, compile=on, cuda_graphs=off" in (
+        caplog.text
+    )
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        config = parse(
+            monkeypatch, "--flavor", "olmoe-1b-7b", "--compile.no-enable", "--moe.compute_backend", "grouped_mm"
+        )
+    assert not config.compile.enable
+    assert "compute_backend=grouped_mm, expert_parallel_degree=1, compile=off, cuda_graphs=off" in caplog.text

@@ -147,6 +147,40 @@ def test_a_model_too_large_for_this_machine_is_refused_with_the_memory_it_needs(
     assert "4 copies of every parameter in float32" in err and "this machine has 16.0 GiB of memory" in err
 
 
+MEMORY_ERROR = "the model (qwen3, 6.92B parameters) needs at least 103.1 GiB on this host to train on CPU"
+TRITON_DEFAULT_ERROR = (
+    "moe.compute_backend = 'triton' (the flavor's default): the Triton MoE kernels need a CUDA GPU, and CUDA is "
+    "not available"
+)
+
+
+@pytest.mark.parametrize(
+    "memory_gib, args, errors",
+    [
+        (16, [], [MEMORY_ERROR, TRITON_DEFAULT_ERROR]),
+        (16, ["--moe.compute_backend", "grouped_mm"], [MEMORY_ERROR]),
+        (1024, [], [TRITON_DEFAULT_ERROR]),
+        (1024, ["--moe.compute_backend", "triton"], ["command line: moe.compute_backend = 'triton': the Triton"]),
+    ],
+)
+def test_a_full_size_flavor_on_cpu_is_told_what_stops_it(
+    capsys, monkeypatch, cpu_with_16_gib, memory_gib, args, errors
+):
+    """A full-size flavor computes in triton by default: on a CPU machine without the Triton interpreter
+    the user reads, in one message, each problem and its way out."""
+    import torchtitan_ext.model_size
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torchtitan_ext.model_size, "machine_memory_bytes", lambda: memory_gib * 2**30)
+    code = main(["--flavor", "olmoe-1b-7b", "--training.steps", "1", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    lines = err.removeprefix("error: ").splitlines()
+    assert len(lines) == len(errors) and all(map(str.startswith, lines, errors)), err
+    if "triton" in err:
+        assert lines[-1].endswith("; --moe.compute_backend grouped_mm runs here"), err
+
+
 def test_the_memory_rule_is_the_estimate_not_the_flavor_name(monkeypatch, cpu_with_16_gib):
     import torchtitan_ext.model_size
     from torchtitan_ext.registry import get_flavor

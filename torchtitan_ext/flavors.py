@@ -122,7 +122,8 @@ def concise_view(name: str, tomls: list[str], config) -> list[str]:
             "training",
             f"steps {training.steps}, batch_size {training.local_batch_size}, seq_len {training.seq_len}, "
             f"lr {lr} (warmup {lr_scheduler.warmup_steps} steps, {lr_scheduler.decay_type} decay), "
-            f"params in {training.mixed_precision_param}",
+            f"params in {training.mixed_precision_param}, compile {'on' if config.compile.enable else 'off'}, "
+            f"cuda_graphs {'off' if training.disable_cuda_graphs else 'on'}",
         ),
         (
             "parallelism",

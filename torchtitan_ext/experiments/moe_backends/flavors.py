@@ -7,7 +7,9 @@ Face ``config.json`` so that they compute what transformers computes and load an
 Face checkpoints (``hf_flavor_config``, docs/hf_checkpoints.md); each family also has a tiny
 flavor for CPU runs. ``<name>-torchtitan-moe`` (qwen3-30b-a3b, olmoe-1b-7b, deepseek-v3-16b) is the
 same model with torchtitan's own MoE layers: the stock reference of the GPU measurements. Every
-flavor trains on the shipped offline corpus and tokenizer by default.
+flavor trains on the shipped offline corpus and tokenizer by default. Full-size flavors compile
+(torchtitan's ``compile.enable``), and the project's compute in the ``triton`` backend; tiny
+flavors run eager (CPU).
 
 Every flavor is a zero-argument function of this module returning its ``Trainer.Config``,
 so this module is a torchtitan config registry: ``--module
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import DebugConfig
 from torchtitan.config.override import derive
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
@@ -61,7 +63,8 @@ TINY_SHAPE = MoEShape(
 @dataclass(frozen=True, kw_only=True)
 class TrainingRun:
     """How a flavor trains by default: per-rank batch and sequence length, steps, peak learning rate
-    and its warm-up steps, metrics every ``log_freq`` steps."""
+    and its warm-up steps, metrics every ``log_freq`` steps, and whether torchtitan compiles the model
+    and the loss (``compile.enable`` with its default components)."""
 
     local_batch_size: int
     seq_len: int
@@ -69,10 +72,13 @@ class TrainingRun:
     lr: float
     warmup_steps: int
     log_freq: int
+    compile: bool
 
 
-TINY_RUN = TrainingRun(local_batch_size=8, seq_len=128, steps=50, lr=3e-3, warmup_steps=5, log_freq=1)
-FULL_SIZE_RUN = TrainingRun(local_batch_size=4, seq_len=4096, steps=1000, lr=3e-4, warmup_steps=100, log_freq=10)
+TINY_RUN = TrainingRun(local_batch_size=8, seq_len=128, steps=50, lr=3e-3, warmup_steps=5, log_freq=1, compile=False)
+FULL_SIZE_RUN = TrainingRun(
+    local_batch_size=4, seq_len=4096, steps=1000, lr=3e-4, warmup_steps=100, log_freq=10, compile=True
+)
 DEEPSEEK_V3_16B_RUN = dataclasses.replace(FULL_SIZE_RUN, lr=2.2e-4)
 
 
@@ -89,8 +95,9 @@ def moe_trainer_config(model_spec: ModelSpec, run: TrainingRun, *, expert_parall
         lr_scheduler=LRSchedulersContainer.Config(
             warmup_steps=run.warmup_steps, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.1
         ),
-        # CUDA graphs stay off: the MoE metrics hooks keep Python-side counts, and the EP
-        # dispatch and the for_loop / batched_mm_padded experts read counts on the host.
+        compile=CompileConfig(enable=run.compile),
+        # CUDA graphs stay off: under expert parallelism a captured step replays only over symm_mem
+        # with static received rows (torchtitan_features.py), which is not the default transport.
         training=TrainingConfig(
             local_batch_size=run.local_batch_size, seq_len=run.seq_len, steps=run.steps, disable_cuda_graphs=True
         ),
@@ -134,13 +141,19 @@ def tiny_moe(name: str, compute_backend: ComputeBackend | None) -> Trainer.Confi
     return config
 
 
+FULL_SIZE_BACKEND: ComputeBackend = "triton"
+"""The compute backend of the full-size flavors: the fastest on GPUs. ``--moe.compute_backend`` picks
+another; the tiny flavors keep each their own."""
+
+
 def hf_flavor_config(
     name: str,
     hf_config: dict,
-    compute_backend: ComputeBackend | None = DEFAULT_BACKEND,
+    compute_backend: ComputeBackend | None = FULL_SIZE_BACKEND,
     run: TrainingRun = FULL_SIZE_RUN,
 ) -> Trainer.Config:
-    """The ``Trainer.Config`` of the model a Hugging Face ``config.json`` (``hf_config``) describes.
+    """The ``Trainer.Config`` of the model a Hugging Face ``config.json`` (``hf_config``) describes,
+    by default on the full-size settings (``FULL_SIZE_BACKEND``, ``FULL_SIZE_RUN``: compiled).
 
     The model is ``hf.architectures.model_spec_from_hf_config``'s; its checkpoints load from and save
     to the Hugging Face format (docs/hf_checkpoints.md).
@@ -294,7 +307,7 @@ def register_tiny_hf_flavor(name: str) -> Callable[[], Trainer.Config]:
     its config function, named like the flavor with underscores: this module binds it to that name."""
 
     def build() -> Trainer.Config:
-        config = hf_flavor_config(name, tiny_hf_config(name), run=TINY_RUN)
+        config = hf_flavor_config(name, tiny_hf_config(name), DEFAULT_BACKEND, run=TINY_RUN)
         config.training.mixed_precision_param = "float32"
         return config
 

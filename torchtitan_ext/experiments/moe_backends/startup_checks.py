@@ -11,7 +11,7 @@ import shlex
 
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.checks import register_config_check
-from torchtitan_ext.config.value_sources import resolved_from
+from torchtitan_ext.config.value_sources import resolved_from, value_source
 from torchtitan_ext.kernels.availability import triton_available_reason
 from torchtitan_ext.parallel_layout import degree_errors, layout_errors
 from torchtitan_ext.place_in_launch import local_world_size
@@ -20,7 +20,7 @@ from torchtitan_ext.validation import named
 
 from .auto_backend import AUTO_COMMAND_OUTLINE, AutoBackendError, UncachedAutoChoice, resolve_auto_compute_backend
 from .dispatcher import RoutingDispatcher
-from .experts import BackendGroupedExperts, backend_unavailable_reason, resolved_at_startup
+from .experts import BackendGroupedExperts, backend_unavailable_reason, resolved_at_startup, runnable_backends
 from .layer import routing_dispatchers
 from .moe import RoutedMoE
 from .router import BalancedTopKRouter
@@ -80,14 +80,17 @@ def check_moe_config(config) -> None:
 
 @register_config_check
 def check_compute_backends_run_here(config) -> None:
-    """Before training: every chosen backend can run on this machine (its spec says why not)."""
+    """Before training: every chosen backend can run on this machine (its spec says why not); a
+    backend the flavor chose is named as its default, with one that runs here."""
     if config.model_spec is None:
         return
     names = {
         experts.compute_backend for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)
     }
+    chosen_by = "" if value_source("moe.compute_backend") else " (the flavor's default)"
     errors = [
-        f"moe.compute_backend = {name!r}: {reason}"
+        f"{option_key('compute_backend')} = {name!r}{chosen_by}: {reason}; "
+        f"--moe.compute_backend {runnable_backends()[0]} runs here"
         for name in sorted(names)
         if (reason := backend_unavailable_reason(name)) is not None
     ]
