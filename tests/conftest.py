@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 # build need no torchvision: one that cannot be imported is hidden, so transformers sees none.
 if importlib.util.find_spec("torchvision") is not None:
     try:
-        import torchvision  # noqa: F401
+        importlib.import_module("torchvision")
     except Exception:
         sys.modules["torchvision"] = None  # type: ignore[assignment]
 # --- end torchvision ---------------------------------------------------------------------
