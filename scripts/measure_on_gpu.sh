@@ -42,7 +42,8 @@ run_task() {
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl-hf/*.whl || exit 1
       fi
       one_process=$(python3 -c "import xdist" 2>/dev/null || echo "-o addopts=-rfEs")
-      python3 -m pytest -q -p no:cacheprovider $one_process 2>&1 | tee "$out/gpu_tests.log" ;;
+      # -v names each test as it ends, so a run cut short still names its failures.
+      python3 -m pytest -v -p no:cacheprovider $one_process 2>&1 | tee "$out/gpu_tests.log" ;;
     bench)
       # BENCH_ROUNDS times every layer / implementation that many times, taking turns, and keeps the medians.
       # The layer bench times stock torchtitan's layer and each of BENCH_LAYERS (default grouped_mm triton),

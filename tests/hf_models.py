@@ -138,8 +138,10 @@ def write_corpus(folder: Path, records: int = 4, stories_per_record: int = 10) -
 
 
 def first_step_loss_of_transformers(hf_model, args: list[str], world: int) -> float:
-    """transformers' mean token loss over every rank's first batch, read by torchtitan's dataloader."""
-    config = FlavorConfigManager().parse_args(args)
+    """transformers' mean token loss over every rank's first batch, read by torchtitan's dataloader
+    (the run's config, read again after the run: without its checkpoint, which would be a resume)."""
+    checkpointing = ("--checkpoint.enable", "--checkpoint.initial_load_in_hf")
+    config = FlavorConfigManager().parse_args([arg for arg in args if arg not in checkpointing])
     tokenizer = config.tokenizer.build(tokenizer_path=config.hf_assets_path)
     total, count = 0.0, 0
     for rank in range(world):
