@@ -60,9 +60,12 @@ from torchtitan_ext.experiments.moe_backends.hf.architectures import (
     scaled_down,
 )
 from torchtitan_ext.experiments.moe_backends.hf.torchtitan_features import STAGING_FOLDER, hf_config_of
+from torchtitan_ext.kernels.availability import interpreter_enabled
 from torchtitan_ext.run_training import FlavorConfigManager
 
-BACKENDS = runnable_backends()
+BACKENDS = [name for name in runnable_backends() if name != "triton" or interpreter_enabled()]
+"""The backends these CPU-tensor checks run: triton only through Triton's interpreter (set by
+conftest.py where there is no CUDA); on GPUs tests/test_hf_checkpoints_gpu.py runs it on CUDA."""
 CASES = [(flavor, index) for flavor in FAMILY_FLAVORS for index in range(len(VARIANTS[flavor]))]
 TOLERANCE = 1e-5
 
@@ -107,10 +110,7 @@ def hub(tmp_path_factory):
 @pytest.mark.parametrize(
     "backend",
     # The Triton interpreter takes seconds per model on CPU: those cases run with the slow ones.
-    [
-        pytest.param(b, marks=pytest.mark.slow) if b == "triton" and not torch.cuda.is_available() else b
-        for b in BACKENDS
-    ],
+    [pytest.param(b, marks=pytest.mark.slow) if b == "triton" else b for b in BACKENDS],
 )
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_logits_equal_transformers(case, backend, hub):
@@ -164,7 +164,8 @@ def test_full_size_flavors_carry_the_published_configs():
         assert hf_config_of(get_flavor(flavor).build()) == PUBLISHED[name], flavor
 
 
-# torchtitan's Trainer: CheckpointManager, FSDP x EP on two gloo processes
+# torchtitan's Trainer: CheckpointManager, FSDP x EP on two gloo processes (CUDA hidden from them,
+# so they run on CPU on any machine, as the transformers references they are compared with)
 
 
 def trainer_worker(rank: int, world: int, port: int, args: list[str], out: str) -> None:
@@ -198,7 +199,7 @@ def trainer_worker(rank: int, world: int, port: int, args: list[str], out: str) 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flavor", FAMILY_FLAVORS)
-def test_trainer_loads_and_saves_hf_under_fsdp_and_ep2(flavor, hub, tmp_path):
+def test_trainer_loads_and_saves_hf_under_fsdp_and_ep2(flavor, hub, tmp_path, monkeypatch):
     hf_model, folder = hub(flavor, sharded=True)
     assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("*.safetensors"))) > 1
     args = [
@@ -214,6 +215,7 @@ def test_trainer_loads_and_saves_hf_under_fsdp_and_ep2(flavor, hub, tmp_path):
         "--dump_folder",
         str(tmp_path),
     ]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the workers inherit it before they import torch
     mp.spawn(trainer_worker, args=(2, free_port(), args, str(tmp_path)), nprocs=2, join=True)
     expected = hf_logits(hf_model)
     for rank in range(2):
@@ -266,7 +268,7 @@ def test_first_training_step_loss_equals_transformers(flavor, world, hub, tmp_pa
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
     )
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
