@@ -316,3 +316,28 @@ def test_experts_compute_in_the_autocast_dtype(backend):
         if param.grad is not None
     )
     assert x.grad is not None and x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()
+
+
+def test_grouped_mm_op_gradients_match_a_loop_and_keep_the_weights_layout():
+    """``torchtitan_ext::grouped_mm``'s gradients against one matmul per group (fp32, an empty group
+    included); the gradient of ``w.transpose(-2, -1)`` arrives in ``w``'s row-major layout, with no
+    transposing copy, as torch's own formula gives it."""
+    from torchtitan_ext.experiments.moe_backends.grouped_matmul import grouped_mm
+
+    generator = torch.Generator().manual_seed(0)
+    a_RK = torch.randn(10, 4, generator=generator, requires_grad=True)
+    w_ENK = torch.randn(3, 8, 4, generator=generator, requires_grad=True)
+    grad_RN = torch.randn(10, 8, generator=generator)
+    offs_E = torch.tensor([3, 3, 10], dtype=torch.int32)
+    w_EKN = w_ENK.transpose(-2, -1)
+    gradient_strides = []
+    w_EKN.register_hook(lambda grad: gradient_strides.append(grad.stride()))
+    grouped_mm(a_RK, w_EKN, offs_E).backward(grad_RN)
+    assert gradient_strides == [w_EKN.stride()]  # the op's weight gradient has the weight's layout
+    a_ref, w_ref = a_RK.detach().clone().requires_grad_(), w_ENK.detach().clone().requires_grad_()
+    starts = [0, *offs_E.tolist()[:-1]]
+    rows = [a_ref[start:end] @ w_ref[e].T for e, (start, end) in enumerate(zip(starts, offs_E.tolist()))]
+    torch.cat(rows).backward(grad_RN)
+    assert a_RK.grad is not None and w_ENK.grad is not None
+    torch.testing.assert_close(a_RK.grad, a_ref.grad)
+    torch.testing.assert_close(w_ENK.grad, w_ref.grad)

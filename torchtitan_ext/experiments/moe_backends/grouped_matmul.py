@@ -65,8 +65,17 @@ def _backward(ctx, grad_y):
     a, b, offs = ctx.saved_tensors
     grad_y = row_major(grad_y)
     grad_a = grouped_mm(grad_y, b.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
-    grad_b = grouped_mm(a.transpose(0, 1), grad_y, offs) if ctx.needs_input_grad[1] else None
+    grad_b = _weight_gradient(a, b, grad_y, offs) if ctx.needs_input_grad[1] else None
     return grad_a, grad_b, None
+
+
+def _weight_gradient(a: torch.Tensor, b: torch.Tensor, grad_y: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``d b`` [E, K, N] in ``b``'s layout: for column-major weights (``w.transpose(-2, -1)`` of a
+    row-major ``w`` [E, N, K], as the experts pass them) it is computed as ``w``'s gradient [E, N, K]
+    and returned transposed, so the weight's gradient needs no transposing copy."""
+    if b.stride(-2) == 1 and b.stride(-1) != 1:
+        return grouped_mm(grad_y.transpose(0, 1), a, offs).transpose(-2, -1)
+    return grouped_mm(a.transpose(0, 1), grad_y, offs)
 
 
 grouped_mm.register_autograd(_backward, setup_context=_setup_context)
