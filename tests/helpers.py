@@ -11,7 +11,8 @@ import torch
 from torchtitan.models.common.decoder import Decoder
 
 from torchtitan_ext.bench.common import relative_error
-from torchtitan_ext.experiments.moe_backends.experts import BACKENDS
+from torchtitan_ext.experiments.moe_backends.experts import BACKENDS, runnable_backends
+from torchtitan_ext.kernels.availability import interpreter_enabled
 
 if TYPE_CHECKING:
     from torchtitan.trainer import Trainer
@@ -50,6 +51,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cpu_tensor_backends() -> list[str]:
+    """The backends that compute on CPU tensors here: every runnable one, ``triton`` only through
+    Triton's interpreter (set by conftest.py where there is no CUDA)."""
+    return [name for name in runnable_backends() if name != "triton" or interpreter_enabled()]
 
 
 def make_backend_unavailable(monkeypatch, name: str, reason: str | None) -> None:

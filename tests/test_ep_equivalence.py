@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port
+from helpers import cpu_tensor_backends, free_port
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -32,7 +32,6 @@ from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan_ext.experiments.moe_backends.activation_checkpoint import MoESelectiveAC
 from torchtitan_ext.experiments.moe_backends.dispatcher import EPTransport, RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process, seeded_layer
-from torchtitan_ext.experiments.moe_backends.experts import runnable_backends
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 from torchtitan_ext.kernels.availability import interpreter_enabled
 
@@ -47,7 +46,7 @@ CPU_TRITON_SKIP = (
     "equivalence of every backend and transport on CUDA tensors"
 )
 # Every backend that runs on CPU tensors here: the fused Triton one only through the interpreter.
-BACKENDS = [name for name in runnable_backends() if name != "triton" or interpreter_enabled()]
+BACKENDS = cpu_tensor_backends()
 
 LOSS_CASES: list[dict[str, Any]] = [  # keyword arguments of build_layer
     dict(aux_loss_coeff=0.0, z_loss_coeff=0.0, aux_loss_type="batch"),

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port, relative_error
+from helpers import cpu_tensor_backends, free_port, relative_error
 
 pytest.importorskip("transformers", reason="the Hugging Face checks compare with transformers (the test extra)")
 
@@ -51,7 +51,6 @@ from tokenizers.models import WordLevel
 from transformers import AutoModelForCausalLM
 
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.experiments.moe_backends.experts import runnable_backends
 from torchtitan_ext.experiments.moe_backends.flavors import tiny_hf_config
 from torchtitan_ext.experiments.moe_backends.hf.architectures import (
     PUBLISHED,
@@ -60,10 +59,9 @@ from torchtitan_ext.experiments.moe_backends.hf.architectures import (
     scaled_down,
 )
 from torchtitan_ext.experiments.moe_backends.hf.torchtitan_features import STAGING_FOLDER, hf_config_of
-from torchtitan_ext.kernels.availability import interpreter_enabled
 from torchtitan_ext.run_training import FlavorConfigManager
 
-BACKENDS = [name for name in runnable_backends() if name != "triton" or interpreter_enabled()]
+BACKENDS = cpu_tensor_backends()
 """The backends these CPU-tensor checks run: triton only through Triton's interpreter (set by
 conftest.py where there is no CUDA); on GPUs tests/test_hf_checkpoints_gpu.py runs it on CUDA."""
 CASES = [(flavor, index) for flavor in FAMILY_FLAVORS for index in range(len(VARIANTS[flavor]))]
