@@ -486,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite == "tiny":
         env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
     runs = []
-    result, problems = write_results(args.suite, runs, skipped, args.out)
+    machine = environment()
+    result, problems = write_results(args.suite, machine, runs, skipped, args.out)
     port = 29600
     for batch in filter(None, batches):
         with ThreadPoolExecutor(len(batch)) as pool:
@@ -496,21 +497,21 @@ def main(argv: list[str] | None = None) -> int:
                 port += 1
             runs += [future.result() for future in futures]
         # After every batch: a suite killed on the way keeps what ran.
-        result, problems = write_results(args.suite, runs, skipped, args.out)
+        result, problems = write_results(args.suite, machine, runs, skipped, args.out)
     if args.suite != "tiny":
         print_throughput_summary(result["summary"])
     print("problems:" if problems else "all runs agree", *problems, sep="\n  ")
     return 1 if problems else 0
 
 
-def write_results(suite: str, runs: list[Run], skipped: dict, path: str) -> tuple[dict, list[str]]:
-    """Write the suite's JSON to ``path``: environment, runs, skipped runs, problems (losses that
-    disagree with each run's reference, runs that failed) and, but for ``tiny``, the throughput
-    summary; return it and the problems."""
+def write_results(suite: str, machine: dict, runs: list[Run], skipped: dict, path: str) -> tuple[dict, list[str]]:
+    """Write the suite's JSON to ``path``: ``machine`` (``environment()``, read once per suite), runs,
+    skipped runs, problems (losses that disagree with each run's reference, runs that failed) and, but
+    for ``tiny``, the throughput summary; return it and the problems."""
     problems = compare_losses(runs)
     problems += [f"{run.name}: exit code {run.returncode}" for run in runs if run.returncode != 0]
     result = {
-        "environment": environment(),
+        "environment": machine,
         "suite": suite,
         "runs": [asdict(r) for r in runs],
         "skipped": skipped,
