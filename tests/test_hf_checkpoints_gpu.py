@@ -94,6 +94,8 @@ def test_real_size_olmoe_checkpoint_trains_10_steps_with_fsdp2_ep2(tmp_path):
         "--dump_folder",
         str(tmp_path / "out"),
         "--metrics.disable_color_printing",
+        "--metrics.log_freq",
+        "1",
     ]
     result = subprocess.run(
         [sys.executable, "-m", "torchtitan_ext.train", "--nproc_per_node=2", *args],

@@ -3,6 +3,7 @@
 import textwrap
 
 import pytest
+import torch
 
 from torchtitan_ext.train import main
 
@@ -130,11 +131,10 @@ def test_toml_that_is_not_utf8(tmp_path, capsys):
 
 @pytest.fixture
 def cpu_with_16_gib(monkeypatch):
-    """A CPU machine (no CUDA) with 16 GiB of memory."""
-    import torchtitan_ext.compat
+    """A CPU machine (no CUDA, also where the tests run on a GPU host) with 16 GiB of memory."""
     import torchtitan_ext.model_size
 
-    monkeypatch.setattr(torchtitan_ext.compat, "cpu_training", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torchtitan_ext.model_size, "machine_memory_bytes", lambda: 16 * 2**30)
 
 
