@@ -12,7 +12,8 @@ of the same layout to rel 1e-4.
 ``full``: olmoe-1b-7b on two GPUs (FSDP 2, EP 2, bf16), 20 steps of ``--local-batch-size`` x 2048
 tokens per GPU (default 4: an H100's 80 GB; an H200 takes 8): torchtitan's own MoE layers compiled
 (``--compile.enable``, the baseline) and eager (``--compile.no-enable``), and the project's layers
-compiled with grouped_mm, triton over each EP transport, and triton over symm_mem with static
+compiled with grouped_mm (bf16, and FP8 rowwise experts over each EP transport), triton over each
+EP transport, and triton over symm_mem with static
 received rows under CUDA graphs; triton over symm_mem eager for reference. Every full-size run
 names its compute backend and whether it compiles, whatever the flavor's defaults. Every loss must
 be within 2% of the baseline's at the same step. Printed per run: the median tokens/s over steps
@@ -163,6 +164,7 @@ GROUPED_MM = ["--moe.compute_backend", "grouped_mm"]
 TRITON = ["--toml", "examples/triton.toml"]
 """Every run of the project's full-size layers names its backend (triton is their default)."""
 SYMM_MEM = ["--toml", "examples/ep_symm_mem.toml"]
+FP8 = ["--moe.expert_precision", "fp8_rowwise"]
 CUDA_GRAPHS = ["--moe.ep_receive_rows", "static", "--training.no-disable-cuda-graphs"]
 EP_TRANSPORT_ARGS = {"all_to_all": [], "symm_mem": SYMM_MEM}
 TINY_STEPS = ["--training.steps", "30"]
@@ -218,6 +220,10 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
     runs = [
         Run(STOCK_COMPILED, "olmoe-1b-7b-torchtitan-moe", 2, [*args, *COMPILE]),
         Run("olmoe grouped_mm compiled", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *COMPILE]),
+        Run("olmoe grouped_mm fp8 compiled", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *FP8, *COMPILE]),
+        Run(
+            "olmoe grouped_mm fp8 compiled symm_mem", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *FP8, *SYMM_MEM, *COMPILE]
+        ),
         Run("olmoe triton compiled", "olmoe-1b-7b", 2, [*args, *TRITON, *COMPILE]),
         Run("olmoe triton compiled symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *SYMM_MEM, *COMPILE]),
         Run(

@@ -2,6 +2,7 @@
 # GPU checks and benchmarks on the measurement machines, which have torch and triton but not
 # torchtitan: its wheels are carried in .whl/. Results go to $OUT (or ./gpu_results).
 #   scripts/measure_on_gpu.sh tests   # the whole test suite, as the README runs it, where CUDA is
+#     (TESTS="tests/test_fp8_experts_gpu.py ..." runs those only)
 #   scripts/measure_on_gpu.sh bench   # MoE layer (eager and compiled, vs stock torchtitan eager and
 #     compiled) and expert block benchmarks
 #   scripts/measure_on_gpu.sh ep4 ep2 # EP equivalence + dispatch/combine benchmark on 4 and 2 GPUs
@@ -43,7 +44,8 @@ run_task() {
       fi
       one_process=$(python3 -c "import xdist" 2>/dev/null || echo "-o addopts=-rfEs")
       # -v names each test as it ends, so a run cut short still names its failures.
-      python3 -m pytest -v -p no:cacheprovider $one_process 2>&1 | tee "$out/gpu_tests.log" ;;
+      # TESTS names test files or node ids to run instead of every test file.
+      python3 -m pytest -v -p no:cacheprovider $one_process ${TESTS:-} 2>&1 | tee "$out/gpu_tests.log" ;;
     bench)
       # BENCH_ROUNDS times every layer / implementation that many times, taking turns, and keeps the medians.
       # The layer bench times stock torchtitan's layer and each of BENCH_LAYERS (default grouped_mm triton),

@@ -10,6 +10,7 @@ import pytest
 from torchtitan_ext.bench.__main__ import build_parser as bench_parser
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.short_keys import short_keys
+from torchtitan_ext.experiments.moe_backends import startup_checks
 from torchtitan_ext.launch import split_launcher_args
 from torchtitan_ext.registry import all_flavors
 from torchtitan_ext.run_training import FlavorConfigManager
@@ -44,8 +45,9 @@ def test_every_short_key_is_documented():
 def test_documented_train_commands_parse(tmp_path, monkeypatch):
     import torchtitan_ext.model_size
 
-    # The GPU commands parse as on a machine with the memory their full-size flavors need.
+    # The GPU commands parse as on a machine with the memory their full-size flavors need (and FP8 GEMMs).
     monkeypatch.setattr(torchtitan_ext.model_size, "machine_memory_bytes", lambda: 2**50)
+    monkeypatch.setattr(startup_checks, "fp8_unavailable_reason", lambda precision: None)
     monkeypatch.chdir(tmp_path)
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     for name in ("my.toml", "base.toml", "sweep.toml", "my_data.toml"):

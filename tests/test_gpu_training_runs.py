@@ -13,6 +13,7 @@ import torch
 from helpers import nested_configs
 
 import torchtitan_ext.model_size
+from torchtitan_ext.experiments.moe_backends import startup_checks
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.run_training import FlavorConfigManager
@@ -37,9 +38,10 @@ def expert_parallel_degree(run) -> int:
 
 
 def parsed(run, monkeypatch):
-    """``run``'s config as the train entry parses it on a host of ``run.gpus`` GPUs with the memory
-    its flavor needs."""
+    """``run``'s config as the train entry parses it on a host of ``run.gpus`` GPUs (of FP8 GEMMs) with
+    the memory its flavor needs."""
     monkeypatch.setattr(torchtitan_ext.model_size, "machine_memory_bytes", lambda: 2**50)
+    monkeypatch.setattr(startup_checks, "fp8_unavailable_reason", lambda precision: None)
     monkeypatch.setenv("WORLD_SIZE", str(run.gpus))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(run.gpus))
     monkeypatch.chdir(ROOT)  # the example TOML files are named relative to the checkout
@@ -133,7 +135,10 @@ def test_every_full_size_run_names_its_backend_and_whether_it_compiles(suite, mo
         assert " ".join(named_backend[backend]) in " ".join(run.args), run.name
         config = parsed(run, monkeypatch)
         assert config.compile.enable == compiled, run.name
-        assert {e.compute_backend for e in nested_configs(config, BackendGroupedExperts.Config)} == {backend}
+        experts = nested_configs(config, BackendGroupedExperts.Config)
+        assert {e.compute_backend for e in experts} == {backend}
+        precision = "fp8_rowwise" if "fp8" in run.name.split() else "native"
+        assert {e.expert_precision for e in experts} == {precision}, run.name
 
 
 def test_local_batch_size_reaches_every_full_size_run():

@@ -132,8 +132,10 @@ class FlavorConfigManager(ConfigManager):
         if is_rank_zero():
             metadata = run_metadata()
             transport = f", ep_transport={metadata['ep_transport']}" if "ep_transport" in metadata else ""
+            precision = metadata.get("expert_precision", "native")
+            precision = "" if precision == "native" else f", expert_precision={precision}"
             logger.info(
-                f"flavor {flavor}: compute_backend={metadata['compute_backend']}, "
+                f"flavor {flavor}: compute_backend={metadata['compute_backend']}{precision}, "
                 f"expert_parallel_degree={metadata['expert_parallel_degree']}{transport}, "
                 f"compile={'on' if compiles_model(config) else 'off'}, "
                 f"cuda_graphs={'off' if config.training.disable_cuda_graphs else 'on'}, "

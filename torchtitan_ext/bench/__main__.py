@@ -317,10 +317,16 @@ def measurement_dtype(args, device: torch.device) -> torch.dtype:
     return getattr(torch, args.dtype)
 
 
-def reject_unrunnable(parser, flag: str, names: list[str] | None, backend_of: Mapping[str, str]) -> None:
+def reject_unrunnable(
+    parser,
+    flag: str,
+    names: list[str] | None,
+    backend_of: Mapping[str, str],
+    precision_of: Mapping[str, str] | None = None,
+) -> None:
     """Exit 2 naming ``flag``'s values that cannot run here, with the reason of the first
-    (``common.unavailable_reasons``: the compute backend ``backend_of[name]`` cannot run)."""
-    reasons = unavailable_reasons(names or (), backend_of)
+    (``common.unavailable_reasons``: the compute backend ``backend_of[name]`` or its precision cannot run)."""
+    reasons = unavailable_reasons(names or (), backend_of, precision_of)
     if reasons:
         parser.error(f"{flag} {' '.join(reasons)}: {next(iter(reasons.values()))}")
 
@@ -351,7 +357,7 @@ def run_expert(parser, args, device, command) -> None:
 
 
 def run_layer(parser, args, device, command) -> None:
-    reject_unrunnable(parser, "--layers", args.layers, moe_layer.BACKEND_OF_KIND)
+    reject_unrunnable(parser, "--layers", args.layers, moe_layer.BACKEND_OF_KIND, moe_layer.PRECISION_OF_KIND)
     shapes = selected_shapes(parser, args, device)
     bad = [s.name for s in shapes if s.tokens % args.batch]
     if args.batch < 1 or bad:
@@ -359,7 +365,9 @@ def run_layer(parser, args, device, command) -> None:
     if args.profile < 0:
         parser.error(f"--profile must be >= 0 (0: off), got {args.profile}")
     check_rounds(parser, args.rounds)
-    reject_unrunnable(parser, "--compiled-layers", args.compiled_layers, moe_layer.BACKEND_OF_KIND)
+    reject_unrunnable(
+        parser, "--compiled-layers", args.compiled_layers, moe_layer.BACKEND_OF_KIND, moe_layer.PRECISION_OF_KIND
+    )
     if args.compiled_layers and args.compile == "eager":
         parser.error("--compiled-layers names compiled variants, which --compile eager leaves out")
     kinds = args.layers or moe_layer.default_kinds()

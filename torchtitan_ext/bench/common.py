@@ -24,6 +24,7 @@ import torch
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, TimedCall, Timer, make_timer
 from torchtitan_ext.experiments.moe_backends.experts import get_backend
+from torchtitan_ext.experiments.moe_backends.fp8_experts import fp8_unavailable_reason
 from torchtitan_ext.experiments.moe_backends.model_shapes import (
     DEEPSEEK_V2_LITE_MOE_LAYER,
     MIXTRAL_8X7B,
@@ -157,16 +158,26 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
 
 
-def unavailable_reasons(names: Iterable[str], backend_of: Mapping[str, str]) -> dict[str, str]:
+def unavailable_reasons(
+    names: Iterable[str], backend_of: Mapping[str, str], precision_of: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """Why each of the measured ``names`` that cannot run here cannot: the reason the backend table
-    gives for the compute backend it runs, ``backend_of[name]``."""
-    reasons = {name: get_backend(backend_of[name]).unavailable_reason() for name in names}
+    gives for the compute backend it runs, ``backend_of[name]``, else the reason its expert precision
+    ``precision_of[name]`` (default "native") cannot compute here."""
+    precision_of = precision_of or {}
+    reasons = {
+        name: get_backend(backend_of[name]).unavailable_reason()
+        or fp8_unavailable_reason(precision_of.get(name, "native"))
+        for name in names
+    }
     return {name: reason for name, reason in reasons.items() if reason is not None}
 
 
-def runnable(names: Sequence[str], backend_of: Mapping[str, str]) -> list[str]:
+def runnable(
+    names: Sequence[str], backend_of: Mapping[str, str], precision_of: Mapping[str, str] | None = None
+) -> list[str]:
     """The ``names`` that can run here (``unavailable_reasons``), in order."""
-    unavailable = unavailable_reasons(names, backend_of)
+    unavailable = unavailable_reasons(names, backend_of, precision_of)
     return [name for name in names if name not in unavailable]
 
 

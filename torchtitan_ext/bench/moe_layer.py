@@ -32,10 +32,12 @@ from torchtitan_ext.experiments.moe_backends.expert_timing import (
     host_issue_ms,
     seeded_generator,
 )
-from torchtitan_ext.experiments.moe_backends.experts import BACKENDS, DEFAULT_BACKEND
+from torchtitan_ext.experiments.moe_backends.experts import BACKENDS, DEFAULT_BACKEND, fp8_backends
+from torchtitan_ext.experiments.moe_backends.fp8_experts import ExpertPrecision
 from torchtitan_ext.experiments.moe_backends.layer import (
     moe_layer_config,
     stock_moe_config,
+    with_expert_precision,
 )
 
 STOCK = "torchtitan"
@@ -46,7 +48,10 @@ def build(kind: str, shape: BenchShape, device, dtype) -> torch.nn.Module:
     config = (
         stock_moe_config(**shape.layer_kwargs())
         if kind == STOCK
-        else moe_layer_config(compute_backend=kind, **shape.layer_kwargs())
+        else with_expert_precision(
+            moe_layer_config(compute_backend=BACKEND_OF_KIND[kind], **shape.layer_kwargs()),
+            PRECISION_OF_KIND.get(kind, "native"),
+        )
     )
     with torch.device(device):
         layer = config.build()
@@ -216,13 +221,19 @@ def add_speedups(rows: list[dict]) -> None:
             row[f"{key}_speedup_vs_stock_compiled"] = common.speedup(compiled_ms, row[f"{key}_ms"])
 
 
-BACKEND_OF_KIND = {STOCK: DEFAULT_BACKEND, **{name: name for name in BACKENDS}}
-"""Layers measured, torchtitan's own first, then one per compute backend, and the compute backend
-each runs (torchtitan's experts: ``torch._grouped_mm``, the default backend's op)."""
+PRECISION_OF_KIND: dict[str, ExpertPrecision] = {f"{name}_fp8": "fp8_rowwise" for name in fp8_backends()}
+"""The FP8 layers: a compute backend with FP8 rowwise expert GEMMs (``moe.expert_precision``)."""
+BACKEND_OF_KIND = {
+    STOCK: DEFAULT_BACKEND,
+    **{name: name for name in BACKENDS},
+    **{kind: kind.removesuffix("_fp8") for kind in PRECISION_OF_KIND},
+}
+"""Layers measured, torchtitan's own first, then one per compute backend and one per FP8 backend,
+and the compute backend each runs (torchtitan's experts: ``torch._grouped_mm``, the default backend's op)."""
 KINDS = tuple(BACKEND_OF_KIND)
 
 
-COMPILED_BY_DEFAULT = (STOCK, "grouped_mm", "triton")
+COMPILED_BY_DEFAULT = (STOCK, "grouped_mm", "triton", *PRECISION_OF_KIND)
 """The layers given a compiled variant unless others are named: stock torchtitan's (the baseline of
 every claim) and the backends that are fast compiled. ``for_loop`` and ``batched_mm_padded`` trace
 too (data-dependent sizes as unbacked symbols) but are slow, and Inductor may refuse them: they
@@ -231,7 +242,7 @@ get a compiled variant only when named."""
 
 def default_kinds() -> list[str]:
     """Every layer that can run here."""
-    return common.runnable(KINDS, BACKEND_OF_KIND)
+    return common.runnable(KINDS, BACKEND_OF_KIND, PRECISION_OF_KIND)
 
 
 def default_compiled_kinds(kinds: Sequence[str]) -> list[str]:

@@ -15,6 +15,7 @@ as autocast does for a matmul: ``torch._grouped_mm`` and the Triton kernels are 
 autocast's list and would otherwise compute in fp32.
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -32,8 +33,9 @@ from torchtitan_ext.kernels.fused_moe import (
 )
 
 from .dispatcher import RoutingDispatcher
+from .fp8_experts import EXPERT_PRECISIONS, FP8_PRECISIONS, ExpertPrecision, fp8_grouped_experts
 from .grouped_matmul import grouped_mm, row_major
-from .validated_config import ValidatedConfig
+from .validated_config import ValidatedConfig, choice_errors
 
 ExpertCompute = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -127,13 +129,15 @@ class ComputeBackendSpec:
     tokens and the router's top-k ids and scores (``RoutedExpertCompute``) and returns the
     weighted sum over K; the MoE layer calls it instead of the dispatcher on a single device.
     ``unavailable_reason()`` says why the backend cannot run on this machine (None: it can).
-    ``syncs_with_host``: reads the expert counts on the host in every forward.
-    ``pads_rows``: pads every expert's rows to the largest expert's count.
+    ``fp8_grouped``, when set, is ``grouped`` with FP8 rowwise GEMMs (``fp8_experts``), taking
+    ``emulated=`` as a keyword. ``syncs_with_host``: reads the expert counts on the host in every
+    forward. ``pads_rows``: pads every expert's rows to the largest expert's count.
     """
 
     name: str
     grouped: ExpertCompute
     routed: RoutedExpertCompute | None = None
+    fp8_grouped: Callable[..., torch.Tensor] | None = None
     unavailable_reason: Callable[[], str | None] = lambda: None
     syncs_with_host: bool = False
     pads_rows: bool = False
@@ -194,7 +198,9 @@ def register_backend(spec: ComputeBackendSpec) -> ComputeBackendSpec:
     return spec
 
 
-DEFAULT_BACKEND = register_backend(ComputeBackendSpec(name="grouped_mm", grouped=grouped_mm_experts)).name
+DEFAULT_BACKEND = register_backend(
+    ComputeBackendSpec(name="grouped_mm", grouped=grouped_mm_experts, fp8_grouped=fp8_grouped_experts)
+).name
 register_backend(ComputeBackendSpec(name="for_loop", grouped=reference_grouped, syncs_with_host=True))
 register_backend(
     ComputeBackendSpec(
@@ -227,6 +233,36 @@ def runnable_backends() -> list[str]:
     return [name for name, spec in BACKENDS.items() if spec.unavailable_reason() is None]
 
 
+def fp8_backends() -> list[str]:
+    """The backends with FP8 rowwise expert GEMMs, in table order."""
+    return [name for name, spec in BACKENDS.items() if spec.fp8_grouped is not None]
+
+
+def precision_error(backend: str, precision: str) -> str | None:
+    """Why ``backend`` cannot compute its GEMMs in ``precision`` (None: it can)."""
+    if precision not in FP8_PRECISIONS:
+        return None
+    if resolved_at_startup(backend):
+        return (
+            "compute_backend 'auto' measures the backends in the activations' dtype, not in FP8; FP8 rowwise "
+            "experts compute with " + " or ".join(fp8_backends())
+        )
+    if backend in BACKENDS and BACKENDS[backend].fp8_grouped is None:
+        return f"compute_backend {backend!r} has no FP8 expert GEMMs; FP8 rowwise experts compute with " + " or ".join(
+            fp8_backends()
+        )
+    return None
+
+
+def expert_compute(spec: ComputeBackendSpec, precision: str) -> ExpertCompute:
+    """The grouped expert computation of backend ``spec`` in ``precision``."""
+    if precision not in FP8_PRECISIONS:
+        return spec.grouped
+    if spec.fp8_grouped is None:
+        raise ValueError(precision_error(spec.name, precision))
+    return functools.partial(spec.fp8_grouped, emulated=precision == "fp8_rowwise_emulated")
+
+
 def host_sync_backends() -> frozenset[str]:
     """Backends that read the expert counts on the host (a device sync) in every forward."""
     return frozenset(name for name, spec in BACKENDS.items() if spec.syncs_with_host)
@@ -251,20 +287,34 @@ class BackendGroupedExperts(GroupedExperts):
     class Config(ValidatedConfig, GroupedExperts.Config):
         compute_backend: ComputeBackend = DEFAULT_BACKEND
         """How the expert block is computed: a name of the backend table ``BACKENDS``."""
+        expert_precision: ExpertPrecision = "native"
+        """The expert GEMMs' precision: "native" (the activations' dtype) or FP8 rowwise (``fp8_experts``)."""
 
         def validation_errors(self, key: Callable[[str], str] = str) -> list[str]:
             """Every invalid option, one message each; ``key(field)`` is how a message names a field."""
-            error = backend_name_error(self.compute_backend)
-            return [] if error is None else [f"{key('compute_backend')} = {self.compute_backend!r}: {error}"]
+            errors = choice_errors(key, "expert_precision", self.expert_precision, EXPERT_PRECISIONS)
+            if (error := precision_error(self.compute_backend, self.expert_precision)) is not None:
+                errors.append(f"{key('expert_precision')} = {self.expert_precision!r}: {error}")
+            elif (error := backend_name_error(self.compute_backend)) is not None:
+                errors.append(f"{key('compute_backend')} = {self.compute_backend!r}: {error}")
+            return errors
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.compute_backend = config.compute_backend
+        self.expert_precision = config.expert_precision
         self.backend = get_backend(config.compute_backend)
+        if (error := precision_error(config.compute_backend, config.expert_precision)) is not None:
+            raise ValueError(f"expert_precision = {config.expert_precision!r}: {error}")
+
+    @property
+    def routed(self) -> RoutedExpertCompute | None:
+        """The backend's routed path where it computes in this precision (native only), else None."""
+        return self.backend.routed if self.expert_precision == "native" else None
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         """``x_RD`` grouped by expert, ``num_tokens_per_expert_E`` its segment sizes -> ``(R, D)``."""
-        return self.backend.grouped(
+        return expert_compute(self.backend, self.expert_precision)(
             _in_autocast_dtype(x_RD),
             _local(self.w1_EFD),
             _local(self.w2_EDF),
@@ -273,7 +323,8 @@ class BackendGroupedExperts(GroupedExperts):
         )
 
     def extra_repr(self) -> str:
-        return f"compute_backend={self.compute_backend}"
+        precision = "" if self.expert_precision == "native" else f", expert_precision={self.expert_precision}"
+        return f"compute_backend={self.compute_backend}{precision}"
 
 
 class FusedRoutedExperts(RoutedExperts):
@@ -298,7 +349,7 @@ class FusedRoutedExperts(RoutedExperts):
             return None
         if not isinstance(experts, BackendGroupedExperts):
             return None
-        return experts.backend.routed
+        return experts.routed
 
     def forward(
         self,

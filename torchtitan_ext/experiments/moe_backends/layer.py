@@ -29,6 +29,7 @@ from torchtitan.models.common.token_dispatcher import (
 
 from .dispatcher import RoutingDispatcher
 from .experts import BackendGroupedExperts, ComputeBackend, FusedRoutedExperts
+from .fp8_experts import ExpertPrecision
 from .model_shapes import ScoreFunc
 from .moe import RoutedMoE
 from .router import BalancedTopKRouter, RouterGate
@@ -125,6 +126,15 @@ def stock_moe_config(
 def moe_layer_config(*, compute_backend: ComputeBackend, **shape) -> RoutedMoE.Config:
     """``stock_moe_config(**shape)`` with this experiment's router, dispatcher and experts."""
     return use_routing(use_backend_experts(stock_moe_config(**shape), compute_backend))
+
+
+def with_expert_precision(config: RoutedMoE.Config, precision: ExpertPrecision) -> RoutedMoE.Config:
+    """``config`` (a ``moe_layer_config``) with its experts' GEMMs computing in ``precision``."""
+    experts = config.routed_experts.inner_experts
+    if not isinstance(experts, BackendGroupedExperts.Config):
+        raise TypeError(f"the layer's experts ({type(experts).__qualname__}) have no expert_precision")
+    experts.expert_precision = precision
+    return config
 
 
 def routing_dispatchers(config) -> list[RoutingDispatcher.Config]:

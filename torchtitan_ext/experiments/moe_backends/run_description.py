@@ -1,6 +1,6 @@
 """What the MoE backends experiment says about a run: its run metadata and its start-up note.
 
-``compute_backend`` and ``ep_transport`` identify a run in the metrics' run metadata
+``compute_backend``, ``expert_precision`` and ``ep_transport`` identify a run in the metrics' run metadata
 (``registry.register_run_description``); a note before training suggests ``symm_mem`` where
 every EP group fits in this host (``registry.register_startup_note``).
 """
@@ -29,6 +29,21 @@ def compute_backend_of_run(config) -> dict:
             }
         )
     return {"compute_backend": backends[0] if len(backends) == 1 else backends}
+
+
+@register_run_description
+def expert_precision_of_run(config) -> dict:
+    """``expert_precision`` of the run metadata: the expert GEMMs' precision of every experts module of
+    the project ("native" for torchtitan's own), one name when they agree."""
+    precisions = []
+    if config.model_spec is not None:
+        precisions = sorted(
+            {
+                experts.expert_precision if isinstance(experts, BackendGroupedExperts.Config) else "native"
+                for _, experts, _, _ in config.model_spec.model.traverse(GroupedExperts.Config)
+            }
+        )
+    return {"expert_precision": precisions[0] if len(precisions) == 1 else precisions}
 
 
 @register_run_description

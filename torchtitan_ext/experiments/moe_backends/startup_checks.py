@@ -21,9 +21,11 @@ from torchtitan_ext.validation import named
 from .auto_backend import AUTO_COMMAND_OUTLINE, AutoBackendError, UncachedAutoChoice, resolve_auto_compute_backend
 from .dispatcher import RoutingDispatcher
 from .experts import BackendGroupedExperts, backend_unavailable_reason, resolved_at_startup, runnable_backends
+from .fp8_experts import fp8_unavailable_reason
 from .layer import routing_dispatchers
 from .moe import RoutedMoE
 from .router import BalancedTopKRouter
+from .torchtitan_features import adopt_torchtitan_float8_experts
 
 VALIDATED_CONFIGS = (
     RoutedMoE.Config,
@@ -35,6 +37,9 @@ VALIDATED_CONFIGS = (
 their problems are listed."""
 
 
+register_config_check(adopt_torchtitan_float8_experts)
+
+
 def option_key(field: str) -> str:
     """How the start-up checks name an option of a MoE layer: its ``moe.*`` key and where its value came from."""
     return named(f"moe.{field}")
@@ -42,10 +47,15 @@ def option_key(field: str) -> str:
 
 def validated_nodes(model_config):
     """Every node of ``VALIDATED_CONFIGS`` in the model config, but experts whose backend is still
-    resolved at start-up ("auto": ``resolve_auto_backend`` runs after this check)."""
+    resolved at start-up ("auto": ``resolve_auto_backend`` runs after this check) in native precision
+    (with FP8 their precision check refuses "auto")."""
     for config_class in VALIDATED_CONFIGS:
         for _, node, _, _ in model_config.traverse(config_class):
-            if not (isinstance(node, BackendGroupedExperts.Config) and resolved_at_startup(node.compute_backend)):
+            if not (
+                isinstance(node, BackendGroupedExperts.Config)
+                and resolved_at_startup(node.compute_backend)
+                and node.expert_precision == "native"
+            ):
                 yield node
 
 
@@ -84,15 +94,18 @@ def check_compute_backends_run_here(config) -> None:
     backend the flavor chose is named as its default, with one that runs here."""
     if config.model_spec is None:
         return
-    names = {
-        experts.compute_backend for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)
-    }
+    experts = [experts for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)]
     chosen_by = "" if value_source("moe.compute_backend") else " (the flavor's default)"
     errors = [
         f"{option_key('compute_backend')} = {name!r}{chosen_by}: {reason}; "
         f"--moe.compute_backend {runnable_backends()[0]} runs here"
-        for name in sorted(names)
+        for name in sorted({e.compute_backend for e in experts})
         if (reason := backend_unavailable_reason(name)) is not None
+    ]
+    errors += [
+        f"{option_key('expert_precision')} = {precision!r}: {reason}"
+        for precision in sorted({e.expert_precision for e in experts})
+        if (reason := fp8_unavailable_reason(precision)) is not None
     ]
     if errors:
         raise ConfigError("\n".join(errors))
@@ -100,8 +113,12 @@ def check_compute_backends_run_here(config) -> None:
 
 @register_config_check
 def resolve_auto_backend(config) -> None:
-    """Before training: ``moe.compute_backend = "auto"`` becomes the fastest backend here."""
+    """Before training: ``moe.compute_backend = "auto"`` becomes the fastest backend here (not with FP8
+    experts, which ``check_moe_config`` refuses with "auto": nothing is measured for a run that cannot start)."""
     if config.model_spec is None:
+        return
+    experts = [e for _, e, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)]
+    if any(resolved_at_startup(e.compute_backend) and e.expert_precision != "native" for e in experts):
         return
     try:
         resolve_auto_compute_backend(config)

@@ -11,6 +11,7 @@ from torchtitan_ext.config.short_keys import register_short_key
 
 from .dispatcher import EPReceiveRows, EPTransport, PermuteBackend, RoutingDispatcher
 from .experts import BackendGroupedExperts, ComputeBackendChoice
+from .fp8_experts import ExpertPrecision
 from .model_shapes import ScoreFunc
 from .moe import AuxLossType, RoutedMoE
 
@@ -21,11 +22,27 @@ from .moe import AuxLossType, RoutedMoE
     "expert compute backend of every MoE layer (auto: fastest here, chosen at start-up)",
 )
 def set_compute_backend(config, backend: str) -> None:
-    experts = list(config.model_spec.model.traverse(BackendGroupedExperts.Config))
+    for experts in experts_configs(config, "moe.compute_backend"):
+        experts.compute_backend = backend
+
+
+@register_short_key(
+    "moe.expert_precision",
+    ExpertPrecision,
+    "expert GEMMs: native (the activations' dtype), fp8_rowwise (e4m3, rowwise scales; CUDA 9.0+, grouped_mm) "
+    "or fp8_rowwise_emulated (the same numerics in fp32, any device)",
+)
+def set_expert_precision(config, precision: ExpertPrecision) -> None:
+    for experts in experts_configs(config, "moe.expert_precision"):
+        experts.expert_precision = precision
+
+
+def experts_configs(config, key: str) -> list[BackendGroupedExperts.Config]:
+    """Every ``BackendGroupedExperts.Config`` of the model; ConfigError naming ``key`` when there is none."""
+    experts = [experts for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)]
     if not experts:
-        raise ConfigError("moe.compute_backend: this flavor's model has no backend-switchable experts")
-    for _, experts_config, _, _ in experts:
-        experts_config.compute_backend = backend
+        raise ConfigError(f"{key}: this flavor's model has no backend-switchable experts")
+    return experts
 
 
 def moe_configs(config, key: str) -> list[RoutedMoE.Config]:

@@ -15,11 +15,14 @@ layers cannot honour is refused with the reason (exit 2), never silently ignored
   backends (they read expert counts) and, under expert parallelism, unless every dispatcher is
   sync-free (``moe.ep_transport = "symm_mem"`` with ``moe.ep_receive_rows = "static"``; torchtitan's
   own check is told so by ``compat.cuda_graph_dispatchers``).
-- Quantizing converters (torchtitan's float8 / MXFP8 grouped-experts converters) subclass
-  the experts module but this experiment's experts compute through their backend function,
-  so the model would keep computing in bf16: refused.
+- Quantizing converters subclass the experts module, but this experiment's experts compute
+  through their backend function. torchtitan's float8 grouped-experts converter
+  (``Float8GroupedExpertsConverter``, rowwise) is taken as ``moe.expert_precision =
+  "fp8_rowwise"`` (``adopt_torchtitan_float8_experts``); any other (MXFP8, ...) would leave the
+  model computing in bf16: refused.
 """
 
+from torchtitan.config.override import derive
 from torchtitan.models.common.moe import GroupedExperts
 
 from torchtitan_ext.config import ConfigError
@@ -27,6 +30,7 @@ from torchtitan_ext.config.checks import register_config_check
 
 from .dispatcher import RoutingDispatcher
 from .experts import BackendGroupedExperts, host_sync_backends
+from .moe import RoutedMoE
 
 SUPPORTED_SPMD_BACKEND = "partial_dtensor"
 
@@ -48,6 +52,42 @@ def cuda_graph_blockers(config) -> list[str]:
             "moe.ep_receive_rows = 'static')"
         )
     return reasons
+
+
+TORCHTITAN_FLOAT8_MODULE = "torchtitan.components.quantization.float8"
+"""Where torchtitan defines ``Float8GroupedExpertsConverter`` and the experts subclasses it builds."""
+
+
+def is_torchtitan_float8_experts(experts_config) -> bool:
+    """True for the experts config torchtitan's float8 converter made of a ``BackendGroupedExperts.Config``."""
+    owner = getattr(type(experts_config), "_owner", None)
+    return (
+        isinstance(experts_config, BackendGroupedExperts.Config)
+        and type(experts_config) is not BackendGroupedExperts.Config
+        and owner is not None
+        and owner.__module__ == TORCHTITAN_FLOAT8_MODULE
+    )
+
+
+def adopt_torchtitan_float8_experts(config) -> None:
+    """Before the other start-up checks: the MoE layers torchtitan's ``Float8GroupedExpertsConverter``
+    converted compute their experts with ``expert_precision = "fp8_rowwise"`` in this experiment's
+    experts module (its torchao subclass is not built), and route through this experiment's
+    dispatcher again (the converter's padding dispatcher is not needed: the FP8 weight gradient is
+    computed in high precision, so expert groups need no 16-row alignment)."""
+    if config.model_spec is None:
+        return
+    for _, moe, _, _ in config.model_spec.model.traverse(RoutedMoE.Config):
+        routed = moe.routed_experts
+        experts = routed.inner_experts
+        if not is_torchtitan_float8_experts(experts):
+            continue
+        routed.inner_experts = derive(experts, BackendGroupedExperts.Config, expert_precision="fp8_rowwise")
+        if not isinstance(routed.token_dispatcher, RoutingDispatcher.Config):
+            dispatcher = routed.token_dispatcher
+            routed.token_dispatcher = RoutingDispatcher.Config(
+                num_experts=dispatcher.num_experts, top_k=dispatcher.top_k
+            )
 
 
 @register_config_check
@@ -72,8 +112,9 @@ def check_torchtitan_features(config) -> None:
         if type(experts) is not BackendGroupedExperts.Config:
             errors.append(
                 f"{fqn or 'model'}: experts config {type(experts).__qualname__} (from a quantizing "
-                "converter such as float8 / MXFP8 grouped experts) is not supported: this experiment's "
-                "experts compute through their compute_backend and would silently stay in bf16"
+                "converter such as MXFP8 grouped experts) is not supported: this experiment's experts compute "
+                "through their compute_backend and would silently stay in bf16 (FP8 rowwise experts: "
+                "moe.expert_precision = 'fp8_rowwise', or torchtitan's Float8GroupedExpertsConverter)"
             )
             break
     if errors:

@@ -1,0 +1,182 @@
+"""FP8 rowwise experts on CPU: the quantisation rule, the emulated GEMMs held to the plain-torch
+reference (forward and every gradient), compiled equal to eager, and the switches (``moe.expert_precision``
+and torchtitan's float8 grouped-experts converter) with their refusals. GPU: test_fp8_experts_gpu.py."""
+
+import logging
+
+import pytest
+import torch
+from helpers import model_config, nested_configs
+from torchtitan.components.quantization.float8 import Float8GroupedExpertsConverter
+from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+from torchtitan_ext.bench.common import relative_error
+from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config.checks import run_config_checks
+from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
+from torchtitan_ext.experiments.moe_backends.ep_check import seeded_layer
+from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts, grouped_mm_experts
+from torchtitan_ext.experiments.moe_backends.fp8_experts import (
+    E4M3_MAX,
+    fp8_grouped_experts,
+    quantize_dequantize,
+    quantize_rowwise,
+    reference_fp8_experts,
+)
+from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config, with_expert_precision
+from torchtitan_ext.experiments.moe_backends.torchtitan_features import adopt_torchtitan_float8_experts
+from torchtitan_ext.registry import get_flavor
+from torchtitan_ext.run_training import FlavorConfigManager
+
+COUNT_CASES = {"mixed_with_an_empty_expert": [9, 0, 17, 6], "one_expert": [13], "one_row_each": [1, 1, 1]}
+
+
+def expert_inputs(counts: list[int], dim: int, hidden: int, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    experts = len(counts)
+    shapes = [(sum(counts), dim), (experts, hidden, dim), (experts, dim, hidden), (experts, hidden, dim)]
+    scales = [1.0, dim**-0.5, hidden**-0.5, dim**-0.5]
+    return [(torch.randn(*s, generator=generator) * c).requires_grad_() for s, c in zip(shapes, scales, strict=True)]
+
+
+def forward_and_gradients(compute, inputs: list[torch.Tensor], counts: list[int], **kwargs) -> list[torch.Tensor]:
+    out = compute(*inputs, torch.tensor(counts), **kwargs)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    return [out.detach(), *torch.autograd.grad(out, inputs, grad)]
+
+
+def test_rowwise_scales_are_powers_of_two_and_fill_the_e4m3_range():
+    x = torch.tensor([[3.0, -0.5, 0.25], [0.0, 0.0, 0.0], [1e-3, 2e-3, -4e-3], [500.0, 1.0, -1.0]])
+    values, inverse = quantize_rowwise(x)
+    assert values.dtype == torch.float8_e4m3fn and inverse.shape == (4, 1)
+    assert torch.equal(torch.exp2(torch.log2(inverse).round()), inverse)
+    row_amax = values.float().abs().amax(dim=-1)
+    assert torch.all((row_amax[[0, 2, 3]] > E4M3_MAX / 2) & (row_amax[[0, 2, 3]] <= E4M3_MAX))
+    assert torch.equal(values[1].float(), torch.zeros(3))
+    assert torch.equal(quantize_dequantize(x[[0]]), torch.tensor([[3.0, -0.5, 0.25]]))  # exact in e4m3
+
+
+def test_quantize_dequantize_rounds_to_three_mantissa_bits():
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    rounded = quantize_dequantize(x)
+    normal = x.abs() > x.abs().amax(dim=-1, keepdim=True) * 2**-6  # e4m3 normals below the row's amax
+    assert torch.all((rounded - x).abs()[normal] <= x.abs()[normal] * 2**-4)
+    assert (rounded - x).abs().max() > 0
+
+
+@pytest.mark.parametrize("case", COUNT_CASES)
+@pytest.mark.parametrize("dim, hidden", [(32, 48), (40, 24)], ids=["aligned", "padded"])
+def test_emulated_fp8_experts_equal_the_reference(case, dim, hidden):
+    counts = COUNT_CASES[case]
+    inputs = expert_inputs(counts, dim, hidden)
+    emulated = forward_and_gradients(fp8_grouped_experts, inputs, counts, emulated=True)
+    reference = forward_and_gradients(reference_fp8_experts, inputs, counts)
+    for name, actual, expected in zip(["out", "x", "w1", "w2", "w3"], emulated, reference, strict=True):
+        assert relative_error(actual, expected) <= 1e-6, name
+
+
+def test_fp8_experts_differ_from_native_by_e4m3_rounding():
+    """FP8 is really on (not bf16 under another name): every output and gradient moves by a few percent."""
+    counts = COUNT_CASES["mixed_with_an_empty_expert"]
+    inputs = expert_inputs(counts, 64, 96)
+    fp8 = forward_and_gradients(fp8_grouped_experts, inputs, counts, emulated=True)
+    native = forward_and_gradients(grouped_mm_experts, inputs, counts)
+    for name, actual, expected in zip(["out", "x", "w1", "w2", "w3"], fp8, native, strict=True):
+        assert 1e-3 < relative_error(actual, expected) < 0.15, name
+
+
+def test_compiled_fp8_experts_equal_eager():
+    counts = COUNT_CASES["mixed_with_an_empty_expert"]
+    inputs = expert_inputs(counts, 40, 24)
+    eager = forward_and_gradients(fp8_grouped_experts, inputs, counts, emulated=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(fp8_grouped_experts, fullgraph=True, backend="aot_eager")
+    for name, actual, expected in zip(
+        ["out", "x", "w1", "w2", "w3"],
+        forward_and_gradients(compiled, inputs, counts, emulated=True),
+        eager,
+        strict=True,
+    ):
+        assert relative_error(actual, expected) <= 1e-6, name
+
+
+def test_a_layer_built_with_fp8_computes_in_fp8():
+    shape = {"dim": 32, "hidden_dim": 48, "num_experts": 4, "top_k": 2}
+    native = seeded_layer(moe_layer_config(compute_backend="grouped_mm", **shape))
+    fp8 = seeded_layer(
+        with_expert_precision(moe_layer_config(compute_backend="grouped_mm", **shape), "fp8_rowwise_emulated")
+    )
+    x = torch.randn(2, 8, 32)
+    assert "expert_precision=fp8_rowwise_emulated" in repr(fp8)
+    assert 1e-3 < relative_error(fp8(x), native(x)) < 0.15
+
+
+def parse(monkeypatch, *args: str):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return FlavorConfigManager().parse_args([*args, "--training.steps", "1"])
+
+
+def precisions(config) -> set[str]:
+    return {e.expert_precision for e in nested_configs(config, BackendGroupedExperts.Config)}
+
+
+def test_expert_precision_key_sets_every_layer_and_the_start_up_line_says_so(monkeypatch, caplog):
+    with caplog.at_level(logging.INFO):
+        config = parse(monkeypatch, "--flavor", "tiny-moe-grouped-mm", "--moe.expert_precision", "fp8_rowwise_emulated")
+    assert precisions(config) == {"fp8_rowwise_emulated"}
+    assert "compute_backend=grouped_mm, expert_precision=fp8_rowwise_emulated," in caplog.text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of FP8 GEMMs without CUDA")
+def test_fp8_on_cpu_is_refused_naming_the_emulation(monkeypatch):
+    with pytest.raises(
+        ConfigError, match=r"moe\.expert_precision = 'fp8_rowwise'.*need a CUDA GPU.*fp8_rowwise_emulated"
+    ):
+        parse(monkeypatch, "--flavor", "tiny-moe-grouped-mm", "--moe.expert_precision", "fp8_rowwise")
+
+
+@pytest.mark.parametrize("backend", ["triton", "for_loop", "batched_mm_padded", "auto"])
+def test_backends_without_fp8_gemms_are_refused_naming_the_one_with(monkeypatch, backend):
+    args = ["--flavor", "tiny-moe-grouped-mm", "--moe.compute_backend", backend]
+    with pytest.raises(ConfigError, match=r"expert_precision = 'fp8_rowwise_emulated'.*compute with grouped_mm"):
+        parse(monkeypatch, *args, "--moe.expert_precision", "fp8_rowwise_emulated")
+
+
+def test_an_unknown_precision_is_refused_with_the_choices(monkeypatch):
+    with pytest.raises(ConfigError, match="fp8_rowwise_emulated"):
+        parse(monkeypatch, "--flavor", "tiny-moe-grouped-mm", "--moe.expert_precision", "fp8")
+
+
+def float8_converted(flavor: str):
+    """The flavor's config after torchtitan's ``Float8GroupedExpertsConverter`` (its ``convert``; its
+    constructor asks for torchao and an SM89+ GPU, which the CPU tests lack)."""
+    config = get_flavor(flavor).build()
+    converter = object.__new__(Float8GroupedExpertsConverter)
+    assert config.model_spec is not None
+    config.model_spec.model = converter.convert(model_config(config))
+    return config
+
+
+def test_torchtitans_float8_converter_switches_the_experts_to_fp8_rowwise():
+    config = float8_converted("tiny-moe-grouped-mm")
+
+    def experts_and_dispatchers():
+        return nested_configs(config, BackendGroupedExperts.Config), nested_configs(
+            config, AllToAllTokenDispatcher.Config
+        )
+
+    experts, dispatchers = experts_and_dispatchers()
+    assert experts and all(type(e) is not BackendGroupedExperts.Config for e in experts)
+    assert dispatchers and not any(isinstance(d, RoutingDispatcher.Config) for d in dispatchers)
+    adopt_torchtitan_float8_experts(config)
+    experts, dispatchers = experts_and_dispatchers()
+    assert all(type(e) is BackendGroupedExperts.Config and e.expert_precision == "fp8_rowwise" for e in experts)
+    assert all(type(d) is RoutingDispatcher.Config for d in dispatchers)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of FP8 GEMMs without CUDA")
+def test_torchtitans_float8_converter_on_cpu_is_refused_as_fp8_not_run_in_bf16(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match=r"expert_precision = 'fp8_rowwise'.*need a CUDA GPU"):
+        run_config_checks(float8_converted("tiny-moe-grouped-mm"))

@@ -1,0 +1,60 @@
+"""FP8 rowwise experts on the GPU (``torch._scaled_grouped_mm``, compute capability 9.0+): held to the
+plain-torch reference and to the fp32 emulation in bf16, forward and every gradient, eager and compiled."""
+
+import pytest
+import torch
+
+from torchtitan_ext.bench.common import relative_error
+from torchtitan_ext.experiments.moe_backends.fp8_experts import (
+    fp8_grouped_experts,
+    fp8_unavailable_reason,
+    reference_fp8_experts,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(fp8_unavailable_reason("fp8_rowwise") is not None, reason="needs a CUDA GPU of 9.0+"),
+]
+
+NAMES = ["out", "x", "w1", "w2", "w3"]
+COUNTS = [37, 0, 128, 5, 90, 1]
+
+
+def expert_inputs(dim: int, hidden: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    experts = len(COUNTS)
+    shapes = [(sum(COUNTS), dim), (experts, hidden, dim), (experts, dim, hidden), (experts, hidden, dim)]
+    scales = [1.0, dim**-0.5, hidden**-0.5, dim**-0.5]
+    return [
+        (torch.randn(*shape, generator=generator) * scale).to("cuda", torch.bfloat16).requires_grad_()
+        for shape, scale in zip(shapes, scales, strict=True)
+    ]
+
+
+def forward_and_gradients(compute, inputs: list[torch.Tensor], **kwargs) -> list[torch.Tensor]:
+    out = compute(*inputs, torch.tensor(COUNTS, device="cuda"), **kwargs)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
+    return [out.detach(), *torch.autograd.grad(out, inputs, grad)]
+
+
+@pytest.mark.parametrize("dim, hidden", [(256, 128), (200, 72)], ids=["aligned", "padded"])
+def test_fp8_experts_agree_with_the_reference_and_the_emulation(dim, hidden):
+    inputs = expert_inputs(dim, hidden)
+    fp8 = forward_and_gradients(fp8_grouped_experts, inputs, emulated=False)
+    emulated = forward_and_gradients(fp8_grouped_experts, inputs, emulated=True)
+    reference = forward_and_gradients(reference_fp8_experts, inputs)
+    for name, actual, like, expected in zip(NAMES, fp8, emulated, reference, strict=True):
+        assert actual.dtype == torch.bfloat16 and torch.isfinite(actual).all(), name
+        assert relative_error(actual, like) <= 1e-2, name
+        assert relative_error(actual, expected) <= 3e-2, name
+
+
+def test_compiled_fp8_experts_equal_eager():
+    inputs = expert_inputs(256, 128)
+    eager = forward_and_gradients(fp8_grouped_experts, inputs, emulated=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(fp8_grouped_experts, fullgraph=True)
+    for name, actual, expected in zip(
+        NAMES, forward_and_gradients(compiled, inputs, emulated=False), eager, strict=True
+    ):
+        assert relative_error(actual, expected) <= 1e-2, name

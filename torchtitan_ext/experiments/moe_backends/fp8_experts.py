@@ -1,0 +1,184 @@
+"""FP8 rowwise expert GEMMs: e4m3 operands scaled per row along the contraction dimension.
+
+The recipe (``moe.expert_precision = "fp8_rowwise"``), per grouped GEMM ``y = a @ w[e].T``:
+
+- forward: ``a`` [R, K] scaled per row, ``w`` [E, N, K] per (expert, output row), both along K;
+  e4m3 operands, fp32 accumulation, output in the activations' dtype (bf16 under FSDP);
+- input gradient ``d a = d y @ w[e]``: ``d y`` [R, N] per row, ``w`` per (expert, column), both
+  along N, in e4m3 as the forward;
+- weight gradient ``d w[e] = d y[rows of e].T @ a[rows of e]`` in the activations' dtype (high
+  precision, torchao's ``rowwise_with_gw_hp`` recipe for linear layers): its contraction runs over
+  each expert's tokens, whose per-expert scales would need 16-row aligned groups.
+
+Scales are powers of two (``2^floor(log2(448 / amax))``), so dequantising is exact and the
+reference, the emulation and the GPU kernels see the same e4m3 values. ``fp8_rowwise`` computes
+the GEMMs with ``torch._scaled_grouped_mm`` (CUDA, compute capability 9.0+);
+``fp8_rowwise_emulated`` quantises identically and computes each GEMM from the dequantised
+operands in fp32 (any device: the CPU tests' path, and a numerics check without such a GPU).
+``reference_fp8_experts`` is the plain-torch definition both are held to.
+"""
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from .grouped_matmul import grouped_mm, row_major
+
+ExpertPrecision = Literal["native", "fp8_rowwise", "fp8_rowwise_emulated"]
+"""How the expert GEMMs compute: in the activations' dtype, in FP8 rowwise on the GPU, or FP8
+rowwise emulated in fp32 (module docstring)."""
+
+EXPERT_PRECISIONS: tuple[str, ...] = ("native", "fp8_rowwise", "fp8_rowwise_emulated")
+FP8_PRECISIONS: tuple[str, ...] = ("fp8_rowwise", "fp8_rowwise_emulated")
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max
+FP8_ALIGN = 16
+"""``torch._scaled_grouped_mm`` needs K and N in multiples of 16 elements (16 bytes of e4m3)."""
+SMALLEST_AMAX = 1e-12
+"""The amax a row of zeros is scaled as (any positive value: its e4m3 values are zeros)."""
+
+
+def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [..., K] -> (e4m3 values [..., K], fp32 inverse scales [..., 1]) with
+    ``x ~= values * inverse``; one power-of-two scale per row along the last dimension."""
+    x32 = x.float()
+    amax = x32.abs().amax(dim=-1, keepdim=True).clamp(min=SMALLEST_AMAX)
+    scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
+    values = (x32 * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return values, scale.reciprocal()
+
+
+def quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to e4m3 with rowwise scales along its last dimension, in fp32."""
+    values, inverse = quantize_rowwise(x)
+    return values.float() * inverse
+
+
+def scaled_grouped_gemm(
+    a_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor, out_dtype: torch.dtype, *, emulated: bool
+) -> torch.Tensor:
+    """``a_RK @ w_ENK[e].T`` over the row groups ending at ``offsets_E``, both operands quantised
+    rowwise along K -> [R, N] in ``out_dtype``. K and N must be multiples of ``FP8_ALIGN``."""
+    a_values, a_inverse = quantize_rowwise(a_RK)
+    w_values, w_inverse = quantize_rowwise(w_ENK)
+    if emulated:
+        dequantized_w = (w_values.float() * w_inverse).transpose(-2, -1)
+        return grouped_mm(a_values.float() * a_inverse, dequantized_w, offsets_E).to(out_dtype)
+    return torch._scaled_grouped_mm(
+        a_values,
+        w_values.transpose(-2, -1),
+        a_inverse.squeeze(-1),
+        w_inverse.squeeze(-1),
+        offsets_E,
+        out_dtype=out_dtype,
+    )
+
+
+class Fp8GroupedLinear(torch.autograd.Function):
+    """``a_RK @ w_ENK[e].T`` in FP8 rowwise with the gradients of the module docstring's recipe."""
+
+    @staticmethod
+    def forward(ctx, a_RK, w_ENK, offsets_E, emulated: bool):
+        ctx.save_for_backward(a_RK, w_ENK, offsets_E)
+        ctx.emulated = emulated
+        return scaled_grouped_gemm(a_RK, w_ENK, offsets_E, a_RK.dtype, emulated=emulated)
+
+    @staticmethod
+    # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); torch documents one argument per output
+    def backward(ctx, grad_RN):
+        a_RK, w_ENK, offsets_E = ctx.saved_tensors
+        grad_RN = row_major(grad_RN)
+        grad_a = grad_w = None
+        if ctx.needs_input_grad[0]:
+            w_EKN = w_ENK.transpose(-2, -1).contiguous()
+            grad_a = scaled_grouped_gemm(grad_RN, w_EKN, offsets_E, a_RK.dtype, emulated=ctx.emulated)
+        if ctx.needs_input_grad[1]:
+            grad_w = grouped_mm(grad_RN.transpose(0, 1), a_RK, offsets_E)
+        return grad_a, grad_w, None, None
+
+
+def _pad_last_dims(t: torch.Tensor, dims: int) -> torch.Tensor:
+    """Zero-pad the last ``dims`` dimensions of ``t`` to multiples of ``FP8_ALIGN`` (zeros change no result)."""
+    pad: list[int] = []
+    for size in reversed(t.shape[-dims:]):
+        pad += [0, -size % FP8_ALIGN]
+    return F.pad(t, pad) if any(pad) else t
+
+
+def fp8_grouped_experts(
+    x_RD: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    num_tokens_per_expert_E: torch.Tensor,
+    *,
+    emulated: bool,
+) -> torch.Tensor:
+    """The SwiGLU expert block (``experts`` module docstring) with FP8 rowwise GEMMs; rows grouped
+    by expert, no host sync. D and F are zero-padded to multiples of 16 and the output cut back."""
+    dtype = x_RD.dtype
+    dim = x_RD.shape[1]
+    offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+
+    def linear(a_RK: torch.Tensor, w_ENK: torch.Tensor) -> torch.Tensor:
+        return Fp8GroupedLinear.apply(a_RK, _pad_last_dims(w_ENK.to(dtype), 2), offsets_E, emulated)
+
+    x_RD = row_major(_pad_last_dims(x_RD, 1))
+    h_RF = F.silu(linear(x_RD, w1_EFD)) * linear(x_RD, w3_EFD)
+    return linear(h_RF, w2_EDF)[:, :dim]
+
+
+class _ReferenceFp8Linear(torch.autograd.Function):
+    """``a @ w.T`` of one expert in fp32 from e4m3-rounded operands; gradients per the recipe."""
+
+    @staticmethod
+    def forward(ctx, a_MK, w_NK):
+        ctx.save_for_backward(a_MK, w_NK)
+        return quantize_dequantize(a_MK) @ quantize_dequantize(w_NK).T
+
+    @staticmethod
+    # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); torch documents one argument per output
+    def backward(ctx, grad_MN):
+        a_MK, w_NK = ctx.saved_tensors
+        grad_a = quantize_dequantize(grad_MN) @ quantize_dequantize(w_NK.T).T
+        return grad_a, grad_MN.T @ a_MK
+
+
+def reference_fp8_experts(
+    x_RD: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    num_tokens_per_expert_E: torch.Tensor,
+) -> torch.Tensor:
+    """The FP8 rowwise expert block in plain torch: one expert at a time, every GEMM in fp32 from
+    quantised-dequantised operands (host sync; for tests). Output in ``x_RD``'s dtype."""
+    outputs = []
+    start = 0
+    for expert, count in enumerate(num_tokens_per_expert_E.tolist()):
+        x_MD = x_RD[start : start + count].float()
+        start += count
+        gate = _ReferenceFp8Linear.apply(x_MD, w1_EFD[expert].float())
+        up = _ReferenceFp8Linear.apply(x_MD, w3_EFD[expert].float())
+        outputs.append(_ReferenceFp8Linear.apply(F.silu(gate) * up, w2_EDF[expert].float()))
+    return torch.cat(outputs).to(x_RD.dtype)
+
+
+def fp8_unavailable_reason(precision: str) -> str | None:
+    """Why ``precision`` cannot compute on this machine (None: it can)."""
+    if precision != "fp8_rowwise":
+        return None
+    if not torch.cuda.is_available():
+        return (
+            "FP8 expert GEMMs need a CUDA GPU of compute capability 9.0 or newer (H100, H200), and CUDA is not "
+            "available; moe.expert_precision = 'fp8_rowwise_emulated' computes the same numerics in fp32 here"
+        )
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        return (
+            f"FP8 expert GEMMs (torch._scaled_grouped_mm) need compute capability 9.0 or newer (H100, H200); "
+            f"this GPU has {major}.{minor}"
+        )
+    return None
