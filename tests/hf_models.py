@@ -137,11 +137,24 @@ def write_corpus(folder: Path, records: int = 4, stories_per_record: int = 10) -
     return folder
 
 
+def without_checkpoint_options(args: list[str]) -> list[str]:
+    """``args`` without any ``--checkpoint.*`` option and its value (the options that take one)."""
+    kept: list[str] = []
+    skip_value = False
+    for arg in args:
+        if skip_value and not arg.startswith("--"):
+            skip_value = False
+            continue
+        skip_value = arg.startswith("--checkpoint.")
+        if not skip_value:
+            kept.append(arg)
+    return kept
+
+
 def first_step_loss_of_transformers(hf_model, args: list[str], world: int) -> float:
     """transformers' mean token loss over every rank's first batch, read by torchtitan's dataloader
     (the run's config, read again after the run: without its checkpoint, which would be a resume)."""
-    checkpointing = ("--checkpoint.enable", "--checkpoint.initial_load_in_hf")
-    config = FlavorConfigManager().parse_args([arg for arg in args if arg not in checkpointing])
+    config = FlavorConfigManager().parse_args(without_checkpoint_options(args))
     tokenizer = config.tokenizer.build(tokenizer_path=config.hf_assets_path)
     total, count = 0.0, 0
     for rank in range(world):

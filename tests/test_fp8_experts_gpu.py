@@ -57,4 +57,4 @@ def test_compiled_fp8_experts_equal_eager():
     for name, actual, expected in zip(
         NAMES, forward_and_gradients(compiled, inputs, emulated=False), eager, strict=True
     ):
-        assert relative_error(actual, expected) <= 1e-2, name
+        assert relative_error(actual, expected) <= 3e-2, name
