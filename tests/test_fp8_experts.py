@@ -10,9 +10,9 @@ from helpers import model_config, nested_configs
 from torchtitan.components.quantization.float8 import Float8GroupedExpertsConverter
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
+from torchtitan_ext import registry
 from torchtitan_ext.bench.common import relative_error
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.config.checks import run_config_checks
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.ep_check import seeded_layer
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts, grouped_mm_experts
@@ -24,8 +24,7 @@ from torchtitan_ext.experiments.moe_backends.fp8_experts import (
     reference_fp8_experts,
 )
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config, with_expert_precision
-from torchtitan_ext.experiments.moe_backends.torchtitan_features import adopt_torchtitan_float8_experts
-from torchtitan_ext.registry import get_flavor
+from torchtitan_ext.registry import Flavor, get_flavor
 from torchtitan_ext.run_training import FlavorConfigManager
 
 COUNT_CASES = {"mixed_with_an_empty_expert": [9, 0, 17, 6], "one_expert": [13], "one_row_each": [1, 1, 1]}
@@ -148,35 +147,54 @@ def test_an_unknown_precision_is_refused_with_the_choices(monkeypatch):
         parse(monkeypatch, "--flavor", "tiny-moe-grouped-mm", "--moe.expert_precision", "fp8")
 
 
-def float8_converted(flavor: str):
-    """The flavor's config after torchtitan's ``Float8GroupedExpertsConverter`` (its ``convert``; its
-    constructor asks for torchao and an SM89+ GPU, which the CPU tests lack)."""
-    config = get_flavor(flavor).build()
-    converter = object.__new__(Float8GroupedExpertsConverter)
-    assert config.model_spec is not None
-    config.model_spec.model = converter.convert(model_config(config))
-    return config
+def float8_converted_flavor(monkeypatch, base: str = "tiny-moe-grouped-mm") -> str:
+    """A flavor registered for the test: ``base`` through torchtitan's ``Float8GroupedExpertsConverter``
+    (its ``convert``; its constructor asks for torchao and an SM89+ GPU, which the CPU tests lack)."""
+    base_flavor = get_flavor(base)
+
+    def tiny_moe_float8_converted():
+        config = base_flavor.build()
+        assert config.model_spec is not None
+        config.model_spec.model = object.__new__(Float8GroupedExpertsConverter).convert(model_config(config))
+        return config
+
+    name = f"{base}-float8-converted"
+    monkeypatch.setitem(
+        registry._FLAVORS, name, Flavor(name, "test", base_flavor.experiment, tiny_moe_float8_converted)
+    )
+    return name
 
 
-def test_torchtitans_float8_converter_switches_the_experts_to_fp8_rowwise():
-    config = float8_converted("tiny-moe-grouped-mm")
-
-    def experts_and_dispatchers():
-        return nested_configs(config, BackendGroupedExperts.Config), nested_configs(
-            config, AllToAllTokenDispatcher.Config
-        )
-
-    experts, dispatchers = experts_and_dispatchers()
+def test_torchtitans_float8_converter_switches_the_experts_to_fp8_rowwise(monkeypatch):
+    flavor = get_flavor(float8_converted_flavor(monkeypatch))
+    converted = flavor.build()
+    experts = nested_configs(converted, BackendGroupedExperts.Config)
+    dispatchers = nested_configs(converted, AllToAllTokenDispatcher.Config)
     assert experts and all(type(e) is not BackendGroupedExperts.Config for e in experts)
     assert dispatchers and not any(isinstance(d, RoutingDispatcher.Config) for d in dispatchers)
-    adopt_torchtitan_float8_experts(config)
-    experts, dispatchers = experts_and_dispatchers()
+    adopted = flavor.build_config()
+    experts = nested_configs(adopted, BackendGroupedExperts.Config)
     assert all(type(e) is BackendGroupedExperts.Config and e.expert_precision == "fp8_rowwise" for e in experts)
-    assert all(type(d) is RoutingDispatcher.Config for d in dispatchers)
+    assert all(type(d) is RoutingDispatcher.Config for d in nested_configs(adopted, AllToAllTokenDispatcher.Config))
+
+
+def test_the_converted_flavor_takes_the_moe_keys(monkeypatch):
+    """The converter's choice is the starting point: TOML files and the command line set the rest."""
+    flavor = float8_converted_flavor(monkeypatch)
+    config = parse(
+        monkeypatch,
+        "--flavor",
+        flavor,
+        "--moe.expert_precision",
+        "fp8_rowwise_emulated",
+        "--moe.permute_backend",
+        "torch",
+    )
+    assert precisions(config) == {"fp8_rowwise_emulated"}
+    assert {d.permute_backend for d in nested_configs(config, RoutingDispatcher.Config)} == {"torch"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of FP8 GEMMs without CUDA")
 def test_torchtitans_float8_converter_on_cpu_is_refused_as_fp8_not_run_in_bf16(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match=r"expert_precision = 'fp8_rowwise'.*need a CUDA GPU"):
-        run_config_checks(float8_converted("tiny-moe-grouped-mm"))
+        parse(monkeypatch, "--flavor", float8_converted_flavor(monkeypatch))

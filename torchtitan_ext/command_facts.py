@@ -142,7 +142,7 @@ def build_command_facts() -> dict[str, Any]:
 
     def keys_of(flavor) -> list[str] | None:
         try:
-            return valid_keys(flavor.build())
+            return valid_keys(flavor.build_config())
         except Exception:  # one flavor that does not build keeps neither the others nor --help from working
             return None
 

@@ -50,14 +50,32 @@ class Flavor:
         """
         return ["--module", self.build.__module__, "--config", self.build.__name__]
 
+    def build_config(self) -> Trainer.Config:
+        """A fresh ``build()`` with every experiment's config adapter applied (``register_config_adapter``):
+        the config TOML files and the command line start from."""
+        config = self.build()
+        for adapt in _CONFIG_ADAPTERS:
+            adapt(config)
+        return config
+
     def build_model_config(self) -> BaseModel.Config:
-        """The model config of a fresh ``build()`` (every flavor names its model)."""
-        model_spec = self.build().model_spec
+        """The model config of a fresh ``build_config()`` (every flavor names its model)."""
+        model_spec = self.build_config().model_spec
         assert model_spec is not None, f"flavor {self.name} builds a config without a model"
         return model_spec.model
 
 
 _FLAVORS: dict[str, Flavor] = {}
+
+_CONFIG_ADAPTERS: list[Callable[[Trainer.Config], None]] = []
+
+
+def register_config_adapter(adapt: Callable[[Trainer.Config], None]):
+    """Decorator registering ``adapt(config)``, run in place on every flavor's built config before the
+    TOML files and the command line (e.g. taking what a torchtitan converter made as the experiment's
+    own setting, so that the experiment's keys apply to it)."""
+    _CONFIG_ADAPTERS.append(adapt)
+    return adapt
 
 
 def register_flavor(name: str, description: str):

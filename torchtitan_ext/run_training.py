@@ -54,7 +54,7 @@ def resolve_config(flavor_name: str, toml_paths: list[str]):
         raise ConfigError(str(e)) from None
     forget_value_sources()
     record_resolved_from(flavor_name, toml_paths)
-    return apply_toml_files(flavor.build(), toml_paths)
+    return apply_toml_files(flavor.build_config(), toml_paths)
 
 
 def parser_options(args: list[str], known: set[str]) -> dict[str, tuple[str, Any]]:

@@ -25,7 +25,6 @@ from .fp8_experts import fp8_unavailable_reason
 from .layer import routing_dispatchers
 from .moe import RoutedMoE
 from .router import BalancedTopKRouter
-from .torchtitan_features import adopt_torchtitan_float8_experts
 
 VALIDATED_CONFIGS = (
     RoutedMoE.Config,
@@ -35,9 +34,6 @@ VALIDATED_CONFIGS = (
 )
 """The experiment's configs with a ``validation_errors`` method (``ValidatedConfig``), in the order
 their problems are listed."""
-
-
-register_config_check(adopt_torchtitan_float8_experts)
 
 
 def option_key(field: str) -> str:

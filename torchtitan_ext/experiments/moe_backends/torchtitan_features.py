@@ -23,14 +23,14 @@ layers cannot honour is refused with the reason (exit 2), never silently ignored
 """
 
 from torchtitan.config.override import derive
-from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.checks import register_config_check
+from torchtitan_ext.registry import register_config_adapter
 
 from .dispatcher import RoutingDispatcher
 from .experts import BackendGroupedExperts, host_sync_backends
-from .moe import RoutedMoE
 
 SUPPORTED_SPMD_BACKEND = "partial_dtensor"
 
@@ -69,22 +69,24 @@ def is_torchtitan_float8_experts(experts_config) -> bool:
     )
 
 
+@register_config_adapter
 def adopt_torchtitan_float8_experts(config) -> None:
-    """Before the other start-up checks: the MoE layers torchtitan's ``Float8GroupedExpertsConverter``
-    converted compute their experts with ``expert_precision = "fp8_rowwise"`` in this experiment's
-    experts module (its torchao subclass is not built), and route through this experiment's
-    dispatcher again (the converter's padding dispatcher is not needed: the FP8 weight gradient is
-    computed in high precision, so expert groups need no 16-row alignment)."""
+    """On a flavor's built config, before TOML files and the command line: the MoE layers torchtitan's
+    ``Float8GroupedExpertsConverter`` converted compute their experts with ``expert_precision =
+    "fp8_rowwise"`` in this experiment's experts module (its torchao subclass is not built), and route
+    through this experiment's dispatcher again, with its default options (the converter's padding
+    dispatcher is not needed: the FP8 weight gradient is computed in high precision, so expert groups
+    need no 16-row alignment)."""
     if config.model_spec is None:
         return
-    for _, moe, _, _ in config.model_spec.model.traverse(RoutedMoE.Config):
-        routed = moe.routed_experts
-        experts = routed.inner_experts
-        if not is_torchtitan_float8_experts(experts):
+    for _, routed, _, _ in config.model_spec.model.traverse(RoutedExperts.Config):
+        if not (isinstance(routed, RoutedExperts.Config) and is_torchtitan_float8_experts(routed.inner_experts)):
             continue
-        routed.inner_experts = derive(experts, BackendGroupedExperts.Config, expert_precision="fp8_rowwise")
-        if not isinstance(routed.token_dispatcher, RoutingDispatcher.Config):
-            dispatcher = routed.token_dispatcher
+        routed.inner_experts = derive(
+            routed.inner_experts, BackendGroupedExperts.Config, expert_precision="fp8_rowwise"
+        )
+        dispatcher = routed.token_dispatcher
+        if not isinstance(dispatcher, RoutingDispatcher.Config):
             routed.token_dispatcher = RoutingDispatcher.Config(
                 num_experts=dispatcher.num_experts, top_k=dispatcher.top_k
             )
