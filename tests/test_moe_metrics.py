@@ -220,7 +220,7 @@ def test_console_ends_with_run_summary_and_wandb_sync_command(offline_run):
     summary = messages[summary_start : summary_start + 4]
     assert re.fullmatch(
         r"run summary: 4 steps run \(last step 4\), loss \d+\.\d{4} \(step 1\) -> "
-        r"\d+\.\d{4} \(step 4\), wall time \d+\.\d s",
+        r"\d+\.\d{4} \(step 4\), wall time \d+\.\d s, first step done after \d+\.\d s",
         summary[0],
     )
     assert summary[1] == f"  output folder:     {offline_run.root / 'dump'}"
@@ -232,7 +232,7 @@ def test_console_ends_with_run_summary_and_wandb_sync_command(offline_run):
 
 
 def test_run_summary_lines():
-    progress = RunProgress(steps_run=20, last_step=20)
+    progress = RunProgress(steps_run=20, last_step=20, first_step_seconds=4.56)
     progress.record_loss(1, 6.5)
     progress.record_loss(20, 2.25)
     online = WandbRunLocation(folder="/runs/run-1", url="https://wandb.ai/team/project/runs/1")
@@ -240,7 +240,8 @@ def test_run_summary_lines():
         progress, output_folder="/out", checkpoint_folder="/out/checkpoint", wandb_run=online, wall_seconds=12.34
     )
     assert lines == [
-        "run summary: 20 steps run (last step 20), loss 6.5000 (step 1) -> 2.2500 (step 20), wall time 12.3 s",
+        "run summary: 20 steps run (last step 20), loss 6.5000 (step 1) -> 2.2500 (step 20), wall time 12.3 s, "
+        "first step done after 4.6 s",
         "  output folder:     /out",
         "  checkpoint folder: /out/checkpoint",
         "  wandb run:         https://wandb.ai/team/project/runs/1 (local files: /runs/run-1)",

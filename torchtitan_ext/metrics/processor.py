@@ -46,6 +46,7 @@ from torchtitan_ext.metrics.wandb_setup import (
     configure_wandb_environment,
     wandb_run_location,
 )
+from torchtitan_ext.place_in_launch import is_rank_zero
 
 KEY_PREFIX = "moe"
 MODEL_SCOPE = "model"
@@ -86,11 +87,14 @@ class _WithoutGpuOnlyMetrics(BaseLogger):
 
 @dataclass(kw_only=True, slots=True)
 class RunProgress:
-    """What the closing summary reports: steps run, first and last logged loss, start time."""
+    """What the closing summary reports: steps run, first and last logged loss, start time, and the
+    seconds from the start (the trainer builds its metrics before the model) to the end of the first
+    step: model build, parallelisation, checkpoint load, compilation and Triton autotuning included."""
 
     started: float = field(default_factory=time.perf_counter)
     interrupted: bool = False
     steps_run: int = 0
+    first_step_seconds: float | None = None
     last_step: int | None = None
     first_loss: tuple[int, float] | None = None
     last_loss: tuple[int, float] | None = None
@@ -122,8 +126,11 @@ def run_summary_lines(
         (first_step, first), (last_step, last) = progress.first_loss, progress.last_loss
         loss = f"loss {first:.4f} (step {first_step}) -> {last:.4f} (step {last_step})"
     ended = " (interrupted)" if progress.interrupted else ""
+    first_step = (
+        "" if progress.first_step_seconds is None else f", first step done after {progress.first_step_seconds:.1f} s"
+    )
     lines = [
-        f"run summary{ended}: {steps}, {loss}, wall time {wall_seconds:.1f} s",
+        f"run summary{ended}: {steps}, {loss}, wall time {wall_seconds:.1f} s{first_step}",
         f"  output folder:     {os.path.abspath(output_folder)}",
         "  checkpoint folder: "
         + (os.path.abspath(checkpoint_folder) if checkpoint_folder else "none (checkpoint.enable is false)"),
@@ -237,6 +244,13 @@ class MoEMetricsProcessor(MetricsProcessor):
     def _count_step(self, *args, **kwargs) -> None:
         self._steps_since_log += 1
         self._progress.steps_run += 1
+        if self._progress.steps_run == 1:
+            self._progress.first_step_seconds = time.perf_counter() - self._progress.started
+            if is_rank_zero():
+                logger.info(
+                    f"first step done after {self._progress.first_step_seconds:.1f} s (building and "
+                    "parallelising the model, loading a checkpoint, compiling and autotuning included)"
+                )
 
     def _expert_parallel_placement(self) -> ExpertParallelPlacement | None:
         if not self.parallel_dims.ep_enabled:
