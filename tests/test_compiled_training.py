@@ -3,8 +3,9 @@
 activation checkpointing, in fp32.
 
 Training (through the train entry, five steps, at expert parallel degree 1 and 2 over gloo with the
-``all_to_all`` transport): every tiny flavor whose backend compiles, losses within rel 1e-4 of
-eager's and the MoE metrics of the observer equal to eager's. Inductor compiles ``grouped_mm`` and
+``all_to_all`` transport): every tiny flavor whose backend compiles, and FP8 rowwise experts
+(``fp8_rowwise_emulated``), losses within rel 1e-4 of eager's and the MoE metrics of the observer
+equal to eager's. Inductor compiles ``grouped_mm`` and
 the stock flavor (torchtitan's own MoE layers); ``for_loop`` and ``batched_mm_padded`` compile with
 ``aot_eager``, because Inductor cannot lower their data-dependent sizes (``for_loop``'s per-expert
 ``slice_scatter``, the padded ``bmm``). The ``symm_mem`` transport is not covered here.
@@ -42,16 +43,19 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo, fp3
 
 STEPS = 5
 INDUCTOR_CANNOT_LOWER = {"for_loop", "batched_mm_padded"}
-COMPILE_BACKENDS = {
-    **{
-        tiny_flavor_name(backend): "aot_eager" if backend in INDUCTOR_CANNOT_LOWER else "inductor"
-        for backend in backend_names()
-        if backend != "triton"
-    },
-    "tiny-torchtitan-moe": "inductor",
+FP8_CASE = "tiny-moe-grouped-mm-fp8"
+CASE_ARGS = {
+    **{tiny_flavor_name(b): ["--flavor", tiny_flavor_name(b)] for b in backend_names() if b != "triton"},
+    "tiny-torchtitan-moe": ["--flavor", "tiny-torchtitan-moe"],
+    FP8_CASE: ["--flavor", "tiny-moe-grouped-mm", "--moe.expert_precision", "fp8_rowwise_emulated"],
 }
-"""Each flavor trained compiled, and its ``--compile.backend``: every backend of the table but
-``triton`` (below), and the stock flavor."""
+"""Each case trained eager and compiled: a flavor of every backend of the table but ``triton``
+(below), the stock flavor, and FP8 rowwise experts (emulated in fp32)."""
+COMPILE_BACKENDS = {
+    case: "aot_eager" if any(tiny_flavor_name(b) in args for b in INDUCTOR_CANNOT_LOWER) else "inductor"
+    for case, args in CASE_ARGS.items()
+}
+"""Each case's ``--compile.backend``."""
 ROUTING_MAY_DRIFT = {"tiny-torchtitan-moe"}
 """torchtitan's experts compute in bf16 even with fp32 parameters; Inductor's fused kernels round
 them differently, so after the first update a token near a routing tie may go to another expert:
@@ -59,11 +63,11 @@ past step 1 only the routed totals are compared (each forward counted once)."""
 MODES = ("eager", "compiled")
 
 
-def train_args(flavor: str, mode: str, ep: int, dump_folder: str) -> list[str]:
-    args = ["--flavor", flavor, "--parallelism.expert_parallel_degree", str(ep), "--training.steps", str(STEPS)]
+def train_args(case: str, mode: str, ep: int, dump_folder: str) -> list[str]:
+    args = [*CASE_ARGS[case], "--parallelism.expert_parallel_degree", str(ep), "--training.steps", str(STEPS)]
     args += ["--training.seq_len", "32", "--training.local_batch_size", "2", "--dump_folder", dump_folder]
     if mode == "compiled":
-        args += ["--compile.enable", "--compile.backend", COMPILE_BACKENDS[flavor]]
+        args += ["--compile.enable", "--compile.backend", COMPILE_BACKENDS[case]]
     return args
 
 
@@ -87,43 +91,43 @@ def record_steps(steps: list) -> None:
 
 
 def _train_cases_worker(rank: int, world: int, ports: list[int], dump_folder: str, results) -> None:
-    """Rank ``rank`` of ``world``: every flavor, eager then compiled; rank 0 keeps each run's steps."""
+    """Rank ``rank`` of ``world``: every case, eager then compiled; rank 0 keeps each run's steps."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     steps = []
     record_steps(steps)
-    runs = [(flavor, mode) for flavor in COMPILE_BACKENDS for mode in MODES]
-    for (flavor, mode), port in zip(runs, ports):
+    runs = [(case, mode) for case in CASE_ARGS for mode in MODES]
+    for (case, mode), port in zip(runs, ports):
         os.environ["MASTER_PORT"] = str(port)
         torch._dynamo.reset()
         steps.clear()
-        exit_code = main(train_args(flavor, mode, world, os.path.join(dump_folder, f"{flavor}-{mode}")))
+        exit_code = main(train_args(case, mode, world, os.path.join(dump_folder, f"{case}-{mode}")))
         if rank == 0:
-            results[(flavor, mode)] = (exit_code, list(steps))
+            results[(case, mode)] = (exit_code, list(steps))
     exit_after_cpu_training(0)
 
 
 def train_every_case(world: int, dump_folder) -> dict:
     """Each process trains every case in turn (one import of torch and torchtitan for all)."""
     results = mp.Manager().dict()
-    ports = [free_port() for _ in range(len(COMPILE_BACKENDS) * len(MODES))]
+    ports = [free_port() for _ in range(len(CASE_ARGS) * len(MODES))]
     mp.spawn(_train_cases_worker, args=(world, ports, str(dump_folder), results), nprocs=world, join=True)
     return dict(results)
 
 
 def assert_compiled_trains_like_eager(results: dict) -> None:
-    for flavor in COMPILE_BACKENDS:
-        (eager_code, eager), (compiled_code, compiled) = (results[(flavor, mode)] for mode in MODES)
-        assert eager_code == compiled_code == 0, flavor
-        assert [s for s, _, _ in compiled] == [s for s, _, _ in eager] == list(range(1, STEPS + 1)), flavor
+    for case in CASE_ARGS:
+        (eager_code, eager), (compiled_code, compiled) = (results[(case, mode)] for mode in MODES)
+        assert eager_code == compiled_code == 0, case
+        assert [s for s, _, _ in compiled] == [s for s, _, _ in eager] == list(range(1, STEPS + 1)), case
         for (step, eager_loss, eager_scalars), (_, loss, scalars) in zip(eager, compiled):
-            assert loss == pytest.approx(eager_loss, rel=1e-4), (flavor, step)
-            assert scalars.keys() == eager_scalars.keys(), (flavor, step)
+            assert loss == pytest.approx(eager_loss, rel=1e-4), (case, step)
+            assert scalars.keys() == eager_scalars.keys(), (case, step)
             compared = eager_scalars
-            if flavor in ROUTING_MAY_DRIFT and step > 1:
+            if case in ROUTING_MAY_DRIFT and step > 1:
                 compared = {key: value for key, value in eager_scalars.items() if key.endswith("/routed_tokens")}
             for key, value in compared.items():
-                assert scalars[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (flavor, step, key)
+                assert scalars[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (case, step, key)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ operands in fp32 (any device: the CPU tests' path, and a numerics check without 
 ``reference_fp8_experts`` is the plain-torch definition both are held to.
 """
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ ExpertPrecision = Literal["native", "fp8_rowwise", "fp8_rowwise_emulated"]
 """How the expert GEMMs compute: in the activations' dtype, in FP8 rowwise on the GPU, or FP8
 rowwise emulated in fp32 (module docstring)."""
 
-EXPERT_PRECISIONS: tuple[str, ...] = ("native", "fp8_rowwise", "fp8_rowwise_emulated")
+EXPERT_PRECISIONS: tuple[str, ...] = get_args(ExpertPrecision)
 FP8_PRECISIONS: tuple[str, ...] = ("fp8_rowwise", "fp8_rowwise_emulated")
 
 E4M3 = torch.float8_e4m3fn
@@ -62,7 +62,8 @@ def scaled_grouped_gemm(
     a_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor, out_dtype: torch.dtype, *, emulated: bool
 ) -> torch.Tensor:
     """``a_RK @ w_ENK[e].T`` over the row groups ending at ``offsets_E``, both operands quantised
-    rowwise along K -> [R, N] in ``out_dtype``. K and N must be multiples of ``FP8_ALIGN``."""
+    rowwise along K -> [R, N] in ``out_dtype`` (the GPU GEMM writes bf16, cast to ``out_dtype``). K and
+    N must be multiples of ``FP8_ALIGN``."""
     a_values, a_inverse = quantize_rowwise(a_RK)
     w_values, w_inverse = quantize_rowwise(w_ENK)
     if emulated:
@@ -74,9 +75,9 @@ def scaled_grouped_gemm(
         a_inverse.squeeze(-1),
         w_inverse.squeeze(-1),
         offsets_E,
-        out_dtype=out_dtype,
+        out_dtype=torch.bfloat16,
         use_fast_accum=True,
-    )
+    ).to(out_dtype)
 
 
 class Fp8GroupedLinear(torch.autograd.Function):
