@@ -9,6 +9,7 @@
 #   scripts/measure_on_gpu.sh train-tiny train-full   # training through the Trainer on 2 GPUs
 #   scripts/measure_on_gpu.sh scale-out   # 4 or 8 GPUs of one host: ep4 (and ep8), then train-scale4 (or
 #     train-scale8): EP 1 vs 4 (vs 8) losses of a tiny flavor, qwen3-30b-a3b and deepseek-v3-16b next to stock
+#   scripts/measure_on_gpu.sh fp8   # 2 GPUs: FP8 expert tests, layer and whole-model runs next to bf16 and stock
 #   scripts/measure_on_gpu.sh train-step   # one GPU: a training step of 4 olmoe-1b-7b layers per
 #     backend (fp32 parameters under bf16 autocast, as torchtitan trains on one GPU) and of the
 #     same layers with torchtitan's own MoE, each eager and compiled (torchtitan's apply_compile),
@@ -88,6 +89,17 @@ run_task() {
           --json "$out/train_step_olmoe.json" 2>&1 | tee "$out/train_step_olmoe.log"
       TORCHTITAN_EXT_CACHE="$out/cache" python3 -m torchtitan_ext.bench auto --flavor olmoe-1b-7b \
           --json "$out/auto_olmoe.json" 2>&1 | tee "$out/auto_olmoe.log" ;;
+    fp8)
+      # FP8 experts (docs/fp8_experts.md), every number of the FP8 issue in one call on 2 GPUs of a host:
+      # the FP8 GPU tests, the compiled layer at Qwen3's and OLMoE's shapes (FP8 next to bf16 and
+      # stock), then the full suite's runs stock compiled, the best bf16 (triton over symm_mem) and FP8
+      # over each transport (about 2 minutes each; TRAIN_LOCAL_BATCH as train-full).
+      need_gpus 2 "$task"
+      python3 -m pytest -v -p no:cacheprovider -o addopts=-rfEs tests/test_fp8_experts_gpu.py 2>&1 | tee "$out/fp8_tests.log"
+      python3 -m torchtitan_ext.bench layer --shapes qwen3-30b-a3b olmoe-1b-7b --skew balanced \
+          --layers grouped_mm triton grouped_mm_fp8 --compile compiled --json "$out/moe_layer_fp8.json" \
+          2>&1 | tee "$out/moe_layer_fp8.log"
+      TRAIN_ONLY="torchtitan-moe.compiled triton.compiled.symm_mem$ fp8" run_task train-full ;;
     scale-out)
       # Every run on all GPUs of the host: 8 or more take the 8-GPU runs, 4 to 7 the 4-GPU ones.
       need_gpus 4 "$task"
@@ -96,7 +108,7 @@ run_task() {
       else
         run_task ep4; run_task train-scale4
       fi ;;
-    *) echo "unknown task $task (tests, bench, ep<ranks>, train-tiny, train-full, train-scale4, train-scale8, scale-out, train-step)"
+    *) echo "unknown task $task (tests, bench, ep<ranks>, train-tiny, train-full, train-scale4, train-scale8, scale-out, train-step, fp8)"
        exit 2 ;;
   esac
 }

@@ -5,6 +5,7 @@ host, that each is compared with the right run, and that a host with too few GPU
 
 import importlib.util
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -273,3 +274,19 @@ def test_two_gpu_suites_compare_with_for_loop_and_with_stock_compiled():
     (stock, *others) = all_runs("full")
     assert stock.name == runs_module.STOCK_COMPILED and stock.reference is None
     assert all(run.reference == stock.name for run in others)
+
+
+def test_fp8_task_runs_the_fp8_tests_layers_and_runs_next_to_bf16_and_stock(tmp_path):
+    result, commands = measure_on_gpu(tmp_path, 2, "fp8")
+    assert result.returncode == 0, result.stdout + result.stderr
+    tests, layer, training = commands
+    assert tests.startswith("python3 -m pytest") and "tests/test_fp8_experts_gpu.py" in tests
+    assert "bench layer" in layer and "grouped_mm_fp8" in layer.split()
+    only = training.split("--only ")[1].split(" --")[0].split()
+    chosen = [run.name for run in all_runs("full") if any(re.search(pattern, run.name) for pattern in only)]
+    assert chosen == [
+        runs_module.STOCK_COMPILED,
+        "olmoe grouped_mm fp8 compiled",
+        "olmoe grouped_mm fp8 compiled symm_mem",
+        "olmoe triton compiled symm_mem",
+    ]
