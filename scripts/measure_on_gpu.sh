@@ -94,10 +94,16 @@ run_task() {
       # the FP8 GPU tests, the compiled layer at Qwen3's and OLMoE's shapes (FP8 next to bf16 and
       # stock), then the full suite's runs stock compiled, the best bf16 (triton over symm_mem) and FP8
       # over each transport (about 2 minutes each; TRAIN_LOCAL_BATCH as train-full).
+      # torchtitan's own float8 experts (the torchtitan_fp8 layer) run where torchao is installed: a wheel in
+      # .whl-fp8/ is (pip download --no-deps -d .whl-fp8 torchao).
       need_gpus 2 "$task"
+      if compgen -G ".whl-fp8/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl-fp8/*.whl || exit 1
+      fi
+      stock_fp8=$(python3 -c "import torchao" 2>/dev/null && echo torchtitan_fp8)
       python3 -m pytest -v -p no:cacheprovider -o addopts=-rfEs tests/test_fp8_experts_gpu.py 2>&1 | tee "$out/fp8_tests.log"
       python3 -m torchtitan_ext.bench layer --shapes qwen3-30b-a3b olmoe-1b-7b --skew balanced \
-          --layers grouped_mm triton grouped_mm_fp8 --compile compiled --json "$out/moe_layer_fp8.json" \
+          --layers grouped_mm triton grouped_mm_fp8 $stock_fp8 --compile compiled --json "$out/moe_layer_fp8.json" \
           2>&1 | tee "$out/moe_layer_fp8.log"
       TRAIN_ONLY="torchtitan-moe.compiled triton.compiled.symm_mem$ fp8" run_task train-full ;;
     scale-out)

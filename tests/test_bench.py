@@ -313,6 +313,24 @@ def test_what_cannot_run_here_is_the_backend_tables_verdict(monkeypatch, capsys)
     assert expert_block.default_impls() == [*TORCH_BACKENDS, "triton", "torch_routed", "fused_routed"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals of FP8 layers without CUDA")
+def test_fp8_layers_need_fp8_gemms_and_torchtitans_needs_torchao(monkeypatch, capsys):
+    assert not {"grouped_mm_fp8", moe_layer.STOCK_FP8} & set(moe_layer.default_kinds())
+    monkeypatch.setattr(moe_layer, "torchao_missing_reason", lambda: "torchao is not installed")
+    cases = [
+        ("grouped_mm_fp8", "--layers grouped_mm_fp8: FP8 expert GEMMs need a CUDA GPU"),
+        (moe_layer.STOCK_FP8, f"--layers {moe_layer.STOCK_FP8}: torchao is not installed"),
+    ]
+    for layer, refused in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["layer", "--tiny", "--layers", layer])
+        assert exit_info.value.code == 2 and refused in capsys.readouterr().err
+    monkeypatch.setattr(moe_layer, "torchao_missing_reason", lambda: None)
+    with pytest.raises(SystemExit):
+        main(["layer", "--tiny", "--layers", moe_layer.STOCK_FP8])
+    assert "FP8 expert GEMMs need a CUDA GPU" in capsys.readouterr().err
+
+
 def test_the_cli_applies_the_torch_version_fixes_before_a_subcommand_runs(monkeypatch, tmp_path):
     applied: list[object] = []
     monkeypatch.setattr(bench_cli, "apply_torch_version_fixes", lambda: applied.append(True))

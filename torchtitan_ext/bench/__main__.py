@@ -28,6 +28,7 @@ from torchtitan_ext.bench.common import (
     SHAPES,
     TINY_FLAVORS_HINT,
     TINY_SHAPE,
+    Needs,
     compile_modes,
     print_kernel_profiles,
     print_table,
@@ -322,11 +323,12 @@ def reject_unrunnable(
     flag: str,
     names: list[str] | None,
     backend_of: Mapping[str, str],
-    precision_of: Mapping[str, str] | None = None,
+    needs: Needs | None = None,
 ) -> None:
     """Exit 2 naming ``flag``'s values that cannot run here, with the reason of the first
-    (``common.unavailable_reasons``: the compute backend ``backend_of[name]`` or its precision cannot run)."""
-    reasons = unavailable_reasons(names or (), backend_of, precision_of)
+    (``common.unavailable_reasons``: the compute backend ``backend_of[name]`` cannot run, or what
+    ``needs[name]`` needs is missing)."""
+    reasons = unavailable_reasons(names or (), backend_of, needs)
     if reasons:
         parser.error(f"{flag} {' '.join(reasons)}: {next(iter(reasons.values()))}")
 
@@ -357,7 +359,7 @@ def run_expert(parser, args, device, command) -> None:
 
 
 def run_layer(parser, args, device, command) -> None:
-    reject_unrunnable(parser, "--layers", args.layers, moe_layer.BACKEND_OF_KIND, moe_layer.PRECISION_OF_KIND)
+    reject_unrunnable(parser, "--layers", args.layers, moe_layer.BACKEND_OF_KIND, moe_layer.NEEDS_OF_KIND)
     shapes = selected_shapes(parser, args, device)
     bad = [s.name for s in shapes if s.tokens % args.batch]
     if args.batch < 1 or bad:
@@ -366,7 +368,7 @@ def run_layer(parser, args, device, command) -> None:
         parser.error(f"--profile must be >= 0 (0: off), got {args.profile}")
     check_rounds(parser, args.rounds)
     reject_unrunnable(
-        parser, "--compiled-layers", args.compiled_layers, moe_layer.BACKEND_OF_KIND, moe_layer.PRECISION_OF_KIND
+        parser, "--compiled-layers", args.compiled_layers, moe_layer.BACKEND_OF_KIND, moe_layer.NEEDS_OF_KIND
     )
     if args.compiled_layers and args.compile == "eager":
         parser.error("--compiled-layers names compiled variants, which --compile eager leaves out")

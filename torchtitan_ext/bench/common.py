@@ -24,7 +24,6 @@ import torch
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape, TimedCall, Timer, make_timer
 from torchtitan_ext.experiments.moe_backends.experts import get_backend
-from torchtitan_ext.experiments.moe_backends.fp8_experts import fp8_unavailable_reason
 from torchtitan_ext.experiments.moe_backends.model_shapes import (
     DEEPSEEK_V2_LITE_MOE_LAYER,
     MIXTRAL_8X7B,
@@ -158,26 +157,27 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
 
 
+Needs = Mapping[str, Callable[[], str | None]]
+"""What some measured names need besides their compute backend: ``needs[name]()`` says why it is
+missing here (None: it is not)."""
+
+
 def unavailable_reasons(
-    names: Iterable[str], backend_of: Mapping[str, str], precision_of: Mapping[str, str] | None = None
+    names: Iterable[str], backend_of: Mapping[str, str], needs: Needs | None = None
 ) -> dict[str, str]:
     """Why each of the measured ``names`` that cannot run here cannot: the reason the backend table
-    gives for the compute backend it runs, ``backend_of[name]``, else the reason its expert precision
-    ``precision_of[name]`` (default "native") cannot compute here."""
-    precision_of = precision_of or {}
+    gives for the compute backend it runs, ``backend_of[name]``, else what ``needs[name]`` says."""
+    needs = needs or {}
     reasons = {
-        name: get_backend(backend_of[name]).unavailable_reason()
-        or fp8_unavailable_reason(precision_of.get(name, "native"))
+        name: get_backend(backend_of[name]).unavailable_reason() or (needs[name]() if name in needs else None)
         for name in names
     }
     return {name: reason for name, reason in reasons.items() if reason is not None}
 
 
-def runnable(
-    names: Sequence[str], backend_of: Mapping[str, str], precision_of: Mapping[str, str] | None = None
-) -> list[str]:
+def runnable(names: Sequence[str], backend_of: Mapping[str, str], needs: Needs | None = None) -> list[str]:
     """The ``names`` that can run here (``unavailable_reasons``), in order."""
-    unavailable = unavailable_reasons(names, backend_of, precision_of)
+    unavailable = unavailable_reasons(names, backend_of, needs)
     return [name for name in names if name not in unavailable]
 
 

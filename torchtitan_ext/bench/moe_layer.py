@@ -19,11 +19,13 @@ seconds are reported apart (``first_call_s``). Speed-ups are reported against st
 where measured, stock compiled.
 """
 
+import importlib.util
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import NamedTuple
 
 import torch
+from torchtitan.models.common.moe import MoE
 
 from torchtitan_ext.bench import common
 from torchtitan_ext.experiments.moe_backends.expert_timing import (
@@ -33,7 +35,7 @@ from torchtitan_ext.experiments.moe_backends.expert_timing import (
     seeded_generator,
 )
 from torchtitan_ext.experiments.moe_backends.experts import BACKENDS, DEFAULT_BACKEND, fp8_backends
-from torchtitan_ext.experiments.moe_backends.fp8_experts import ExpertPrecision
+from torchtitan_ext.experiments.moe_backends.fp8_experts import ExpertPrecision, fp8_unavailable_reason
 from torchtitan_ext.experiments.moe_backends.layer import (
     moe_layer_config,
     stock_moe_config,
@@ -45,14 +47,15 @@ TARGET_MAX_OVER_MEAN = 3.5
 
 
 def build(kind: str, shape: BenchShape, device, dtype) -> torch.nn.Module:
-    config = (
-        stock_moe_config(**shape.layer_kwargs())
-        if kind == STOCK
-        else with_expert_precision(
+    if kind == STOCK:
+        config = stock_moe_config(**shape.layer_kwargs())
+    elif kind == STOCK_FP8:
+        config = torchtitan_float8_experts(stock_moe_config(**shape.layer_kwargs()))
+    else:
+        config = with_expert_precision(
             moe_layer_config(compute_backend=BACKEND_OF_KIND[kind], **shape.layer_kwargs()),
             PRECISION_OF_KIND.get(kind, "native"),
         )
-    )
     with torch.device(device):
         layer = config.build()
     return layer.to(dtype).train()
@@ -221,19 +224,49 @@ def add_speedups(rows: list[dict]) -> None:
             row[f"{key}_speedup_vs_stock_compiled"] = common.speedup(compiled_ms, row[f"{key}_ms"])
 
 
+STOCK_FP8 = "torchtitan_fp8"
+"""torchtitan's own MoE layer with its float8 rowwise experts (``Float8GroupedExpertsConverter``,
+computed by torchao): the stock counterpart of the FP8 layers."""
+
+
+def torchtitan_float8_experts(config: MoE.Config) -> MoE.Config:
+    """``config`` converted by torchtitan's ``Float8GroupedExpertsConverter`` (its constructor needs torchao
+    and a GPU of compute capability 8.9+)."""
+    from torchtitan.components.quantization.float8 import Float8GroupedExpertsConverter
+
+    converted = Float8GroupedExpertsConverter.Config(model_compile_enabled=True).build().convert(config)
+    if not isinstance(converted, MoE.Config):
+        raise TypeError(f"the float8 converter returned {type(converted).__qualname__}, not an MoE config")
+    return converted
+
+
+def torchao_missing_reason() -> str | None:
+    """Why torchtitan's float8 experts cannot run here for want of torchao (None: it is installed)."""
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed: torchtitan's float8 experts compute through it (pip install torchao)"
+    return None
+
+
 PRECISION_OF_KIND: dict[str, ExpertPrecision] = {f"{name}_fp8": "fp8_rowwise" for name in fp8_backends()}
 """The FP8 layers: a compute backend with FP8 rowwise expert GEMMs (``moe.expert_precision``)."""
 BACKEND_OF_KIND = {
     STOCK: DEFAULT_BACKEND,
     **{name: name for name in BACKENDS},
     **{kind: kind.removesuffix("_fp8") for kind in PRECISION_OF_KIND},
+    STOCK_FP8: DEFAULT_BACKEND,
 }
-"""Layers measured, torchtitan's own first, then one per compute backend and one per FP8 backend,
-and the compute backend each runs (torchtitan's experts: ``torch._grouped_mm``, the default backend's op)."""
+"""Layers measured, torchtitan's own first, then one per compute backend, one per FP8 backend and
+torchtitan's own with float8 experts, and the compute backend each runs (torchtitan's experts:
+``torch._grouped_mm``, the default backend's op)."""
 KINDS = tuple(BACKEND_OF_KIND)
+NEEDS_OF_KIND: common.Needs = {
+    **{kind: partial(fp8_unavailable_reason, precision) for kind, precision in PRECISION_OF_KIND.items()},
+    STOCK_FP8: lambda: torchao_missing_reason() or fp8_unavailable_reason("fp8_rowwise"),
+}
+"""What the FP8 layers need besides their compute backend: FP8 GEMMs here, and torchao for torchtitan's."""
 
 
-COMPILED_BY_DEFAULT = (STOCK, "grouped_mm", "triton", *PRECISION_OF_KIND)
+COMPILED_BY_DEFAULT = (STOCK, "grouped_mm", "triton", *PRECISION_OF_KIND, STOCK_FP8)
 """The layers given a compiled variant unless others are named: stock torchtitan's (the baseline of
 every claim) and the backends that are fast compiled. ``for_loop`` and ``batched_mm_padded`` trace
 too (data-dependent sizes as unbacked symbols) but are slow, and Inductor may refuse them: they
@@ -242,7 +275,7 @@ get a compiled variant only when named."""
 
 def default_kinds() -> list[str]:
     """Every layer that can run here."""
-    return common.runnable(KINDS, BACKEND_OF_KIND, PRECISION_OF_KIND)
+    return common.runnable(KINDS, BACKEND_OF_KIND, NEEDS_OF_KIND)
 
 
 def default_compiled_kinds(kinds: Sequence[str]) -> list[str]:
