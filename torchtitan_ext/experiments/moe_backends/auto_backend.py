@@ -34,7 +34,15 @@ from torchtitan_ext.place_in_launch import is_rank_zero, world_size
 
 from .cache import CACHE_ENV, cache_dir
 from .expert_timing import BenchShape, TimedCall, expert_inputs, make_timer, seeded_generator
-from .experts import BackendGroupedExperts, backend_names, get_backend, resolved_at_startup, runnable_backends
+from .experts import (
+    BackendGroupedExperts,
+    backend_names,
+    fp8_backends,
+    get_backend,
+    resolved_at_startup,
+    runnable_backends,
+)
+from .fp8_experts import FP8_PRECISIONS
 from .layer import moe_layer_config
 
 
@@ -267,6 +275,11 @@ def resolve_auto_compute_backend(config, *, measure: Measure | None = None) -> A
     ]
     if not experts:
         return None
+    if fp8 := sorted({e.expert_precision for e in experts if e.expert_precision in FP8_PRECISIONS}):
+        raise AutoBackendError(
+            f"moe.expert_precision = {fp8[0]!r}: moe.compute_backend = 'auto' measures the backends in the "
+            f"activations' dtype, not in FP8; FP8 rowwise experts compute with {' or '.join(fp8_backends())}"
+        )
     choice = resolve_for_config(config, measure=measure)
     for experts_config in experts:
         experts_config.compute_backend = choice.backend

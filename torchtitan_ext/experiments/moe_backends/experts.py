@@ -242,11 +242,6 @@ def precision_error(backend: str, precision: str) -> str | None:
     """Why ``backend`` cannot compute its GEMMs in ``precision`` (None: it can)."""
     if precision not in FP8_PRECISIONS:
         return None
-    if resolved_at_startup(backend):
-        return (
-            "compute_backend 'auto' measures the backends in the activations' dtype, not in FP8; FP8 rowwise "
-            "experts compute with " + " or ".join(fp8_backends())
-        )
     if backend in BACKENDS and BACKENDS[backend].fp8_grouped is None:
         return f"compute_backend {backend!r} has no FP8 expert GEMMs; FP8 rowwise experts compute with " + " or ".join(
             fp8_backends()
@@ -293,10 +288,10 @@ class BackendGroupedExperts(GroupedExperts):
         def validation_errors(self, key: Callable[[str], str] = str) -> list[str]:
             """Every invalid option, one message each; ``key(field)`` is how a message names a field."""
             errors = choice_errors(key, "expert_precision", self.expert_precision, EXPERT_PRECISIONS)
-            if (error := precision_error(self.compute_backend, self.expert_precision)) is not None:
-                errors.append(f"{key('expert_precision')} = {self.expert_precision!r}: {error}")
-            elif (error := backend_name_error(self.compute_backend)) is not None:
+            if (error := backend_name_error(self.compute_backend)) is not None:
                 errors.append(f"{key('compute_backend')} = {self.compute_backend!r}: {error}")
+            elif (error := precision_error(self.compute_backend, self.expert_precision)) is not None:
+                errors.append(f"{key('expert_precision')} = {self.expert_precision!r}: {error}")
             return errors
 
     def __init__(self, config: Config):

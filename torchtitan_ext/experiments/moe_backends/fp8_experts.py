@@ -32,7 +32,7 @@ ExpertPrecision = Literal["native", "fp8_rowwise", "fp8_rowwise_emulated"]
 rowwise emulated in fp32 (module docstring)."""
 
 EXPERT_PRECISIONS: tuple[str, ...] = get_args(ExpertPrecision)
-FP8_PRECISIONS: tuple[str, ...] = ("fp8_rowwise", "fp8_rowwise_emulated")
+FP8_PRECISIONS: tuple[str, ...] = tuple(p for p in EXPERT_PRECISIONS if p.startswith("fp8"))
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max

@@ -16,34 +16,30 @@ from .layer import routing_dispatchers
 from .startup_checks import symm_mem_errors
 
 
-@register_run_description
-def compute_backend_of_run(config) -> dict:
-    """``compute_backend`` of the run metadata: the backend of every experts module (torchtitan's own
-    computes as the default backend), one name when they agree."""
-    backends = []
+def experts_setting(config, field: str, torchtitan_value: str) -> str | list[str]:
+    """``field`` of every experts module of the model (``torchtitan_value`` for torchtitan's own), one
+    value when they agree, else the sorted values."""
+    values = []
     if config.model_spec is not None:
-        backends = sorted(
+        values = sorted(
             {
-                experts.compute_backend if isinstance(experts, BackendGroupedExperts.Config) else DEFAULT_BACKEND
+                getattr(experts, field) if isinstance(experts, BackendGroupedExperts.Config) else torchtitan_value
                 for _, experts, _, _ in config.model_spec.model.traverse(GroupedExperts.Config)
             }
         )
-    return {"compute_backend": backends[0] if len(backends) == 1 else backends}
+    return values[0] if len(values) == 1 else values
+
+
+@register_run_description
+def compute_backend_of_run(config) -> dict:
+    """``compute_backend`` of the run metadata (torchtitan's own experts compute as the default backend)."""
+    return {"compute_backend": experts_setting(config, "compute_backend", DEFAULT_BACKEND)}
 
 
 @register_run_description
 def expert_precision_of_run(config) -> dict:
-    """``expert_precision`` of the run metadata: the expert GEMMs' precision of every experts module of
-    the project ("native" for torchtitan's own), one name when they agree."""
-    precisions = []
-    if config.model_spec is not None:
-        precisions = sorted(
-            {
-                experts.expert_precision if isinstance(experts, BackendGroupedExperts.Config) else "native"
-                for _, experts, _, _ in config.model_spec.model.traverse(GroupedExperts.Config)
-            }
-        )
-    return {"expert_precision": precisions[0] if len(precisions) == 1 else precisions}
+    """``expert_precision`` of the run metadata (torchtitan's own experts compute in "native" precision)."""
+    return {"expert_precision": experts_setting(config, "expert_precision", "native")}
 
 
 @register_run_description

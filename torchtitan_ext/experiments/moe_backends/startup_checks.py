@@ -43,15 +43,10 @@ def option_key(field: str) -> str:
 
 def validated_nodes(model_config):
     """Every node of ``VALIDATED_CONFIGS`` in the model config, but experts whose backend is still
-    resolved at start-up ("auto": ``resolve_auto_backend`` runs after this check) in native precision
-    (with FP8 their precision check refuses "auto")."""
+    resolved at start-up ("auto": ``resolve_auto_backend`` runs after this check)."""
     for config_class in VALIDATED_CONFIGS:
         for _, node, _, _ in model_config.traverse(config_class):
-            if not (
-                isinstance(node, BackendGroupedExperts.Config)
-                and resolved_at_startup(node.compute_backend)
-                and node.expert_precision == "native"
-            ):
+            if not (isinstance(node, BackendGroupedExperts.Config) and resolved_at_startup(node.compute_backend)):
                 yield node
 
 
@@ -109,12 +104,8 @@ def check_compute_backends_run_here(config) -> None:
 
 @register_config_check
 def resolve_auto_backend(config) -> None:
-    """Before training: ``moe.compute_backend = "auto"`` becomes the fastest backend here (not with FP8
-    experts, which ``check_moe_config`` refuses with "auto": nothing is measured for a run that cannot start)."""
+    """Before training: ``moe.compute_backend = "auto"`` becomes the fastest backend here."""
     if config.model_spec is None:
-        return
-    experts = [e for _, e, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)]
-    if any(resolved_at_startup(e.compute_backend) and e.expert_precision != "native" for e in experts):
         return
     try:
         resolve_auto_compute_backend(config)
