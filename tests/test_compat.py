@@ -222,6 +222,12 @@ def test_rng_state_order_fix_applies_exactly_when_torch_misorders():
         assert misorders, "torch 2.13 saves RNG states before opaque objects itself: the fix is no longer needed"
 
 
+def test_a_torch_without_opaque_objects_in_compiled_graphs_needs_no_rng_state_order_fix(monkeypatch):
+    """torch 2.11 (the benchmarks' GPU image) has no ``is_opaque_node``: the module imports and fixes nothing."""
+    monkeypatch.delattr(torch_versions.graph_compile, "is_opaque_node")
+    assert torch_versions.needs_rng_state_order_fix.__wrapped__() is False
+
+
 def _mesh_saving_block_worker(rank: int, port: int, results) -> None:
     """A compiled, checkpointed block whose backward needs a DeviceMesh (a DTensor weight's
     ``to_local``) and recomputes attention (a random op on CPU): its gradients unfixed and fixed."""

@@ -42,7 +42,7 @@ import torch.distributed.tensor  # registers DeviceMesh and ProcessGroup as opaq
 import torchtitan.distributed.utils as titan_dist_utils
 from torch import fx
 from torch._functorch import partitioners
-from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+from torch._functorch._aot_autograd import graph_compile
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -101,7 +101,7 @@ def functionalize_rng_ops_before_opaque_objects(
     bw_input_names = {node.name for node in bw_inputs}
     num_opaque = 0
     for node in reversed(saved_before_symints):
-        if not (is_opaque_node(node) and node.name in bw_input_names):
+        if not (graph_compile.is_opaque_node(node) and node.name in bw_input_names):
             break
         num_opaque += 1
     if num_opaque == 0:
@@ -110,7 +110,7 @@ def functionalize_rng_ops_before_opaque_objects(
         joint_module, fw_module, bw_module, num_sym_nodes + num_opaque
     )
     placeholders = _placeholders(bw_module)
-    first_opaque = next(node for node in placeholders if is_opaque_node(node))
+    first_opaque = next(node for node in placeholders if graph_compile.is_opaque_node(node))
     first_tangent = next(index for index, node in enumerate(placeholders) if "tangent" in node.name)
     for node in placeholders[:first_tangent]:
         if node not in bw_inputs:
@@ -124,8 +124,12 @@ def needs_rng_state_order_fix() -> bool:
     """Whether torch's own ``functionalize_rng_ops`` saves an RNG state after a saved opaque object.
 
     Runs it on a forward/backward pair of one recomputed ``rand_like`` whose forward saves a
-    tensor, then a ProcessGroup (an opaque object, as a DeviceMesh is); milliseconds.
+    tensor, then a ProcessGroup (an opaque object, as a DeviceMesh is); milliseconds. A torch whose
+    compiled graphs save no opaque objects (no ``is_opaque_node``: 2.11, the benchmarks' GPU image)
+    needs nothing.
     """
+    if not hasattr(graph_compile, "is_opaque_node"):
+        return False
     with FakeTensorMode():
         x = torch.empty(2)
         opaque = dist.ProcessGroup(dist.HashStore(), 0, 1)
