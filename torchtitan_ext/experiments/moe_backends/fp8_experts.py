@@ -1,6 +1,8 @@
 """FP8 rowwise expert GEMMs: e4m3 operands scaled per row along the contraction dimension.
 
-The recipe (``moe.expert_precision = "fp8_rowwise"``), per grouped GEMM ``y = a @ w[e].T``:
+The recipe (``moe.expert_precision = "fp8_rowwise"``), per grouped GEMM ``y = a @ w[e].T``; the gate
+and up projections are one GEMM over ``w = [w1; w3]`` [E, 2F, D] (the tokens quantised once, one
+GEMM of twice the width):
 
 - forward: ``a`` [R, K] scaled per row, ``w`` [E, N, K] per (expert, output row), both along K;
   e4m3 operands, output in the activations' dtype (bf16 under FSDP); the GPU GEMMs accumulate with
@@ -63,7 +65,8 @@ def scaled_grouped_gemm(
 ) -> torch.Tensor:
     """``a_RK @ w_ENK[e].T`` over the row groups ending at ``offsets_E``, both operands quantised
     rowwise along K -> [R, N] in ``out_dtype`` (the GPU GEMM writes bf16, cast to ``out_dtype``). K and
-    N must be multiples of ``FP8_ALIGN``."""
+    N must be multiples of ``FP8_ALIGN``; ``w_ENK`` may be a strided view (a transposed weight is
+    quantised from its view and only its e4m3 values are laid out row-major)."""
     a_values, a_inverse = quantize_rowwise(a_RK)
     w_values, w_inverse = quantize_rowwise(w_ENK)
     if emulated:
@@ -71,7 +74,7 @@ def scaled_grouped_gemm(
         return grouped_mm(a_values.float() * a_inverse, dequantized_w, offsets_E).to(out_dtype)
     return torch._scaled_grouped_mm(
         a_values,
-        w_values.transpose(-2, -1),
+        row_major(w_values).transpose(-2, -1),
         a_inverse.squeeze(-1),
         w_inverse.squeeze(-1),
         offsets_E,
@@ -81,26 +84,34 @@ def scaled_grouped_gemm(
 
 
 class Fp8GroupedLinear(torch.autograd.Function):
-    """``a_RK @ w_ENK[e].T`` in FP8 rowwise with the gradients of the module docstring's recipe."""
+    """``a_RK @ w_ENK[e].T`` in FP8 rowwise with the gradients of the module docstring's recipe, the
+    weight ``w_ENK`` given as parts ``w_EPK`` stacked along N (``[w1; w3]``: one GEMM for the gate
+    and up projections) -> [R, N]. The parts are saved, not their stack (no copy lives until the
+    backward); their gradients are the stacked gradient's slices."""
 
     @staticmethod
-    def forward(ctx, a_RK, w_ENK, offsets_E, emulated: bool):
-        ctx.save_for_backward(a_RK, w_ENK, offsets_E)
+    def forward(ctx, a_RK, offsets_E, emulated: bool, *w_parts_EPK):
+        ctx.save_for_backward(a_RK, offsets_E, *w_parts_EPK)
         ctx.emulated = emulated
-        return scaled_grouped_gemm(a_RK, w_ENK, offsets_E, a_RK.dtype, emulated=emulated)
+        return scaled_grouped_gemm(a_RK, _stacked(w_parts_EPK), offsets_E, a_RK.dtype, emulated=emulated)
 
     @staticmethod
     # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); torch documents one argument per output
     def backward(ctx, grad_RN):
-        a_RK, w_ENK, offsets_E = ctx.saved_tensors
+        a_RK, offsets_E, *w_parts_EPK = ctx.saved_tensors
         grad_RN = row_major(grad_RN)
-        grad_a = grad_w = None
+        w_ENK = _stacked(w_parts_EPK)
+        grad_a = grad_w_parts = None
         if ctx.needs_input_grad[0]:
-            w_EKN = w_ENK.transpose(-2, -1).contiguous()
-            grad_a = scaled_grouped_gemm(grad_RN, w_EKN, offsets_E, a_RK.dtype, emulated=ctx.emulated)
-        if ctx.needs_input_grad[1]:
-            grad_w = grouped_mm(grad_RN.transpose(0, 1), a_RK, offsets_E)
-        return grad_a, grad_w, None, None
+            grad_a = scaled_grouped_gemm(grad_RN, w_ENK.transpose(-2, -1), offsets_E, a_RK.dtype, emulated=ctx.emulated)
+        if any(ctx.needs_input_grad[3:]):
+            grad_w_ENK = grouped_mm(grad_RN.transpose(0, 1), a_RK, offsets_E)
+            grad_w_parts = grad_w_ENK.split([w.shape[1] for w in w_parts_EPK], dim=1)
+        return grad_a, None, None, *(grad_w_parts or [None] * len(w_parts_EPK))
+
+
+def _stacked(w_parts_EPK) -> torch.Tensor:
+    return torch.cat(w_parts_EPK, dim=1) if len(w_parts_EPK) > 1 else w_parts_EPK[0]
 
 
 def _pad_last_dims(t: torch.Tensor, dims: int) -> torch.Tensor:
@@ -120,18 +131,20 @@ def fp8_grouped_experts(
     *,
     emulated: bool,
 ) -> torch.Tensor:
-    """The SwiGLU expert block (``experts`` module docstring) with FP8 rowwise GEMMs; rows grouped
-    by expert, no host sync. D and F are zero-padded to multiples of 16 and the output cut back."""
+    """The SwiGLU expert block (``experts`` module docstring) with FP8 rowwise GEMMs, the gate and up
+    projections as one; rows grouped by expert, no host sync. D and F are zero-padded to multiples of
+    16 and the output cut back."""
     dtype = x_RD.dtype
     dim = x_RD.shape[1]
     offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
 
-    def linear(a_RK: torch.Tensor, w_ENK: torch.Tensor) -> torch.Tensor:
-        return Fp8GroupedLinear.apply(a_RK, _pad_last_dims(w_ENK.to(dtype), 2), offsets_E, emulated)
+    def linear(a_RK: torch.Tensor, *w_parts_EPK: torch.Tensor) -> torch.Tensor:
+        padded = [_pad_last_dims(w.to(dtype), 2) for w in w_parts_EPK]
+        return Fp8GroupedLinear.apply(a_RK, offsets_E, emulated, *padded)
 
     x_RD = row_major(_pad_last_dims(x_RD, 1))
-    h_RF = F.silu(linear(x_RD, w1_EFD)) * linear(x_RD, w3_EFD)
-    return linear(h_RF, w2_EDF)[:, :dim]
+    gate_RF, up_RF = linear(x_RD, w1_EFD, w3_EFD).chunk(2, dim=-1)
+    return linear(F.silu(gate_RF) * up_RF, w2_EDF)[:, :dim]
 
 
 class _ReferenceFp8Linear(torch.autograd.Function):
@@ -157,15 +170,16 @@ def reference_fp8_experts(
     w3_EFD: torch.Tensor,
     num_tokens_per_expert_E: torch.Tensor,
 ) -> torch.Tensor:
-    """The FP8 rowwise expert block in plain torch: one expert at a time, every GEMM in fp32 from
-    quantised-dequantised operands (host sync; for tests). Output in ``x_RD``'s dtype."""
+    """The FP8 rowwise expert block in plain torch: one expert at a time, the gate and up projections
+    as one GEMM over ``[w1; w3]``, every GEMM in fp32 from quantised-dequantised operands (host
+    sync; for tests). Output in ``x_RD``'s dtype."""
     outputs = []
     start = 0
     for expert, count in enumerate(num_tokens_per_expert_E.tolist()):
         x_MD = x_RD[start : start + count].float()
         start += count
-        gate = _ReferenceFp8Linear.apply(x_MD, w1_EFD[expert].float())
-        up = _ReferenceFp8Linear.apply(x_MD, w3_EFD[expert].float())
+        gate_up = _ReferenceFp8Linear.apply(x_MD, torch.cat([w1_EFD[expert], w3_EFD[expert]]).float())
+        gate, up = gate_up.chunk(2, dim=-1)
         outputs.append(_ReferenceFp8Linear.apply(F.silu(gate) * up, w2_EDF[expert].float()))
     return torch.cat(outputs).to(x_RD.dtype)
 
