@@ -2,13 +2,14 @@
 
     python scripts/gpu_training_runs.py tiny --out train_tiny.json   # every tiny flavor, EP 1 and 2
     python scripts/gpu_training_runs.py full --out train_full.json   # olmoe-1b-7b compiled: stock, grouped_mm, triton
+    python scripts/gpu_training_runs.py numerics --out numerics.json   # 300 steps: FP8 experts against bf16
     python scripts/gpu_training_runs.py scale8 --out train_scale8.json   # 8 GPUs: qwen3-30b-a3b, deepseek-v3-16b
     python scripts/gpu_training_runs.py plot --from train_full.json ... --out train.png
 
 ``tiny``: each tiny flavor (fp32) for 30 steps on one GPU (EP 1; two runs side by side, one per
-GPU) and on two GPUs with EP 2 over each EP transport; tiny-moe-triton once more on one GPU with
-the Triton cache the first run filled (warm start). Every backend's losses must equal for_loop's
-of the same layout to rel 1e-4.
+GPU) and on two GPUs with EP 2 over each EP transport, eager and compiled; tiny-moe-triton once
+more on one GPU with the Triton cache the first run filled (warm start). Every backend's losses,
+eager and compiled, must equal for_loop's eager losses of the same layout to rel 1e-4.
 ``full``: olmoe-1b-7b on two GPUs (FSDP 2, EP 2, bf16), 20 steps of ``--local-batch-size`` x 2048
 tokens per GPU (default 4: an H100's 80 GB; an H200 takes 8): torchtitan's own MoE layers compiled
 (``--compile.enable``, the baseline) and eager (``--compile.no-enable``), and the project's layers
@@ -19,6 +20,10 @@ names its compute backend and whether it compiles, whatever the flavor's default
 be within 2% of the baseline's at the same step. Printed per run: the median tokens/s over steps
 5-20 (after warm-up and the first compilations), its ratio to the baseline, peak memory and the
 seconds to the first step.
+``numerics``: olmoe-1b-7b as ``full`` (FSDP 2, EP 2, compiled, ``--local-batch-size`` default 2) for
+300 steps with each bf16 implementation (torchtitan's own MoE, grouped_mm, triton) and FP8 rowwise
+experts, same data and seed: where the FP8 loss lies against the band [min, max] of the bf16 losses,
+step by step and averaged over windows of ``NUMERICS_WINDOW`` steps.
 ``scale4`` / ``scale8``: every run on all 4 / 8 GPUs of the host. First the tiny-moe-triton flavor (fp32,
 30 steps) at EP 1 and at EP 4 (and 8) over each EP transport: the same global batch, so every loss
 must equal EP 1's to rel 1e-4. Then qwen3-30b-a3b and deepseek-v3-16b, FSDP 4 x EP 4 (``scale4``) or
@@ -180,19 +185,25 @@ def expert_parallel(degree: int) -> list[str]:
 
 def tiny_runs() -> list[list[Run]]:
     """Batches of runs that share the host: EP 1 pairs side by side, then each EP 2 run alone; each
-    backend's run is compared with for_loop's of the same layout."""
+    backend's run, eager and compiled (``--compile.enable``: Inductor), is compared with for_loop's
+    eager run of the same layout."""
 
     def tiny_run(backend: str, layout: str, gpus: int, args: list[str]) -> Run:
         reference = None if backend == "for_loop" else f"for_loop {layout}"
         return Run(f"{backend} {layout}", tiny_flavor_name(backend), gpus, args, reference)
 
+    def compiled(run: Run) -> Run:
+        reference = f"for_loop {run.name.partition(' ')[2]}"
+        return Run(f"{run.name} compiled", run.flavor, run.gpus, [*run.args, *COMPILE], reference)
+
     ep1 = [tiny_run(b, "ep1 1gpu", 1, TINY_STEPS) for b in TINY_BACKENDS]
+    ep1 += [compiled(run) for run in ep1]
     batches = [ep1[i : i + 2] for i in range(0, len(ep1), 2)]
     batches.append([Run("triton ep1 1gpu warm cache", "tiny-moe-triton", 1, TINY_STEPS)])
     for transport, transport_args in EP_TRANSPORT_ARGS.items():
         for backend in TINY_BACKENDS:
-            args = [*TINY_STEPS, *expert_parallel(2), *transport_args]
-            batches.append([tiny_run(backend, f"ep2 {transport}", 2, args)])
+            run = tiny_run(backend, f"ep2 {transport}", 2, [*TINY_STEPS, *expert_parallel(2), *transport_args])
+            batches += [[run], [compiled(run)]]
     return batches
 
 
@@ -200,11 +211,11 @@ STOCK_COMPILED = "olmoe torchtitan-moe compiled"
 """The full suite's run every other run is compared with: torchtitan's own MoE layers, compiled."""
 
 
-def full_size_args(local_batch_size: int, expert_parallel_degree: int) -> list[str]:
-    """20 steps of ``local_batch_size`` x 2048 tokens per GPU, metrics every step."""
+def full_size_args(local_batch_size: int, expert_parallel_degree: int, steps: int = 20) -> list[str]:
+    """``steps`` steps of ``local_batch_size`` x 2048 tokens per GPU, metrics every step."""
     return [
         "--training.steps",
-        "20",
+        str(steps),
         "--training.local_batch_size",
         str(local_batch_size),
         "--training.seq_len",
@@ -238,6 +249,65 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
     for run in runs[1:]:
         run.reference = STOCK_COMPILED
     return [[run] for run in runs]
+
+
+NUMERICS_STEPS = 300
+NUMERICS_WINDOW = 20
+"""Steps per window of the numerics suite's averaged comparison (step-to-step loss noise averages out)."""
+NUMERICS_FP8 = "olmoe grouped_mm fp8 compiled"
+
+
+def numerics_runs(local_batch_size: int) -> list[list[Run]]:
+    """The bf16 implementations and FP8 experts, each alone on both GPUs, compared by ``loss_band``."""
+    args = full_size_args(local_batch_size, 2, NUMERICS_STEPS)
+    runs = [
+        Run(STOCK_COMPILED, "olmoe-1b-7b-torchtitan-moe", 2, [*args, *COMPILE]),
+        Run("olmoe grouped_mm compiled", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *COMPILE]),
+        Run("olmoe triton compiled", "olmoe-1b-7b", 2, [*args, *TRITON, *COMPILE]),
+        Run(NUMERICS_FP8, "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *FP8, *COMPILE]),
+    ]
+    return [[run] for run in runs]
+
+
+def loss_band(runs: list[Run], probe: str = NUMERICS_FP8, window: int = NUMERICS_WINDOW) -> dict | None:
+    """Where ``probe``'s losses lie against the band [min, max] of the other runs' at each step they
+    all logged, and of their means over consecutive windows of ``window`` steps: the steps (windows)
+    inside, and the largest distance outside relative to the band's edge (0: always inside). None
+    when ``probe`` or fewer than two other runs logged losses."""
+    by_name = {run.name: run for run in runs if run.losses}
+    if probe not in by_name or len(by_name) < 3:
+        return None
+    probe_losses = {int(step): loss for step, loss in by_name.pop(probe).losses.items()}
+    curves = [{int(step): loss for step, loss in run.losses.items()} for run in by_name.values()]
+    steps = sorted(set(probe_losses).intersection(*curves))
+    windows = [steps[i : i + window] for i in range(0, len(steps) - window + 1, window)]
+
+    def compare(points: list[tuple[float, list[float]]]) -> dict:
+        outside = [max(value - max(band), min(band) - value, 0.0) / min(band) for value, band in points]
+        return {"compared": len(points), "inside": outside.count(0.0), "largest_rel_outside": max(outside, default=0.0)}
+
+    def mean(curve: dict[int, float], chunk: list[int]) -> float:
+        return statistics.fmean(curve[step] for step in chunk)
+
+    return {
+        "probe": probe,
+        "band_of": list(by_name),
+        "steps": compare([(probe_losses[s], [c[s] for c in curves]) for s in steps]),
+        f"windows_of_{window}": compare([(mean(probe_losses, w), [mean(c, w) for c in curves]) for w in windows]),
+    }
+
+
+def print_loss_band(band: dict | None) -> None:
+    if band is None:
+        print("loss band: not enough runs logged losses")
+        return
+    print(f"{band['probe']} against the band of {', '.join(band['band_of'])}:")
+    for scope, counts in band.items():
+        if isinstance(counts, dict):
+            print(
+                f"  {scope}: inside at {counts['inside']} of {counts['compared']}, "
+                f"largest distance outside rel {counts['largest_rel_outside']:.2e}"
+            )
 
 
 SCALE_MODELS = ("qwen3-30b-a3b", "deepseek-v3-16b")
@@ -428,8 +498,8 @@ def device_ids(slot: int, run: Run) -> list[str]:
     return [str(slot)] if run.gpus == 1 else [str(gpu) for gpu in range(run.gpus)]
 
 
-SUITES = ("tiny", "full", "scale4", "scale8")
-DEFAULT_LOCAL_BATCH_SIZE = {"full": 4, "scale4": 1, "scale8": 1}
+SUITES = ("tiny", "full", "numerics", "scale4", "scale8")
+DEFAULT_LOCAL_BATCH_SIZE = {"full": 4, "numerics": 2, "scale4": 1, "scale8": 1}
 
 
 def suite_runs(suite: str, local_batch_size: int | None = None) -> list[list[Run]]:
@@ -439,6 +509,8 @@ def suite_runs(suite: str, local_batch_size: int | None = None) -> list[list[Run
     sequences = local_batch_size or DEFAULT_LOCAL_BATCH_SIZE[suite]
     if suite == "full":
         return full_runs(sequences)
+    if suite == "numerics":
+        return numerics_runs(sequences)
     return scale_runs(int(suite.removeprefix("scale")), sequences)
 
 
@@ -459,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
         "--local-batch-size",
         type=int,
         metavar="N",
-        help="full and scale suites: sequences of 2048 tokens per GPU per step (default: full 4, scale 1)",
+        help="full, numerics and scale suites: sequences of 2048 tokens per GPU per step (default: full 4, "
+        "numerics 2, scale 1)",
     )
     parser.add_argument(
         "--run-timeout",
@@ -506,14 +579,17 @@ def main(argv: list[str] | None = None) -> int:
         result, problems = write_results(args.suite, machine, runs, skipped, args.out)
     if args.suite != "tiny":
         print_throughput_summary(result["summary"])
+    if args.suite == "numerics":
+        print_loss_band(result["loss_band"])
     print("problems:" if problems else "all runs agree", *problems, sep="\n  ")
     return 1 if problems else 0
 
 
 def write_results(suite: str, machine: dict, runs: list[Run], skipped: dict, path: str) -> tuple[dict, list[str]]:
     """Write the suite's JSON to ``path``: ``machine`` (``environment()``, read once per suite), runs,
-    skipped runs, problems (losses that disagree with each run's reference, runs that failed) and, but
-    for ``tiny``, the throughput summary; return it and the problems."""
+    skipped runs, problems (losses that disagree with each run's reference, runs that failed), but
+    for ``tiny`` the throughput summary, and for ``numerics`` the FP8 loss band; return it and the
+    problems."""
     problems = compare_losses(runs)
     problems += [f"{run.name}: exit code {run.returncode}" for run in runs if run.returncode != 0]
     result = {
@@ -525,6 +601,8 @@ def write_results(suite: str, machine: dict, runs: list[Run], skipped: dict, pat
     }
     if suite != "tiny":
         result["summary"] = throughput_summary(runs)
+    if suite == "numerics":
+        result["loss_band"] = loss_band(runs)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     return result, problems

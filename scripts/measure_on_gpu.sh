@@ -7,6 +7,7 @@
 #     compiled) and expert block benchmarks
 #   scripts/measure_on_gpu.sh ep4 ep2 # EP equivalence + dispatch/combine benchmark on 4 and 2 GPUs
 #   scripts/measure_on_gpu.sh train-tiny train-full   # training through the Trainer on 2 GPUs
+#   scripts/measure_on_gpu.sh train-numerics   # 2 GPUs, 300 steps: FP8 experts' loss against the bf16 layers'
 #   scripts/measure_on_gpu.sh scale-out   # 4 or 8 GPUs of one host: ep4 (and ep8), then train-scale4 (or
 #     train-scale8): EP 1 vs 4 (vs 8) losses of a tiny flavor, qwen3-30b-a3b and deepseek-v3-16b next to stock
 #   scripts/measure_on_gpu.sh fp8   # 2 GPUs: FP8 expert tests, layer and whole-model runs next to bf16 and stock
@@ -66,14 +67,14 @@ run_task() {
       timeout "${EP_TIMEOUT_S:-290}" torchrun --nproc_per_node="$ranks" -m torchtitan_ext.bench ep --check \
           ${EP_CHECK_BACKENDS:+--check-backends $EP_CHECK_BACKENDS} \
           --json "$out/ep_dispatch_w$ranks.json" 2>&1 | tee "$out/ep_dispatch_w$ranks.log" ;;
-    train-tiny|train-full|train-scale4|train-scale8)
+    train-tiny|train-full|train-numerics|train-scale4|train-scale8)
       # TRAIN_ONLY narrows the runs (space-separated regular expressions on run names, e.g. "ep2.symm_mem").
       # The scale suites take longer than one sitting may allow (each full-size run: compilation and
       # 20 steps): TRAIN_ONLY="^qwen3-30b-a3b.fsdp8.ep8" runs one model and layout with its stock baseline;
       # give each part its own OUT.
       suite=${task#train-}
-      # TRAIN_LOCAL_BATCH sets the full and scale suites' sequences per GPU per step (default: full 4, an
-      # H200 takes 8; scale 1).
+      # TRAIN_LOCAL_BATCH sets the full, numerics and scale suites' sequences per GPU per step (default:
+      # full 4, an H200 takes 8; numerics 2; scale 1).
       python3 scripts/gpu_training_runs.py "$suite" --out "$out/train_$suite.json" \
           ${TRAIN_ONLY:+--only $TRAIN_ONLY} ${TRAIN_LOCAL_BATCH:+--local-batch-size $TRAIN_LOCAL_BATCH} \
           ${TRAIN_RUN_TIMEOUT_S:+--run-timeout $TRAIN_RUN_TIMEOUT_S} \
@@ -114,7 +115,7 @@ run_task() {
       else
         run_task ep4; run_task train-scale4
       fi ;;
-    *) echo "unknown task $task (tests, bench, ep<ranks>, train-tiny, train-full, train-scale4, train-scale8, scale-out, train-step, fp8)"
+    *) echo "unknown task $task (tests, bench, ep<ranks>, train-tiny, train-full, train-numerics, train-scale4, train-scale8, scale-out, train-step, fp8)"
        exit 2 ;;
   esac
 }

@@ -268,8 +268,9 @@ def test_tasks_refuse_a_host_with_too_few_gpus(tmp_path, task, needed):
 def test_two_gpu_suites_compare_with_for_loop_and_with_stock_compiled():
     tiny = all_runs("tiny")
     for run in tiny:
-        backend, _, layout = run.name.partition(" ")
-        expected = None if backend == "for_loop" or "warm" in layout else f"for_loop {layout}"
+        backend, _, layout = run.name.removesuffix(" compiled").partition(" ")
+        eager_for_loop = backend == "for_loop" and not run.name.endswith("compiled")
+        expected = None if eager_for_loop or "warm" in layout else f"for_loop {layout}"
         assert run.reference == expected, run.name
     (stock, *others) = all_runs("full")
     assert stock.name == runs_module.STOCK_COMPILED and stock.reference is None
@@ -292,3 +293,47 @@ def test_fp8_task_runs_the_fp8_tests_layers_and_runs_next_to_bf16_and_stock(tmp_
         "olmoe grouped_mm fp8 compiled symm_mem",
         "olmoe triton compiled symm_mem",
     ]
+
+
+def test_tiny_suite_compiles_every_backend_at_every_layout(monkeypatch):
+    tiny = {run.name: run for run in all_runs("tiny")}
+    for backend in runs_module.TINY_BACKENDS:
+        for layout in ("ep1 1gpu", "ep2 all_to_all", "ep2 symm_mem"):
+            eager, compiled = tiny[f"{backend} {layout}"], tiny[f"{backend} {layout} compiled"]
+            assert compiled.args == [*eager.args, *runs_module.COMPILE] and compiled.flavor == eager.flavor
+            assert parsed(compiled, monkeypatch).compile.enable and not parsed(eager, monkeypatch).compile.enable
+
+
+def test_numerics_suite_trains_each_bf16_layer_and_fp8_for_300_steps(monkeypatch):
+    runs = all_runs("numerics")
+    assert [run.name for run in runs] == [
+        runs_module.STOCK_COMPILED,
+        "olmoe grouped_mm compiled",
+        "olmoe triton compiled",
+        runs_module.NUMERICS_FP8,
+    ]
+    for run in runs:
+        config = parsed(run, monkeypatch)
+        assert config.training.steps == 300 and config.training.local_batch_size == 2 and config.compile.enable
+        assert run.reference is None, run.name
+        precisions = {e.expert_precision for e in nested_configs(config, BackendGroupedExperts.Config)}
+        assert precisions <= {"fp8_rowwise" if run.name == runs_module.NUMERICS_FP8 else "native"}, run.name
+
+
+def curve(name: str, losses: list[float]) -> Run:
+    run = Run(name, "olmoe-1b-7b", 2, [])
+    run.losses = {step: loss for step, loss in enumerate(losses, start=1)}
+    return run
+
+
+def test_loss_band_counts_the_steps_and_windows_of_the_probe_inside_the_others_spread():
+    low, high = curve("a", [2.0, 2.0, 1.0, 1.0]), curve("b", [2.2, 2.2, 1.2, 1.2])
+    probe = curve("fp8", [2.1, 2.3, 1.1, 0.9])
+    band = runs_module.loss_band([low, high, probe], probe="fp8", window=2)
+    assert band["band_of"] == ["a", "b"]
+    assert band["steps"]["compared"] == 4 and band["steps"]["inside"] == 2
+    assert band["steps"]["largest_rel_outside"] == pytest.approx(0.1)  # 0.9 is 0.1 below 1.0
+    # window means: probe 2.2 in [2.0, 2.2]; 1.0 in [1.0, 1.2]
+    assert band["windows_of_2"] == {"compared": 2, "inside": 2, "largest_rel_outside": 0.0}
+    assert runs_module.loss_band([low, probe], probe="fp8") is None
+    assert runs_module.loss_band([low, high], probe="fp8") is None
