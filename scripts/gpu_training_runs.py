@@ -592,7 +592,7 @@ def write_results(suite: str, machine: dict, runs: list[Run], skipped: dict, pat
     problems."""
     problems = compare_losses(runs)
     problems += [f"{run.name}: exit code {run.returncode}" for run in runs if run.returncode != 0]
-    result = {
+    result: dict = {
         "environment": machine,
         "suite": suite,
         "runs": [asdict(r) for r in runs],
