@@ -21,9 +21,11 @@ from torchtitan_ext.experiments.moe_backends.fp8_experts import (
     fp8_grouped_experts,
     quantize_dequantize,
     quantize_rowwise,
+    quantize_stacked_columns,
     reference_fp8_experts,
 )
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config, with_expert_precision
+from torchtitan_ext.kernels.fp8_quantize import quantize_columns_transposed
 from torchtitan_ext.registry import Flavor, get_flavor
 from torchtitan_ext.run_training import FlavorConfigManager
 
@@ -61,6 +63,38 @@ def test_quantize_dequantize_rounds_to_three_mantissa_bits():
     normal = x.abs() > x.abs().amax(dim=-1, keepdim=True) * 2**-6  # e4m3 normals below the row's amax
     assert torch.all((rounded - x).abs()[normal] <= x.abs()[normal] * 2**-4)
     assert (rounded - x).abs().max() > 0
+
+
+def exactly_quantisable(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Values (1 + m/8) * 2^j, j in [0, 4]: every column's scaled values are e4m3 normals, so
+    quantising rounds nothing (Triton's interpreter rounds e4m3 wrongly where rounding carries into
+    the exponent; the GPU test checks rounding)."""
+    generator = torch.Generator().manual_seed(seed)
+    mantissa = 1 + torch.randint(0, 8, shape, generator=generator) / 8
+    sign = torch.randint(0, 2, shape, generator=generator) * 2 - 1
+    return sign * mantissa * 2.0 ** torch.randint(0, 5, shape, generator=generator)
+
+
+@pytest.mark.parametrize(
+    "part_shapes", [[(3, 40, 70)], [(2, 24, 33), (2, 72, 33)]], ids=["one_part_masked_tiles", "gate_and_up"]
+)
+def test_the_column_quantisation_kernel_is_the_plain_torch_rule_transposed(part_shapes):
+    parts = [exactly_quantisable(shape, seed) for seed, shape in enumerate(part_shapes)]
+    parts[0][1, :, 5] = 0  # a column of zeros: scaled as SMALLEST_AMAX, values zero
+    values, inverse = quantize_columns_transposed(parts)
+    expected_values, expected_inverse = quantize_stacked_columns(parts, emulated=True)
+    stacked_rows = sum(shape[1] for shape in part_shapes)
+    assert values.shape == (part_shapes[0][0], part_shapes[0][2], stacked_rows) and values.is_contiguous()
+    assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
+    assert torch.equal(inverse, expected_inverse)
+    assert torch.equal(values.float() * inverse, torch.cat(parts, dim=1).transpose(-2, -1))  # nothing rounded
+
+
+def test_the_column_quantisation_kernel_refuses_mismatched_parts():
+    with pytest.raises(ValueError, match="differ in E, K or dtype"):
+        quantize_columns_transposed([torch.ones(2, 4, 8), torch.ones(2, 4, 16)])
+    with pytest.raises(ValueError, match="1 to 2 weight parts"):
+        quantize_columns_transposed([torch.ones(2, 4, 8)] * 3)
 
 
 @pytest.mark.parametrize("case", COUNT_CASES)

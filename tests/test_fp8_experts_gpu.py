@@ -8,8 +8,10 @@ from torchtitan_ext.bench.common import relative_error
 from torchtitan_ext.experiments.moe_backends.fp8_experts import (
     fp8_grouped_experts,
     fp8_unavailable_reason,
+    quantize_stacked_columns,
     reference_fp8_experts,
 )
+from torchtitan_ext.kernels.fp8_quantize import quantize_columns_transposed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -58,3 +60,13 @@ def test_compiled_fp8_experts_equal_eager():
         NAMES, forward_and_gradients(compiled, inputs, emulated=False), eager, strict=True
     ):
         assert relative_error(actual, expected) <= 3e-2, name
+
+
+@pytest.mark.parametrize("part_shapes", [[(8, 200, 72)], [(16, 768, 2048), (16, 768, 2048)]], ids=["masked", "gate_up"])
+def test_the_column_quantisation_kernel_rounds_as_torch(part_shapes):
+    generator = torch.Generator().manual_seed(0)
+    parts = [torch.randn(*shape, generator=generator).to("cuda", torch.bfloat16) for shape in part_shapes]
+    values, inverse = quantize_columns_transposed(parts)
+    expected_values, expected_inverse = quantize_stacked_columns(parts, emulated=True)
+    assert torch.equal(inverse, expected_inverse)
+    assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))

@@ -27,6 +27,8 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
+from torchtitan_ext.kernels.fp8_quantize import E4M3_MAX, SMALLEST_AMAX, quantize_columns_transposed
+
 from .grouped_matmul import grouped_mm, row_major
 
 ExpertPrecision = Literal["native", "fp8_rowwise", "fp8_rowwise_emulated"]
@@ -37,11 +39,8 @@ EXPERT_PRECISIONS: tuple[str, ...] = get_args(ExpertPrecision)
 FP8_PRECISIONS: tuple[str, ...] = tuple(p for p in EXPERT_PRECISIONS if p.startswith("fp8"))
 
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = torch.finfo(E4M3).max
 FP8_ALIGN = 16
 """``torch._scaled_grouped_mm`` needs K and N in multiples of 16 elements (16 bytes of e4m3)."""
-SMALLEST_AMAX = 1e-12
-"""The amax a row of zeros is scaled as (any positive value: its e4m3 values are zeros)."""
 
 
 def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,53 +60,73 @@ def quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
 
 
 def scaled_grouped_gemm(
-    a_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor, out_dtype: torch.dtype, *, emulated: bool
+    a_RK: torch.Tensor,
+    w_values_ENK: torch.Tensor,
+    w_inverse_EN1: torch.Tensor,
+    offsets_E: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    emulated: bool,
 ) -> torch.Tensor:
-    """``a_RK @ w_ENK[e].T`` over the row groups ending at ``offsets_E``, both operands quantised
-    rowwise along K -> [R, N] in ``out_dtype`` (the GPU GEMM writes bf16, cast to ``out_dtype``). K and
-    N must be multiples of ``FP8_ALIGN``; ``w_ENK`` may be a strided view (a transposed weight is
-    quantised from its view and only its e4m3 values are laid out row-major)."""
+    """``a_RK @ w[e].T`` over the row groups ending at ``offsets_E``: ``a_RK`` is quantised rowwise
+    along K here, ``w`` comes quantised (row-major e4m3 values [E, N, K] and inverse scales
+    [E, N, 1]) -> [R, N] in ``out_dtype`` (the GPU GEMM writes bf16, cast to ``out_dtype``). K and
+    N must be multiples of ``FP8_ALIGN``."""
     a_values, a_inverse = quantize_rowwise(a_RK)
-    w_values, w_inverse = quantize_rowwise(w_ENK)
     if emulated:
-        dequantized_w = (w_values.float() * w_inverse).transpose(-2, -1)
+        dequantized_w = (w_values_ENK.float() * w_inverse_EN1).transpose(-2, -1)
         return grouped_mm(a_values.float() * a_inverse, dequantized_w, offsets_E).to(out_dtype)
     return torch._scaled_grouped_mm(
         a_values,
-        row_major(w_values).transpose(-2, -1),
+        w_values_ENK.transpose(-2, -1),
         a_inverse.squeeze(-1),
-        w_inverse.squeeze(-1),
+        w_inverse_EN1.squeeze(-1),
         offsets_E,
         out_dtype=torch.bfloat16,
         use_fast_accum=True,
     ).to(out_dtype)
 
 
+def quantize_stacked_columns(w_parts_EPK: list[torch.Tensor], *, emulated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stack ``[w_parts]`` [E, N, K] quantised per (expert, column) along N, transposed: row-major
+    e4m3 values [E, K, N] and inverse scales [E, K, 1] (the input gradient's weight operand). On the
+    GPU one Triton kernel (``kernels.fp8_quantize``); emulated, the same rule in plain torch."""
+    if emulated:
+        values, inverse = quantize_rowwise(_stacked(w_parts_EPK).transpose(-2, -1))
+        return row_major(values), inverse
+    return quantize_columns_transposed(w_parts_EPK)
+
+
 class Fp8GroupedLinear(torch.autograd.Function):
     """``a_RK @ w_ENK[e].T`` in FP8 rowwise with the gradients of the module docstring's recipe, the
     weight ``w_ENK`` given as parts ``w_EPK`` stacked along N (``[w1; w3]``: one GEMM for the gate
-    and up projections) -> [R, N]. The parts are saved, not their stack (no copy lives until the
-    backward); their gradients are the stacked gradient's slices."""
+    and up projections) -> one output [R, P] per part (column blocks of the one GEMM's output). The
+    parts are saved, not their stack, and each part's weight gradient is its own GEMM, so no stacked
+    copy outlives a pass and no gradient is sliced out of a stacked one."""
 
     @staticmethod
     def forward(ctx, a_RK, offsets_E, emulated: bool, *w_parts_EPK):
         ctx.save_for_backward(a_RK, offsets_E, *w_parts_EPK)
         ctx.emulated = emulated
-        return scaled_grouped_gemm(a_RK, _stacked(w_parts_EPK), offsets_E, a_RK.dtype, emulated=emulated)
+        w_values, w_inverse = quantize_rowwise(_stacked(w_parts_EPK))
+        y_RN = scaled_grouped_gemm(a_RK, w_values, w_inverse, offsets_E, a_RK.dtype, emulated=emulated)
+        return y_RN.split([w.shape[1] for w in w_parts_EPK], dim=1)
 
     @staticmethod
     # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); torch documents one argument per output
-    def backward(ctx, grad_RN):
+    def backward(ctx, *grad_parts_RP):
         a_RK, offsets_E, *w_parts_EPK = ctx.saved_tensors
-        grad_RN = row_major(grad_RN)
-        w_ENK = _stacked(w_parts_EPK)
-        grad_a = grad_w_parts = None
+        grad_parts_RP = [row_major(grad) for grad in grad_parts_RP]
+        grad_a = None
         if ctx.needs_input_grad[0]:
-            grad_a = scaled_grouped_gemm(grad_RN, w_ENK.transpose(-2, -1), offsets_E, a_RK.dtype, emulated=ctx.emulated)
-        if any(ctx.needs_input_grad[3:]):
-            grad_w_ENK = grouped_mm(grad_RN.transpose(0, 1), a_RK, offsets_E)
-            grad_w_parts = grad_w_ENK.split([w.shape[1] for w in w_parts_EPK], dim=1)
-        return grad_a, None, None, *(grad_w_parts or [None] * len(w_parts_EPK))
+            w_values, w_inverse = quantize_stacked_columns(w_parts_EPK, emulated=ctx.emulated)
+            grad_RN = torch.cat(grad_parts_RP, dim=1) if len(grad_parts_RP) > 1 else grad_parts_RP[0]
+            grad_a = scaled_grouped_gemm(grad_RN, w_values, w_inverse, offsets_E, a_RK.dtype, emulated=ctx.emulated)
+        grad_w_parts = [
+            grouped_mm(grad.transpose(0, 1), a_RK, offsets_E) if needed else None
+            for grad, needed in zip(grad_parts_RP, ctx.needs_input_grad[3:], strict=True)
+        ]
+        return grad_a, None, None, *grad_w_parts
 
 
 def _stacked(w_parts_EPK) -> torch.Tensor:
@@ -138,13 +157,14 @@ def fp8_grouped_experts(
     dim = x_RD.shape[1]
     offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
 
-    def linear(a_RK: torch.Tensor, *w_parts_EPK: torch.Tensor) -> torch.Tensor:
+    def linear(a_RK: torch.Tensor, *w_parts_EPK: torch.Tensor) -> tuple[torch.Tensor, ...]:
         padded = [_pad_last_dims(w.to(dtype), 2) for w in w_parts_EPK]
         return Fp8GroupedLinear.apply(a_RK, offsets_E, emulated, *padded)
 
     x_RD = row_major(_pad_last_dims(x_RD, 1))
-    gate_RF, up_RF = linear(x_RD, w1_EFD, w3_EFD).chunk(2, dim=-1)
-    return linear(F.silu(gate_RF) * up_RF, w2_EDF)[:, :dim]
+    gate_RF, up_RF = linear(x_RD, w1_EFD, w3_EFD)
+    (out_RD,) = linear(F.silu(gate_RF) * up_RF, w2_EDF)
+    return out_RD[:, :dim]
 
 
 class _ReferenceFp8Linear(torch.autograd.Function):

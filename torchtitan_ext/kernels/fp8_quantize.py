@@ -1,0 +1,144 @@
+"""FP8 (e4m3) quantisation of expert weights for the input-gradient GEMM, in one Triton kernel.
+
+``quantize_columns_transposed(w_parts)`` takes expert weights ``w_EPK`` (parts stacked along P,
+e.g. the gate and up projections ``[w1; w3]``, without stacking them in memory) and returns the
+stack's columns quantised and laid out transposed:
+
+- ``values_EKN`` e4m3, row-major [E, K, N] with N the parts' summed rows:
+  ``values[e, k, n] = clamp(w[e, n, k] * scale[e, k], -448, 448)`` rounded to e4m3;
+- ``inverse_EK1`` fp32 [E, K, 1]: ``1 / scale``, ``scale = 2^floor(log2(448 / amax))`` with ``amax``
+  the column's absolute maximum over N (at least ``SMALLEST_AMAX``).
+
+That is ``quantize_rowwise`` (``experiments.moe_backends.fp8_experts``) of the stack's transpose,
+made row-major: the operand ``torch._scaled_grouped_mm`` needs for ``d x = d y @ w[e]``. Compiled as
+plain torch, Inductor reduces over the strided dimension and writes the transpose in separate
+passes; the kernel reads each column block twice (absolute maximum, then scale and cast) and writes
+the transposed e4m3 tile once. Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from torchtitan_ext.kernels.availability import check_runnable
+
+E4M3_MAX = 448.0
+SMALLEST_AMAX = 1e-12
+"""The amax a column of zeros is scaled as (any positive value: its e4m3 values are zeros)."""
+BLOCK_N = 64
+BLOCK_K = 64
+MAX_PARTS = 2
+
+
+@triton.jit
+def _part_amax(part_ptr, expert, rows, k, k_ok, amax, K, BLOCK_N: tl.constexpr):
+    """``amax`` [BLOCK_K] updated with the absolute maxima of columns ``k`` of one part's expert."""
+    base = part_ptr + expert * rows * K
+    for start in range(0, rows, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        mask = (n[:, None] < rows) & k_ok[None, :]
+        tile = tl.load(base + n[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(tile), axis=0))
+    return amax
+
+
+@triton.jit
+def _part_store_transposed(
+    part_ptr,
+    values_ptr,
+    expert,
+    rows,
+    first_row,
+    total_rows,
+    k,
+    k_ok,
+    scale,
+    K,
+    E4M3_MAX: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Scale, cast and store one part's rows as columns ``first_row + n`` of ``values[expert, k, :]``."""
+    base = part_ptr + expert * rows * K
+    out = values_ptr + expert * K * total_rows
+    for start in range(0, rows, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        mask = (n[:, None] < rows) & k_ok[None, :]
+        tile = tl.load(base + n[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        quantized = tl.clamp(tile * scale[None, :], -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
+        tl.store(
+            out + k[:, None] * total_rows + (first_row + n)[None, :],
+            tl.trans(quantized),
+            mask=tl.trans(mask),
+        )
+
+
+@triton.jit
+def _quantize_columns_transposed_kernel(
+    first_ptr,
+    second_ptr,
+    values_ptr,
+    inverse_ptr,
+    FIRST_ROWS,
+    SECOND_ROWS,
+    K,
+    E4M3_MAX: tl.constexpr,
+    SMALLEST_AMAX: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One program per (expert, block of BLOCK_K columns); ``SECOND_ROWS`` 0: one part."""
+    expert = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    total_rows = FIRST_ROWS + SECOND_ROWS
+    amax = tl.full([BLOCK_K], SMALLEST_AMAX, tl.float32)
+    amax = _part_amax(first_ptr, expert, FIRST_ROWS, k, k_ok, amax, K, BLOCK_N)
+    amax = _part_amax(second_ptr, expert, SECOND_ROWS, k, k_ok, amax, K, BLOCK_N)
+    scale = tl.exp2(tl.floor(tl.log2(tl.math.div_rn(E4M3_MAX, amax))))
+    tl.store(inverse_ptr + expert * K + k, 1.0 / scale, mask=k_ok)
+    _part_store_transposed(
+        first_ptr, values_ptr, expert, FIRST_ROWS, 0, total_rows, k, k_ok, scale, K, E4M3_MAX, BLOCK_N
+    )
+    _part_store_transposed(
+        second_ptr, values_ptr, expert, SECOND_ROWS, FIRST_ROWS, total_rows, k, k_ok, scale, K, E4M3_MAX, BLOCK_N
+    )
+
+
+@torch.library.custom_op("torchtitan_ext::quantize_columns_transposed", mutates_args=())
+def quantize_columns_transposed(w_parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(module docstring) ``w_parts``: one or two [E, P, K] tensors of one dtype and E, K."""
+    if not 1 <= len(w_parts) <= MAX_PARTS:
+        raise ValueError(f"quantize_columns_transposed takes 1 to {MAX_PARTS} weight parts, got {len(w_parts)}")
+    check_runnable(*w_parts)
+    parts = [w.contiguous() for w in w_parts]
+    experts, _, dim = parts[0].shape
+    if any(w.shape[0] != experts or w.shape[2] != dim or w.dtype != parts[0].dtype for w in parts):
+        raise ValueError(f"weight parts differ in E, K or dtype: {[(tuple(w.shape), w.dtype) for w in parts]}")
+    rows = [w.shape[1] for w in parts]
+    values_EKN = parts[0].new_empty(experts, dim, sum(rows), dtype=torch.float8_e4m3fn)
+    inverse_EK1 = parts[0].new_empty(experts, dim, 1, dtype=torch.float32)
+    second = parts[1] if len(parts) == 2 else parts[0]
+    _quantize_columns_transposed_kernel[(experts, triton.cdiv(dim, BLOCK_K))](
+        parts[0],
+        second,
+        values_EKN,
+        inverse_EK1,
+        rows[0],
+        rows[1] if len(parts) == 2 else 0,
+        dim,
+        E4M3_MAX=E4M3_MAX,
+        SMALLEST_AMAX=SMALLEST_AMAX,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+    )
+    return values_EKN, inverse_EK1
+
+
+@quantize_columns_transposed.register_fake
+def _(w_parts):
+    experts, _, dim = w_parts[0].shape
+    rows = sum(w.shape[1] for w in w_parts)
+    values = w_parts[0].new_empty(experts, dim, rows, dtype=torch.float8_e4m3fn)
+    return values, w_parts[0].new_empty(experts, dim, 1, dtype=torch.float32)
