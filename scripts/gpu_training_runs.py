@@ -16,8 +16,9 @@ tokens per GPU (default 4: an H100's 80 GB; an H200 takes 8): torchtitan's own M
 compiled with grouped_mm (bf16, and FP8 rowwise experts over each EP transport), triton over each
 EP transport, and triton over symm_mem with static
 received rows under CUDA graphs; triton over symm_mem eager for reference. Every full-size run
-names its compute backend and whether it compiles, whatever the flavor's defaults. Every loss must
-be within 2% of the baseline's at the same step. Printed per run: the median tokens/s over steps
+names its compute backend and whether it compiles, whatever the flavor's defaults. Every loss of the
+first 10 steps must be within 2% of the baseline's at the same step (``FULL_SIZE_COMPARED_STEPS``).
+Printed per run: the median tokens/s over steps
 5-20 (after warm-up and the first compilations), its ratio to the baseline, peak memory and the
 seconds to the first step.
 ``numerics``: olmoe-1b-7b as ``full`` (FSDP 2, EP 2, compiled, ``--local-batch-size`` default 2) for
@@ -30,7 +31,8 @@ must equal EP 1's to rel 1e-4. Then qwen3-30b-a3b and deepseek-v3-16b, FSDP 4 x 
 FSDP 8 x EP 8 and FSDP 8 x EP 4 (``scale8``), bf16, 20 steps of ``--local-batch-size`` x 2048 tokens
 per GPU (default 1: qwen3-30b-a3b's weights, gradients and AdamW state alone take 57 GiB of each of
 8 GPUs), compiled: torchtitan's own MoE layers (``<model>-torchtitan-moe``, the baseline of its model
-and layout), grouped_mm, and triton over each EP transport; losses within 2% of the baseline's. A run
+and layout), grouped_mm, and triton over each EP transport; losses of the first 10 steps within 2% of
+the baseline's. A run
 whose weights, gradients and optimizer state alone do not fit its GPUs' memory is skipped, and said so.
 Per run: losses, tokens/s, MFU, peak memory (rank 0's log) and the seconds from launch to the
 first step's log line; each run names the run it is compared with (``reference``). The JSON carries
@@ -177,6 +179,10 @@ TINY_LOSS_REL = 1e-4
 """Tiny flavors train in fp32: every layout and backend computes the same function up to rounding."""
 FULL_SIZE_LOSS_REL = 0.02
 """Full-size flavors train in bf16: losses agree with the baseline's to a few bf16 roundings."""
+FULL_SIZE_COMPARED_STEPS = 10
+"""Full-size losses are compared over the first steps only: bf16 training drifts apart later, and
+from run to run of one implementation (stock torchtitan's olmoe-1b-7b loss at step 17 was 3.89,
+11.32 and 12.39 on three loans), so later steps cannot tell a wrong layer from rounding."""
 
 
 def expert_parallel(degree: int) -> list[str]:
@@ -420,8 +426,9 @@ def print_throughput_summary(rows: list[dict]) -> None:
 
 
 def compare_losses(runs: list[Run]) -> list[str]:
-    """Runs whose losses differ from their ``reference``'s by more than ``loss_rel(run)``; a run whose
-    reference is not among ``runs`` is not compared."""
+    """Runs whose losses differ from their ``reference``'s by more than ``loss_rel(run)`` (tiny flavors:
+    at every step; full-size: over the first ``FULL_SIZE_COMPARED_STEPS``); runs that logged other
+    steps than their reference; a run whose reference is not among ``runs`` is not compared."""
     by_name = {run.name: run for run in runs}
     problems = []
     for run in runs:
@@ -432,9 +439,12 @@ def compare_losses(runs: list[Run]) -> list[str]:
         if run.losses.keys() != reference.losses.keys() or not run.losses:
             problems.append(f"{run.name}: steps {sorted(run.losses)} vs {reference.name}'s {sorted(reference.losses)}")
             continue
-        worst = max(abs(run.losses[s] - reference.losses[s]) / abs(reference.losses[s]) for s in run.losses)
+        tiny = run.flavor.startswith("tiny-")
+        steps = [s for s in run.losses if tiny or int(s) <= FULL_SIZE_COMPARED_STEPS]
+        worst = max(abs(run.losses[s] - reference.losses[s]) / abs(reference.losses[s]) for s in steps)
         if worst > rel:
-            problems.append(f"{run.name}: loss differs from {reference.name}'s by rel {worst:.2e} > {rel}")
+            where = "" if tiny else f" over steps 1-{FULL_SIZE_COMPARED_STEPS}"
+            problems.append(f"{run.name}: loss differs from {reference.name}'s by rel {worst:.2e} > {rel}{where}")
     return problems
 
 

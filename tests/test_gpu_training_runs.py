@@ -174,8 +174,14 @@ def test_losses_are_compared_with_the_reference_at_the_flavors_tolerance():
     tiny_close = make_run("t ep4", "tiny-moe-triton", tiny_ep1.name, losses=(2.0001, 1.5))
     tiny_far = make_run("t ep8", "tiny-moe-triton", tiny_ep1.name, losses=(2.001, 1.5))
     orphan = make_run("o", "qwen3-30b-a3b", "not run", losses=(9.0, 9.0))
-    problems = runs_module.compare_losses([stock, close, far, tiny_ep1, tiny_close, tiny_far, orphan])
-    assert [problem.split(":")[0] for problem in problems] == ["m grouped_mm", "t ep8"]
+    late_spike = make_run("m for_loop", "qwen3-30b-a3b", stock.name)
+    late_spike.losses[runs_module.FULL_SIZE_COMPARED_STEPS + 1] *= 4  # bf16 runs drift apart later
+    tiny_late = make_run("t ep2", "tiny-moe-triton", tiny_ep1.name)
+    tiny_late.losses[20] *= 1.001  # fp32 runs must agree at every step
+    runs = [stock, close, far, tiny_ep1, tiny_close, tiny_far, orphan, late_spike, tiny_late]
+    problems = runs_module.compare_losses(runs)
+    assert [problem.split(":")[0] for problem in problems] == ["m grouped_mm", "t ep8", "t ep2"]
+    assert problems[0].endswith(f"over steps 1-{runs_module.FULL_SIZE_COMPARED_STEPS}")
 
 
 def test_summary_gives_each_run_its_ratio_to_its_stock_baseline():
