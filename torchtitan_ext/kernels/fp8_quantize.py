@@ -25,8 +25,9 @@ import triton.language as tl
 from torchtitan_ext.kernels.availability import check_runnable
 
 E4M3_MAX = 448.0
+"""The largest finite e4m3 (``torch.float8_e4m3fn``) value."""
 SMALLEST_AMAX = 1e-12
-"""The amax a column of zeros is scaled as (any positive value: its e4m3 values are zeros)."""
+"""The amax a row or column of zeros is scaled as (any positive value: its e4m3 values are zeros)."""
 BLOCK_N = 64
 BLOCK_K = 64
 MAX_PARTS = 2
