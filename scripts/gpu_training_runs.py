@@ -278,8 +278,8 @@ def numerics_runs(local_batch_size: int) -> list[list[Run]]:
 def loss_band(runs: list[Run], probe: str = NUMERICS_FP8, window: int = NUMERICS_WINDOW) -> dict | None:
     """Where ``probe``'s losses lie against the band [min, max] of the other runs' at each step they
     all logged, and of their means over consecutive windows of ``window`` steps: the steps (windows)
-    inside, and the largest distance outside relative to the band's edge (0: always inside). None
-    when ``probe`` or fewer than two other runs logged losses."""
+    inside, and the largest distances above and below the band relative to its edge (above: a higher
+    loss; 0: never on that side). None when ``probe`` or fewer than two other runs logged losses."""
     by_name = {run.name: run for run in runs if run.losses}
     if probe not in by_name or len(by_name) < 3:
         return None
@@ -289,8 +289,14 @@ def loss_band(runs: list[Run], probe: str = NUMERICS_FP8, window: int = NUMERICS
     windows = [steps[i : i + window] for i in range(0, len(steps) - window + 1, window)]
 
     def compare(points: list[tuple[float, list[float]]]) -> dict:
-        outside = [max(value - max(band), min(band) - value, 0.0) / min(band) for value, band in points]
-        return {"compared": len(points), "inside": outside.count(0.0), "largest_rel_outside": max(outside, default=0.0)}
+        above = [max(value - max(band), 0.0) / max(band) for value, band in points]
+        below = [max(min(band) - value, 0.0) / min(band) for value, band in points]
+        return {
+            "compared": len(points),
+            "inside": sum(a == b == 0.0 for a, b in zip(above, below, strict=True)),
+            "largest_rel_above": max(above, default=0.0),
+            "largest_rel_below": max(below, default=0.0),
+        }
 
     def mean(curve: dict[int, float], chunk: list[int]) -> float:
         return statistics.fmean(curve[step] for step in chunk)
@@ -311,8 +317,8 @@ def print_loss_band(band: dict | None) -> None:
     for scope, counts in band.items():
         if isinstance(counts, dict):
             print(
-                f"  {scope}: inside at {counts['inside']} of {counts['compared']}, "
-                f"largest distance outside rel {counts['largest_rel_outside']:.2e}"
+                f"  {scope}: inside at {counts['inside']} of {counts['compared']}, at most rel "
+                f"{counts['largest_rel_above']:.2e} above it (higher loss), {counts['largest_rel_below']:.2e} below"
             )
 
 

@@ -339,8 +339,9 @@ def test_loss_band_counts_the_steps_and_windows_of_the_probe_inside_the_others_s
     band = runs_module.loss_band([low, high, probe], probe="fp8", window=2)
     assert band["band_of"] == ["a", "b"]
     assert band["steps"]["compared"] == 4 and band["steps"]["inside"] == 2
-    assert band["steps"]["largest_rel_outside"] == pytest.approx(0.1)  # 0.9 is 0.1 below 1.0
+    assert band["steps"]["largest_rel_above"] == pytest.approx(0.1 / 2.2)  # 2.3 above 2.2
+    assert band["steps"]["largest_rel_below"] == pytest.approx(0.1)  # 0.9 below 1.0
     # window means: probe 2.2 in [2.0, 2.2]; 1.0 in [1.0, 1.2]
-    assert band["windows_of_2"] == {"compared": 2, "inside": 2, "largest_rel_outside": 0.0}
+    assert band["windows_of_2"] == {"compared": 2, "inside": 2, "largest_rel_above": 0.0, "largest_rel_below": 0.0}
     assert runs_module.loss_band([low, probe], probe="fp8") is None
     assert runs_module.loss_band([low, high], probe="fp8") is None
