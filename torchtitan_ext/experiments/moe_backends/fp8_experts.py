@@ -120,7 +120,7 @@ class Fp8GroupedLinear(torch.autograd.Function):
         grad_a = None
         if ctx.needs_input_grad[0]:
             w_values, w_inverse = quantize_stacked_columns(w_parts_EPK, emulated=ctx.emulated)
-            grad_RN = torch.cat(grad_parts_RP, dim=1) if len(grad_parts_RP) > 1 else grad_parts_RP[0]
+            grad_RN = _stacked(grad_parts_RP)
             grad_a = scaled_grouped_gemm(grad_RN, w_values, w_inverse, offsets_E, a_RK.dtype, emulated=ctx.emulated)
         grad_w_parts = [
             grouped_mm(grad.transpose(0, 1), a_RK, offsets_E) if needed else None
@@ -129,8 +129,9 @@ class Fp8GroupedLinear(torch.autograd.Function):
         return grad_a, None, None, *grad_w_parts
 
 
-def _stacked(w_parts_EPK) -> torch.Tensor:
-    return torch.cat(w_parts_EPK, dim=1) if len(w_parts_EPK) > 1 else w_parts_EPK[0]
+def _stacked(parts) -> torch.Tensor:
+    """``parts`` (weights [E, P, K] or gradients [R, P]) joined along dimension 1; one part as is."""
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
 def _pad_last_dims(t: torch.Tensor, dims: int) -> torch.Tensor:
