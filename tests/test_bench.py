@@ -247,6 +247,18 @@ def test_ep_plot_shows_host_ahead_bandwidth_next_to_back_to_back():
     }
 
 
+def test_ep_plot_names_the_cuda_graph_replay_of_static_rows_apart():
+    """A row replayed from a CUDA graph is its own series, not a second bar of the exact-rows transport."""
+    measured = json.loads((RESULTS / "ep_dispatch_h200x2_2026-11-24.json").read_text())
+    exact = next(r for r in measured["bench"] if r["transport"] == "symm_mem")
+    replayed = {**exact, "receive_rows": "static", "launch": "cuda_graph", "dispatch_combine_GBps": 1234.0}
+    measured["bench"].append(replayed)
+    where = (f"2 ranks, {exact['routing']} routing", f"T{exact['tokens_per_rank']} D{exact['dim']}")
+    bars = {(bar.panel, bar.group, bar.series): bar.value for bar in chart_of(measured).bars}
+    assert bars[(*where, "dispatch+combine (symm_mem, static rows, CUDA graph)")] == 1234.0
+    assert bars[(*where, "dispatch+combine (symm_mem)")] == exact["dispatch_combine_GBps"]
+
+
 @pytest.mark.parametrize(
     "name",
     [

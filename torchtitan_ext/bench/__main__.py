@@ -65,6 +65,8 @@ EP_TABLE = [
     ("dim", "D"),
     ("routing", "routing"),
     ("transport", "transport"),
+    ("receive_rows", "received rows"),
+    ("launch", "launch"),
     ("permute_backend", "permute"),
     ("dispatch_combine_ms", "d+c ms"),
     ("raw_a2a_ms", "raw a2a ms"),

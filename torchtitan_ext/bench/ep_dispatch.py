@@ -35,6 +35,12 @@ a layer's kernels while the GPU still runs earlier ones: what remains is the cal
 plus what a host sync exposes (the launches between the sync and the first kernel after it).
 ``fraction_of_raw_host_ahead`` compares raw and dispatch + combine that way.
 
+A third row per case (``receive_rows`` ``"static"``, ``launch`` ``"cuda_graph"``) is ``symm_mem``
+with static received rows (``--moe.ep_receive_rows static``, no host sync), its dispatch + combine
+captured in one CUDA graph and replayed, as under torchtitan's CUDA graphs: the exchange's GPU
+time with no host launch in the way. It runs on a process group of its own, so its exchange (which
+then fences every move, ``EPExchange.replayable``) leaves the exact-rows rows' fences as they are.
+
 ``--check`` first runs the EP layer equivalence (EP = world vs one GPU, every compute backend,
 both transports and both permute backends) and records the largest errors.
 """
@@ -44,12 +50,13 @@ import json
 import torch
 import torch.distributed as dist
 from torch.distributed import _symmetric_memory as symm_mem
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torchtitan.distributed.utils import set_spmd_backend
 
 from torchtitan_ext.bench.common import environment, relative_error
 from torchtitan_ext.experiments.moe_backends.dispatcher import (
     EP_TRANSPORTS,
+    EPReceiveRows,
     EPTransport,
     PermuteBackend,
     RoutingDispatcher,
@@ -98,6 +105,20 @@ def host_ahead_ms(fn, cycles: int, spin_ms: float) -> float:
     return cuda_time_ms(run) - spin_ms
 
 
+def captured(fn):
+    """``fn`` captured in a CUDA graph (after warm-up runs on a side stream); returns the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fn()
+    return graph.replay
+
+
 def routing(num_tokens: int, skewed: bool, world: int, generator: torch.Generator):
     """top-k expert ids ``(T, K)``: uniform, or rank r's experts weighted linspace(2, 0.5)[r]."""
     weights_E = torch.ones(NUM_EXPERTS)
@@ -123,24 +144,39 @@ def raw_all_to_all(rows_to_rank_W: torch.Tensor, dim: int):
     return call, input_splits, output_splits
 
 
-def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: PermuteBackend) -> list[dict]:
-    """One routing case: raw all-to-all, then dispatch + combine over each EP transport."""
+def wired_dispatcher(
+    mesh: DeviceMesh, transport: EPTransport, permute_backend: PermuteBackend, receive_rows: EPReceiveRows = "exact"
+) -> RoutingDispatcher:
+    config = RoutingDispatcher.Config(
+        num_experts=NUM_EXPERTS,
+        top_k=TOP_K,
+        permute_backend=permute_backend,
+        ep_transport=transport,
+        ep_receive_rows=receive_rows,
+    )
+    dispatcher = RoutingDispatcher(config)
+    dispatcher.wire_meshes(ep_mesh=mesh)
+    return dispatcher
+
+
+def bench_case(
+    mesh: DeviceMesh,
+    graph_mesh: DeviceMesh,
+    num_tokens: int,
+    dim: int,
+    skewed: bool,
+    permute_backend: PermuteBackend,
+) -> list[dict]:
+    """One routing case: raw all-to-all, then dispatch + combine over each EP transport, and over
+    ``symm_mem`` with static received rows replayed from a CUDA graph (on ``graph_mesh``'s group)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     generator = torch.Generator().manual_seed(rank)
     ids_TK = routing(num_tokens, skewed, world, generator)
     x_TD = torch.randn(num_tokens, dim, device="cuda", dtype=torch.bfloat16)
     scores_TK = torch.rand(num_tokens, TOP_K, device="cuda")
     counts_E = torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS)
-    dispatchers = {
-        transport: RoutingDispatcher(
-            RoutingDispatcher.Config(
-                num_experts=NUM_EXPERTS, top_k=TOP_K, permute_backend=permute_backend, ep_transport=transport
-            )
-        )
-        for transport in EP_TRANSPORTS
-    }
-    for dispatcher in dispatchers.values():
-        dispatcher.wire_meshes(ep_mesh=mesh)
+    dispatchers = {transport: wired_dispatcher(mesh, transport, permute_backend) for transport in EP_TRANSPORTS}
+    static_dispatcher = wired_dispatcher(graph_mesh, "symm_mem", permute_backend, receive_rows="static")
 
     raw_a2a, input_splits, output_splits = raw_all_to_all(counts_E.view(world, -1).sum(1), dim)
     ranks_per_token_TW = torch.zeros(num_tokens, world, dtype=torch.int64, device="cuda")
@@ -173,10 +209,10 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: P
         layout, _ = exchange.read_routing(NUM_EXPERTS, num_tokens, TOP_K)
         layout.packed.cpu()
 
-    def dispatch_combine(transport):
+    def dispatch_combine(dispatcher: RoutingDispatcher):
         def run():
-            rows, _, meta = dispatchers[transport].dispatch(x_TD, scores_TK, ids_TK, counts_E)
-            dispatchers[transport].combine(rows, meta, x_TD)
+            rows, _, meta = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+            dispatcher.combine(rows, meta, x_TD)
 
         return run
 
@@ -212,10 +248,15 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: P
 
     remote_bytes = remote_bytes_max(input_splits, output_splits)
     remote_unique_bytes = remote_bytes_max(unique_in_splits, unique_out_splits)
+    variants = [
+        (transport, "exact", "host", dispatch_combine(dispatchers[transport]), parts[transport])
+        for transport in EP_TRANSPORTS
+    ]
+    variants.append(("symm_mem", "static", "cuda_graph", captured(dispatch_combine(static_dispatcher)), {}))
     rows = []
-    for transport in EP_TRANSPORTS:
-        total_ms = cuda_time_ms(dispatch_combine(transport))
-        ahead_ms = host_ahead_ms(dispatch_combine(transport), cycles, spin_ms)
+    for transport, receive_rows, launch, call, transport_parts in variants:
+        total_ms = cuda_time_ms(call)
+        ahead_ms = host_ahead_ms(call, cycles, spin_ms)
         rows.append(
             {
                 "world": world,
@@ -225,15 +266,17 @@ def bench_case(mesh, num_tokens: int, dim: int, skewed: bool, permute_backend: P
                 "num_experts": NUM_EXPERTS,
                 "routing": "skewed" if skewed else "balanced",
                 "transport": transport,
+                "receive_rows": receive_rows,
+                "launch": launch,
                 "permute_backend": permute_backend,
                 "ms": {
                     "dispatch_combine": round(total_ms, 4),
                     "raw_a2a": round(raw_ms, 4),
                     "raw_a2a_unique": round(raw_unique_ms, 4),
                 }
-                | {name: round(cuda_time_ms(fn), 4) for name, fn in parts[transport].items()},
+                | {name: round(cuda_time_ms(fn), 4) for name, fn in transport_parts.items()},
                 "ms_host_ahead": {"dispatch_combine": round(ahead_ms, 4), "raw_a2a": round(raw_ahead_ms, 4)}
-                | {name: round(host_ahead_ms(fn, cycles, spin_ms), 4) for name, fn in parts[transport].items()},
+                | {name: round(host_ahead_ms(fn, cycles, spin_ms), 4) for name, fn in transport_parts.items()},
                 "remote_MB_per_rank_max": round(remote_bytes / 1e6, 1),
                 "remote_unique_MB_per_rank_max": round(remote_unique_bytes / 1e6, 1),
                 "dispatch_combine_GBps": round(remote_bytes / total_ms / 1e6, 1),
@@ -316,6 +359,7 @@ def run(
     torch.cuda.set_device(local_rank())
     set_spmd_backend("partial_dtensor")
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("ep",))
+    graph_mesh = DeviceMesh.from_group(dist.new_group(list(range(world))), "cuda", mesh_dim_names=("ep",))
     report = {
         **environment(command, torch.device("cuda"), torch.bfloat16),
         "world": world,
@@ -332,7 +376,7 @@ def run(
         for dim in dims:
             for skewed in (False, True):
                 for permute_backend in permute_backends:
-                    for row in bench_case(mesh, num_tokens, dim, skewed, permute_backend):
+                    for row in bench_case(mesh, graph_mesh, num_tokens, dim, skewed, permute_backend):
                         report["bench"].append(row)
                         if rank == 0:
                             print(json.dumps(row), flush=True)

@@ -71,6 +71,17 @@ def _same_bytes_GBps(row: dict, name: str, ms: float) -> float:
     return row[f"{name}_GBps"] * row["ms"][name] / ms
 
 
+def _ep_variant(row: dict) -> str:
+    """How an EP row moved its rows: the transport, and the permute backend (``all_to_all``) or the
+    static received rows replayed from a CUDA graph (``symm_mem``)."""
+    transport = row.get("transport", "all_to_all")
+    if transport == "all_to_all":
+        return f"all_to_all, {row['permute_backend']} permute"
+    if row.get("launch") == "cuda_graph":
+        return f"{transport}, static rows, CUDA graph"
+    return transport
+
+
 def _compile_note(meta: dict) -> str:
     """The title's note of the compiled variants' torch.compile backend, where a run has them."""
     return f", compiled: {meta['compile_backend']}" if meta.get("compile_backend") else ""
@@ -123,8 +134,7 @@ def chart_of(results: dict, only: Iterable[str] | None = None) -> Chart:
                             _same_bytes_GBps(r, "raw_a2a", r["ms_host_ahead"]["raw_a2a"]),
                         )
                     )
-            transport = r.get("transport", "all_to_all")
-            how = f"all_to_all, {r['permute_backend']} permute" if transport == "all_to_all" else transport
+            how = _ep_variant(r)
             bars.append(Bar(panel, group, f"dispatch+combine ({how})", r["dispatch_combine_GBps"]))
             if "ms_host_ahead" in r:
                 bars.append(
