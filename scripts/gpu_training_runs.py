@@ -14,7 +14,7 @@ eager and compiled, must equal for_loop's eager losses of the same layout to rel
 tokens per GPU (default 4: an H100's 80 GB; an H200 takes 8): torchtitan's own MoE layers compiled
 (``--compile.enable``, the baseline) and eager (``--compile.no-enable``), and the project's layers
 compiled with grouped_mm (bf16, and FP8 rowwise experts over each EP transport), triton over each
-EP transport, and triton over symm_mem with static
+EP transport, and triton and grouped_mm over symm_mem with static
 received rows under CUDA graphs; triton over symm_mem eager for reference. Every full-size run
 names its compute backend and whether it compiles, whatever the flavor's defaults. Every loss of the
 first 10 steps must be within 2% of the baseline's at the same step (``FULL_SIZE_COMPARED_STEPS``).
@@ -248,6 +248,12 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
             "olmoe-1b-7b",
             2,
             [*args, *TRITON, *SYMM_MEM, *COMPILE, *CUDA_GRAPHS],
+        ),
+        Run(
+            "olmoe grouped_mm compiled symm_mem cuda_graphs",
+            "olmoe-1b-7b",
+            2,
+            [*args, *GROUPED_MM, *SYMM_MEM, *COMPILE, *CUDA_GRAPHS],
         ),
         Run("olmoe torchtitan-moe eager", "olmoe-1b-7b-torchtitan-moe", 2, [*args, *EAGER]),
         Run("olmoe triton eager symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *SYMM_MEM, *EAGER]),
