@@ -31,7 +31,7 @@ def test_cuda_graphs_refused_for_backends_that_read_counts_on_the_host(monkeypat
 
 
 def test_cuda_graphs_under_ep_need_the_sync_free_symm_mem_dispatch(monkeypatch):
-    flavor = ["--flavor", "tiny-moe-grouped-mm", "--parallelism.ep", "2", CUDA_GRAPHS]
+    flavor = ["--flavor", "tiny-moe-triton", "--parallelism.ep", "2", CUDA_GRAPHS]
     with pytest.raises(ConfigError, match=r"moe\.ep_receive_rows = 'static'"):
         parse(monkeypatch, *flavor, world=2)
     with pytest.raises(ConfigError, match=r"moe\.ep_receive_rows = 'static'"):
@@ -40,8 +40,22 @@ def test_cuda_graphs_under_ep_need_the_sync_free_symm_mem_dispatch(monkeypatch):
 
 
 def test_cuda_graphs_accepted_without_ep_for_backends_that_never_wait(monkeypatch):
-    for backend in ("grouped_mm", "triton"):
-        parse(monkeypatch, "--flavor", tiny_flavor_name(backend), CUDA_GRAPHS)
+    parse(monkeypatch, "--flavor", "tiny-moe-triton", CUDA_GRAPHS)
+    parse(monkeypatch, "--flavor", "tiny-moe-grouped-mm", "--training.mixed_precision_param", "bfloat16", CUDA_GRAPHS)
+
+
+def test_cuda_graphs_refuse_grouped_mm_where_torch_reads_its_offsets_on_the_host(monkeypatch):
+    """torch._grouped_mm runs group by group from offsets copied to the host outside bf16 and off
+    Hopper / Blackwell: a capture would fail mid-step, so the start-up check says why first."""
+    with pytest.raises(ConfigError, match="compute_backend grouped_mm in float32 reads its group offsets on the host"):
+        parse(monkeypatch, "--flavor", "tiny-moe-grouped-mm", CUDA_GRAPHS)
+    bf16 = ["--flavor", "tiny-moe-grouped-mm", "--training.mixed_precision_param", "bfloat16", CUDA_GRAPHS]
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ConfigError, match=r"grouped_mm in bfloat16 on compute capability 8\.0 reads its group"):
+        parse(monkeypatch, *bf16)
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda device=None: (9, 0))
+    parse(monkeypatch, *bf16)
 
 
 def test_static_receive_rows_need_symm_mem_without_padding(monkeypatch):

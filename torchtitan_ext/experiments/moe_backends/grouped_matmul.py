@@ -16,6 +16,18 @@ gradient arriving from autograd is made row-major first.
 
 import torch
 
+GROUPED_KERNEL_CAPABILITIES = (9, 10)
+"""Compute capability majors (Hopper, Blackwell) where ``torch._grouped_mm`` has one grouped kernel."""
+
+
+def reads_offsets_on_host(dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
+    """Whether ``torch._grouped_mm`` in ``dtype`` on a GPU of ``capability`` (None: the GPU is not
+    known, only the dtype decides) copies its group offsets to the host: it runs one grouped kernel
+    only for bf16 on compute capability 9.x or 10.x, and otherwise one matmul per group from offsets
+    read on the host (a device sync, which a CUDA graph cannot capture)."""
+    on_other_gpu = capability is not None and capability[0] not in GROUPED_KERNEL_CAPABILITIES
+    return dtype != torch.bfloat16 or on_other_gpu
+
 
 @torch.library.custom_op("torchtitan_ext::grouped_mm", mutates_args=())
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

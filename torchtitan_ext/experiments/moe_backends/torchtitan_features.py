@@ -12,7 +12,9 @@ layers cannot honour is refused with the reason (exit 2), never silently ignored
   torchtitan's own EP path.
 - CUDA graphs (``training.disable_cuda_graphs = false``): a captured step replays kernels only,
   so nothing may be read on the host: refused for the ``for_loop`` / ``batched_mm_padded``
-  backends (they read expert counts) and, under expert parallelism, unless every dispatcher is
+  backends (they read expert counts), for ``grouped_mm`` outside bf16 parameters or on GPUs other
+  than Hopper / Blackwell (``torch._grouped_mm`` then reads its offsets on the host,
+  ``grouped_matmul.reads_offsets_on_host``) and, under expert parallelism, unless every dispatcher is
   sync-free (``moe.ep_transport = "symm_mem"`` with ``moe.ep_receive_rows = "static"``; torchtitan's
   own check is told so by ``compat.cuda_graph_dispatchers``).
 - Quantizing converters subclass the experts module, but this experiment's experts compute
@@ -22,6 +24,7 @@ layers cannot honour is refused with the reason (exit 2), never silently ignored
   model computing in bf16: refused.
 """
 
+import torch
 from torchtitan.config.override import derive
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 
@@ -31,6 +34,7 @@ from torchtitan_ext.registry import register_config_adapter
 
 from .dispatcher import RoutingDispatcher
 from .experts import BackendGroupedExperts, host_sync_backends
+from .grouped_matmul import reads_offsets_on_host
 
 SUPPORTED_SPMD_BACKEND = "partial_dtensor"
 
@@ -44,6 +48,15 @@ def cuda_graph_blockers(config) -> list[str]:
     if syncing:
         reasons.append(
             f"compute_backend {', '.join(syncing)} reads expert counts on the host (use grouped_mm or triton)"
+        )
+    dtype = getattr(torch, config.training.mixed_precision_param)
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    if "grouped_mm" in backends and reads_offsets_on_host(dtype, capability):
+        device = f" on compute capability {capability[0]}.{capability[1]}" if capability else ""
+        reasons.append(
+            f"compute_backend grouped_mm in {config.training.mixed_precision_param}{device} reads its group "
+            "offsets on the host (torch._grouped_mm has one grouped kernel only for bfloat16 on compute "
+            "capability 9.x or 10.x: set training.mixed_precision_param = 'bfloat16' there, or use triton)"
         )
     dispatchers = [d for _, d, _, _ in model.traverse(RoutingDispatcher.Config)]
     if config.parallelism.expert_parallel_degree > 1 and not all(d.host_sync_free for d in dispatchers):
