@@ -266,6 +266,7 @@ def test_ep_plot_names_the_cuda_graph_replay_of_static_rows_apart():
         "moe_layer_h100.json",
         "ep_dispatch_h200_2026-11-21.json",
         "ep_dispatch_h200x2_2026-11-24.json",
+        "ep_dispatch_h200x2_a0a01b5.json",
     ],
 )
 def test_plot_measured_results(tmp_path, name):
