@@ -190,14 +190,23 @@ def run_two_layers(
     return (out.detach(), x.grad, scores.grad, weights.grad), grouping
 
 
-def assert_dispatch_outputs_aligned(mesh) -> None:
+def assert_dispatch_outputs_aligned_and_per_pair(mesh) -> None:
     """Each output of the dispatch op starts on a 16-byte boundary, as Inductor asserts of a custom
-    op's outputs when it compiles around one."""
-    x_TD, scores_TK, ids_TK = routing(dist.get_rank(), torch.float32)
+    op's outputs when it compiles around one. Selective activation checkpointing keeps these
+    outputs: the tokens among them are one row per (source rank, token) pair, never one per expert
+    row (rank 0, whose experts are the most routed to, receives more expert rows than pairs)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x_TD, scores_TK, ids_TK = routing(rank, torch.float32)
     group_name = mesh.get_group().group_name
     outputs = torch.ops.torchtitan_ext.symm_mem_dispatch(x_TD, scores_TK, ids_TK, group_name, NUM_EXPERTS, TOP_K, False)
     offsets = [output.storage_offset() * output.element_size() for output in outputs]
     assert all(offset % 16 == 0 for offset in offsets), offsets
+    pairs_PD, row_count_R0, *_ = outputs
+    assert pairs_PD.shape == (world * TOKENS, DIM)
+    assert row_count_R0.numel() == 0
+    assert all(output.numel() <= pairs_PD.numel() for output in outputs)
+    if rank == 0:
+        assert row_count_R0.shape[0] > world * TOKENS, row_count_R0.shape
 
 
 def exchange_worker(rank: int, world: int, port: int) -> None:
@@ -223,7 +232,7 @@ def exchange_worker(rank: int, world: int, port: int) -> None:
                 torch.testing.assert_close(
                     a, e, atol=tol, rtol=tol, msg=lambda m, name=name: f"static rows {name}: {m}"
                 )
-        assert_dispatch_outputs_aligned(mesh)
+        assert_dispatch_outputs_aligned_and_per_pair(mesh)
     finally:
         dist.destroy_process_group()
 

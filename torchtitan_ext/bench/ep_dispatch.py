@@ -17,11 +17,13 @@ Per (tokens per rank T, model dim D, top_k 8, balanced or skewed routing), on ev
   ``sender_rows`` (tokens -> one row per (token, rank) pair, and the sum of the returned rows per
   token), ``receiver_rows`` (received rows -> expert-grouped rows, and the weighted sum per
   received row). ``symm_mem``: ``dispatch`` (publish, barrier, layout, pair table, host
-  sync, pull) and ``combine`` (push, barrier, owner's sum) alone, ``publish`` (token copy,
-  sort, routing kernel), ``barrier``, ``layout_pairs_and_host_sync`` (the receive layout
+  sync, pull, expansion) and ``combine`` (push, barrier, owner's sum) alone, ``publish`` (token
+  copy, sort, routing kernel), ``barrier``, ``layout_pairs_and_host_sync`` (the receive layout
   from every rank's counts, the pair table from every rank's routing, the layout copied to the
-  host), ``owner_sum`` (the owner adding its tokens' partial sums), and the ``pull_kernel``
-  and ``push_kernel`` alone (every rank running them at once, as inside dispatch and combine).
+  host), ``owner_sum`` (the owner adding its tokens' partial sums), the ``pull_kernel`` (one row
+  per arriving (token, rank) pair) and ``push_kernel`` alone (every rank running them at once,
+  as inside dispatch and combine), and ``expand_rows`` (the pairs copied to their expert rows,
+  local).
 
 Bandwidth is the bytes of the routed slots a rank would send to other ranks (both directions) over
 the time, max over ranks; ``fraction_of_raw`` is ``raw_a2a`` time over dispatch + combine time,
@@ -204,6 +206,7 @@ def bench_case(
     rows_RD, _, symm_metadata = symm.dispatch(x_TD, scores_TK, ids_TK, counts_E)
     route = symm_metadata.route
     exchange = route.exchange
+    pairs_PD = x_TD.new_empty(world * num_tokens, dim)
 
     def symm_layout_pairs_and_host_sync():
         layout, _ = exchange.read_routing(NUM_EXPERTS, num_tokens, TOP_K)
@@ -231,7 +234,10 @@ def bench_case(
             "barrier": exchange.barrier,
             "layout_pairs_and_host_sync": symm_layout_pairs_and_host_sync,
             "owner_sum": lambda: exchange.sum_landing(route),
-            "pull_kernel": lambda: exchange.pull_rows(route, rows_RD),
+            "pull_kernel": lambda: exchange.pull_rows(route, pairs_PD),
+            "expand_rows": lambda: symm.row_ops.permute_rows(
+                pairs_PD, route.recv_row_PK.reshape(-1), TOP_K, rows_RD.shape[0], zero_padding=False
+            ),
             "push_kernel": lambda: exchange.push_rows(rows_RD, route, weighted=True),
         },
     }
@@ -359,7 +365,9 @@ def run(
     torch.cuda.set_device(local_rank())
     set_spmd_backend("partial_dtensor")
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("ep",))
-    graph_mesh = DeviceMesh.from_group(dist.new_group(list(range(world))), "cuda", mesh_dim_names=("ep",))
+    graph_group = dist.new_group(list(range(world)))
+    assert isinstance(graph_group, dist.ProcessGroup), "every rank is a member of the group it creates"
+    graph_mesh = DeviceMesh.from_group(graph_group, "cuda", mesh_dim_names=("ep",))
     report = {
         **environment(command, torch.device("cuda"), torch.bfloat16),
         "world": world,

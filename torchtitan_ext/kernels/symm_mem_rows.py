@@ -428,11 +428,30 @@ class PairTable:
     num_tokens: int
     top_k: int
     recv_row_PK: torch.Tensor
-    """``(W*T, K)`` int32 received row of slot ``t*K+k`` of rank ``s``; -1 where it is not here"""
+    """``(W*T, K)`` int32 received row of slot ``t*K+k`` of rank ``s``; -1 where it is not here
+    (``(W*T, 1)`` for ``one_row_per_pair``)"""
     recv_score_PK: torch.Tensor
     """``(W*T, K)`` fp32 that slot's router score (0 where it is not here)"""
     ordinal_P: torch.Tensor
     """``(W*T,)`` int32 this rank's index among the token's destination ranks; -1: none here"""
+
+    def one_row_per_pair(self) -> PairTable:
+        """The table whose rows are the pairs themselves (``pair_rows``), as a buffer of one row per
+        pair is laid out."""
+        return PairTable(
+            rank=self.rank,
+            num_tokens=self.num_tokens,
+            top_k=self.top_k,
+            recv_row_PK=pair_rows(self.ordinal_P),
+            recv_score_PK=self.recv_score_PK,
+            ordinal_P=self.ordinal_P,
+        )
+
+
+def pair_rows(ordinal_P: torch.Tensor) -> torch.Tensor:
+    """``(W*T, 1)`` int32: row ``p`` for each pair ``p`` arriving here, -1 for the others."""
+    pair_P = torch.arange(ordinal_P.shape[0], dtype=torch.int32, device=ordinal_P.device)
+    return torch.where(ordinal_P >= 0, pair_P, -1).unsqueeze(1)
 
 
 def route_pairs(
@@ -495,7 +514,7 @@ def pull_pairs(token_ptrs_W: torch.Tensor, pairs: PairTable, out_RD: torch.Tenso
             world,
             pairs.rank,
             out_RD.shape[1],
-            TOP_K=pairs.top_k,
+            TOP_K=pairs.recv_row_PK.shape[1],
         )
 
 
@@ -507,6 +526,8 @@ def slots_per_token(top_k: int, world: int) -> int:
 def push_pairs(rows_RD: torch.Tensor, pairs: PairTable, landing_ptrs_W: torch.Tensor, weighted: bool) -> None:
     """Send each pair's (score-weighted if ``weighted``) row sum to its owner's ``landing``."""
     check_runnable(rows_RD, pairs.recv_row_PK, landing_ptrs_W)
+    if weighted and pairs.recv_row_PK.shape[1] != pairs.top_k:
+        raise ValueError("push_pairs: weighting by the router scores needs the slot table (one column per slot)")
     rows_RD = rows_RD.contiguous()
     if rows_RD.shape[0]:
         world = landing_ptrs_W.shape[0]
@@ -520,7 +541,7 @@ def push_pairs(rows_RD: torch.Tensor, pairs: PairTable, landing_ptrs_W: torch.Te
             world,
             pairs.rank,
             rows_RD.shape[1],
-            TOP_K=pairs.top_k,
+            TOP_K=pairs.recv_row_PK.shape[1],
             SLOTS_PER_TOKEN=slots_per_token(pairs.top_k, world),
             WEIGHTED=weighted,
         )

@@ -6,14 +6,16 @@ score and expert-sorted position; per-expert counts) in a workspace that the oth
 EP group can address, and the rows move with one kernel each way. A token crosses to a rank
 once, however many of that rank's experts it is routed to:
 
-- dispatch: every rank *pulls* each token that comes to it once and writes it to all of its
-  expert rows, in expert-major order (local expert, then source rank, then the source's slot
-  order);
+- dispatch: every rank *pulls* each token that comes to it once, into a buffer of one row per
+  (source rank, token) pair; the transport copies each to its expert rows, in expert-major
+  order (local expert, then source rank, then the source's slot order), with its permute
+  backend. Selective activation checkpointing keeps the pairs (``MoESelectiveAC`` saves this
+  op's outputs) and recomputes the local copy;
 - combine: every rank sums its expert outputs of each such token, weighted by the router
   scores (fp32), and *pushes* that one partial sum into the owner's ``landing`` region; the
   owner adds the partial sums of the token's destination ranks (fp32 accumulation).
 
-Backward runs the same two moves the other way round (sum row gradients per token and push;
+Backward runs the same two moves the other way round (push each pair's summed row gradient;
 pull each token's output gradient once, which also yields the router-score gradients). Every
 move is fenced by a device-side barrier; a barrier before overwriting a region is added only
 when a peer may still read it. One host sync per dispatch learns how many rows arrive.
@@ -270,7 +272,7 @@ class EPExchange:
 
     # ------------------------------------------------------------------ moves
 
-    def dispatch_rows(
+    def dispatch_pairs(
         self,
         x_TD: torch.Tensor,
         scores_S: torch.Tensor,
@@ -278,13 +280,16 @@ class EPExchange:
         num_experts: int,
         top_k: int,
         static_rows: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, Route]:
-        """Return ``(rows_RD, rows_per_local_expert_e, route)``; expert ``num_experts`` = dropped.
+    ) -> tuple[torch.Tensor, int, torch.Tensor, Route]:
+        """Return ``(pairs_PD, num_rows, rows_per_local_expert_e, route)``; expert ``num_experts`` = dropped.
 
-        ``rows_RD`` holds the received rows, expert-major. Its row count is read on the host (one
+        ``pairs_PD`` ``(W*T, D)`` holds one row per pair ``p = s * T + t`` arriving here: token ``t``
+        of rank ``s``, pulled once however many of this rank's experts it is routed to (the rows of
+        pairs that do not arrive are left unset). Copied to the rows ``route.recv_row_PK`` names,
+        they are the ``num_rows`` expert-major received rows. ``num_rows`` is read on the host (one
         sync, which also checks that every rank routes the same number of tokens), or with
         ``static_rows`` it is ``static_receive_rows`` (no host sync; the rows after the received
-        ones belong to no expert and are left unset).
+        ones belong to no expert).
         """
         num_tokens, dim = x_TD.shape
         self._workspace_for(WorkspaceShape(num_tokens, dim, top_k, num_experts, self.world, x_TD.dtype))
@@ -312,10 +317,10 @@ class EPExchange:
             recv_score_PK=pairs.recv_score_PK,
             ordinal_P=pairs.ordinal_P,
         )
-        rows_RD = x_TD.new_zeros(num_rows, dim) if static_rows else x_TD.new_empty(num_rows, dim)
-        self.pull_rows(route, rows_RD)
+        pairs_PD = x_TD.new_empty(self.world * num_tokens, dim)
+        self.pull_rows(route, pairs_PD)
         self._peers_may_read_published = True
-        return rows_RD, layout.rows_per_local_expert_e, route
+        return pairs_PD, num_rows, layout.rows_per_local_expert_e, route
 
     def publish(self, x_TD: torch.Tensor, scores_S: torch.Tensor, expert_S: torch.Tensor, num_experts: int) -> None:
         """Write this rank's tokens and routing into its workspace (once peers are done reading)."""
@@ -354,9 +359,10 @@ class EPExchange:
         )
         return layout, pairs
 
-    def pull_rows(self, route: Route, rows_RD: torch.Tensor) -> None:
-        """The pull kernel alone: every received row read from its owner's published tokens into ``rows_RD``."""
-        kernels.pull_pairs(route.workspace.table("tokens"), route.pairs, rows_RD)
+    def pull_rows(self, route: Route, pairs_PD: torch.Tensor) -> None:
+        """The pull kernel alone: every arriving pair's token read from its owner's published tokens
+        into row ``p`` of ``pairs_PD``."""
+        kernels.pull_pairs(route.workspace.table("tokens"), route.pairs.one_row_per_pair(), pairs_PD)
 
     def push_rows(self, rows_RD: torch.Tensor, route: Route, weighted: bool) -> None:
         """The push kernel alone: each pair's row sum (``weighted``: by the router scores) written to
@@ -406,16 +412,27 @@ def _dispatch_op(
     num_experts: int,
     top_k: int,
     static_rows: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(rows_RD, rows_per_local_expert_e, recv_row_PK, recv_score_PK, ordinal_P)`` (``dispatch``).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(pairs_PD, row_count_R0, rows_per_local_expert_e, recv_row_PK, recv_score_PK, ordinal_P)``
+    (``dispatch``); ``row_count_R0`` is an empty ``(num_rows, 0)`` tensor: its row count is how
+    many expert rows the pairs expand to (a size the host read; under compile an unbacked size).
 
-    Every output starts on a 16-byte boundary, as Inductor assumes of a custom op's outputs: the
-    counts, a view into the packed receive layout, are copied out of it."""
+    Selective activation checkpointing keeps this op's outputs: one row per pair, not one per
+    expert row (about ``top_k / world`` times fewer at uniform routing). Every output starts on a
+    16-byte boundary, as Inductor assumes of a custom op's outputs: the counts, a view into the
+    packed receive layout, are copied out of it."""
     exchange = EPExchange.for_group_name(group_name, x_TD.device)
-    rows_RD, rows_per_local_expert_e, route = exchange.dispatch_rows(
+    pairs_PD, num_rows, rows_per_local_expert_e, route = exchange.dispatch_pairs(
         x_TD, scores_S, expert_S, num_experts, top_k, static_rows
     )
-    return rows_RD, rows_per_local_expert_e.clone(), route.recv_row_PK, route.recv_score_PK, route.ordinal_P
+    return (
+        pairs_PD,
+        x_TD.new_empty(num_rows, 0),
+        rows_per_local_expert_e.clone(),
+        route.recv_row_PK,
+        route.recv_score_PK,
+        route.ordinal_P,
+    )
 
 
 @_dispatch_op.register_fake
@@ -427,7 +444,8 @@ def _(x_TD, scores_S, expert_S, group_name, num_experts, top_k, static_rows):
     else:
         num_rows = torch.library.get_ctx().new_dynamic_size()
     return (
-        x_TD.new_empty(num_rows, x_TD.shape[1]),
+        x_TD.new_empty(num_pairs, x_TD.shape[1]),
+        x_TD.new_empty(num_rows, 0),
         expert_S.new_empty(num_experts // world, dtype=torch.int64),
         expert_S.new_empty(num_pairs, top_k, dtype=torch.int32),
         expert_S.new_empty(num_pairs, top_k, dtype=torch.float32),
@@ -496,15 +514,19 @@ def _(grad_out_TD, rows_RD, expert_S, recv_row_PK, recv_score_PK, ordinal_P, gro
 
 def _dispatch_setup(ctx, inputs, output) -> None:
     _, _, expert_S, group_name, num_experts, top_k, _ = inputs
-    _, rows_per_local_expert_e, *tables = output
-    ctx.mark_non_differentiable(rows_per_local_expert_e, *tables)
-    ctx.save_for_backward(expert_S, *tables)
+    _, row_count_R0, rows_per_local_expert_e, *tables = output
+    ctx.mark_non_differentiable(row_count_R0, rows_per_local_expert_e, *tables)
+    _, recv_score_PK, ordinal_P = tables
+    ctx.save_for_backward(expert_S, recv_score_PK, ordinal_P)
     ctx.names = (group_name, num_experts, top_k)
 
 
-def _dispatch_backward(ctx, grad_rows_RD, *_):
-    expert_S, *tables = ctx.saved_tensors
-    grad_x_TD = _combine_op(grad_rows_RD, expert_S.new_empty(0), expert_S, *tables, *ctx.names, False)
+def _dispatch_backward(ctx, grad_pairs_PD, *_):
+    """Each arriving pair's gradient row pushed back to the token's owner (the unweighted combine of
+    a table whose rows are the pairs), which sums them over the token's destination ranks."""
+    expert_S, recv_score_PK, ordinal_P = ctx.saved_tensors
+    tables = (kernels.pair_rows(ordinal_P), recv_score_PK, ordinal_P)
+    grad_x_TD = _combine_op(grad_pairs_PD, expert_S.new_empty(0), expert_S, *tables, *ctx.names, False)
     return grad_x_TD, None, None, None, None, None, None
 
 
@@ -536,20 +558,24 @@ def dispatch(
     num_experts: int,
     top_k: int,
     static_rows: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, Route]:
-    """Differentiable in ``x_TD``: ``(rows_RD, rows_per_local_expert_e, route)``, rows expert-major.
+) -> tuple[torch.Tensor, int, torch.Tensor, Route]:
+    """Differentiable in ``x_TD``: ``(pairs_PD, num_rows, rows_per_local_expert_e, route)``.
 
-    ``expert_S`` (``T*K``, token-major slots) holds global expert ids, ``num_experts`` for a
-    slot the router dropped; ``scores_S`` travels with the rows: the combine weights by it.
-    The ``torchtitan_ext::symm_mem_dispatch`` op: its row count is read on the host (one sync; an
+    ``pairs_PD`` ``(W*T, D)`` holds each arriving (source rank, token) pair's token once; copying
+    row ``p`` to the rows ``route.recv_row_PK[p]`` names gives the ``num_rows`` received rows,
+    expert-major (the transport does, with its permute backend). ``expert_S`` (``T*K``,
+    token-major slots) holds global expert ids, ``num_experts`` for a slot the router dropped;
+    ``scores_S`` travels with the rows: the combine weights by it. The
+    ``torchtitan_ext::symm_mem_dispatch`` op: ``num_rows`` is read on the host (one sync; an
     unbacked size under compile), or with ``static_rows`` it is the most a rank can receive
     (``static_receive_rows``; no host sync, so a CUDA graph can capture it).
     """
     expert_S = expert_S.reshape(-1)
-    rows_RD, rows_per_local_expert_e, *tables = _dispatch_op(
+    pairs_PD, row_count_R0, rows_per_local_expert_e, *tables = _dispatch_op(
         x_TD.contiguous(), scores_S.detach(), expert_S, group_name, num_experts, top_k, static_rows
     )
-    return rows_RD, rows_per_local_expert_e, _route_of(expert_S, tuple(tables), group_name, num_experts, top_k)
+    route = _route_of(expert_S, tuple(tables), group_name, num_experts, top_k)
+    return pairs_PD, row_count_R0.shape[0], rows_per_local_expert_e, route
 
 
 def combine(rows_RD: torch.Tensor, scores_S: torch.Tensor, route: Route) -> torch.Tensor:

@@ -313,8 +313,11 @@ class SymmMemMetadata:
 
 
 class SymmMemTransport(ExpertParallelTransport[SymmMemMetadata]):
-    """EP through ``ep_symm_mem``, ``align_size`` 1: the rows arrive grouped by local expert; with
-    ``static_rows`` the received buffer has the most rows a rank can receive and no host sync sizes it."""
+    """EP through ``ep_symm_mem``, ``align_size`` 1: each arriving token comes once per (token, rank)
+    pair and is copied here to its rows, grouped by local expert; with ``static_rows`` the received
+    buffer has the most rows a rank can receive, zero past the received ones, and no host sync
+    sizes it. Selective activation checkpointing keeps the pairs (the exchange's output) and
+    recomputes the copy."""
 
     def __init__(
         self, row_ops: RowOps, align_size: int, num_experts: int, top_k: int, ep_mesh: DeviceMesh, static_rows: bool
@@ -324,7 +327,7 @@ class SymmMemTransport(ExpertParallelTransport[SymmMemMetadata]):
 
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         scores_S = topk_scores_TK.reshape(-1)
-        rows_RD, rows_per_local_expert_e, route = ep_symm_mem.dispatch(
+        pairs_PD, num_rows, rows_per_local_expert_e, route = ep_symm_mem.dispatch(
             x_TD,
             scores_S,
             topk_expert_ids_TK.reshape(-1),
@@ -333,6 +336,8 @@ class SymmMemTransport(ExpertParallelTransport[SymmMemMetadata]):
             self.top_k,
             self.static_rows,
         )
+        recv_row_S = route.recv_row_PK.reshape(-1)
+        rows_RD = self.row_ops.permute_rows(pairs_PD, recv_row_S, self.top_k, num_rows, zero_padding=self.static_rows)
         no_padding = rows_per_local_expert_e.new_zeros((), dtype=torch.int64)
         metadata = SymmMemMetadata(route=route, scores_S=scores_S, num_padding_rows=no_padding)
         return rows_RD, rows_per_local_expert_e, metadata
@@ -357,25 +362,28 @@ class PaddedSymmMemMetadata:
 
 
 class PaddedSymmMemTransport(ExpertParallelTransport[PaddedSymmMemMetadata]):
-    """EP through ``ep_symm_mem`` with ``align_size`` > 1: the rows, which arrive grouped by local
-    expert, are copied into groups padded to ``align_size``, and gathered back before combine."""
+    """EP through ``ep_symm_mem`` with ``align_size`` > 1: each arriving token (one row per pair) is
+    copied to its rows in groups padded to ``align_size``; the expert outputs are gathered back into
+    received order before combine."""
 
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         scores_S = topk_scores_TK.reshape(-1)
-        received_RD, rows_per_local_expert_e, route = ep_symm_mem.dispatch(
+        pairs_PD, num_received, rows_per_local_expert_e, route = ep_symm_mem.dispatch(
             x_TD, scores_S, topk_expert_ids_TK.reshape(-1), self.group().group_name, self.num_experts, self.top_k
         )
-        num_received = received_RD.shape[0]
         dest_row_R, padded_counts_e, num_rows = padded_group_rows(
             rows_per_local_expert_e, num_received, self.align_size
         )
+        recv_row_S = route.recv_row_PK.reshape(-1).long()
+        dest_row_or_none_R1 = torch.cat([dest_row_R, dest_row_R.new_full((1,), -1)])  # last: a slot not here
+        padded_row_S = dest_row_or_none_R1[torch.where(recv_row_S >= 0, recv_row_S, num_received)]
         metadata = PaddedSymmMemMetadata(
             route=route,
             scores_S=scores_S,
             received_dest_row_R=dest_row_R,
             num_padding_rows=padded_counts_e.new_full((), num_rows - num_received, dtype=torch.int64),
         )
-        return self.row_ops.permute_rows(received_RD, dest_row_R, 1, num_rows), padded_counts_e, metadata
+        return self.row_ops.permute_rows(pairs_PD, padded_row_S, self.top_k, num_rows), padded_counts_e, metadata
 
     def combine(self, routed_output_RD, metadata):
         arrived_RD = self.row_ops.sum_token_rows(routed_output_RD, metadata.received_dest_row_R, 1)  # a gather
