@@ -220,7 +220,7 @@ def plot(results: dict, path: str, only: Iterable[str] | None = None) -> None:
     figure.legend(handles, labels, loc="outside lower center", ncol=min(len(series), 3), fontsize=8, frameon=False)
     figure.supylabel(chart.value_label, fontsize=10)
     figure.suptitle(chart.title, fontsize=11)
-    figure.savefig(path, dpi=80)
+    figure.savefig(path, dpi=80, bbox_inches="tight")  # the legend of long series names whole
     plt.close(figure)
 
 
