@@ -23,7 +23,8 @@ Printed per run: the median tokens/s over steps
 seconds to the first step.
 ``numerics``: olmoe-1b-7b as ``full`` (FSDP 2, EP 2, compiled, ``--local-batch-size`` default 2) for
 300 steps with each bf16 implementation (torchtitan's own MoE, grouped_mm, triton) and FP8 rowwise
-experts, same data and seed: where the FP8 loss lies against the band [min, max] of the bf16 losses,
+experts, same data and seed, on the endless synthetic corpus (``markov_text``: no document repeats, so
+no run memorises the data): where the FP8 loss lies against the band [min, max] of the bf16 losses,
 step by step and averaged over windows of ``NUMERICS_WINDOW`` steps.
 ``scale4`` / ``scale8``: every run on all 4 / 8 GPUs of the host. First the tiny-moe-triton flavor (fp32,
 30 steps) at EP 1 and at EP 4 (and 8) over each EP transport: the same global batch, so every loss
@@ -61,6 +62,7 @@ import torch
 import triton
 
 from torchtitan_ext.bench.common import source_commit
+from torchtitan_ext.data import MARKOV_TEXT
 from torchtitan_ext.experiments.moe_backends.experts import backend_names
 from torchtitan_ext.experiments.moe_backends.flavors import tiny_flavor_name
 from torchtitan_ext.model_size import gibibytes, training_state_bytes
@@ -270,8 +272,9 @@ NUMERICS_FP8 = "olmoe grouped_mm fp8 compiled"
 
 
 def numerics_runs(local_batch_size: int) -> list[list[Run]]:
-    """The bf16 implementations and FP8 experts, each alone on both GPUs, compared by ``loss_band``."""
-    args = full_size_args(local_batch_size, 2, NUMERICS_STEPS)
+    """The bf16 implementations and FP8 experts, each alone on both GPUs, on ``markov_text``, compared
+    by ``loss_band``."""
+    args = [*full_size_args(local_batch_size, 2, NUMERICS_STEPS), "--data.dataset", MARKOV_TEXT]
     runs = [
         Run(STOCK_COMPILED, "olmoe-1b-7b-torchtitan-moe", 2, [*args, *COMPILE]),
         Run("olmoe grouped_mm compiled", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *COMPILE]),

@@ -7,7 +7,8 @@
 #     compiled) and expert block benchmarks
 #   scripts/measure_on_gpu.sh ep4 ep2 # EP equivalence + dispatch/combine benchmark on 4 and 2 GPUs
 #   scripts/measure_on_gpu.sh train-tiny train-full   # training through the Trainer on 2 GPUs
-#   scripts/measure_on_gpu.sh train-numerics   # 2 GPUs, 300 steps: FP8 experts' loss against the bf16 layers'
+#   scripts/measure_on_gpu.sh train-numerics   # 2 GPUs, 300 steps on the endless markov_text corpus: FP8
+#     experts' loss against the bf16 layers'
 #   scripts/measure_on_gpu.sh scale-out   # 4 or 8 GPUs of one host: ep4 (and ep8), then train-scale4 (or
 #     train-scale8): EP 1 vs 4 (vs 8) losses of a tiny flavor, qwen3-30b-a3b and deepseek-v3-16b next to stock
 #   scripts/measure_on_gpu.sh fp8   # 2 GPUs: FP8 expert tests, layer and whole-model runs next to bf16 and stock

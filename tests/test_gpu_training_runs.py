@@ -311,7 +311,7 @@ def test_tiny_suite_compiles_every_backend_at_every_layout(monkeypatch):
             assert parsed(compiled, monkeypatch).compile.enable and not parsed(eager, monkeypatch).compile.enable
 
 
-def test_numerics_suite_trains_each_bf16_layer_and_fp8_for_300_steps(monkeypatch):
+def test_numerics_suite_trains_each_bf16_layer_and_fp8_for_300_steps_on_the_endless_corpus(monkeypatch):
     runs = all_runs("numerics")
     assert [run.name for run in runs] == [
         runs_module.STOCK_COMPILED,
@@ -322,6 +322,7 @@ def test_numerics_suite_trains_each_bf16_layer_and_fp8_for_300_steps(monkeypatch
     for run in runs:
         config = parsed(run, monkeypatch)
         assert config.training.steps == 300 and config.training.local_batch_size == 2 and config.compile.enable
+        assert config.dataloader.dataset == "markov_text"
         assert run.reference is None, run.name
         precisions = {e.expert_precision for e in nested_configs(config, BackendGroupedExperts.Config)}
         assert precisions <= {"fp8_rowwise" if run.name == runs_module.NUMERICS_FP8 else "native"}, run.name
