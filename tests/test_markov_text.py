@@ -4,13 +4,12 @@ training run on it."""
 
 import itertools
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from datasets.distributed import split_dataset_by_node
+from test_own_data import train
 from torchtitan.hf_datasets.text_datasets import DATASETS
 
 from torchtitan_ext.data import MARKOV_TEXT, TINY_STORIES_DIR, MarkovChain
@@ -81,28 +80,9 @@ def test_probabilities_are_distributions(chain):
     torch.cuda.is_available(), reason="a CPU/gloo training run (GPU runs: scripts/measure_on_gpu.sh train-numerics)"
 )
 def test_a_tiny_flavor_trains_on_the_endless_corpus(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torchtitan_ext.train",
-            "--flavor",
-            "tiny-moe-grouped-mm",
-            "--data.dataset",
-            MARKOV_TEXT,
-            "--training.steps",
-            "2",
-            "--training.local_batch_size",
-            "2",
-            "--training.seq_len",
-            "32",
-            "--dump_folder",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    toml = tmp_path / "markov.toml"
+    toml.write_text(f'[data]\ndataset = "{MARKOV_TEXT}"\n')
+    result = train(toml, tmp_path / "out")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step:  2" in result.stdout + result.stderr
     assert f"Preparing {MARKOV_TEXT} dataset" in result.stdout + result.stderr
