@@ -92,3 +92,17 @@ def test_the_documented_entropy_floor(chain):
     """docs/configuration.md states the shipped chain's entropy: 2.11 nats per word."""
     assert round(chain.entropy_per_word(), 2) == 2.11
     assert len(chain.words) == 208
+
+
+def test_a_resumed_stream_continues_where_its_state_was_saved():
+    """torchtitan checkpoints a streamed dataset's ``state_dict``; loading it resumes the same stream."""
+    dataset = DATASETS[MARKOV_TEXT].loader(DATASETS[MARKOV_TEXT].path)
+    stream = split_dataset_by_node(dataset, 0, 2)
+    documents = iter(stream)
+    for _ in range(3):
+        next(documents)
+    state = stream.state_dict()
+    following = next(documents)
+    resumed = split_dataset_by_node(DATASETS[MARKOV_TEXT].loader(DATASETS[MARKOV_TEXT].path), 0, 2)
+    resumed.load_state_dict(state)
+    assert next(iter(resumed)) == following
