@@ -270,6 +270,15 @@ def test_training_loss_curve_ep2_over_symm_mem_equals_ep1(tmp_path, ep1_losses):
 
 
 @pytest.mark.slow
+def test_training_loss_curve_ep2_over_all_to_all_with_static_rows_equals_ep1(tmp_path, ep1_losses):
+    """No host sync: T rows to every rank, grouped into the most rows a rank can receive."""
+    toml = tmp_path / "static_rows.toml"
+    toml.write_text('[moe]\nep_receive_rows = "static"\n')
+    ep2_static = train_losses(tmp_path, 2, toml)
+    assert ep1_losses == pytest.approx(ep2_static, rel=1e-4), (ep1_losses, ep2_static)
+
+
+@pytest.mark.slow
 def test_training_loss_curve_ep4_equals_ep1(tmp_path):
     ep1 = train_losses(tmp_path, 1, processes=4)
     ep4 = train_losses(tmp_path, 4, processes=4)

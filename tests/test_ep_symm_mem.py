@@ -226,12 +226,12 @@ def exchange_worker(rank: int, world: int, port: int) -> None:
                 for name, e, a in zip(("output", "x grad", "score grad", "weight grad"), expected, actual):
                     what = f"rank {rank}/{world} {dtype} align {align_size} {name}"
                     torch.testing.assert_close(a, e, atol=tol, rtol=tol, msg=lambda m, what=what: f"{what}: {m}")
-            static, _ = run_two_layers(mesh, "symm_mem", 1, dtype, receive_rows="static")
-            exact, _ = run_two_layers(mesh, "symm_mem", 1, dtype)
-            for name, e, a in zip(("output", "x grad", "score grad", "weight grad"), exact, static):
-                torch.testing.assert_close(
-                    a, e, atol=tol, rtol=tol, msg=lambda m, name=name: f"static rows {name}: {m}"
-                )
+            for transport in ("symm_mem", "all_to_all"):
+                static, _ = run_two_layers(mesh, transport, 1, dtype, receive_rows="static")
+                exact, _ = run_two_layers(mesh, transport, 1, dtype)
+                for name, e, a in zip(("output", "x grad", "score grad", "weight grad"), exact, static):
+                    what = f"{transport} static rows {name}"
+                    torch.testing.assert_close(a, e, atol=tol, rtol=tol, msg=lambda m, what=what: f"{what}: {m}")
         assert_dispatch_outputs_aligned_and_per_pair(mesh)
     finally:
         dist.destroy_process_group()

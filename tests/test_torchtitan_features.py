@@ -30,13 +30,13 @@ def test_cuda_graphs_refused_for_backends_that_read_counts_on_the_host(monkeypat
         parse(monkeypatch, "--flavor", tiny_flavor_name(backend), CUDA_GRAPHS)
 
 
-def test_cuda_graphs_under_ep_need_the_sync_free_symm_mem_dispatch(monkeypatch):
+def test_cuda_graphs_under_ep_need_a_sync_free_dispatch(monkeypatch):
+    """Static received rows make either EP transport read nothing on the host."""
     flavor = ["--flavor", "tiny-moe-triton", "--parallelism.ep", "2", CUDA_GRAPHS]
-    with pytest.raises(ConfigError, match=r"moe\.ep_receive_rows = 'static'"):
-        parse(monkeypatch, *flavor, world=2)
-    with pytest.raises(ConfigError, match=r"moe\.ep_receive_rows = 'static'"):
-        parse(monkeypatch, *flavor, "--moe.ep_transport", "symm_mem", world=2)
-    parse(monkeypatch, *flavor, "--moe.ep_transport", "symm_mem", "--moe.ep_receive_rows", "static", world=2)
+    for transport in ("all_to_all", "symm_mem"):
+        with pytest.raises(ConfigError, match=r"row counts on the host \(set moe\.ep_receive_rows = 'static'\)"):
+            parse(monkeypatch, *flavor, "--moe.ep_transport", transport, world=2)
+        parse(monkeypatch, *flavor, "--moe.ep_transport", transport, "--moe.ep_receive_rows", "static", world=2)
 
 
 def test_cuda_graphs_accepted_without_ep_for_backends_that_never_wait(monkeypatch):
@@ -58,10 +58,9 @@ def test_cuda_graphs_refuse_grouped_mm_where_torch_reads_its_offsets_on_the_host
     parse(monkeypatch, *bf16)
 
 
-def test_static_receive_rows_need_symm_mem_without_padding(monkeypatch):
-    with pytest.raises(ConfigError, match="ep_receive_rows = 'static' needs ep_transport = 'symm_mem'"):
-        parse(monkeypatch, "--flavor", "tiny-moe-grouped-mm", "--moe.ep_receive_rows", "static")
-    with pytest.raises(ConfigError, match="and align_size = 1"):
+def test_static_receive_rows_need_groups_without_padding(monkeypatch):
+    parse(monkeypatch, "--flavor", "tiny-moe-grouped-mm", "--moe.ep_receive_rows", "static")
+    with pytest.raises(ConfigError, match="ep_receive_rows = 'static' needs align_size = 1"):
         parse(
             monkeypatch,
             "--flavor",

@@ -37,11 +37,12 @@ a layer's kernels while the GPU still runs earlier ones: what remains is the cal
 plus what a host sync exposes (the launches between the sync and the first kernel after it).
 ``fraction_of_raw_host_ahead`` compares raw and dispatch + combine that way.
 
-A third row per case (``receive_rows`` ``"static"``, ``launch`` ``"cuda_graph"``) is ``symm_mem``
-with static received rows (``--moe.ep_receive_rows static``, no host sync), its dispatch + combine
-captured in one CUDA graph and replayed, as under torchtitan's CUDA graphs: the exchange's GPU
-time with no host launch in the way. It runs on a process group of its own, so its exchange (which
-then fences every move, ``EPExchange.replayable``) leaves the exact-rows rows' fences as they are.
+Two more rows per case have static received rows (``--moe.ep_receive_rows static``, no host sync):
+``all_to_all`` (``T`` rows to every rank, grouped on the device), launched by the host; and
+``symm_mem`` (``launch`` ``"cuda_graph"``), its dispatch + combine captured in one CUDA graph and
+replayed, as under torchtitan's CUDA graphs: the exchange's GPU time with no host launch in the
+way. The latter runs on a process group of its own, so its exchange (which then fences every move,
+``EPExchange.replayable``) leaves the exact-rows rows' fences as they are.
 
 ``--check`` first runs the EP layer equivalence (EP = world vs one GPU, every compute backend,
 both transports and both permute backends) and records the largest errors.
@@ -169,8 +170,9 @@ def bench_case(
     skewed: bool,
     permute_backend: PermuteBackend,
 ) -> list[dict]:
-    """One routing case: raw all-to-all, then dispatch + combine over each EP transport, and over
-    ``symm_mem`` with static received rows replayed from a CUDA graph (on ``graph_mesh``'s group)."""
+    """One routing case: raw all-to-all, then dispatch + combine over each EP transport, over
+    ``all_to_all`` with static received rows, and over ``symm_mem`` with static received rows
+    replayed from a CUDA graph (on ``graph_mesh``'s group)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     generator = torch.Generator().manual_seed(rank)
     ids_TK = routing(num_tokens, skewed, world, generator)
@@ -178,7 +180,8 @@ def bench_case(
     scores_TK = torch.rand(num_tokens, TOP_K, device="cuda")
     counts_E = torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS)
     dispatchers = {transport: wired_dispatcher(mesh, transport, permute_backend) for transport in EP_TRANSPORTS}
-    static_dispatcher = wired_dispatcher(graph_mesh, "symm_mem", permute_backend, receive_rows="static")
+    static_all_to_all = wired_dispatcher(mesh, "all_to_all", permute_backend, receive_rows="static")
+    static_symm_mem = wired_dispatcher(graph_mesh, "symm_mem", permute_backend, receive_rows="static")
 
     raw_a2a, input_splits, output_splits = raw_all_to_all(counts_E.view(world, -1).sum(1), dim)
     ranks_per_token_TW = torch.zeros(num_tokens, world, dtype=torch.int64, device="cuda")
@@ -258,7 +261,8 @@ def bench_case(
         (transport, "exact", "host", dispatch_combine(dispatchers[transport]), parts[transport])
         for transport in EP_TRANSPORTS
     ]
-    variants.append(("symm_mem", "static", "cuda_graph", captured(dispatch_combine(static_dispatcher)), {}))
+    variants.append(("all_to_all", "static", "host", dispatch_combine(static_all_to_all), {}))
+    variants.append(("symm_mem", "static", "cuda_graph", captured(dispatch_combine(static_symm_mem)), {}))
     rows = []
     for transport, receive_rows, launch, call, transport_parts in variants:
         total_ms = cuda_time_ms(call)

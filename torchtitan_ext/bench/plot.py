@@ -72,14 +72,17 @@ def _same_bytes_GBps(row: dict, name: str, ms: float) -> float:
 
 
 def _ep_variant(row: dict) -> str:
-    """How an EP row moved its rows: the transport, and the permute backend (``all_to_all``) or the
-    static received rows replayed from a CUDA graph (``symm_mem``)."""
+    """How an EP row moved its rows: the transport, the permute backend (``all_to_all``), and static
+    received rows and a CUDA graph's replay where the row has them."""
     transport = row.get("transport", "all_to_all")
+    parts = [transport]
     if transport == "all_to_all":
-        return f"all_to_all, {row['permute_backend']} permute"
+        parts.append(f"{row['permute_backend']} permute")
+    if row.get("receive_rows") == "static":
+        parts.append("static rows")
     if row.get("launch") == "cuda_graph":
-        return f"{transport}, static rows, CUDA graph"
-    return transport
+        parts.append("CUDA graph")
+    return ", ".join(parts)
 
 
 def _compile_note(meta: dict) -> str:

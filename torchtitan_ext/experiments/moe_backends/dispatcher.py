@@ -41,6 +41,7 @@ from torchtitan_ext.experiments.moe_backends.transports import (
     AllToAllTransport,
     LocalTransport,
     PaddedSymmMemTransport,
+    StaticAllToAllTransport,
     SymmMemTransport,
     TokenTransport,
 )
@@ -68,14 +69,15 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         """``"all_to_all"`` or ``"symm_mem"``: how rows move between EP ranks."""
         ep_receive_rows: EPReceiveRows = "exact"
         """``"exact"``: the rows an EP rank receives are counted on the host (one sync per dispatch);
-        ``"static"`` (``symm_mem``, ``align_size`` 1): the most a rank can receive, every step, with
-        no host sync, so that a CUDA graph can capture the step (more activation memory)."""
+        ``"static"`` (``align_size`` 1): the most a rank can receive, every step, with no host sync, so
+        that the host runs ahead and a CUDA graph can capture the step (more activation memory;
+        ``all_to_all`` then sends every rank ``T`` rows, whether or not each token has a slot there)."""
 
         @property
         def host_sync_free(self) -> bool:
             """Whether dispatch and combine under expert parallelism read nothing on the host (a CUDA
-            graph can capture them): ``symm_mem`` with static received rows."""
-            return self.ep_transport == "symm_mem" and self.ep_receive_rows == "static"
+            graph can capture them): static received rows."""
+            return self.ep_receive_rows == "static"
 
         def validation_errors(self, key: Callable[[str], str] = str) -> list[str]:
             """Every invalid option, one message each; ``key(field)`` is how a message names a field."""
@@ -84,11 +86,10 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
                 *choice_errors(key, "ep_transport", self.ep_transport, EP_TRANSPORTS),
                 *choice_errors(key, "ep_receive_rows", self.ep_receive_rows, EP_RECEIVE_ROWS),
             ]
-            if self.ep_receive_rows == "static" and (self.ep_transport != "symm_mem" or self.align_size != 1):
+            if self.ep_receive_rows == "static" and self.align_size != 1:
                 errors.append(
-                    f"{key('ep_receive_rows')} = 'static' needs ep_transport = 'symm_mem' and align_size = 1 "
-                    f"(got {self.ep_transport!r}, {self.align_size}): all_to_all needs its split sizes on the "
-                    "host, and padded groups are sized from the received rows"
+                    f"{key('ep_receive_rows')} = 'static' needs align_size = 1 (got {self.align_size}): "
+                    "padded groups are sized from the received rows"
                 )
             if isinstance(self.align_size, bool) or not isinstance(self.align_size, int) or self.align_size < 1:
                 errors.append(f"{key('align_size')} = {self.align_size!r}: must be an integer >= 1 (1 = off)")
@@ -108,7 +109,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         if ep_mesh is None:
             return LocalTransport(self.row_ops, self.align_size, self.num_experts, self.top_k)
         if self.ep_transport == "all_to_all":
-            transport_type = AllToAllTransport
+            transport_type = StaticAllToAllTransport if self.ep_receive_rows == "static" else AllToAllTransport
         else:
             if self.align_size != 1:
                 return PaddedSymmMemTransport(self.row_ops, self.align_size, self.num_experts, self.top_k, ep_mesh)

@@ -125,8 +125,8 @@ _option_key(
 _option_key(
     "ep_receive_rows",
     EPReceiveRows,
-    "rows an EP rank receives: exact (counted on the host) or static (symm_mem: the most possible, no host "
-    "sync, CUDA graphs can capture the step)",
+    "rows an EP rank receives: exact (counted on the host) or static (the most possible, no host sync, "
+    "CUDA graphs can capture the step; all_to_all then sends every rank T rows)",
     dispatcher_configs,
 )
 

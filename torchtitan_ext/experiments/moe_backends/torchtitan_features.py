@@ -15,8 +15,8 @@ layers cannot honour is refused with the reason (exit 2), never silently ignored
   backends (they read expert counts), for ``grouped_mm`` outside bf16 parameters or on GPUs other
   than Hopper / Blackwell (``torch._grouped_mm`` then reads its offsets on the host,
   ``grouped_matmul.reads_offsets_on_host``) and, under expert parallelism, unless every dispatcher is
-  sync-free (``moe.ep_transport = "symm_mem"`` with ``moe.ep_receive_rows = "static"``; torchtitan's
-  own check is told so by ``compat.cuda_graph_dispatchers``).
+  sync-free (``moe.ep_receive_rows = "static"``, over either EP transport; torchtitan's own check is
+  told so by ``compat.cuda_graph_dispatchers``).
 - Quantizing converters subclass the experts module, but this experiment's experts compute
   through their backend function. torchtitan's float8 grouped-experts converter
   (``Float8GroupedExpertsConverter``, rowwise) is taken as ``moe.expert_precision =
@@ -60,10 +60,7 @@ def cuda_graph_blockers(config) -> list[str]:
         )
     dispatchers = [d for _, d, _, _ in model.traverse(RoutingDispatcher.Config)]
     if config.parallelism.expert_parallel_degree > 1 and not all(d.host_sync_free for d in dispatchers):
-        reasons.append(
-            "the EP dispatch reads its row counts on the host (set moe.ep_transport = 'symm_mem' and "
-            "moe.ep_receive_rows = 'static')"
-        )
+        reasons.append("the EP dispatch reads its row counts on the host (set moe.ep_receive_rows = 'static')")
     return reasons
 
 

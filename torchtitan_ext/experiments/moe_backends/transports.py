@@ -26,6 +26,9 @@ The transports:
   (``exchange_rows``: the functional collective ops called directly, the gradient sent back the
   same way, without the Python wrappers of ``_functional_collectives`` that the host would pay
   per call; selective activation checkpointing still saves their outputs).
+- ``StaticAllToAllTransport`` (``ep_receive_rows = "static"``): the same all-to-alls with nothing read
+  on the host: every rank sends every rank ``T`` rows (a token's row where it has a slot), the
+  receiver groups its slots on the device into the most rows it can receive.
 - ``SymmMemTransport`` (``PaddedSymmMemTransport`` when ``align_size`` > 1): one pull kernel in
   dispatch and one push kernel in combine through memory every EP rank maps (``ep_symm_mem``);
   rows arrive grouped by local expert. One host sync per dispatch.
@@ -54,6 +57,7 @@ from torchtitan_ext.experiments.moe_backends.grouping import (
     plan_slots,
     send_buffer_rows,
 )
+from torchtitan_ext.kernels import moe_permute
 
 
 class DispatchMetadata(Protocol):
@@ -298,6 +302,61 @@ class AllToAllTransport(ExpertParallelTransport[AllToAllMetadata]):
     def sum_returned_rows(self, returned_UD: torch.Tensor, metadata: AllToAllMetadata) -> torch.Tensor:
         """``(T, D)``: the sender's sum of the rows that came back for each token."""
         return self.row_ops.sum_token_rows(returned_UD, metadata.pair_row_S, self.ep_size)
+
+
+class StaticAllToAllTransport(AllToAllTransport):
+    """``AllToAllTransport`` with nothing read on the host (``ep_receive_rows = "static"``,
+    ``align_size`` 1): every rank sends every other rank a fixed ``T`` rows, row ``t`` holding token
+    ``t`` when it has a slot there (unset otherwise, and marked so in its metadata row), so the split
+    sizes are known without a count exchange; the receiver groups the slots of its experts on the
+    device into the most rows it can receive (``T * W * min(top_k, local experts)``, zero past the
+    received ones). No host sync, so a CUDA graph can capture it; it moves ``W * T`` rows each way
+    where the exact transport moves the (token, rank) pairs that exist. Combine is the exact
+    transport's."""
+
+    def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
+        """``T`` rows to every rank, the received slots grouped by local expert on the device."""
+        ep_size, num_local = self.ep_size, self.num_local_experts
+        num_tokens, top_k = topk_expert_ids_TK.shape
+        expert_TK = topk_expert_ids_TK.long()
+        reached_TW = expert_TK.new_zeros(num_tokens, ep_size + 1, dtype=torch.bool)
+        reached_TW = reached_TW.scatter_(1, expert_TK // num_local, True)[:, :ep_size]
+        fixed_row_TW = torch.arange(ep_size, device=x_TD.device) * num_tokens + torch.arange(
+            num_tokens, device=x_TD.device
+        ).unsqueeze(1)
+        pair_row_S = torch.where(reached_TW, fixed_row_TW, -1).view(-1)
+        # Each sent row's K gating weights, K global expert ids (exact in fp32) and a 1 that marks it
+        # sent: the rows of pairs that do not exist are zero, so marked unsent.
+        ones_T1 = topk_scores_TK.new_ones(num_tokens, 1, dtype=torch.float32)
+        token_meta_TM = torch.cat([topk_scores_TK.float(), expert_TK.float(), ones_T1], dim=1)
+        num_sent = ep_size * num_tokens
+        sent_rows_PD = self.row_ops.permute_rows(x_TD, pair_row_S, ep_size, num_sent, zero_padding=False)
+        sent_meta_PM = self.row_ops.permute_rows(token_meta_TM, pair_row_S, ep_size, num_sent)
+        splits = [num_tokens] * ep_size
+        group = self.group()
+        received_UD, received_meta_UM = exchange_rows((sent_rows_PD, sent_meta_PM), splits, splits, group)
+        received_ids_UK = received_meta_UM[:, top_k : 2 * top_k].detach().long()
+        sent_U1 = received_meta_UM[:, 2 * top_k :].detach() > 0
+        rank = dist.get_rank(group)
+        mine_UK = sent_U1 & (received_ids_UK // num_local == rank)
+        received_experts_S = torch.where(mine_UK, received_ids_UK - rank * num_local, num_local).view(-1)
+        _, slot_row_S, group_end_e = moe_permute.routing_metadata(received_experts_S, num_local)
+        rows_per_local_expert_e = torch.diff(group_end_e.long(), prepend=group_end_e.new_zeros(1))
+        received_plan = SlotPlan(
+            dest_row_S=torch.where(received_experts_S < num_local, slot_row_S, -1),
+            num_rows=num_sent * min(top_k, num_local),
+            rows_per_expert_E=rows_per_local_expert_e,
+            num_padding_rows=rows_per_local_expert_e.new_zeros(()),
+        )
+        metadata = AllToAllMetadata(
+            pair_row_S=pair_row_S,
+            received_plan=received_plan,
+            received_scores_S=received_meta_UM[:, :top_k].reshape(-1),
+            input_splits=splits,
+            output_splits=splits,
+        )
+        rows_RD = self.row_ops.permute_rows(received_UD, received_plan.dest_row_S, top_k, received_plan.num_rows)
+        return rows_RD, rows_per_local_expert_e, metadata
 
 
 @dataclass(frozen=True, kw_only=True)
