@@ -14,8 +14,9 @@ eager and compiled, must equal for_loop's eager losses of the same layout to rel
 tokens per GPU (default 4: an H100's 80 GB; an H200 takes 8): torchtitan's own MoE layers compiled
 (``--compile.enable``, the baseline) and eager (``--compile.no-enable``), and the project's layers
 compiled with grouped_mm (bf16, and FP8 rowwise experts over each EP transport), triton over each
-EP transport, and triton and grouped_mm over symm_mem with static
-received rows under CUDA graphs; triton over symm_mem eager for reference. Every full-size run
+EP transport, triton over all_to_all with static received rows (no host sync) without and with CUDA
+graphs, and triton and grouped_mm over symm_mem with static received rows under CUDA graphs; triton
+over symm_mem eager for reference. Every full-size run
 names its compute backend and whether it compiles, whatever the flavor's defaults. Every loss of the
 first 10 steps must be within 2% of the baseline's at the same step (``FULL_SIZE_COMPARED_STEPS``).
 Printed per run: the median tokens/s over steps
@@ -174,7 +175,8 @@ TRITON = ["--toml", "examples/triton.toml"]
 """Every run of the project's full-size layers names its backend (triton is their default)."""
 SYMM_MEM = ["--toml", "examples/ep_symm_mem.toml"]
 FP8 = ["--moe.expert_precision", "fp8_rowwise"]
-CUDA_GRAPHS = ["--moe.ep_receive_rows", "static", "--training.no-disable-cuda-graphs"]
+STATIC_ROWS = ["--moe.ep_receive_rows", "static"]
+CUDA_GRAPHS = [*STATIC_ROWS, "--training.no-disable-cuda-graphs"]
 EP_TRANSPORT_ARGS = {"all_to_all": [], "symm_mem": SYMM_MEM}
 TINY_STEPS = ["--training.steps", "30"]
 TINY_LOSS_REL = 1e-4
@@ -245,6 +247,8 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
         ),
         Run("olmoe triton compiled", "olmoe-1b-7b", 2, [*args, *TRITON, *COMPILE]),
         Run("olmoe triton compiled symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *SYMM_MEM, *COMPILE]),
+        Run("olmoe triton compiled static_rows", "olmoe-1b-7b", 2, [*args, *TRITON, *COMPILE, *STATIC_ROWS]),
+        Run("olmoe triton compiled cuda_graphs", "olmoe-1b-7b", 2, [*args, *TRITON, *COMPILE, *CUDA_GRAPHS]),
         Run(
             "olmoe triton compiled symm_mem cuda_graphs",
             "olmoe-1b-7b",
