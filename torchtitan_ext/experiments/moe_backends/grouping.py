@@ -100,15 +100,21 @@ def padded_group_rows(
     return dest_row_N, padded_counts_e, num_rows
 
 
+def reached_ranks(rank_TK: torch.Tensor, ep_size: int) -> torch.Tensor:
+    """``(T, W)`` bool: whether token t has a slot on rank r. ``rank_TK`` is the rank of each slot's
+    expert (``ep_size`` for a dropped slot: sent nowhere)."""
+    num_tokens = rank_TK.shape[0]
+    return rank_TK.new_zeros(num_tokens, ep_size + 1, dtype=torch.bool).scatter_(1, rank_TK, True)[:, :ep_size]
+
+
 def pair_rows(rank_TK: torch.Tensor, ep_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Send rows of the (token, destination rank) pairs, rank-major and in token order per rank.
 
-    ``rank_TK`` is the rank of each slot's expert (``ep_size`` for a dropped slot: sent nowhere).
-    Returns ``(pair_row_TW, sent_rows_W)``: the send row of pair (t, r), -1 when token t has no
-    slot on rank r, and the rows sent to each rank.
+    ``rank_TK`` as ``reached_ranks``. Returns ``(pair_row_TW, sent_rows_W)``: the send row of pair
+    (t, r), -1 when token t has no slot on rank r, and the rows sent to each rank.
     """
     num_tokens = rank_TK.shape[0]
-    reached_TW = rank_TK.new_zeros(num_tokens, ep_size + 1, dtype=torch.bool).scatter_(1, rank_TK, True)[:, :ep_size]
+    reached_TW = reached_ranks(rank_TK, ep_size)
     place_TW = reached_TW.cumsum(dim=0)
     sent_rows_W = place_TW[-1] if num_tokens else place_TW.new_zeros(ep_size)
     first_row_W = sent_rows_W.cumsum(dim=0) - sent_rows_W

@@ -55,6 +55,7 @@ from torchtitan_ext.experiments.moe_backends.grouping import (
     padded_group_rows,
     pair_rows,
     plan_slots,
+    reached_ranks,
     send_buffer_rows,
 )
 from torchtitan_ext.kernels import moe_permute
@@ -319,12 +320,9 @@ class StaticAllToAllTransport(AllToAllTransport):
         ep_size, num_local = self.ep_size, self.num_local_experts
         num_tokens, top_k = topk_expert_ids_TK.shape
         expert_TK = topk_expert_ids_TK.long()
-        reached_TW = expert_TK.new_zeros(num_tokens, ep_size + 1, dtype=torch.bool)
-        reached_TW = reached_TW.scatter_(1, expert_TK // num_local, True)[:, :ep_size]
-        fixed_row_TW = torch.arange(ep_size, device=x_TD.device) * num_tokens + torch.arange(
-            num_tokens, device=x_TD.device
-        ).unsqueeze(1)
-        pair_row_S = torch.where(reached_TW, fixed_row_TW, -1).view(-1)
+        token_T1 = torch.arange(num_tokens, device=x_TD.device).unsqueeze(1)
+        fixed_row_TW = torch.arange(ep_size, device=x_TD.device) * num_tokens + token_T1
+        pair_row_S = torch.where(reached_ranks(expert_TK // num_local, ep_size), fixed_row_TW, -1).view(-1)
         # Each sent row's K gating weights, K global expert ids (exact in fp32) and a 1 that marks it
         # sent: the rows of pairs that do not exist are zero, so marked unsent.
         ones_T1 = topk_scores_TK.new_ones(num_tokens, 1, dtype=torch.float32)
@@ -341,7 +339,8 @@ class StaticAllToAllTransport(AllToAllTransport):
         mine_UK = sent_U1 & (received_ids_UK // num_local == rank)
         received_experts_S = torch.where(mine_UK, received_ids_UK - rank * num_local, num_local).view(-1)
         _, slot_row_S, group_end_e = moe_permute.routing_metadata(received_experts_S, num_local)
-        rows_per_local_expert_e = torch.diff(group_end_e.long(), prepend=group_end_e.new_zeros(1))
+        group_end_e = group_end_e.long()
+        rows_per_local_expert_e = torch.diff(group_end_e, prepend=group_end_e.new_zeros(1))
         received_plan = SlotPlan(
             dest_row_S=torch.where(received_experts_S < num_local, slot_row_S, -1),
             num_rows=num_sent * min(top_k, num_local),
