@@ -58,6 +58,27 @@ def test_cuda_graphs_refuse_grouped_mm_where_torch_reads_its_offsets_on_the_host
     parse(monkeypatch, *bf16)
 
 
+def test_the_start_up_line_names_static_received_rows(monkeypatch, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        parse(monkeypatch, "--flavor", "tiny-moe-triton", "--parallelism.ep", "2", world=2)
+    assert "ep_transport=all_to_all, compile" in caplog.text and "ep_receive_rows" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        parse(
+            monkeypatch,
+            "--flavor",
+            "tiny-moe-triton",
+            "--parallelism.ep",
+            "2",
+            "--moe.ep_receive_rows",
+            "static",
+            world=2,
+        )
+    assert "ep_transport=all_to_all, ep_receive_rows=static, compile" in caplog.text
+
+
 def test_static_receive_rows_need_groups_without_padding(monkeypatch):
     parse(monkeypatch, "--flavor", "tiny-moe-grouped-mm", "--moe.ep_receive_rows", "static")
     with pytest.raises(ConfigError, match="ep_receive_rows = 'static' needs align_size = 1"):

@@ -131,7 +131,9 @@ class FlavorConfigManager(ConfigManager):
         record_run_metadata(flavor=flavor, toml_files=tomls, cli_args=cli_args, config=config)
         if is_rank_zero():
             metadata = run_metadata()
-            transport = f", ep_transport={metadata['ep_transport']}" if "ep_transport" in metadata else ""
+            transport = "".join(
+                f", {key}={metadata[key]}" for key in ("ep_transport", "ep_receive_rows") if key in metadata
+            )
             precision = metadata.get("expert_precision", "native")
             precision = "" if precision == "native" else f", expert_precision={precision}"
             logger.info(

@@ -1,6 +1,7 @@
 """What the MoE backends experiment says about a run: its run metadata and its start-up note.
 
-``compute_backend``, ``expert_precision`` and ``ep_transport`` identify a run in the metrics' run metadata
+``compute_backend``, ``expert_precision``, ``ep_transport`` and static ``ep_receive_rows`` identify a run
+in the metrics' run metadata
 (``registry.register_run_description``); a note before training suggests ``symm_mem`` where
 every EP group fits in this host (``registry.register_startup_note``).
 """
@@ -50,6 +51,16 @@ def ep_transport_of_run(config) -> dict:
     if config.parallelism.expert_parallel_degree <= 1 or not transports:
         return {}
     return {"ep_transport": transports[0] if len(transports) == 1 else transports}
+
+
+@register_run_description
+def ep_receive_rows_of_run(config) -> dict:
+    """``ep_receive_rows`` of the run metadata where EP dispatches read nothing on the host (static
+    received rows); nothing for the default, exact rows."""
+    settings = {dispatcher.ep_receive_rows for dispatcher in routing_dispatchers(config)}
+    if config.parallelism.expert_parallel_degree <= 1 or "static" not in settings:
+        return {}
+    return {"ep_receive_rows": "static" if len(settings) == 1 else sorted(settings)}
 
 
 @register_startup_note
