@@ -23,7 +23,8 @@ Options (``Config``):
 After each dispatch, ``last_num_padding_rows`` (a 0-d int64 tensor on the tokens' device) holds
 the zero rows the experts computed on top of the real routed rows.
 
-No host sync on the local path; each EP transport has one (split sizes / received row count).
+No host sync on the local path; each EP transport has one (split sizes / received row count),
+except with ``ep_receive_rows = "static"``.
 """
 
 from collections.abc import Callable
