@@ -18,6 +18,7 @@ through at EP 2.
 """
 
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -90,15 +91,27 @@ def record_steps(steps: list) -> None:
     MoEMetricsProcessor.log = log_and_keep
 
 
-def _train_cases_worker(rank: int, world: int, ports: list[int], dump_folder: str, results) -> None:
+def agreed_port(rank: int, shared, run: int) -> int:
+    """The rendezvous port of run ``run``: rank 0 picks a free one just before the run and shares it
+    (picked minutes ahead, a port could meanwhile be taken by another test's rendezvous, whose ranks
+    would then meet these), the others wait for it."""
+    key = ("port", run)
+    if rank == 0:
+        shared[key] = free_port()
+    while key not in shared:
+        time.sleep(0.05)
+    return shared[key]
+
+
+def _train_cases_worker(rank: int, world: int, dump_folder: str, results) -> None:
     """Rank ``rank`` of ``world``: every case, eager then compiled; rank 0 keeps each run's steps."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     steps = []
     record_steps(steps)
     runs = [(case, mode) for case in CASE_ARGS for mode in MODES]
-    for (case, mode), port in zip(runs, ports):
-        os.environ["MASTER_PORT"] = str(port)
+    for run, (case, mode) in enumerate(runs):
+        os.environ["MASTER_PORT"] = str(agreed_port(rank, results, run))
         torch._dynamo.reset()
         steps.clear()
         exit_code = main(train_args(case, mode, world, os.path.join(dump_folder, f"{case}-{mode}")))
@@ -110,8 +123,7 @@ def _train_cases_worker(rank: int, world: int, ports: list[int], dump_folder: st
 def train_every_case(world: int, dump_folder) -> dict:
     """Each process trains every case in turn (one import of torch and torchtitan for all)."""
     results = mp.Manager().dict()
-    ports = [free_port() for _ in range(len(CASE_ARGS) * len(MODES))]
-    mp.spawn(_train_cases_worker, args=(world, ports, str(dump_folder), results), nprocs=world, join=True)
+    mp.spawn(_train_cases_worker, args=(world, str(dump_folder), results), nprocs=world, join=True)
     return dict(results)
 
 
