@@ -43,24 +43,28 @@ def expert_precision_of_run(config) -> dict:
     return {"expert_precision": experts_setting(config, "expert_precision", "native")}
 
 
+def dispatchers_setting(config, field: str) -> str | list[str] | None:
+    """``field`` of every MoE layer's dispatcher under expert parallelism, one value when they agree,
+    else the sorted values; None without EP or without the project's dispatcher."""
+    values = sorted({getattr(dispatcher, field) for dispatcher in routing_dispatchers(config)})
+    if config.parallelism.expert_parallel_degree <= 1 or not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
 @register_run_description
 def ep_transport_of_run(config) -> dict:
-    """``ep_transport`` of the run metadata under expert parallelism: how EP rows move, one name when
-    every MoE layer agrees; nothing without EP or without the project's dispatcher."""
-    transports = sorted({dispatcher.ep_transport for dispatcher in routing_dispatchers(config)})
-    if config.parallelism.expert_parallel_degree <= 1 or not transports:
-        return {}
-    return {"ep_transport": transports[0] if len(transports) == 1 else transports}
+    """``ep_transport`` of the run metadata under expert parallelism: how EP rows move."""
+    transport = dispatchers_setting(config, "ep_transport")
+    return {} if transport is None else {"ep_transport": transport}
 
 
 @register_run_description
 def ep_receive_rows_of_run(config) -> dict:
     """``ep_receive_rows`` of the run metadata where EP dispatches read nothing on the host (static
     received rows); nothing for the default, exact rows."""
-    settings = {dispatcher.ep_receive_rows for dispatcher in routing_dispatchers(config)}
-    if config.parallelism.expert_parallel_degree <= 1 or "static" not in settings:
-        return {}
-    return {"ep_receive_rows": "static" if len(settings) == 1 else sorted(settings)}
+    receive_rows = dispatchers_setting(config, "ep_receive_rows")
+    return {} if receive_rows in (None, "exact") else {"ep_receive_rows": receive_rows}
 
 
 @register_startup_note
