@@ -10,6 +10,7 @@ import torch
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.command_line import split_override_args, take_options
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
+from torchtitan_ext.experiments.moe_backends.layer import routing_dispatchers
 from torchtitan_ext.metrics.metadata import run_metadata
 from torchtitan_ext.run_training import FlavorConfigManager
 from torchtitan_ext.stdout_pipe import READER_GONE_EXIT_CODE
@@ -111,6 +112,33 @@ def test_run_metadata_and_start_up_line_name_the_ep_transport_under_ep(monkeypat
     assert "expert_parallel_degree=2, ep_transport=all_to_all," in caplog.text
     parse()
     assert "ep_transport" not in run_metadata()
+
+
+@pytest.mark.parametrize(
+    "cuda, interpreter, processes_per_host, chosen, why",
+    [
+        (True, False, "2", "symm_mem", "every EP group of 2 ranks is on one host of CUDA GPUs"),
+        (True, False, "1", "all_to_all", "needs every rank of an EP group on one host"),
+        (True, True, "2", "all_to_all", "Triton's interpreter is on"),
+        (False, False, "2", "all_to_all", "no CUDA GPU"),
+    ],
+)
+def test_auto_ep_transport_is_symm_mem_where_every_ep_group_is_on_one_gpu_host(
+    monkeypatch, caplog, cuda, interpreter, processes_per_host, chosen, why
+):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", processes_per_host)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    if interpreter:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with caplog.at_level(logging.INFO):
+        config = parse("--parallelism.expert_parallel_degree", "2")
+    assert {dispatcher.ep_transport for dispatcher in routing_dispatchers(config)} == {chosen}
+    assert run_metadata()["ep_transport"] == chosen
+    assert f"moe.ep_transport = 'auto' -> '{chosen}' (" in caplog.text and why in caplog.text
+    assert "--toml examples/ep_symm_mem.toml" not in caplog.text  # no note suggests what "auto" chose against
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,12 @@ from test_ep_equivalence import free_port
 from torch.distributed.device_mesh import init_device_mesh
 from torchtitan.distributed.utils import set_spmd_backend
 
-from torchtitan_ext.experiments.moe_backends.dispatcher import EPReceiveRows, EPTransport, RoutingDispatcher
-from torchtitan_ext.experiments.moe_backends.startup_checks import symm_mem_errors
+from torchtitan_ext.experiments.moe_backends.dispatcher import (
+    EPReceiveRows,
+    EPTransport,
+    RoutingDispatcher,
+    symm_mem_errors,
+)
 from torchtitan_ext.kernels.availability import triton_available_reason
 from torchtitan_ext.kernels.moe_permute import stable_expert_order
 from torchtitan_ext.kernels.symm_mem_rows import publish_routing, receive_layout, route_pairs
@@ -256,6 +260,9 @@ def test_symm_mem_start_up_errors(monkeypatch):
     assert symm_mem_errors(1) == [] and symm_mem_errors(4) == []
     (error,) = symm_mem_errors(8)
     assert "needs every rank of an EP group on one host" in error and "(4)" in error
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")  # ranks 4-7 of an EP group of 4 would span two hosts
+    (error,) = symm_mem_errors(4)
+    assert "processes per host (6) are not a multiple of expert_parallel_degree (4)" in error
     if not torch.cuda.is_available():
         monkeypatch.delenv("TRITON_INTERPRET")
         (error,) = symm_mem_errors(2)
@@ -263,6 +270,25 @@ def test_symm_mem_start_up_errors(monkeypatch):
 
 
 def test_unknown_ep_transport_is_rejected():
-    with pytest.raises(ValueError, match="ep_transport = 'nvlink': not one of the valid choices: all_to_all, symm_mem"):
+    with pytest.raises(
+        ValueError, match="ep_transport = 'nvlink': not one of the valid choices: auto, all_to_all, symm_mem"
+    ):
         # pyrefly: ignore[bad-argument-type]  # an invalid transport on purpose: the test checks it is refused
         RoutingDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K, ep_transport="nvlink")
+
+
+def test_gpus_that_cannot_map_each_others_memory_name_the_nccl_transport(monkeypatch):
+    from torch.distributed import _symmetric_memory
+
+    from torchtitan_ext.experiments.moe_backends.ep_symm_mem import CudaSymmetricWorkspace
+
+    def refuse(tensor, group):
+        raise RuntimeError("CUDA driver error: peer access is not supported between these two devices")
+
+    monkeypatch.setattr(_symmetric_memory, "empty", lambda nbytes, dtype, device: torch.empty(nbytes, dtype=dtype))
+    monkeypatch.setattr(_symmetric_memory, "rendezvous", refuse)
+    workspace = object.__new__(CudaSymmetricWorkspace)
+    with pytest.raises(
+        RuntimeError, match=r"could not map the EP peers' GPU memory .*peer access.*ep_transport all_to_all"
+    ):
+        workspace._map(None, 64, torch.device("cpu"))

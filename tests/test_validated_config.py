@@ -31,7 +31,7 @@ def test_construction_lists_every_broken_rule():
         RoutingDispatcher.Config(num_experts=2, top_k=1, permute_backend="numpy", ep_transport="nvlink", align_size=0)
     assert str(error.value) == (
         "permute_backend = 'numpy': not one of the valid choices: auto, torch, triton; "
-        "ep_transport = 'nvlink': not one of the valid choices: all_to_all, symm_mem; "
+        "ep_transport = 'nvlink': not one of the valid choices: auto, all_to_all, symm_mem; "
         "align_size = 0: must be an integer >= 1 (1 = off)"
     )
     with pytest.raises(ValueError, match="compute_backend = 'cuda_magic': unknown backend"):

@@ -16,6 +16,8 @@ Options (``Config``):
   one row per (token, destination rank) (any process group backend). ``"symm_mem"``: one pull kernel in
   dispatch and one push kernel in combine through memory every rank maps (``ep_symm_mem``:
   CUDA symmetric memory, or shared memory for CPU ranks on one host under ``TRITON_INTERPRET=1``).
+  ``"auto"`` (the default): ``"symm_mem"`` where it runs on CUDA GPUs (``symm_mem_fits_here``),
+  else ``"all_to_all"``; the start-up checks replace it by the choice.
 - ``align_size``: pad each local expert's rows with zero rows to a multiple of it (block-aligned
   kernels; ``grouping`` gives the padded buffer's static size). Padding rows are zeros, are never
   read back into the output, and get no gradient.
@@ -46,6 +48,8 @@ from torchtitan_ext.experiments.moe_backends.transports import (
     SymmMemTransport,
     TokenTransport,
 )
+from torchtitan_ext.kernels.availability import interpreter_enabled, triton_available_reason
+from torchtitan_ext.place_in_launch import local_world_size
 
 from .validated_config import ValidatedConfig, choice_errors
 
@@ -53,6 +57,8 @@ PermuteBackend = Literal["auto", "torch", "triton"]
 PERMUTE_BACKENDS: tuple[PermuteBackend, ...] = get_args(PermuteBackend)
 EPTransport = Literal["all_to_all", "symm_mem"]
 EP_TRANSPORTS: tuple[EPTransport, ...] = get_args(EPTransport)
+EPTransportChoice = Literal["auto", "all_to_all", "symm_mem"]
+EP_TRANSPORT_CHOICES: tuple[EPTransportChoice, ...] = get_args(EPTransportChoice)
 EPReceiveRows = Literal["exact", "static"]
 EP_RECEIVE_ROWS: tuple[str, ...] = get_args(EPReceiveRows)
 
@@ -66,8 +72,8 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         """``"auto"``, ``"torch"`` or ``"triton"``: how rows are permuted and combined."""
         align_size: int = 1
         """Pad each expert's rows to a multiple of this (1: no padding)."""
-        ep_transport: EPTransport = "all_to_all"
-        """``"all_to_all"`` or ``"symm_mem"``: how rows move between EP ranks."""
+        ep_transport: EPTransportChoice = "auto"
+        """``"all_to_all"``, ``"symm_mem"`` or ``"auto"`` (``chosen_ep_transport``): how rows move between EP ranks."""
         ep_receive_rows: EPReceiveRows = "exact"
         """``"exact"``: the rows an EP rank receives are counted on the host (one sync per dispatch);
         ``"static"`` (``align_size`` 1): the most a rank can receive, every step, with no host sync, so
@@ -84,7 +90,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
             """Every invalid option, one message each; ``key(field)`` is how a message names a field."""
             errors = [
                 *choice_errors(key, "permute_backend", self.permute_backend, PERMUTE_BACKENDS),
-                *choice_errors(key, "ep_transport", self.ep_transport, EP_TRANSPORTS),
+                *choice_errors(key, "ep_transport", self.ep_transport, EP_TRANSPORT_CHOICES),
                 *choice_errors(key, "ep_receive_rows", self.ep_receive_rows, EP_RECEIVE_ROWS),
             ]
             if self.ep_receive_rows == "static" and self.align_size != 1:
@@ -106,10 +112,11 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         self.last_num_padding_rows: torch.Tensor | None = None
 
     def transport_for(self, ep_mesh: DeviceMesh | None) -> TokenTransport:
-        """The transport of this config: local without ``ep_mesh``, else the one ``ep_transport`` names."""
+        """The transport of this config: local without ``ep_mesh``, else the one ``ep_transport`` names
+        (``"auto"``: the one ``chosen_ep_transport`` picks for the mesh's size)."""
         if ep_mesh is None:
             return LocalTransport(self.row_ops, self.align_size, self.num_experts, self.top_k)
-        if self.ep_transport == "all_to_all":
+        if chosen_ep_transport(self.ep_transport, ep_mesh.size()) == "all_to_all":
             transport_type = StaticAllToAllTransport if self.ep_receive_rows == "static" else AllToAllTransport
         else:
             if self.align_size != 1:
@@ -148,3 +155,42 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
     def combine(self, routed_output_RD: torch.Tensor, metadata: object, x_TD: torch.Tensor) -> torch.Tensor:
         """Weight each slot's expert output by its score and sum over top_k -> ``(T, D)`` in ``x_TD``'s dtype."""
         return self.transport.combine(routed_output_RD, metadata).to(x_TD.dtype)
+
+
+def symm_mem_errors(expert_parallel_degree: int) -> list[str]:
+    """Why ``ep_transport = "symm_mem"`` cannot run here (empty list: it can). torchtitan's EP groups
+    are blocks of ``expert_parallel_degree`` consecutive ranks, so each host must run whole groups."""
+    if expert_parallel_degree <= 1:
+        return []
+    errors = []
+    reason = triton_available_reason()
+    if reason is not None:
+        errors.append(f"moe.ep_transport = 'symm_mem': {reason}")
+    local_world = local_world_size()
+    if local_world % expert_parallel_degree:
+        errors.append(
+            f"moe.ep_transport = 'symm_mem' needs every rank of an EP group on one host, but the processes "
+            f"per host ({local_world}) are not a multiple of expert_parallel_degree ({expert_parallel_degree}); "
+            "use moe.ep_transport = 'all_to_all' across hosts"
+        )
+    return errors
+
+
+def symm_mem_unfit_reason(expert_parallel_degree: int) -> str | None:
+    """Why ``"auto"`` does not choose ``"symm_mem"`` here; None where it does: CUDA GPUs (not Triton's
+    interpreter) with every EP group on one host, where it moves the rows faster than NCCL's all-to-alls."""
+    if expert_parallel_degree <= 1:
+        return "no expert parallelism"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU (over shared memory on CPU it serves tests)"
+    if interpreter_enabled():
+        return "Triton's interpreter is on"
+    return "; ".join(symm_mem_errors(expert_parallel_degree)) or None
+
+
+def chosen_ep_transport(ep_transport: EPTransportChoice, expert_parallel_degree: int) -> EPTransport:
+    """The transport ``ep_transport`` stands for: itself, or for ``"auto"`` ``"symm_mem"`` where
+    ``symm_mem_unfit_reason`` finds no reason against it, else ``"all_to_all"``."""
+    if ep_transport != "auto":
+        return ep_transport
+    return "all_to_all" if symm_mem_unfit_reason(expert_parallel_degree) else "symm_mem"

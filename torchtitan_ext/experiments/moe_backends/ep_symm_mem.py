@@ -139,7 +139,13 @@ class CudaSymmetricWorkspace(Workspace):
         from torch.distributed import _symmetric_memory as symm_mem
 
         local_bytes = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-        self._handle = symm_mem.rendezvous(local_bytes, group)
+        try:
+            self._handle = symm_mem.rendezvous(local_bytes, group)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"moe.ep_transport = 'symm_mem' could not map the EP peers' GPU memory ({error}); "
+                "--moe.ep_transport all_to_all moves the rows through NCCL instead"
+            ) from error
         return local_bytes, list(self._handle.buffer_ptrs)
 
     def barrier(self) -> None:

@@ -6,15 +6,13 @@ in the metrics' run metadata
 every EP group fits in this host (``registry.register_startup_note``).
 """
 
-import torch
 from torchtitan.models.common.moe import GroupedExperts
 
-from torchtitan_ext.kernels.availability import interpreter_enabled
 from torchtitan_ext.registry import register_run_description, register_startup_note
 
+from .dispatcher import symm_mem_unfit_reason
 from .experts import DEFAULT_BACKEND, BackendGroupedExperts
 from .layer import routing_dispatchers
-from .startup_checks import symm_mem_errors
 
 
 def experts_setting(config, field: str, torchtitan_value: str) -> str | list[str]:
@@ -74,9 +72,7 @@ def symm_mem_within_a_host(config) -> str | None:
     ep = config.parallelism.expert_parallel_degree
     if ep_transport_of_run(config).get("ep_transport") != "all_to_all":
         return None
-    if not torch.cuda.is_available() or interpreter_enabled():
-        return None
-    if symm_mem_errors(ep):
+    if symm_mem_unfit_reason(ep) is not None:
         return None
     return (
         f"moe.ep_transport = 'all_to_all': every EP group of {ep} ranks fits in this host, where "

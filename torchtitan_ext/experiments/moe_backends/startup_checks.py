@@ -4,22 +4,25 @@
 ``validation_errors``), then what the options need together: top_k shared by router and
 dispatcher, Triton or one host where chosen, the parallel layout against the experts, align_size
 against the routed rows of a step. ``check_compute_backends_run_here`` refuses a backend this
-machine cannot run; ``resolve_auto_backend`` then replaces "auto" by the fastest backend here.
+machine cannot run; ``resolve_auto_backend`` then replaces "auto" by the fastest backend here,
+and ``resolve_auto_ep_transport`` an "auto" EP transport by the one that runs fastest here.
 """
 
 import shlex
+
+from torchtitan.tools.logging import logger
 
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.checks import register_config_check
 from torchtitan_ext.config.value_sources import resolved_from, value_source
 from torchtitan_ext.kernels.availability import triton_available_reason
 from torchtitan_ext.parallel_layout import degree_errors, layout_errors
-from torchtitan_ext.place_in_launch import local_world_size
+from torchtitan_ext.place_in_launch import is_rank_zero
 from torchtitan_ext.place_in_launch import world_size as launch_world_size
 from torchtitan_ext.validation import named
 
 from .auto_backend import AUTO_COMMAND_OUTLINE, AutoBackendError, UncachedAutoChoice, resolve_auto_compute_backend
-from .dispatcher import RoutingDispatcher
+from .dispatcher import RoutingDispatcher, chosen_ep_transport, symm_mem_errors, symm_mem_unfit_reason
 from .experts import BackendGroupedExperts, backend_unavailable_reason, resolved_at_startup, runnable_backends
 from .fp8_experts import fp8_unavailable_reason
 from .layer import routing_dispatchers
@@ -115,6 +118,25 @@ def resolve_auto_backend(config) -> None:
         raise ConfigError(str(e)) from None
 
 
+@register_config_check
+def resolve_auto_ep_transport(config) -> None:
+    """Before training, under expert parallelism: ``moe.ep_transport = "auto"`` becomes the transport
+    ``chosen_ep_transport`` picks here; rank 0 logs the choice and why."""
+    ep = config.parallelism.expert_parallel_degree
+    dispatchers = [dispatcher for dispatcher in routing_dispatchers(config) if dispatcher.ep_transport == "auto"]
+    if ep <= 1 or not dispatchers:
+        return
+    choice = chosen_ep_transport("auto", ep)
+    for dispatcher in dispatchers:
+        dispatcher.ep_transport = choice
+    if is_rank_zero():
+        if choice == "symm_mem":
+            why = f"every EP group of {ep} ranks is on one host of CUDA GPUs; --moe.ep_transport all_to_all uses NCCL"
+        else:
+            why = symm_mem_unfit_reason(ep)
+        logger.info(f"moe.ep_transport = 'auto' -> {choice!r} ({why})")
+
+
 def auto_choice_command(config) -> str:
     """The single-process command that measures and caches the "auto" choice of a run of ``config``
     (its flavor, TOML files, batch, sequence length and expert parallel degree)."""
@@ -146,24 +168,6 @@ def align_size_errors(config) -> list[str]:
                 f"(at most {MAX_ALIGN_SIZE} and the routed rows per step, "
                 f"batch x seq_len x top_k = {routed_rows * dispatcher.top_k})"
             )
-    return errors
-
-
-def symm_mem_errors(expert_parallel_degree: int) -> list[str]:
-    """Why ``moe.ep_transport = 'symm_mem'`` cannot run here (empty list: it can)."""
-    if expert_parallel_degree <= 1:
-        return []
-    errors = []
-    reason = triton_available_reason()
-    if reason is not None:
-        errors.append(f"moe.ep_transport = 'symm_mem': {reason}")
-    local_world = local_world_size()
-    if local_world < expert_parallel_degree:
-        errors.append(
-            f"moe.ep_transport = 'symm_mem' needs every rank of an EP group on one host, but "
-            f"expert_parallel_degree ({expert_parallel_degree}) exceeds the processes per host "
-            f"({local_world}); use moe.ep_transport = 'all_to_all' across hosts"
-        )
     return errors
 
 

@@ -9,7 +9,7 @@ option is checked once, by its config's ``validation_errors``, in the start-up c
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.short_keys import register_short_key
 
-from .dispatcher import EPReceiveRows, EPTransport, PermuteBackend, RoutingDispatcher
+from .dispatcher import EPReceiveRows, EPTransportChoice, PermuteBackend, RoutingDispatcher
 from .experts import BackendGroupedExperts, ComputeBackendChoice
 from .fp8_experts import ExpertPrecision
 from .model_shapes import ScoreFunc
@@ -118,8 +118,9 @@ _option_key(
 _option_key("align_size", int, "pad each expert's rows to a multiple of this (1 = off)", dispatcher_configs)
 _option_key(
     "ep_transport",
-    EPTransport,
-    "how rows move between EP ranks: all_to_all (collectives) or symm_mem (one kernel each way)",
+    EPTransportChoice,
+    "how rows move between EP ranks: auto (symm_mem where every EP group is on one host of CUDA GPUs, "
+    "else all_to_all), all_to_all (collectives) or symm_mem (one kernel each way)",
     dispatcher_configs,
 )
 _option_key(
