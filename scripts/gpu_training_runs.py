@@ -144,7 +144,7 @@ def launch(run: Run, device_ids: str, port: int, env: dict[str, str], timeout_s:
     watchdog.cancel()
     run.wall_seconds = round(time.monotonic() - started, 1)
     if run.returncode != 0 or not run.losses:
-        run.error_tail = "".join(lines[-60:])
+        run.error_tail = error_tail(lines, run.returncode, timeout_s, len(run.losses))
     print(
         f"{run.name}: rc {run.returncode}, first step after {run.seconds_to_first_step} s, "
         f"{len(run.losses)} steps, last loss {run.losses.get(max(run.losses, default=0))}, "
@@ -152,6 +152,17 @@ def launch(run: Run, device_ids: str, port: int, env: dict[str, str], timeout_s:
         flush=True,
     )
     return run
+
+
+def error_tail(lines: list[str], returncode: int, timeout_s: float, steps: int) -> str:
+    """What a failed run's record keeps: its log's last 60 lines, or for a run the timeout killed after
+    it logged "Training completed" (a slow teardown), one line that says so."""
+    if returncode == -signal.SIGKILL and any("Training completed" in line for line in lines):
+        return (
+            f"killed (-9) by the suite's run timeout ({timeout_s:g} s, --run-timeout) after the run logged "
+            f"'Training completed' and {steps} steps"
+        )
+    return "".join(lines[-60:])
 
 
 def median_tokens_per_second(tokens_per_second: dict, first_step: int = 5) -> float | None:
@@ -174,10 +185,12 @@ GROUPED_MM = ["--moe.compute_backend", "grouped_mm"]
 TRITON = ["--toml", "examples/triton.toml"]
 """Every run of the project's full-size layers names its backend (triton is their default)."""
 SYMM_MEM = ["--toml", "examples/ep_symm_mem.toml"]
+ALL_TO_ALL = ["--moe.ep_transport", "all_to_all"]
+"""Every EP run of the project's layers names its transport (the default, "auto", picks symm_mem on one host)."""
 FP8 = ["--moe.expert_precision", "fp8_rowwise"]
 STATIC_ROWS = ["--moe.ep_receive_rows", "static"]
 CUDA_GRAPHS = [*STATIC_ROWS, "--training.no-disable-cuda-graphs"]
-EP_TRANSPORT_ARGS = {"all_to_all": [], "symm_mem": SYMM_MEM}
+EP_TRANSPORT_ARGS = {"all_to_all": ALL_TO_ALL, "symm_mem": SYMM_MEM}
 TINY_STEPS = ["--training.steps", "30"]
 TINY_LOSS_REL = 1e-4
 """Tiny flavors train in fp32: every layout and backend computes the same function up to rounding."""
@@ -240,15 +253,19 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
     args = full_size_args(local_batch_size, 2)
     runs = [
         Run(STOCK_COMPILED, "olmoe-1b-7b-torchtitan-moe", 2, [*args, *COMPILE]),
-        Run("olmoe grouped_mm compiled", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *COMPILE]),
-        Run("olmoe grouped_mm fp8 compiled", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *FP8, *COMPILE]),
+        Run("olmoe grouped_mm compiled", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *ALL_TO_ALL, *COMPILE]),
+        Run("olmoe grouped_mm fp8 compiled", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *FP8, *ALL_TO_ALL, *COMPILE]),
         Run(
             "olmoe grouped_mm fp8 compiled symm_mem", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *FP8, *SYMM_MEM, *COMPILE]
         ),
-        Run("olmoe triton compiled", "olmoe-1b-7b", 2, [*args, *TRITON, *COMPILE]),
+        Run("olmoe triton compiled", "olmoe-1b-7b", 2, [*args, *TRITON, *ALL_TO_ALL, *COMPILE]),
         Run("olmoe triton compiled symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *SYMM_MEM, *COMPILE]),
-        Run("olmoe triton compiled static_rows", "olmoe-1b-7b", 2, [*args, *TRITON, *COMPILE, *STATIC_ROWS]),
-        Run("olmoe triton compiled cuda_graphs", "olmoe-1b-7b", 2, [*args, *TRITON, *COMPILE, *CUDA_GRAPHS]),
+        Run(
+            "olmoe triton compiled static_rows", "olmoe-1b-7b", 2, [*args, *TRITON, *ALL_TO_ALL, *COMPILE, *STATIC_ROWS]
+        ),
+        Run(
+            "olmoe triton compiled cuda_graphs", "olmoe-1b-7b", 2, [*args, *TRITON, *ALL_TO_ALL, *COMPILE, *CUDA_GRAPHS]
+        ),
         Run(
             "olmoe triton compiled symm_mem cuda_graphs",
             "olmoe-1b-7b",
@@ -281,9 +298,9 @@ def numerics_runs(local_batch_size: int) -> list[list[Run]]:
     args = [*full_size_args(local_batch_size, 2, NUMERICS_STEPS), "--data.dataset", MARKOV_TEXT]
     runs = [
         Run(STOCK_COMPILED, "olmoe-1b-7b-torchtitan-moe", 2, [*args, *COMPILE]),
-        Run("olmoe grouped_mm compiled", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *COMPILE]),
-        Run("olmoe triton compiled", "olmoe-1b-7b", 2, [*args, *TRITON, *COMPILE]),
-        Run(NUMERICS_FP8, "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *FP8, *COMPILE]),
+        Run("olmoe grouped_mm compiled", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *ALL_TO_ALL, *COMPILE]),
+        Run("olmoe triton compiled", "olmoe-1b-7b", 2, [*args, *TRITON, *ALL_TO_ALL, *COMPILE]),
+        Run(NUMERICS_FP8, "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *FP8, *ALL_TO_ALL, *COMPILE]),
     ]
     return [[run] for run in runs]
 
@@ -367,8 +384,10 @@ def scale_runs(gpus: int, local_batch_size: int) -> list[list[Run]]:
             baseline = f"{layout} torchtitan-moe compiled"
             runs += [
                 Run(baseline, stock_name(model), gpus, [*args, *COMPILE]),
-                Run(f"{layout} grouped_mm compiled", model, gpus, [*args, *GROUPED_MM, *COMPILE], baseline),
-                Run(f"{layout} triton compiled", model, gpus, [*args, *TRITON, *COMPILE], baseline),
+                Run(
+                    f"{layout} grouped_mm compiled", model, gpus, [*args, *GROUPED_MM, *ALL_TO_ALL, *COMPILE], baseline
+                ),
+                Run(f"{layout} triton compiled", model, gpus, [*args, *TRITON, *ALL_TO_ALL, *COMPILE], baseline),
                 Run(f"{layout} triton compiled symm_mem", model, gpus, [*args, *TRITON, *SYMM_MEM, *COMPILE], baseline),
             ]
     return [[run] for run in runs]
@@ -614,13 +633,21 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if problems else 0
 
 
+def last_line(text: str | None) -> str:
+    """The last non-blank line of ``text`` ("" for none)."""
+    lines = (text or "").strip().splitlines()
+    return lines[-1].strip() if lines else ""
+
+
 def write_results(suite: str, machine: dict, runs: list[Run], skipped: dict, path: str) -> tuple[dict, list[str]]:
     """Write the suite's JSON to ``path``: ``machine`` (``environment()``, read once per suite), runs,
     skipped runs, problems (losses that disagree with each run's reference, runs that failed), but
     for ``tiny`` the throughput summary, and for ``numerics`` the FP8 loss band; return it and the
     problems."""
     problems = compare_losses(runs)
-    problems += [f"{run.name}: exit code {run.returncode}" for run in runs if run.returncode != 0]
+    problems += [
+        f"{run.name}: exit code {run.returncode}: {last_line(run.error_tail)}" for run in runs if run.returncode != 0
+    ]
     result: dict = {
         "environment": machine,
         "suite": suite,

@@ -78,7 +78,14 @@ def test_scale_suite_runs_every_model_and_layout_next_to_its_stock_baseline(suit
                     project_only = [
                         a
                         for a in run.args
-                        if a not in ("--toml", *runs_module.TRITON, *runs_module.SYMM_MEM, *runs_module.GROUPED_MM)
+                        if a
+                        not in (
+                            "--toml",
+                            *runs_module.TRITON,
+                            *runs_module.SYMM_MEM,
+                            *runs_module.ALL_TO_ALL,
+                            *runs_module.GROUPED_MM,
+                        )
                     ]
                     assert project_only == stock[0].args
     assert {expert_parallel_degree(r) for r in full_size} == expected_degrees
@@ -111,12 +118,28 @@ def test_every_scale_run_parses_and_trains_the_named_backend_and_transport(suite
         if run.flavor.endswith("-torchtitan-moe"):
             assert backends == set() and transports == set(), run.name
             continue
-        assert transports == {"symm_mem" if run.name.endswith("symm_mem") else "all_to_all"}, run.name
+        if expert_parallel_degree(run) > 1:
+            assert transports == {"symm_mem" if run.name.endswith("symm_mem") else "all_to_all"}, run.name
         if run.flavor.startswith("tiny-"):
             assert backends == {"triton"} and config.training.mixed_precision_param == "float32", run.name
         else:
             assert backends == {run.name.split()[3]}, run.name
             assert config.training.local_batch_size == 1 and config.training.mixed_precision_param == "bfloat16"
+
+
+@pytest.mark.parametrize("suite", runs_module.SUITES)
+def test_every_ep_run_trains_over_the_transport_its_name_says_on_a_gpu_host(suite, monkeypatch):
+    """On one host of CUDA GPUs (H100s) the default transport, "auto", is symm_mem: each EP run of
+    the project's layers names its transport, so it trains over the one its name says."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for run in all_runs(suite):
+        if expert_parallel_degree(run) == 1 or run.flavor.endswith("-torchtitan-moe"):
+            continue
+        config = parsed(run, monkeypatch)
+        transports = {d.ep_transport for d in nested_configs(config, RoutingDispatcher.Config)}
+        assert transports == {"symm_mem" if "symm_mem" in run.name.split() else "all_to_all"}, run.name
 
 
 @pytest.mark.parametrize("suite", ["full", *SCALE_SUITES])
@@ -346,3 +369,18 @@ def test_loss_band_counts_the_steps_and_windows_of_the_probe_inside_the_others_s
     assert band["windows_of_2"] == {"compared": 2, "inside": 2, "largest_rel_above": 0.0, "largest_rel_below": 0.0}
     assert runs_module.loss_band([low, probe], probe="fp8") is None
     assert runs_module.loss_band([low, high], probe="fp8") is None
+
+
+def test_a_run_killed_after_training_completed_says_so_in_one_line():
+    log = ["step: 300  loss: 1.4\n", "Training completed\n", "TCPStore: Broken pipe\n"]
+    tail = runs_module.error_tail(log, -9, 165, 300)
+    assert tail == (
+        "killed (-9) by the suite's run timeout (165 s, --run-timeout) after the run logged 'Training completed' "
+        "and 300 steps"
+    )
+    assert runs_module.error_tail(log[:1], -9, 165, 1) == "step: 300  loss: 1.4\n"
+    assert runs_module.error_tail(log, 1, 165, 300) == "".join(log)
+    run = make_run("grouped_mm", "olmoe-1b-7b")
+    run.returncode, run.error_tail = -9, tail
+    _, problems = runs_module.write_results("full", {}, [run], {}, os.devnull)
+    assert problems == [f"grouped_mm: exit code -9: {tail}"]
