@@ -182,7 +182,7 @@ def symm_mem_unfit_reason(expert_parallel_degree: int) -> str | None:
     if expert_parallel_degree <= 1:
         return "no expert parallelism"
     if not torch.cuda.is_available():
-        return "no CUDA GPU (over shared memory on CPU it serves tests)"
+        return "no CUDA GPU; on CPU symm_mem serves tests only"
     if interpreter_enabled():
         return "Triton's interpreter is on"
     return "; ".join(symm_mem_errors(expert_parallel_degree)) or None
