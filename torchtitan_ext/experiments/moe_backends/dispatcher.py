@@ -16,7 +16,7 @@ Options (``Config``):
   one row per (token, destination rank) (any process group backend). ``"symm_mem"``: one pull kernel in
   dispatch and one push kernel in combine through memory every rank maps (``ep_symm_mem``:
   CUDA symmetric memory, or shared memory for CPU ranks on one host under ``TRITON_INTERPRET=1``).
-  ``"auto"`` (the default): ``"symm_mem"`` where it runs on CUDA GPUs (``symm_mem_fits_here``),
+  ``"auto"`` (the default): ``"symm_mem"`` where it runs on CUDA GPUs (``chosen_ep_transport``),
   else ``"all_to_all"``; the start-up checks replace it by the choice.
 - ``align_size``: pad each local expert's rows with zero rows to a multiple of it (block-aligned
   kernels; ``grouping`` gives the padded buffer's static size). Padding rows are zeros, are never
