@@ -67,7 +67,7 @@ from torchtitan_ext.experiments.moe_backends.dispatcher import (
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process, seeded_layer
 from torchtitan_ext.experiments.moe_backends.experts import backend_names, get_backend, grouped_mm_experts
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
-from torchtitan_ext.experiments.moe_backends.transports import AllToAllTransport
+from torchtitan_ext.experiments.moe_backends.transports import AllToAllTransport, SymmMemTransport
 from torchtitan_ext.place_in_launch import local_rank
 
 NUM_EXPERTS, TOP_K = 64, 8
@@ -206,6 +206,8 @@ def bench_case(
         a2a_transport.weight_received_rows(rows_RD, a2a_metadata)
 
     symm = dispatchers["symm_mem"]
+    symm_transport = symm.transport
+    assert isinstance(symm_transport, SymmMemTransport), "wire_meshes installs the symm_mem transport"
     rows_RD, _, symm_metadata = symm.dispatch(x_TD, scores_TK, ids_TK, counts_E)
     route = symm_metadata.route
     exchange = route.exchange
@@ -238,9 +240,7 @@ def bench_case(
             "layout_pairs_and_host_sync": symm_layout_pairs_and_host_sync,
             "owner_sum": lambda: exchange.sum_landing(route),
             "pull_kernel": lambda: exchange.pull_rows(route, pairs_PD),
-            "expand_rows": lambda: symm.row_ops.permute_rows(
-                pairs_PD, route.recv_row_PK.reshape(-1), TOP_K, rows_RD.shape[0], zero_padding=False
-            ),
+            "expand_rows": lambda: symm_transport.expand_rows(pairs_PD, route, rows_RD.shape[0]),
             "push_kernel": lambda: exchange.push_rows(rows_RD, route, weighted=True),
         },
     }

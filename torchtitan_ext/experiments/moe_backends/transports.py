@@ -394,11 +394,16 @@ class SymmMemTransport(ExpertParallelTransport[SymmMemMetadata]):
             self.top_k,
             self.static_rows,
         )
-        recv_row_S = route.recv_row_PK.reshape(-1)
-        rows_RD = self.row_ops.permute_rows(pairs_PD, recv_row_S, self.top_k, num_rows, zero_padding=self.static_rows)
+        rows_RD = self.expand_rows(pairs_PD, route, num_rows)
         no_padding = rows_per_local_expert_e.new_zeros((), dtype=torch.int64)
         metadata = SymmMemMetadata(route=route, scores_S=scores_S, num_padding_rows=no_padding)
         return rows_RD, rows_per_local_expert_e, metadata
+
+    def expand_rows(self, pairs_PD: torch.Tensor, route: ep_symm_mem.Route, num_rows: int) -> torch.Tensor:
+        """``(num_rows, D)``: each arriving pair's row copied to its expert rows (local), expert-major;
+        with ``static_rows`` the rows past the received ones are zero."""
+        recv_row_S = route.recv_row_PK.reshape(-1)
+        return self.row_ops.permute_rows(pairs_PD, recv_row_S, self.top_k, num_rows, zero_padding=self.static_rows)
 
     def combine(self, routed_output_RD, metadata):
         return ep_symm_mem.combine(routed_output_RD, metadata.scores_S, metadata.route)
