@@ -13,7 +13,7 @@ eager and compiled, must equal for_loop's eager losses of the same layout to rel
 ``full``: olmoe-1b-7b on two GPUs (FSDP 2, EP 2, bf16), 20 steps of ``--local-batch-size`` x 2048
 tokens per GPU (default 4: an H100's 80 GB; an H200 takes 8): torchtitan's own MoE layers compiled
 (``--compile.enable``, the baseline) and eager (``--compile.no-enable``), and the project's layers
-compiled with grouped_mm (bf16, and FP8 rowwise experts over each EP transport), triton over each
+compiled with grouped_mm (bf16 and FP8 rowwise experts, each over each EP transport), triton over each
 EP transport, triton over all_to_all with static received rows (no host sync) without and with CUDA
 graphs, and triton and grouped_mm over symm_mem with static received rows under CUDA graphs; triton
 over symm_mem eager for reference. Every full-size run
@@ -254,6 +254,7 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
     runs = [
         Run(STOCK_COMPILED, "olmoe-1b-7b-torchtitan-moe", 2, [*args, *COMPILE]),
         Run("olmoe grouped_mm compiled", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *ALL_TO_ALL, *COMPILE]),
+        Run("olmoe grouped_mm compiled symm_mem", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *SYMM_MEM, *COMPILE]),
         Run("olmoe grouped_mm fp8 compiled", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *FP8, *ALL_TO_ALL, *COMPILE]),
         Run(
             "olmoe grouped_mm fp8 compiled symm_mem", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *FP8, *SYMM_MEM, *COMPILE]
