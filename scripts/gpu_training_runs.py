@@ -535,6 +535,7 @@ def plot(result_files: list[str], out: str) -> None:
         bars = speed_axis.barh(names, speeds, color="tab:blue")
         speed_axis.bar_label(bars, labels=[f"{v:,}" for v in speeds], fontsize=7, padding=2)
         speed_axis.set(title="tokens/s per GPU (median of steps >= 5)", xlabel="tokens/s")
+        speed_axis.xaxis.set_major_formatter(lambda value, _: f"{value / 1000:g}k")
         speed_axis.tick_params(axis="y", labelsize=7)
         speed_axis.invert_yaxis()
         speed_axis.set_xlim(0, max(speeds, default=1) * 1.2)
