@@ -3,10 +3,12 @@
 torchtitan's ``SelectiveAC`` saves the outputs of the compute-heavy and communication ops it
 knows (matrix products, attention, all-to-alls, ``aten.topk``) and recomputes the rest in
 backward. The expert block, top-k routing and EP moves of this experiment are ``torch.library``
-ops of their own, which it would recompute: the expert GEMMs a second time, and the EP
-exchange a second time (barriers and pulls across ranks). ``MoESelectiveAC`` saves them as
-torchtitan saves its own equivalents (``aten._grouped_mm``, ``aten.topk``,
-``all_to_all_single``), through the ``get_save_ops`` hook torchtitan offers for this.
+ops of their own, and the FP8 experts' GEMMs are ``aten._scaled_grouped_mm``, none of which it
+knows: it would recompute the expert GEMMs a second time (for FP8 with their operands'
+quantisation), and the EP exchange a second time (barriers and pulls across ranks).
+``MoESelectiveAC`` saves them as torchtitan saves its own equivalents (``aten.linear``,
+``aten.topk``, ``all_to_all_single``), through the ``get_save_ops`` hook torchtitan offers for
+this.
 """
 
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ import torchtitan_ext.kernels.topk_routing  # noqa: F401  (registers the routing
 SAVED_OPS = (
     torch.ops.torchtitan_ext.swiglu_experts_forward.default,
     torch.ops.torchtitan_ext.grouped_mm.default,
+    torch.ops.aten._scaled_grouped_mm.default,
     torch.ops.torchtitan_ext.topk_routing.default,
     torch.ops.torchtitan_ext.symm_mem_dispatch.default,
     torch.ops.torchtitan_ext.symm_mem_combine.default,
