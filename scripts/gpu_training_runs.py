@@ -13,15 +13,14 @@ eager and compiled, must equal for_loop's eager losses of the same layout to rel
 ``full``: olmoe-1b-7b on two GPUs (FSDP 2, EP 2, bf16), 20 steps of ``--local-batch-size`` x 2048
 tokens per GPU (default 4: an H100's 80 GB; an H200 takes 8): torchtitan's own MoE layers compiled
 (``--compile.enable``, the baseline) and eager (``--compile.no-enable``), and the project's layers
-compiled with grouped_mm (bf16 and FP8 rowwise experts, each over each EP transport), triton over each
-EP transport, triton over all_to_all with static received rows (no host sync) without and with CUDA
-graphs, and triton and grouped_mm over symm_mem with static received rows under CUDA graphs; triton
-over symm_mem eager for reference. Every full-size run
-names its compute backend and whether it compiles, whatever the flavor's defaults. Every loss of the
-first 10 steps must be within 2% of the baseline's at the same step (``FULL_SIZE_COMPARED_STEPS``).
-Printed per run: the median tokens/s over steps
-5-20 (after warm-up and the first compilations), its ratio to the baseline, peak memory and the
-seconds to the first step.
+compiled with grouped_mm (bf16 and FP8 rowwise experts, each over each EP transport), FP8 triton
+over symm_mem, triton over each EP transport, triton over all_to_all with static received rows
+(no host sync) without and with CUDA graphs, and triton and grouped_mm over symm_mem with static
+received rows under CUDA graphs; triton over symm_mem eager for reference. Every full-size run names
+its compute backend and whether it compiles, whatever the flavor's defaults. Every loss of the first
+10 steps must be within 2% of the baseline's at the same step (``FULL_SIZE_COMPARED_STEPS``).
+Printed per run: the median tokens/s over steps 5-20 (after warm-up and the first compilations), its
+ratio to the baseline, peak memory and the seconds to the first step.
 ``numerics``: olmoe-1b-7b as ``full`` (FSDP 2, EP 2, compiled, ``--local-batch-size`` default 2) for
 300 steps with each bf16 implementation (torchtitan's own MoE, grouped_mm, triton) and FP8 rowwise
 experts, same data and seed, on the endless synthetic corpus (``markov_text``: no document repeats, so
@@ -259,6 +258,7 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
         Run(
             "olmoe grouped_mm fp8 compiled symm_mem", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *FP8, *SYMM_MEM, *COMPILE]
         ),
+        Run("olmoe triton fp8 compiled symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *FP8, *SYMM_MEM, *COMPILE]),
         Run("olmoe triton compiled", "olmoe-1b-7b", 2, [*args, *TRITON, *ALL_TO_ALL, *COMPILE]),
         Run("olmoe triton compiled symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *SYMM_MEM, *COMPILE]),
         Run(

@@ -93,9 +93,10 @@ run_task() {
           --json "$out/auto_olmoe.json" 2>&1 | tee "$out/auto_olmoe.log" ;;
     fp8)
       # FP8 experts (docs/fp8_experts.md), every number of the FP8 issue in one call on 2 GPUs of a host:
-      # the FP8 GPU tests, the compiled layer at Qwen3's and OLMoE's shapes (FP8 next to bf16 and
-      # stock), then the full suite's runs stock compiled, bf16 grouped_mm, the best bf16 (triton over
-      # symm_mem) and FP8 over each transport (about 2 minutes each; TRAIN_LOCAL_BATCH as train-full).
+      # the FP8 GPU tests, the compiled layer at Qwen3's and OLMoE's shapes (FP8 grouped_mm and triton
+      # next to bf16 and stock), then the full suite's runs stock compiled, bf16 grouped_mm over each
+      # transport, the best bf16 (triton over symm_mem) and every FP8 run (about 2 minutes each;
+      # TRAIN_LOCAL_BATCH as train-full).
       # torchtitan's own float8 experts (the torchtitan_fp8 layer) run where torchao is installed: a wheel in
       # .whl-fp8/ is (pip download --no-deps -d .whl-fp8 torchao).
       need_gpus 2 "$task"
@@ -105,9 +106,10 @@ run_task() {
       stock_fp8=$(python3 -c "import torchao" 2>/dev/null && echo torchtitan_fp8)
       python3 -m pytest -v -p no:cacheprovider -o addopts=-rfEs tests/test_fp8_experts_gpu.py 2>&1 | tee "$out/fp8_tests.log"
       python3 -m torchtitan_ext.bench layer --shapes qwen3-30b-a3b olmoe-1b-7b --skew balanced \
-          --layers grouped_mm triton grouped_mm_fp8 $stock_fp8 --compile compiled --json "$out/moe_layer_fp8.json" \
+          --layers grouped_mm triton grouped_mm_fp8 triton_fp8 $stock_fp8 --compile compiled --json "$out/moe_layer_fp8.json" \
           2>&1 | tee "$out/moe_layer_fp8.log"
-      TRAIN_ONLY="torchtitan-moe.compiled grouped_mm.compiled$ triton.compiled.symm_mem$ fp8" run_task train-full ;;
+      TRAIN_ONLY="torchtitan-moe.compiled grouped_mm.compiled$ grouped_mm.compiled.symm_mem$ triton.compiled.symm_mem$ fp8" \
+          run_task train-full ;;
     scale-out)
       # Every run on all GPUs of the host: 8 or more take the 8-GPU runs, 4 to 7 the 4-GPU ones.
       need_gpus 4 "$task"

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import (
 
 from torchtitan_ext.experiments.moe_backends.activation_checkpoint import MoESelectiveAC
 from torchtitan_ext.experiments.moe_backends.experts import BACKENDS, backend_names
-from torchtitan_ext.experiments.moe_backends.fp8_experts import fp8_unavailable_reason
+from torchtitan_ext.experiments.moe_backends.fp8_experts import ExpertPrecision, fp8_unavailable_reason
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config, with_expert_precision
 from torchtitan_ext.metrics.observer import MoERoutingObserver
 
@@ -34,7 +34,7 @@ def _save_copies_policy(ctx, func, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def build_layer(compute_backend: str, precision: str = "native") -> torch.nn.Module:
+def build_layer(compute_backend: str, precision: ExpertPrecision = "native") -> torch.nn.Module:
     layer = with_expert_precision(moe_layer_config(compute_backend=compute_backend, **SHAPE), precision).build()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -100,6 +100,7 @@ GEMM_OPS = frozenset(
         torch.ops.aten._grouped_mm.default,
         torch.ops.aten._scaled_grouped_mm.default,
         torch.ops.torchtitan_ext.grouped_mm.default,
+        torch.ops.torchtitan_ext.fp8_grouped_gemm.default,
         torch.ops.torchtitan_ext.swiglu_experts_forward.default,
         torch.ops.torchtitan_ext.swiglu_experts_backward.default,
     }
@@ -131,14 +132,24 @@ _FLAVOR_SAVE_OPS = MoESelectiveAC.Config().build().get_save_ops()
 PRECISION_CASES = [(backend, "native") for backend in backend_names()] + [
     ("grouped_mm", "fp8_rowwise_emulated"),
     ("grouped_mm", "fp8_rowwise"),
+    ("triton", "fp8_rowwise"),
 ]
+
+
+def unavailable_reason(compute_backend: str, precision: str) -> str | None:
+    """Why the layer cannot compute here: its backend cannot run, or its FP8 GEMMs need a GPU
+    (``torch._scaled_grouped_mm``; the Triton FP8 kernel runs wherever the backend does)."""
+    reason = BACKENDS[compute_backend].unavailable_reason()
+    if reason is None and compute_backend == "grouped_mm":
+        return fp8_unavailable_reason(precision)
+    return reason
 
 
 @pytest.mark.parametrize("compute_backend, precision", PRECISION_CASES)
 def test_flavors_selective_checkpointing_computes_every_expert_gemm_once(compute_backend, precision):
     """Under the flavors' selective checkpointing a forward+backward calls the expert GEMMs exactly as
     often as without checkpointing: backward recomputes none of them (FP8's included)."""
-    reason = BACKENDS[compute_backend].unavailable_reason() or fp8_unavailable_reason(precision)
+    reason = unavailable_reason(compute_backend, precision)
     if reason is not None:
         pytest.skip(reason)
     layer = build_layer(compute_backend, precision)

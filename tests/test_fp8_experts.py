@@ -1,6 +1,7 @@
-"""FP8 rowwise experts on CPU: the quantisation rule, the emulated GEMMs held to the plain-torch
-reference (forward and every gradient), compiled equal to eager, and the switches (``moe.expert_precision``
-and torchtitan's float8 grouped-experts converter) with their refusals. GPU: test_fp8_experts_gpu.py."""
+"""FP8 rowwise experts on CPU: the quantisation rule, the emulated GEMMs and the Triton FP8 GEMM (in
+Triton's interpreter, e4m3 operands) held to the plain-torch reference (forward and every gradient),
+compiled equal to eager, and the switches (``moe.expert_precision`` and torchtitan's float8
+grouped-experts converter) with their refusals. GPU: test_fp8_experts_gpu.py."""
 
 import logging
 
@@ -25,6 +26,7 @@ from torchtitan_ext.experiments.moe_backends.fp8_experts import (
     reference_fp8_experts,
 )
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config, with_expert_precision
+from torchtitan_ext.kernels.fp8_grouped_gemm import fp8_grouped_gemm
 from torchtitan_ext.kernels.fp8_quantize import quantize_columns_transposed
 from torchtitan_ext.registry import Flavor, get_flavor
 from torchtitan_ext.run_training import FlavorConfigManager
@@ -75,6 +77,13 @@ def exactly_quantisable(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return sign * mantissa * 2.0 ** torch.randint(0, 5, shape, generator=generator)
 
 
+def exactly_quantisable_expert_inputs(counts: list[int], dim: int, hidden: int) -> list[torch.Tensor]:
+    """``expert_inputs`` with ``exactly_quantisable`` weights: the Triton path's input gradient quantises
+    the weights' columns in Triton's interpreter here."""
+    x, *weights = expert_inputs(counts, dim, hidden)
+    return [x, *(exactly_quantisable(w.shape, seed).div(8).requires_grad_() for seed, w in enumerate(weights))]
+
+
 @pytest.mark.parametrize(
     "part_shapes", [[(3, 40, 70)], [(2, 24, 33), (2, 72, 33)]], ids=["one_part_masked_tiles", "gate_and_up"]
 )
@@ -108,6 +117,51 @@ def test_emulated_fp8_experts_equal_the_reference(case, dim, hidden):
         assert relative_error(actual, expected) <= 1e-6, name
 
 
+@pytest.mark.parametrize("case", COUNT_CASES)
+def test_the_triton_fp8_gemm_is_the_gemm_of_the_dequantised_operands(case):
+    """Each expert's rows times its e4m3 weight, scaled per row and column; rows past the last expert zero."""
+    counts = COUNT_CASES[case]
+    generator = torch.Generator().manual_seed(3)
+    num_rows, dim, cols = sum(counts) + 2, 48, 40
+    a_values, a_inverse = quantize_rowwise(torch.randn(num_rows, dim, generator=generator))
+    w_values, w_inverse = quantize_rowwise(torch.randn(len(counts), cols, dim, generator=generator))
+    group_end = torch.tensor(counts).cumsum(0).to(torch.int32)
+    out = fp8_grouped_gemm(a_values, a_inverse, w_values, w_inverse, group_end, torch.float32)
+    expected = torch.zeros(num_rows, cols)
+    start = 0
+    for expert, count in enumerate(counts):
+        rows = slice(start, start + count)
+        expected[rows] = (a_values[rows].float() * a_inverse[rows]) @ (w_values[expert].float() * w_inverse[expert]).T
+        start += count
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", COUNT_CASES)
+@pytest.mark.parametrize("dim, hidden", [(32, 48), (40, 24)], ids=["aligned", "padded"])
+def test_triton_fp8_experts_equal_the_reference(case, dim, hidden):
+    counts = COUNT_CASES[case]
+    inputs = exactly_quantisable_expert_inputs(counts, dim, hidden)
+    triton_fp8 = forward_and_gradients(fp8_grouped_experts, inputs, counts, emulated=False, gemm="triton")
+    reference = forward_and_gradients(reference_fp8_experts, inputs, counts)
+    for name, actual, expected in zip(["out", "x", "w1", "w2", "w3"], triton_fp8, reference, strict=True):
+        assert relative_error(actual, expected) <= 1e-5, name
+
+
+def test_compiled_triton_fp8_experts_equal_eager():
+    counts = COUNT_CASES["mixed_with_an_empty_expert"]
+    inputs = exactly_quantisable_expert_inputs(counts, 40, 24)
+    eager = forward_and_gradients(fp8_grouped_experts, inputs, counts, emulated=False, gemm="triton")
+    torch._dynamo.reset()
+    compiled = torch.compile(fp8_grouped_experts, fullgraph=True, backend="aot_eager")
+    for name, actual, expected in zip(
+        ["out", "x", "w1", "w2", "w3"],
+        forward_and_gradients(compiled, inputs, counts, emulated=False, gemm="triton"),
+        eager,
+        strict=True,
+    ):
+        assert relative_error(actual, expected) <= 1e-6, name
+
+
 def test_fp8_experts_differ_from_native_by_e4m3_rounding():
     """FP8 is really on (not bf16 under another name): every output and gradient moves by a few percent."""
     counts = COUNT_CASES["mixed_with_an_empty_expert"]
@@ -133,15 +187,24 @@ def test_compiled_fp8_experts_equal_eager():
         assert relative_error(actual, expected) <= 1e-6, name
 
 
-def test_a_layer_built_with_fp8_computes_in_fp8():
+@pytest.mark.parametrize(
+    "backend, precision",
+    [("grouped_mm", "fp8_rowwise_emulated"), ("triton", "fp8_rowwise")],
+    ids=["grouped_mm", "triton"],
+)
+def test_a_layer_built_with_fp8_computes_in_fp8(backend, precision):
+    """The layer's experts compute in FP8 (Triton's kernels in the interpreter here): e4m3 rounding away
+    from the native layer, and the same numbers as the emulation."""
     shape = {"dim": 32, "hidden_dim": 48, "num_experts": 4, "top_k": 2}
-    native = seeded_layer(moe_layer_config(compute_backend="grouped_mm", **shape))
-    fp8 = seeded_layer(
+    native = seeded_layer(moe_layer_config(compute_backend=backend, **shape))
+    fp8 = seeded_layer(with_expert_precision(moe_layer_config(compute_backend=backend, **shape), precision))
+    emulated = seeded_layer(
         with_expert_precision(moe_layer_config(compute_backend="grouped_mm", **shape), "fp8_rowwise_emulated")
     )
     x = torch.randn(2, 8, 32)
-    assert "expert_precision=fp8_rowwise_emulated" in repr(fp8)
+    assert f"compute_backend={backend}, expert_precision={precision}" in repr(fp8)
     assert 1e-3 < relative_error(fp8(x), native(x)) < 0.15
+    assert relative_error(fp8(x), emulated(x)) <= 1e-5
 
 
 def parse(monkeypatch, *args: str):
@@ -169,11 +232,20 @@ def test_fp8_on_cpu_is_refused_naming_the_emulation(monkeypatch):
         parse(monkeypatch, "--flavor", "tiny-moe-grouped-mm", "--moe.expert_precision", "fp8_rowwise")
 
 
-@pytest.mark.parametrize("backend", ["triton", "for_loop", "batched_mm_padded", "auto"])
-def test_backends_without_fp8_gemms_are_refused_naming_the_one_with(monkeypatch, backend):
+@pytest.mark.parametrize("backend", ["for_loop", "batched_mm_padded", "auto"])
+def test_backends_without_fp8_gemms_are_refused_naming_those_with(monkeypatch, backend):
     args = ["--flavor", "tiny-moe-grouped-mm", "--moe.compute_backend", backend]
-    with pytest.raises(ConfigError, match=r"expert_precision = 'fp8_rowwise_emulated'.*compute with grouped_mm"):
+    with pytest.raises(
+        ConfigError, match=r"expert_precision = 'fp8_rowwise_emulated'.*compute with grouped_mm or triton"
+    ):
         parse(monkeypatch, *args, "--moe.expert_precision", "fp8_rowwise_emulated")
+
+
+def test_the_triton_backend_takes_fp8_and_the_start_up_line_says_so(monkeypatch, caplog):
+    with caplog.at_level(logging.INFO):
+        config = parse(monkeypatch, "--flavor", "tiny-moe-triton", "--moe.expert_precision", "fp8_rowwise_emulated")
+    assert precisions(config) == {"fp8_rowwise_emulated"}
+    assert "compute_backend=triton, expert_precision=fp8_rowwise_emulated," in caplog.text
 
 
 def test_an_unknown_precision_is_refused_with_the_choices(monkeypatch):

@@ -1,13 +1,16 @@
-"""FP8 rowwise experts on the GPU (``torch._scaled_grouped_mm``, compute capability 9.0+): held to the
-plain-torch reference and to the fp32 emulation in bf16, forward and every gradient, eager and compiled."""
+"""FP8 rowwise experts on the GPU (compute capability 9.0+), with each FP8 GEMM of ``FP8_GEMMS``
+(``torch._scaled_grouped_mm``, the Triton kernel): held to the plain-torch reference and to the fp32
+emulation in bf16, forward and every gradient, eager and compiled."""
 
 import pytest
 import torch
 
 from torchtitan_ext.bench.common import relative_error
 from torchtitan_ext.experiments.moe_backends.fp8_experts import (
+    FP8_GEMMS,
     fp8_grouped_experts,
     fp8_unavailable_reason,
+    quantize_rowwise,
     quantize_stacked_columns,
     reference_fp8_experts,
 )
@@ -39,10 +42,11 @@ def forward_and_gradients(compute, inputs: list[torch.Tensor], **kwargs) -> list
     return [out.detach(), *torch.autograd.grad(out, inputs, grad)]
 
 
+@pytest.mark.parametrize("gemm", FP8_GEMMS)
 @pytest.mark.parametrize("dim, hidden", [(256, 128), (200, 72)], ids=["aligned", "padded"])
-def test_fp8_experts_agree_with_the_reference_and_the_emulation(dim, hidden):
+def test_fp8_experts_agree_with_the_reference_and_the_emulation(dim, hidden, gemm):
     inputs = expert_inputs(dim, hidden)
-    fp8 = forward_and_gradients(fp8_grouped_experts, inputs, emulated=False)
+    fp8 = forward_and_gradients(fp8_grouped_experts, inputs, emulated=False, gemm=gemm)
     emulated = forward_and_gradients(fp8_grouped_experts, inputs, emulated=True)
     reference = forward_and_gradients(reference_fp8_experts, inputs)
     for name, actual, like, expected in zip(NAMES, fp8, emulated, reference, strict=True):
@@ -51,13 +55,14 @@ def test_fp8_experts_agree_with_the_reference_and_the_emulation(dim, hidden):
         assert relative_error(actual, expected) <= 3e-2, name
 
 
-def test_compiled_fp8_experts_equal_eager():
+@pytest.mark.parametrize("gemm", FP8_GEMMS)
+def test_compiled_fp8_experts_equal_eager(gemm):
     inputs = expert_inputs(256, 128)
-    eager = forward_and_gradients(fp8_grouped_experts, inputs, emulated=False)
+    eager = forward_and_gradients(fp8_grouped_experts, inputs, emulated=False, gemm=gemm)
     torch._dynamo.reset()
     compiled = torch.compile(fp8_grouped_experts, fullgraph=True)
     for name, actual, expected in zip(
-        NAMES, forward_and_gradients(compiled, inputs, emulated=False), eager, strict=True
+        NAMES, forward_and_gradients(compiled, inputs, emulated=False, gemm=gemm), eager, strict=True
     ):
         assert relative_error(actual, expected) <= 3e-2, name
 
@@ -70,3 +75,18 @@ def test_the_column_quantisation_kernel_rounds_as_torch(part_shapes):
     expected_values, expected_inverse = quantize_stacked_columns(parts, emulated=True)
     assert torch.equal(inverse, expected_inverse)
     assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
+
+
+def test_the_triton_fp8_gemm_equals_torchs_scaled_grouped_mm():
+    """The same e4m3 operands and scales through both kernels, bf16 out: equal up to the accumulation order."""
+    generator = torch.Generator().manual_seed(2)
+    counts = [0, 300, 17, 1000, 64]
+    a = torch.randn(sum(counts) + 5, 512, generator=generator).to("cuda")
+    w = torch.randn(len(counts), 384, 512, generator=generator).to("cuda")
+    a_values, a_inverse = quantize_rowwise(a)
+    w_values, w_inverse = quantize_rowwise(w)
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    outputs = [gemm(a_values, a_inverse, w_values, w_inverse, offsets, torch.bfloat16) for gemm in FP8_GEMMS.values()]
+    rows = int(offsets[-1])
+    assert relative_error(outputs[1][:rows], outputs[0][:rows]) <= 1e-2
+    assert not outputs[1][rows:].any()

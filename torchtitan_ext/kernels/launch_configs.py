@@ -204,6 +204,15 @@ PLAIN_GEMM_CONFIGS = [
 ]
 """One accumulator fed by one A and one B tile per step: the down projection forward, d h = d y @ w2,
 and d x = d gate @ w1 + d up @ w3 (two K loops in sequence)."""
+FP8_GEMM_CONFIGS = [
+    (128, 256, 128, 8, 3),
+    (128, 128, 128, 8, 4),
+    (128, 128, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (64, 64, 64, 4, 4),
+]
+"""The FP8 grouped GEMM (``fp8_grouped_gemm``), e4m3 operands: ``PLAIN_GEMM_CONFIGS``' tiles with twice
+the K step, the same bytes per pipeline stage. Not yet ordered by measurement."""
 GATE_UP_FORWARD_CONFIGS = [
     (128, 128, 64, 8, 4),
     (128, 128, 64, 8, 3),

@@ -179,6 +179,58 @@ def _accumulate_rows_times_weight_transposed(
 
 
 @triton.jit
+def program_tile_of_rows_times_weight_transposed(
+    a_desc,
+    w_desc,
+    a_ptr,
+    w_ptr,
+    group_end_ptr,
+    num_rows,
+    num_experts,
+    size_n,
+    size_k,
+    USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """This program's tile of ``a[rows] @ w[e].T`` over grouped rows a [R, size_k] and w [E, size_n,
+    size_k] (``_program_row_tile``): ``(acc, expert, rows, row_mask, cols, col_mask)``, ``acc`` fp32
+    and zero for rows of no expert (expert == num_experts); the masks are the caller's store masks."""
+    expert, row_start, row_end, n_tile = _program_row_tile(
+        group_end_ptr, num_rows, num_experts, size_n, BLOCK_E, GROUP_M, BLOCK_M, BLOCK_N
+    )
+    rows = row_start + tl.arange(0, BLOCK_M)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if expert < num_experts:
+        acc = _accumulate_rows_times_weight_transposed(
+            acc,
+            a_desc,
+            w_desc,
+            a_ptr,
+            w_ptr,
+            expert,
+            row_start,
+            row_end,
+            n_tile,
+            size_n,
+            size_k,
+            USE_TMA,
+            DOT_PRECISION,
+            EVEN_K,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
+    return acc, expert, rows, rows < row_end, cols, cols < size_n
+
+
+@triton.jit
 def _store_zero_tile(ptr, row_start, row_end, n_tile, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Zeros into the tile's rows (< row_end) and columns (< num_cols) of a [R, num_cols] buffer: the
     pre-activations of rows that belong to no expert are defined, as an op's outputs must be."""
@@ -189,14 +241,14 @@ def _store_zero_tile(ptr, row_start, row_end, n_tile, num_cols, BLOCK_M: tl.cons
     tl.store(ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], zeros, mask=mask)
 
 
-_WEIGHT_BLOCK = (1, "BLOCK_N", "BLOCK_K")
+WEIGHT_BLOCK = (1, "BLOCK_N", "BLOCK_K")
 """Descriptor block of a [E, N, K] weight read as w[e].T tiles."""
 
 
 @fitted(
     gemm_configs(
         GATE_UP_FORWARD_CONFIGS,
-        pre_hook=descriptor_blocks(x_desc=("BLOCK_M", "BLOCK_K"), w1_desc=_WEIGHT_BLOCK, w3_desc=_WEIGHT_BLOCK),
+        pre_hook=descriptor_blocks(x_desc=("BLOCK_M", "BLOCK_K"), w1_desc=WEIGHT_BLOCK, w3_desc=WEIGHT_BLOCK),
     ),
     key=["dim", "hidden", "SAVE_PREACT", "USE_TMA"],
     fit=fit_to_shape(m=None, n="hidden", k="dim", b_tiles=2),
@@ -271,7 +323,7 @@ def _gate_up_forward_kernel(
 
 
 @fitted(
-    gemm_configs(PLAIN_GEMM_CONFIGS, pre_hook=descriptor_blocks(x_desc=("BLOCK_M", "BLOCK_K"), w_desc=_WEIGHT_BLOCK)),
+    gemm_configs(PLAIN_GEMM_CONFIGS, pre_hook=descriptor_blocks(x_desc=("BLOCK_M", "BLOCK_K"), w_desc=WEIGHT_BLOCK)),
     key=["dim", "hidden", "UP_PASS", "SAVE_UP", "USE_TMA"],
     fit=fit_to_shape(m=None, n="hidden", k="dim"),
     divides={"EVEN_K": ("dim", "BLOCK_K")},
@@ -352,7 +404,7 @@ def _gate_up_pass_kernel(
 
 
 @fitted(
-    gemm_configs(PLAIN_GEMM_CONFIGS, pre_hook=descriptor_blocks(h_desc=("BLOCK_M", "BLOCK_K"), w2_desc=_WEIGHT_BLOCK)),
+    gemm_configs(PLAIN_GEMM_CONFIGS, pre_hook=descriptor_blocks(h_desc=("BLOCK_M", "BLOCK_K"), w2_desc=WEIGHT_BLOCK)),
     key=["dim", "hidden", "HAS_GATHER", "USE_TMA"],
     fit=fit_to_shape(m=None, n="dim", k="hidden"),
     divides={"EVEN_K": ("hidden", "BLOCK_K")},
@@ -386,34 +438,25 @@ def _down_forward_kernel(
     With USE_TMA, h [R, F] and w2 [E, D, F] load through tensor descriptors: a row tile may
     read rows past its expert's segment, whose outputs are masked at the store.
     """
-    expert, row_start, row_end, n_tile = _program_row_tile(
-        group_end_ptr, num_rows, num_experts, dim, BLOCK_E, GROUP_M, BLOCK_M, BLOCK_N
+    acc, _, rows, row_mask, cols, col_mask = program_tile_of_rows_times_weight_transposed(
+        h_desc,
+        w2_desc,
+        h_ptr,
+        w2_ptr,
+        group_end_ptr,
+        num_rows,
+        num_experts,
+        dim,
+        hidden,
+        USE_TMA,
+        DOT_PRECISION,
+        BLOCK_E,
+        GROUP_M,
+        EVEN_K,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
     )
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_mask = rows < row_end
-    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < dim
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if expert < num_experts:
-        acc = _accumulate_rows_times_weight_transposed(
-            acc,
-            h_desc,
-            w2_desc,
-            h_ptr,
-            w2_ptr,
-            expert,
-            row_start,
-            row_end,
-            n_tile,
-            dim,
-            hidden,
-            USE_TMA,
-            DOT_PRECISION,
-            EVEN_K,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
     dest = _destination_rows(rows, row_mask, row_slot_ptr, HAS_GATHER)
     if HAS_GATHER:
         acc = acc * tl.load(scores_ptr + dest, mask=row_mask, other=0.0).to(tl.float32)[:, None]

@@ -59,7 +59,10 @@ def _announce_first_use(x: torch.Tensor, w1_EFD: torch.Tensor, routed: bool) -> 
     )
 
 
-def _row_tile_grid(num_rows: int, num_experts: int, num_cols: int):
+def row_tile_grid(num_rows: int, num_experts: int, num_cols: int):
+    """Launch grid of a row-tile kernel over ``num_rows`` expert-grouped rows and ``num_cols`` output
+    columns: enough programs for any expert counts (``num_row_tiles_upper_bound``)."""
+
     def grid(meta):
         m_tiles = num_row_tiles_upper_bound(num_rows, num_experts, meta["BLOCK_M"])
         return (m_tiles * triton.cdiv(num_cols, meta["BLOCK_N"]),)
@@ -108,7 +111,7 @@ def _grouped_rows(tokens_TD: torch.Tensor, slot_row_S: torch.Tensor, top_k: int)
     return scatter_token_rows(tokens_TD, slot_row_S, top_k, rows_RD)
 
 
-def _row_tile_meta(dtype: torch.dtype, num_experts: int) -> dict:
+def row_tile_meta(dtype: torch.dtype, num_experts: int) -> dict:
     """Meta-parameters every row-tile kernel takes besides its tile sizes."""
     return dict(DOT_PRECISION=dot_precision(dtype), BLOCK_E=block_experts(num_experts), GROUP_M=GROUP_M)
 
@@ -164,8 +167,8 @@ def swiglu_forward(
     gate_RF = x_XD.new_empty(num_rows, hidden) if keep_for_backward or split else None
     up_RF = x_XD.new_empty(num_rows, hidden) if keep_for_backward else None
     h_RF = x_XD.new_empty(num_rows, hidden)
-    common = _row_tile_meta(x_XD.dtype, num_experts)
-    grid = _row_tile_grid(num_rows, num_experts, hidden)
+    common = row_tile_meta(x_XD.dtype, num_experts)
+    grid = row_tile_grid(num_rows, num_experts, hidden)
     use_tma, (x_desc, w1_desc, w3_desc) = tensor_descriptors(x_RD, w1, w3)
     if split:
         for up_pass, w, w_desc in ((False, w1, w1_desc), (True, w3, w3_desc)):
@@ -209,7 +212,7 @@ def swiglu_forward(
         )
     rows_out = x_XD.new_empty(num_rows, dim)
     use_tma, (h_desc, w2_desc) = tensor_descriptors(h_RF, w2)
-    _down_forward_kernel[_row_tile_grid(num_rows, num_experts, dim)](
+    _down_forward_kernel[row_tile_grid(num_rows, num_experts, dim)](
         h_desc,
         w2_desc,
         h_RF,
@@ -256,7 +259,7 @@ def swiglu_backward(
     num_rows = gate_RF.shape[0]
     dout = dout.to(gate_RF.dtype).contiguous()
     w1, w2, w3 = (w.to(gate_RF.dtype).contiguous() for w in (w1_EFD, w2_EDF, w3_EFD))
-    row_common = _row_tile_meta(gate_RF.dtype, num_experts)
+    row_common = row_tile_meta(gate_RF.dtype, num_experts)
     needs_dx, needs_dw1, needs_dw2, needs_dw3, needs_dscores = needs_grad
 
     if routed:
@@ -266,7 +269,7 @@ def swiglu_backward(
         dout_RD, scores = dout, None
     dh_RF = gate_RF.new_empty(num_rows, hidden)
     use_tma, (dy_desc, w2_desc) = tensor_descriptors(dout_RD, w2)
-    _down_backward_kernel[_row_tile_grid(num_rows, num_experts, hidden)](
+    _down_backward_kernel[row_tile_grid(num_rows, num_experts, hidden)](
         dy_desc,
         w2_desc,
         dout_RD,
@@ -312,7 +315,7 @@ def swiglu_backward(
         dx_rows = gate_RF.new_empty(num_rows, dim)
         operands = (dgate_RF, dup_RF, w1, w3)
         use_tma, descriptors = tensor_descriptors(*operands)
-        _gate_up_backward_input_kernel[_row_tile_grid(num_rows, num_experts, dim)](
+        _gate_up_backward_input_kernel[row_tile_grid(num_rows, num_experts, dim)](
             *descriptors,
             *operands,
             dx_rows,

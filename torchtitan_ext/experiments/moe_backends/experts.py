@@ -212,6 +212,7 @@ register_backend(
         name="triton",
         grouped=fused_moe_grouped,
         routed=fused_moe_routed,
+        fp8_grouped=functools.partial(fp8_grouped_experts, gemm="triton"),
         unavailable_reason=triton_available_reason,
     )
 )

@@ -16,17 +16,21 @@ GEMM of twice the width):
 
 Scales are powers of two (``2^floor(log2(448 / amax))``), so dequantising is exact and the
 reference, the emulation and the GPU kernels see the same e4m3 values. ``fp8_rowwise`` computes
-the GEMMs with ``torch._scaled_grouped_mm`` (CUDA, compute capability 9.0+);
-``fp8_rowwise_emulated`` quantises identically and computes each GEMM from the dequantised
-operands in fp32 (any device: the CPU tests' path, and a numerics check without such a GPU).
-``reference_fp8_experts`` is the plain-torch definition both are held to.
+the FP8 GEMMs with the kernels of ``FP8_GEMMS`` the backend names: ``torch._scaled_grouped_mm``
+(``grouped_mm``; CUDA, compute capability 9.0+) or this project's Triton kernel
+(``kernels.fp8_grouped_gemm``; ``triton``); ``fp8_rowwise_emulated`` quantises identically and
+computes each GEMM from the dequantised operands in fp32 (any device: the CPU tests' path, and a
+numerics check without such a GPU). ``reference_fp8_experts`` is the plain-torch definition all
+are held to.
 """
 
+from collections.abc import Callable
 from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
+from torchtitan_ext.kernels.fp8_grouped_gemm import fp8_grouped_gemm
 from torchtitan_ext.kernels.fp8_quantize import E4M3_MAX, SMALLEST_AMAX, quantize_columns_transposed
 
 from .grouped_matmul import grouped_mm, row_major
@@ -59,6 +63,30 @@ def quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
     return values.float() * inverse
 
 
+Fp8Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+"""``(a_values_RK, a_inverse_R1, w_values_ENK, w_inverse_EN1, offsets_E, out_dtype) -> [R, N]``: the FP8
+grouped GEMM ``a @ w[e].T`` of e4m3 operands with their rows' inverse scales along K, over the row
+groups ending at ``offsets_E``."""
+
+
+def _torch_fp8_gemm(a_values_RK, a_inverse_R1, w_values_ENK, w_inverse_EN1, offsets_E, out_dtype):
+    """``torch._scaled_grouped_mm`` with fast accumulation; it writes bf16, cast to ``out_dtype``."""
+    return torch._scaled_grouped_mm(
+        a_values_RK,
+        w_values_ENK.transpose(-2, -1),
+        a_inverse_R1.squeeze(-1),
+        w_inverse_EN1.squeeze(-1),
+        offsets_E,
+        out_dtype=torch.bfloat16,
+        use_fast_accum=True,
+    ).to(out_dtype)
+
+
+FP8_GEMMS: dict[str, Fp8Gemm] = {"torch": _torch_fp8_gemm, "triton": fp8_grouped_gemm}
+"""The FP8 grouped GEMM kernels by name: ``torch._scaled_grouped_mm`` or the Triton kernel
+(``kernels.fp8_grouped_gemm``, which writes ``out_dtype`` directly)."""
+
+
 def scaled_grouped_gemm(
     a_RK: torch.Tensor,
     w_values_ENK: torch.Tensor,
@@ -67,24 +95,17 @@ def scaled_grouped_gemm(
     out_dtype: torch.dtype,
     *,
     emulated: bool,
+    gemm: str,
 ) -> torch.Tensor:
     """``a_RK @ w[e].T`` over the row groups ending at ``offsets_E``: ``a_RK`` is quantised rowwise
     along K here, ``w`` comes quantised (row-major e4m3 values [E, N, K] and inverse scales
-    [E, N, 1]) -> [R, N] in ``out_dtype`` (the GPU GEMM writes bf16, cast to ``out_dtype``). K and
-    N must be multiples of ``FP8_ALIGN``."""
+    [E, N, 1]) -> [R, N] in ``out_dtype``, computed by ``FP8_GEMMS[gemm]`` (``emulated``: in fp32 from
+    the dequantised operands). K and N must be multiples of ``FP8_ALIGN``."""
     a_values, a_inverse = quantize_rowwise(a_RK)
     if emulated:
         dequantized_w = (w_values_ENK.float() * w_inverse_EN1).transpose(-2, -1)
         return grouped_mm(a_values.float() * a_inverse, dequantized_w, offsets_E).to(out_dtype)
-    return torch._scaled_grouped_mm(
-        a_values,
-        w_values_ENK.transpose(-2, -1),
-        a_inverse.squeeze(-1),
-        w_inverse_EN1.squeeze(-1),
-        offsets_E,
-        out_dtype=torch.bfloat16,
-        use_fast_accum=True,
-    ).to(out_dtype)
+    return FP8_GEMMS[gemm](a_values, a_inverse, w_values_ENK, w_inverse_EN1, offsets_E, out_dtype)
 
 
 def quantize_stacked_columns(w_parts_EPK: list[torch.Tensor], *, emulated: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,11 +126,11 @@ class Fp8GroupedLinear(torch.autograd.Function):
     copy outlives a pass and no gradient is sliced out of a stacked one."""
 
     @staticmethod
-    def forward(ctx, a_RK, offsets_E, emulated: bool, *w_parts_EPK):
+    def forward(ctx, a_RK, offsets_E, emulated: bool, gemm: str, *w_parts_EPK):
         ctx.save_for_backward(a_RK, offsets_E, *w_parts_EPK)
-        ctx.emulated = emulated
+        ctx.emulated, ctx.gemm = emulated, gemm
         w_values, w_inverse = quantize_rowwise(_stacked(w_parts_EPK))
-        y_RN = scaled_grouped_gemm(a_RK, w_values, w_inverse, offsets_E, a_RK.dtype, emulated=emulated)
+        y_RN = scaled_grouped_gemm(a_RK, w_values, w_inverse, offsets_E, a_RK.dtype, emulated=emulated, gemm=gemm)
         return y_RN.split([w.shape[1] for w in w_parts_EPK], dim=1)
 
     @staticmethod
@@ -121,12 +142,14 @@ class Fp8GroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             w_values, w_inverse = quantize_stacked_columns(w_parts_EPK, emulated=ctx.emulated)
             grad_RN = _stacked(grad_parts_RP)
-            grad_a = scaled_grouped_gemm(grad_RN, w_values, w_inverse, offsets_E, a_RK.dtype, emulated=ctx.emulated)
+            grad_a = scaled_grouped_gemm(
+                grad_RN, w_values, w_inverse, offsets_E, a_RK.dtype, emulated=ctx.emulated, gemm=ctx.gemm
+            )
         grad_w_parts = [
             grouped_mm(grad.transpose(0, 1), a_RK, offsets_E) if needed else None
-            for grad, needed in zip(grad_parts_RP, ctx.needs_input_grad[3:], strict=True)
+            for grad, needed in zip(grad_parts_RP, ctx.needs_input_grad[4:], strict=True)
         ]
-        return grad_a, None, None, *grad_w_parts
+        return grad_a, None, None, None, *grad_w_parts
 
 
 def _stacked(parts) -> torch.Tensor:
@@ -150,17 +173,18 @@ def fp8_grouped_experts(
     num_tokens_per_expert_E: torch.Tensor,
     *,
     emulated: bool,
+    gemm: str = "torch",
 ) -> torch.Tensor:
-    """The SwiGLU expert block (``experts`` module docstring) with FP8 rowwise GEMMs, the gate and up
-    projections as one; rows grouped by expert, no host sync. D and F are zero-padded to multiples of
-    16 and the output cut back."""
+    """The SwiGLU expert block (``experts`` module docstring) with FP8 rowwise GEMMs computed by
+    ``FP8_GEMMS[gemm]``, the gate and up projections as one; rows grouped by expert, no host sync. D
+    and F are zero-padded to multiples of 16 and the output cut back."""
     dtype = x_RD.dtype
     dim = x_RD.shape[1]
     offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
 
     def linear(a_RK: torch.Tensor, *w_parts_EPK: torch.Tensor) -> tuple[torch.Tensor, ...]:
         padded = [_pad_last_dims(w.to(dtype), 2) for w in w_parts_EPK]
-        return Fp8GroupedLinear.apply(a_RK, offsets_E, emulated, *padded)
+        return Fp8GroupedLinear.apply(a_RK, offsets_E, emulated, gemm, *padded)
 
     x_RD = row_major(_pad_last_dims(x_RD, 1))
     gate_RF, up_RF = linear(x_RD, w1_EFD, w3_EFD)
