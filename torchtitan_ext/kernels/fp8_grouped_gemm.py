@@ -5,12 +5,13 @@ For the rows r of expert e (``group_end`` as the SwiGLU kernels: expert e owns r
 
     out[r, n] = (sum_k a[r, k] * w[e, n, k]) * a_inverse[r] * w_inverse[e, n]
 
-``a`` [R, K] and ``w`` [E, N, K] hold e4m3 values, ``a_inverse`` [R, 1] and ``w_inverse`` [E, N, 1] the
-fp32 inverse scales of their rows along K. Products accumulate in fp32 (on Hopper with the tensor cores' fast FP8 accumulation, Triton's
-default there, as ``torch._scaled_grouped_mm(use_fast_accum=True)``); the scales apply in the
-epilogue. Rows after group_end[E-1] belong to no expert and get zeros. The op reads nothing on the
-host, so ``torch.compile(fullgraph=True)`` traces around it and CUDA graphs capture it; it has no
-autograd formula (the FP8 recipe, ``fp8_experts.Fp8GroupedLinear``, is the differentiable layer).
+``a`` [R, K] and ``w`` [E, N, K] hold e4m3 values, ``a_inverse`` [R, 1] and ``w_inverse`` [E, N, 1]
+the fp32 inverse scales of their rows along K. Products accumulate in fp32 (on Hopper with the tensor
+cores' fast FP8 accumulation, Triton's default there, as
+``torch._scaled_grouped_mm(use_fast_accum=True)``); the scales apply in the epilogue. Rows after
+group_end[E-1] belong to no expert and get zeros. The op reads nothing on the host, so
+``torch.compile(fullgraph=True)`` traces around it and CUDA graphs capture it; it has no autograd
+formula (the FP8 recipe, ``fp8_experts.Fp8GroupedLinear``, is the differentiable layer).
 """
 
 import torch
