@@ -618,6 +618,22 @@ def test_rounds_must_be_positive(command, tmp_path, capsys):
     assert "--rounds must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["expert", "--tiny", "--json"], "--json"),
+        (["layer", "--tiny", "--plot"], "--plot"),
+        (["plot", "--from", str(RESULTS / "expert_block_h100.json"), "--out"], "--out"),
+    ],
+)
+def test_a_file_to_write_in_a_missing_folder_is_refused_before_measuring(argv, flag, tmp_path, capsys):
+    path = tmp_path / "missing" / "result.out"
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, str(path)])
+    assert exit_info.value.code == 2
+    assert f"{flag} {path}: the folder {path.parent} does not exist" in capsys.readouterr().err
+
+
 def synthetic_gpu_trace(path: Path) -> None:
     """One 1 ms profiler step: overlapping kernels on two streams, a copy, host syncs and launches."""
 

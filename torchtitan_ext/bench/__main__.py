@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -506,10 +507,23 @@ def run_trace(parser, args, device, command) -> None:
     write_json(args.json, {"command": command, "traces": summaries})
 
 
+OUTPUT_OPTIONS = {"json": "--json", "plot": "--plot", "out": "--out"}
+"""The arguments that name a file the subcommand writes, by attribute."""
+
+
+def check_output_folders(parser: argparse.ArgumentParser, args) -> None:
+    """Exit 2 before anything is measured when a file to write lies in a folder that does not exist."""
+    for attribute, flag in OUTPUT_OPTIONS.items():
+        path = getattr(args, attribute, None)
+        if path and not Path(path).expanduser().absolute().parent.is_dir():
+            parser.error(f"{flag} {path}: the folder {Path(path).parent} does not exist; create it first")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; 0 on success, 2 on bad input (argparse exits with 2 itself)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    check_output_folders(args.subparser, args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quiet_cpu_warnings()
     apply_torch_version_fixes()
