@@ -184,6 +184,14 @@ def test_all_errors_are_reported_together():
     assert len(str(error.value).splitlines()) == 2
 
 
+def test_the_value_problems_of_every_toml_file_are_reported_together(tmp_path):
+    first = write_toml(tmp_path, "first.toml", '[moe]\ncompute_backend = "for_lop"\n')
+    second = write_toml(tmp_path, "second.toml", '[training]\nsteps = "x"\n')
+    with pytest.raises(ConfigError) as error:
+        apply_toml_files(get_flavor(TINY).build(), [first, second])
+    assert [line.split(": ")[0] for line in str(error.value).splitlines()] == [f"{first}:2", f"{second}:2"]
+
+
 def test_malformed_toml_names_file_and_line(tmp_path):
     path = write_toml(
         tmp_path,
