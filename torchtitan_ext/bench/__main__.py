@@ -364,9 +364,10 @@ def run_expert(parser, args, device, command) -> None:
 def run_layer(parser, args, device, command) -> None:
     reject_unrunnable(parser, "--layers", args.layers, moe_layer.BACKEND_OF_KIND, moe_layer.NEEDS_OF_KIND)
     shapes = selected_shapes(parser, args, device)
-    bad = [s.name for s in shapes if s.tokens % args.batch]
-    if args.batch < 1 or bad:
-        parser.error(f"--batch {args.batch} must be >= 1 and divide the tokens of every shape ({', '.join(bad)})")
+    if args.batch < 1:
+        parser.error(f"--batch must be >= 1, got {args.batch}")
+    if bad := [s.name for s in shapes if s.tokens % args.batch]:
+        parser.error(f"--batch {args.batch} must divide the tokens of every shape ({', '.join(bad)})")
     if args.profile < 0:
         parser.error(f"--profile must be >= 0 (0: off), got {args.profile}")
     check_rounds(parser, args.rounds)
@@ -399,6 +400,9 @@ def run_layer(parser, args, device, command) -> None:
 
 
 def run_ep(parser, args, device, command) -> None:
+    for flag, values in (("--tokens", args.tokens), ("--dims", args.dims)):
+        if min(values) < 1:
+            parser.error(f"{flag} must be >= 1, got {' '.join(map(str, values))}")
     world = world_size()
     if device.type != "cuda" or world < 2:
         parser.error(
