@@ -368,6 +368,12 @@ def test_config_errors_exit_2(capsys):
     assert "unknown flavor 'tiny-moe-for-lop'; did you mean" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["train-step", "auto"])
+def test_a_sequence_length_the_model_cannot_take_is_refused(command, capsys):
+    assert main([command, "--flavor", "tiny-moe-for-loop", "--seq-len", "100000"]) == 2
+    assert "--seq-len: training.seq_len = 100000: exceeds the model's RoPE length" in capsys.readouterr().err
+
+
 # --- compute_backend = "auto" ------------------------------------------------------------
 
 SHAPE_A = BenchShape("a", 64, 16, 24, 4, 2)
