@@ -281,7 +281,10 @@ def test_plot_measured_results(tmp_path, name):
         (["expert", "--dim", "16"], "need all of --dim --hidden --experts --top-k"),
         (["expert", "--tiny", "--shapes", "mixtral-8x7b"], "choose one shape source"),
         (["expert", "--impls", "nope"], "invalid choice: 'nope'"),
-        (["layer", "--tiny", "--batch", "5"], "--batch 5 must be >= 1 and divide"),
+        (["layer", "--tiny", "--batch", "5"], "--batch 5 must divide the tokens of every shape (tiny)"),
+        (["layer", "--tiny", "--batch", "0"], "--batch must be >= 1, got 0"),
+        (["ep", "--tokens", "4096", "0"], "--tokens must be >= 1, got 4096 0"),
+        (["ep", "--dims", "-1"], "--dims must be >= 1, got -1"),
         (["train-step", "--backends", "for_loop"], "the following arguments are required: --flavor"),
         (["plot", "--from", "missing.json", "--out", "x.png"], "No such file"),
         (["ep"], "run it under torchrun with >= 2 CUDA GPUs"),
@@ -363,6 +366,12 @@ def test_relative_error():
 def test_config_errors_exit_2(capsys):
     assert main(["train-step", "--flavor", "tiny-moe-for-lop"]) == 2
     assert "unknown flavor 'tiny-moe-for-lop'; did you mean" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["train-step", "auto"])
+def test_a_sequence_length_the_model_cannot_take_is_refused(command, capsys):
+    assert main([command, "--flavor", "tiny-moe-for-loop", "--seq-len", "100000"]) == 2
+    assert "--seq-len: training.seq_len = 100000: exceeds the model's RoPE length" in capsys.readouterr().err
 
 
 # --- compute_backend = "auto" ------------------------------------------------------------
@@ -616,6 +625,22 @@ def test_rounds_must_be_positive(command, tmp_path, capsys):
         run_main([command, "--tiny", "--rounds", "0"], tmp_path)
     assert exit_info.value.code == 2
     assert "--rounds must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["expert", "--tiny", "--json"], "--json"),
+        (["layer", "--tiny", "--plot"], "--plot"),
+        (["plot", "--from", str(RESULTS / "expert_block_h100.json"), "--out"], "--out"),
+    ],
+)
+def test_a_file_to_write_in_a_missing_folder_is_refused_before_measuring(argv, flag, tmp_path, capsys):
+    path = tmp_path / "missing" / "result.out"
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, str(path)])
+    assert exit_info.value.code == 2
+    assert f"{flag} {path}: the folder {path.parent} does not exist" in capsys.readouterr().err
 
 
 def synthetic_gpu_trace(path: Path) -> None:

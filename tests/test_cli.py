@@ -277,6 +277,24 @@ def test_a_flavor_that_does_not_build_leaves_the_others_and_its_run_to_say_why(m
     assert argument_errors([*FLAVOR_ARGS, "--anything", "1"], facts) == ["command line: unknown option --anything"]
 
 
+def test_the_checks_before_torch_name_every_unknown_key_of_every_file_and_the_command_line(tmp_path):
+    from torchtitan_ext.command_facts import command_facts
+    from torchtitan_ext.train import argument_errors
+
+    files = []
+    for name, text in (("a.toml", "[training]\nstepz = 3\n"), ("b.toml", "[moe]\ntop_kk = 1\n")):
+        (tmp_path / name).write_text(text)
+        files += ["--toml", str(tmp_path / name)]
+    errors = argument_errors([*FLAVOR_ARGS, *files, "--model.foo", "1", "--training.sedd", "1"], command_facts())
+    assert [e.split(" unknown ")[0] for e in errors] == [
+        f"{tmp_path / 'a.toml'}:2:",
+        f"{tmp_path / 'b.toml'}:2:",
+        "command line:",
+        "command line:",
+    ], errors
+    assert "'model.foo'" in errors[2] and "--training.sedd" in errors[3]
+
+
 @pytest.mark.parametrize(
     "args, toml",
     [

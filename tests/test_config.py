@@ -156,6 +156,18 @@ def test_bad_values_are_named(overrides, message):
         run_config_checks(apply_overrides(get_flavor(TINY).build(), overrides))
 
 
+def test_a_list_of_values_is_one_key_set_whole(tmp_path):
+    """Lists of plain values (compile.components) are set from TOML as lists, and type-checked; only lists
+    of config nodes (model.layers) are indexed."""
+    toml = tmp_path / "compile.toml"
+    toml.write_text('[compile]\ncomponents = ["model"]\n')
+    assert apply_toml_files(get_flavor(TINY).build(), [str(toml)]).compile.components == ["model"]
+    with pytest.raises(ConfigError, match=re.escape("compile.components = 'model': expected list, got str")):
+        apply_overrides(get_flavor(TINY).build(), {"compile.components": "model"})
+    with pytest.raises(ConfigError, match=re.escape("unknown key 'compile.components.0'")):
+        apply_overrides(get_flavor(TINY).build(), {"compile.components.0": "model"})
+
+
 def test_nothing_is_half_applied():
     config = get_flavor(TINY).build()
     steps_before = config.training.steps
@@ -170,6 +182,14 @@ def test_all_errors_are_reported_together():
     with pytest.raises(ConfigError) as error:
         apply_overrides(get_flavor(TINY).build(), {"a.b": 1, "training.steps": "x"})
     assert len(str(error.value).splitlines()) == 2
+
+
+def test_the_value_problems_of_every_toml_file_are_reported_together(tmp_path):
+    first = write_toml(tmp_path, "first.toml", '[moe]\ncompute_backend = "for_lop"\n')
+    second = write_toml(tmp_path, "second.toml", '[training]\nsteps = "x"\n')
+    with pytest.raises(ConfigError) as error:
+        apply_toml_files(get_flavor(TINY).build(), [first, second])
+    assert [line.split(": ")[0] for line in str(error.value).splitlines()] == [f"{first}:2", f"{second}:2"]
 
 
 def test_malformed_toml_names_file_and_line(tmp_path):

@@ -19,20 +19,24 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS_TEXT = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])
 
 
-def documented_commands(module: str) -> list[tuple[int, list[str], bool]]:
-    """(processes, arguments, shown failing) of every ``-m <module>`` invocation in the docs.
+def documented_commands(module: str) -> list[tuple[int, list[str], str | None]]:
+    """(processes, arguments, the error shown) of every ``-m <module>`` invocation in the docs.
 
-    A command whose next line starts with ``error:`` is an example of a rejected input.
+    A command whose next line starts with ``error:`` is an example of a rejected input: the error
+    shown is that line without ``error: `` and the lines after it up to the code block's end.
     """
     commands = []
     lines = DOCS_TEXT.splitlines()
     for number, line in enumerate(lines):
         match = re.search(rf"-m {re.escape(module)}(?![\w.])(\s[^`]*)?", line)
-        if match:
+        if match and not line.startswith("error:"):
             nproc = re.search(r"--nproc_per_node[= ](\d+)", line)
             args = split_launcher_args(shlex.split((match.group(1) or "").split("#")[0]))[1]
-            shown_failing = number + 1 < len(lines) and lines[number + 1].startswith("error:")
-            commands.append((int(nproc.group(1)) if nproc else 1, args, shown_failing))
+            shown_error = None
+            if number + 1 < len(lines) and lines[number + 1].startswith("error:"):
+                end = next(i for i in range(number + 1, len(lines)) if lines[i].startswith("```"))
+                shown_error = "\n".join(lines[number + 1 : end]).removeprefix("error: ")
+            commands.append((int(nproc.group(1)) if nproc else 1, args, shown_error))
     return commands
 
 
@@ -54,14 +58,15 @@ def test_documented_train_commands_parse(tmp_path, monkeypatch):
         (tmp_path / name).write_text("[training]\nsteps = 3\n")
     commands = documented_commands("torchtitan_ext.train")
     assert commands
-    for nproc, args, shown_failing in commands:
+    for nproc, args, shown_error in commands:
         if not args or "--help" in args or "..." in args:  # help, or a command shown in outline
             continue
         monkeypatch.setenv("WORLD_SIZE", str(nproc))
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(nproc))
-        if shown_failing:
-            with pytest.raises(ConfigError):
+        if shown_error is not None:
+            with pytest.raises(ConfigError) as error:
                 FlavorConfigManager().parse_args(args)
+            assert str(error.value) == shown_error, args
         else:
             FlavorConfigManager().parse_args(args)
 

@@ -2,6 +2,7 @@
 backend, CUDA graphs only where nothing is read on the host (and the reason where something is)."""
 
 import pytest
+import torch
 
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.experiments.moe_backends.experts import backend_names
@@ -116,3 +117,13 @@ def test_full_size_defaults_switch_off_and_the_start_up_line_says_so(monkeypatch
         )
     assert not config.compile.enable
     assert "compute_backend=grouped_mm, expert_parallel_degree=1, compile=off, cuda_graphs=off" in caplog.text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA graphs asked for on a machine without CUDA")
+def test_the_start_up_line_says_cuda_graphs_stay_off_on_cpu(monkeypatch, caplog):
+    """On CPU the run turns CUDA graphs off whatever was asked; the start-up line must not say on."""
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        parse(monkeypatch, "--flavor", "tiny-moe-triton", CUDA_GRAPHS)
+    assert "cuda_graphs=off (no CUDA device" in caplog.text and "cuda_graphs=on" not in caplog.text

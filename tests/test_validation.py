@@ -70,6 +70,14 @@ def assert_refused(capsys, args, *fragments):
         ("[training]\nseq_len = 100\n", ["training.seq_len = 100", "use a multiple of 8"]),
         ("[training]\nseq_len = 4096\n", ["exceeds the model's RoPE length (max_seq_len = 512)"]),
         ("[training]\nglobal_batch_size = 12\n", ["training.global_batch_size = 12", "multiple of local_batch_size"]),
+        (
+            '[compile]\nenable = true\nbackend = "indcutor"\n',
+            ["bad.toml:3: compile.backend = 'indcutor': not a torch.compile backend; did you mean inductor"],
+        ),
+        (
+            '[compile]\nenable = true\ncomponents = ["modell"]\n',
+            ["bad.toml:3: compile.components = ['modell']: 'modell' is not a component", "did you mean model?"],
+        ),
         ('[data]\ndataset = "c5"\n', ["dataloader.dataset = 'c5': unknown dataset", "tiny_stories"]),
         ('[data]\ntokenizer = "/no/such/tokenizer"\n', ["'/no/such/tokenizer': no such folder"]),
     ],

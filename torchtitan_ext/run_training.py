@@ -140,7 +140,7 @@ class FlavorConfigManager(ConfigManager):
                 f"flavor {flavor}: compute_backend={metadata['compute_backend']}{precision}, "
                 f"expert_parallel_degree={metadata['expert_parallel_degree']}{transport}, "
                 f"compile={'on' if compiles_model(config) else 'off'}, "
-                f"cuda_graphs={'off' if config.training.disable_cuda_graphs else 'on'}, "
+                f"cuda_graphs={cuda_graphs_state(config)}, "
                 f"toml files: {', '.join(tomls) or 'none'}; torch {torch.__version__}, "
                 f"torchtitan {torchtitan.__version__}"
             )
@@ -158,6 +158,14 @@ class FlavorConfigManager(ConfigManager):
             adapt_config_for_cpu(config)
             patch_torchtitan_for_cpu()
         return config
+
+
+def cuda_graphs_state(config) -> str:
+    """What the start-up line says of CUDA graphs: ``on``, ``off``, or, where they were asked for on CPU
+    (``adapt_config_for_cpu`` turns them off), ``off`` with the reason."""
+    if config.training.disable_cuda_graphs:
+        return "off"
+    return "off (no CUDA device; training.disable_cuda_graphs = false applies on GPUs)" if cpu_training() else "on"
 
 
 def compiles_model(config) -> bool:

@@ -51,9 +51,9 @@ the TOML files, e.g. --moe.compute_backend for_loop --parallelism.ep 2 --trainin
 
 
 def argument_errors(args: list[str], facts: CommandFacts) -> list[str]:
-    """What the cached facts tell about the training arguments ``args`` without building a config, in
-    the order the run would find it: the flavor (missing, unknown); the keys of a TOML file (unreadable,
-    unknown, fixed by the flavor) or of the command line's overrides; torchrun options after the
+    """What the cached facts tell about the training arguments ``args`` without building a config: the
+    flavor (missing, unknown), else every problem of the names: the keys of every TOML file (unreadable,
+    unknown, fixed by the flavor) and of the command line's overrides, torchrun options after the
     training arguments, unknown options. Values are the run's to check, and so is everything of a
     flavor whose config did not build for the facts."""
     try:
@@ -65,15 +65,18 @@ def argument_errors(args: list[str], facts: CommandFacts) -> list[str]:
         keys = facts.flavor_keys[flavor]
         if keys is None:
             return []
+        errors = []
         for path in tomls:
-            overrides, lines = read_toml(Path(path))
-            if errors := name_errors(overrides, keys, path, lines):
-                return errors
-        if errors := name_errors(split_override_args(rest)[0], keys, COMMAND_LINE):
-            return errors
+            try:
+                overrides, lines = read_toml(Path(path))
+            except ConfigError as e:
+                errors.append(str(e))
+                continue
+            errors += name_errors(overrides, keys, path, lines)
+        errors += name_errors(split_override_args(rest)[0], keys, COMMAND_LINE)
     except ConfigError as e:
         return [str(e)]
-    return command_line_errors(keys, args, facts.torchrun_options)
+    return errors + command_line_errors(keys, args, facts.torchrun_options)
 
 
 def main(argv: list[str] | None = None) -> int:

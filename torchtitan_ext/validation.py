@@ -15,6 +15,7 @@ from typing import Any
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.checks import register_config_check
 from torchtitan_ext.config.config_tree import child, resolve_parent
+from torchtitan_ext.config.names import close_matches_hint
 from torchtitan_ext.config.value_sources import value_source
 from torchtitan_ext.parallel_layout import data_parallel_shard_degree
 from torchtitan_ext.place_in_launch import local_world_size, world_size
@@ -252,6 +253,32 @@ def resume_errors(config) -> list[str]:
     ]
 
 
+COMPILE_COMPONENTS = ("model", "loss")
+"""What torchtitan's ``compile.components`` names (``"model" in components``, ``"loss" in components``)."""
+
+
+def compile_errors(config) -> list[str]:
+    """``compile.components`` names only ``COMPILE_COMPONENTS`` (torchtitan skips any other name
+    silently), and ``compile.backend`` is a backend ``torch.compile`` knows (torchtitan would fail on it
+    in the first step)."""
+    from torch._dynamo import list_backends
+
+    errors = [
+        f"{named('compile.components')} = {config.compile.components!r}: {name!r} is not a component; "
+        f"choose from {', '.join(map(repr, COMPILE_COMPONENTS))}{close_matches_hint(name, COMPILE_COMPONENTS)}"
+        for name in config.compile.components
+        if name not in COMPILE_COMPONENTS
+    ]
+    backends = list_backends(exclude_tags=())
+    if config.compile.backend not in backends:
+        errors.append(
+            f"{named('compile.backend')} = {config.compile.backend!r}: not a torch.compile backend"
+            f"{close_matches_hint(config.compile.backend, backends)} (torchtitan's default: 'inductor'; "
+            "'aot_eager' compiles without Inductor)"
+        )
+    return errors
+
+
 def memory_errors(config) -> list[str]:
     """On CPU: the model's weights, gradients and optimizer state (a lower bound of training's memory,
     ``model_size.training_state_bytes``), this host's share of them, fit in this machine's memory."""
@@ -292,6 +319,7 @@ def check_config_values(config) -> None:
         *training_errors(config, world),
         *data_errors(config),
         *output_errors(config),
+        *compile_errors(config),
         *resume_errors(config),
         *memory_errors(config),
     ]

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -363,9 +364,10 @@ def run_expert(parser, args, device, command) -> None:
 def run_layer(parser, args, device, command) -> None:
     reject_unrunnable(parser, "--layers", args.layers, moe_layer.BACKEND_OF_KIND, moe_layer.NEEDS_OF_KIND)
     shapes = selected_shapes(parser, args, device)
-    bad = [s.name for s in shapes if s.tokens % args.batch]
-    if args.batch < 1 or bad:
-        parser.error(f"--batch {args.batch} must be >= 1 and divide the tokens of every shape ({', '.join(bad)})")
+    if args.batch < 1:
+        parser.error(f"--batch must be >= 1, got {args.batch}")
+    if bad := [s.name for s in shapes if s.tokens % args.batch]:
+        parser.error(f"--batch {args.batch} must divide the tokens of every shape ({', '.join(bad)})")
     if args.profile < 0:
         parser.error(f"--profile must be >= 0 (0: off), got {args.profile}")
     check_rounds(parser, args.rounds)
@@ -398,6 +400,9 @@ def run_layer(parser, args, device, command) -> None:
 
 
 def run_ep(parser, args, device, command) -> None:
+    for flag, values in (("--tokens", args.tokens), ("--dims", args.dims)):
+        if min(values) < 1:
+            parser.error(f"{flag} must be >= 1, got {' '.join(map(str, values))}")
     world = world_size()
     if device.type != "cuda" or world < 2:
         parser.error(
@@ -506,10 +511,23 @@ def run_trace(parser, args, device, command) -> None:
     write_json(args.json, {"command": command, "traces": summaries})
 
 
+OUTPUT_OPTIONS = {"json": "--json", "plot": "--plot", "out": "--out"}
+"""The arguments that name a file the subcommand writes, by attribute."""
+
+
+def check_output_folders(parser: argparse.ArgumentParser, args) -> None:
+    """Exit 2 before anything is measured when a file to write lies in a folder that does not exist."""
+    for attribute, flag in OUTPUT_OPTIONS.items():
+        path = getattr(args, attribute, None)
+        if path and not Path(path).expanduser().absolute().parent.is_dir():
+            parser.error(f"{flag} {path}: the folder {Path(path).parent} does not exist; create it first")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; 0 on success, 2 on bad input (argparse exits with 2 itself)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    check_output_folders(args.subparser, args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quiet_cpu_warnings()
     apply_torch_version_fixes()

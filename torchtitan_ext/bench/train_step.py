@@ -57,6 +57,7 @@ from torchtitan_ext.config.value_sources import forget_value_sources
 from torchtitan_ext.experiments.moe_backends.expert_timing import make_timer
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.run_training import resolve_config
+from torchtitan_ext.validation import sequence_length_errors
 
 TABLE = [
     ("flavor", "flavor"),
@@ -106,10 +107,12 @@ def step_config(
     overrides: dict[str, object] = {} if backend == STOCK_MOE else {"moe.compute_backend": backend}
     if batch_size:
         overrides["training.local_batch_size"] = batch_size
-    if seq_len:
-        overrides["training.seq_len"] = seq_len
     forget_value_sources()
     config = apply_overrides(config, overrides, source="train-step")
+    if seq_len:
+        config = apply_overrides(config, {"training.seq_len": seq_len}, source="--seq-len")
+    if errors := sequence_length_errors(config):
+        raise ConfigError("\n".join(errors))
     if num_layers:
         layers = config.model_spec.model.layers
         if not 1 <= num_layers <= len(layers):

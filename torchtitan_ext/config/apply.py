@@ -207,8 +207,15 @@ def apply_overrides(config, overrides: dict[str, Any], source: str = "TOML", lin
 
 
 def apply_toml_files(config, paths: list[str]):
-    """Apply TOML files in order (later files win); all-or-nothing."""
+    """Apply TOML files in order (later files win); all-or-nothing: ``ConfigError`` lists the problems
+    of every file (a file with problems is skipped while the later ones are checked)."""
+    errors = []
     for path in paths:
-        overrides, lines = read_toml(Path(path))
-        config = apply_overrides(config, overrides, source=str(path), lines=lines)
+        try:
+            overrides, lines = read_toml(Path(path))
+            config = apply_overrides(config, overrides, source=str(path), lines=lines)
+        except ConfigError as e:
+            errors.append(str(e))
+    if errors:
+        raise ConfigError("\n".join(errors))
     return config

@@ -117,12 +117,15 @@ def command_line_errors(keys: list[str], args: list[str], torchrun_options: dict
 
 def unknown_option_errors(keys: list[str], args: list[str], torchrun_options: Collection[str]) -> list[str]:
     """``--a.b`` options of ``args`` that name none of the settable ``keys``, with close matches;
-    torchrun's options are left to ``misplaced_torchrun_options``."""
+    torchrun's options are left to ``misplaced_torchrun_options``, the overrides' keys (``override_key``)
+    to the overrides' own check."""
     known = set(keys)
     errors = []
     for arg in args:
         option = arg.partition("=")[0]
         if not arg.startswith("--") or option in ("--help", "--help-torchtitan") or option in torchrun_options:
+            continue
+        if override_key(option) is not None:
             continue
         name = option[2:].replace("-", "_")
         if option_key(arg, known) is not None or any(k.startswith(name + ".") for k in keys):

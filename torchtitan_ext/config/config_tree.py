@@ -7,13 +7,21 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def children(node: Any) -> dict[str, Any]:
-    """Named children of a config node: dataclass fields or list indices."""
+def is_config_node(node: Any) -> bool:
+    """A dataclass instance, or a list holding config nodes (``model.layers``); a list of plain values
+    (``compile.components``) is a value, set whole."""
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        return {f.name: getattr(node, f.name) for f in dataclasses.fields(node) if not f.name.startswith("_")}
+        return True
+    return isinstance(node, list) and any(is_config_node(item) for item in node)
+
+
+def children(node: Any) -> dict[str, Any]:
+    """Named children of a config node: dataclass fields or list indices (none for a value)."""
+    if not is_config_node(node):
+        return {}
     if isinstance(node, list):
         return {str(i): item for i, item in enumerate(node)}
-    return {}
+    return {f.name: getattr(node, f.name) for f in dataclasses.fields(node) if not f.name.startswith("_")}
 
 
 def root_children(config) -> dict[str, Any]:
