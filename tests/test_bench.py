@@ -331,20 +331,25 @@ def test_what_cannot_run_here_is_the_backend_tables_verdict(monkeypatch, capsys)
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals of FP8 layers without CUDA")
 def test_fp8_layers_need_fp8_gemms_and_torchtitans_needs_torchao(monkeypatch, capsys):
+    """The refusals name the hardware the layers need, not the training key that emulates FP8."""
     assert not {"grouped_mm_fp8", moe_layer.STOCK_FP8} & set(moe_layer.default_kinds())
+    make_backend_unavailable(monkeypatch, "triton", None)
     monkeypatch.setattr(moe_layer, "torchao_missing_reason", lambda: "torchao is not installed")
     cases = [
-        ("grouped_mm_fp8", "--layers grouped_mm_fp8: FP8 expert GEMMs need a CUDA GPU"),
+        ("grouped_mm_fp8", "--layers grouped_mm_fp8: FP8 expert GEMMs need a CUDA GPU of compute capability 9.0"),
+        ("triton_fp8", "--layers triton_fp8: FP8 expert GEMMs need a CUDA GPU of compute capability 9.0"),
         (moe_layer.STOCK_FP8, f"--layers {moe_layer.STOCK_FP8}: torchao is not installed"),
     ]
     for layer, refused in cases:
         with pytest.raises(SystemExit) as exit_info:
             main(["layer", "--tiny", "--layers", layer])
-        assert exit_info.value.code == 2 and refused in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and refused in err and "expert_precision" not in err
     monkeypatch.setattr(moe_layer, "torchao_missing_reason", lambda: None)
     with pytest.raises(SystemExit):
         main(["layer", "--tiny", "--layers", moe_layer.STOCK_FP8])
-    assert "FP8 expert GEMMs need a CUDA GPU" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "FP8 expert GEMMs need a CUDA GPU" in err and "expert_precision" not in err
 
 
 def test_the_cli_applies_the_torch_version_fixes_before_a_subcommand_runs(monkeypatch, tmp_path):

@@ -35,7 +35,7 @@ from torchtitan_ext.experiments.moe_backends.expert_timing import (
     seeded_generator,
 )
 from torchtitan_ext.experiments.moe_backends.experts import BACKENDS, DEFAULT_BACKEND, fp8_backends
-from torchtitan_ext.experiments.moe_backends.fp8_experts import ExpertPrecision, fp8_unavailable_reason
+from torchtitan_ext.experiments.moe_backends.fp8_experts import ExpertPrecision, fp8_gemms_unavailable_reason
 from torchtitan_ext.experiments.moe_backends.layer import (
     moe_layer_config,
     stock_moe_config,
@@ -260,10 +260,11 @@ torchtitan's own with float8 experts, and the compute backend each runs (torchti
 ``torch._grouped_mm``, the default backend's op)."""
 KINDS = tuple(BACKEND_OF_KIND)
 NEEDS_OF_KIND: common.Needs = {
-    **{kind: partial(fp8_unavailable_reason, precision) for kind, precision in PRECISION_OF_KIND.items()},
-    STOCK_FP8: lambda: torchao_missing_reason() or fp8_unavailable_reason("fp8_rowwise"),
+    **dict.fromkeys(PRECISION_OF_KIND, fp8_gemms_unavailable_reason),
+    STOCK_FP8: lambda: torchao_missing_reason() or fp8_gemms_unavailable_reason(),
 }
-"""What the FP8 layers need besides their compute backend: FP8 GEMMs here, and torchao for torchtitan's."""
+"""What the FP8 layers need besides their compute backend: FP8 GEMMs here (a CUDA GPU of compute
+capability 9.0 or newer), and torchao for torchtitan's."""
 
 
 COMPILED_BY_DEFAULT = (STOCK, "grouped_mm", "triton", *PRECISION_OF_KIND, STOCK_FP8)

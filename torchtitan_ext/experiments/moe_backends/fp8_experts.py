@@ -229,14 +229,13 @@ def reference_fp8_experts(
     return torch.cat(outputs).to(x_RD.dtype)
 
 
-def fp8_unavailable_reason(precision: str) -> str | None:
-    """Why ``precision`` cannot compute on this machine (None: it can)."""
-    if precision != "fp8_rowwise":
-        return None
+def fp8_gemms_unavailable_reason() -> str | None:
+    """Why FP8 expert GEMMs cannot run on this machine (None: they can): they need a CUDA GPU of
+    compute capability 9.0 or newer."""
     if not torch.cuda.is_available():
         return (
-            "FP8 expert GEMMs need a CUDA GPU of compute capability 9.0 or newer (H100, H200), and CUDA is not "
-            "available; moe.expert_precision = 'fp8_rowwise_emulated' computes the same numerics in fp32 here"
+            "FP8 expert GEMMs need a CUDA GPU of compute capability 9.0 or newer (H100, H200), "
+            "and CUDA is not available"
         )
     major, minor = torch.cuda.get_device_capability()
     if major < 9:
@@ -245,3 +244,12 @@ def fp8_unavailable_reason(precision: str) -> str | None:
             f"this GPU has {major}.{minor}"
         )
     return None
+
+
+def fp8_unavailable_reason(precision: str) -> str | None:
+    """Why ``moe.expert_precision = precision`` cannot compute on this machine (None: it can); without
+    CUDA it names the emulated precision that trains here."""
+    reason = fp8_gemms_unavailable_reason() if precision == "fp8_rowwise" else None
+    if reason is not None and not torch.cuda.is_available():
+        reason += "; moe.expert_precision = 'fp8_rowwise_emulated' computes the same numerics in fp32 here"
+    return reason
