@@ -114,6 +114,23 @@ def test_run_metadata_and_start_up_line_name_the_ep_transport_under_ep(monkeypat
     assert "ep_transport" not in run_metadata()
 
 
+def test_ep_options_set_for_a_run_without_ep_are_warned_of_with_where_they_were_set(monkeypatch, tmp_path, caplog):
+    toml = tmp_path / "ep.toml"
+    toml.write_text('[moe]\nep_transport = "all_to_all"\n')
+    without_ep = "has no effect: it applies only with parallelism.expert_parallel_degree > 1, and this run has 1"
+    with caplog.at_level(logging.WARNING):
+        parse("--toml", str(toml), "--moe.ep_receive_rows", "static", "--moe.align_size", "1")
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert f"{toml}:2: moe.ep_transport {without_ep}" in warnings
+    assert f"command line: moe.ep_receive_rows {without_ep}" in warnings
+    caplog.clear()
+    parse()  # the flavor's defaults ("auto", "exact") are no one's choice
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    parse("--toml", str(toml), "--parallelism.expert_parallel_degree", "2")
+    assert "applies only with parallelism.expert_parallel_degree" not in caplog.text
+
+
 @pytest.mark.parametrize(
     "cuda, interpreter, processes_per_host, chosen, why",
     [

@@ -6,6 +6,7 @@ dispatcher, Triton or one host where chosen, the parallel layout against the exp
 against the routed rows of a step. ``check_compute_backends_run_here`` refuses a backend this
 machine cannot run; ``resolve_auto_backend`` then replaces "auto" by the fastest backend here,
 and ``resolve_auto_ep_transport`` an "auto" EP transport by the one that runs fastest here.
+``warn_of_ep_options_without_ep`` warns of EP options set for a run without expert parallelism.
 """
 
 import shlex
@@ -135,6 +136,26 @@ def resolve_auto_ep_transport(config) -> None:
         else:
             why = symm_mem_unfit_reason(ep)
         logger.info(f"moe.ep_transport = 'auto' -> {choice!r} ({why})")
+
+
+EP_ONLY_OPTIONS = ("ep_transport", "ep_receive_rows")
+"""The dispatcher options that take effect only under expert parallelism."""
+
+
+@register_config_check
+def warn_of_ep_options_without_ep(config) -> None:
+    """Rank 0 warns of each ``EP_ONLY_OPTIONS`` key a TOML file or the command line set for a run
+    without expert parallelism, where it has no effect (not an error: one TOML file may serve runs
+    of several EP degrees). The flavors' defaults are not warned of."""
+    ep = config.parallelism.expert_parallel_degree
+    if ep > 1 or not is_rank_zero():
+        return
+    for field in EP_ONLY_OPTIONS:
+        if value_source(f"moe.{field}"):
+            logger.warning(
+                f"{option_key(field)} has no effect: it applies only with "
+                f"parallelism.expert_parallel_degree > 1, and this run has {ep}"
+            )
 
 
 def auto_choice_command(config) -> str:
