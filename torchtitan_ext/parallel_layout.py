@@ -7,6 +7,7 @@ takes the ranks the other degrees leave.
 
 import shlex
 import sys
+from collections.abc import Iterable
 
 
 def launch_command(nproc_per_node: int) -> str:
@@ -86,3 +87,14 @@ def layout_errors(parallelism, world: int) -> list[str]:
             "(EP borrows ranks from data-shard, context and tensor parallelism)"
         )
     return errors
+
+
+def expert_share_errors(expert_parallel_degree: int, num_experts: Iterable[int]) -> list[str]:
+    """Why the EP ranks cannot hold equal shares of the experts (empty list: they can): one line per
+    number of experts (of a MoE layer) that ``expert_parallel_degree`` does not divide."""
+    ep = expert_parallel_degree
+    return [
+        f"parallelism.expert_parallel_degree ({ep}) does not divide the number of experts ({experts})"
+        for experts in sorted(set(num_experts))
+        if experts % ep
+    ]

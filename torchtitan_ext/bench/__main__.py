@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from torchtitan.models.common.moe import MoE
 
 from torchtitan_ext.bench import expert_block, moe_layer, plot, trace
 from torchtitan_ext.bench.common import (
@@ -45,6 +46,7 @@ from torchtitan_ext.experiments.moe_backends import auto_backend
 from torchtitan_ext.experiments.moe_backends.dispatcher import PERMUTE_BACKENDS
 from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape
 from torchtitan_ext.experiments.moe_backends.experts import AUTO_BACKEND, BACKENDS, runnable_backends
+from torchtitan_ext.parallel_layout import expert_share_errors
 from torchtitan_ext.place_in_launch import world_size
 
 PROG = "python -m torchtitan_ext.bench"
@@ -462,6 +464,11 @@ def run_auto(parser, args, device, command) -> None:
     )
     if args.expert_parallel_degree is not None:
         config.parallelism.expert_parallel_degree = args.expert_parallel_degree
+    num_experts = (moe.num_experts for _, moe, _, _ in config.model_spec.model.traverse(MoE.Config))
+    if errors := expert_share_errors(config.parallelism.expert_parallel_degree, num_experts):
+        if args.expert_parallel_degree is None:
+            raise ConfigError("\n".join(errors))
+        parser.error(f"--expert-parallel-degree: {'; '.join(errors)}")
     refuse_full_size_on_cpu(
         "auto", {f"flavor {args.flavor}": config.model_spec.model.dim}, device, hint=TINY_FLAVORS_HINT
     )

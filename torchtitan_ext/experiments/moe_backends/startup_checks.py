@@ -17,7 +17,7 @@ from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.checks import register_config_check
 from torchtitan_ext.config.value_sources import resolved_from, value_source
 from torchtitan_ext.kernels.availability import triton_available_reason
-from torchtitan_ext.parallel_layout import degree_errors, layout_errors
+from torchtitan_ext.parallel_layout import degree_errors, expert_share_errors, layout_errors
 from torchtitan_ext.place_in_launch import is_rank_zero
 from torchtitan_ext.place_in_launch import world_size as launch_world_size
 from torchtitan_ext.validation import named
@@ -200,12 +200,7 @@ def parallelism_errors(config, moes: list[RoutedMoE.Config], world_size: int | N
     if errors := degree_errors(p, world):
         return errors
     errors = layout_errors(p, world)
-    ep = p.expert_parallel_degree
-    errors += [
-        f"parallelism.expert_parallel_degree ({ep}) does not divide the number of experts ({num_experts})"
-        for num_experts in sorted({moe.num_experts for moe in moes})
-        if num_experts % ep
-    ]
+    errors += expert_share_errors(p.expert_parallel_degree, (moe.num_experts for moe in moes))
     if p.tensor_parallel_degree > 1 and any(moe.aux_loss_coeff > 0 or moe.z_loss_coeff > 0 for moe in moes):
         errors.append("moe.aux_loss_coeff / moe.z_loss_coeff are not supported with tensor parallelism (tp > 1)")
     return errors
