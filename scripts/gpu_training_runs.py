@@ -290,28 +290,31 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
 NUMERICS_STEPS = 300
 NUMERICS_WINDOW = 20
 """Steps per window of the numerics suite's averaged comparison (step-to-step loss noise averages out)."""
-NUMERICS_FP8 = "olmoe grouped_mm fp8 compiled"
+NUMERICS_FP8 = ("olmoe grouped_mm fp8 compiled", "olmoe triton fp8 compiled")
+"""The numerics suite's FP8 runs, each compared with the band of its bf16 runs."""
 
 
 def numerics_runs(local_batch_size: int) -> list[list[Run]]:
-    """The bf16 implementations and FP8 experts, each alone on both GPUs, on ``markov_text``, compared
-    by ``loss_band``."""
+    """The bf16 implementations and FP8 experts (``grouped_mm``'s and ``triton``'s), each alone on both
+    GPUs, on ``markov_text``, compared by ``loss_band``."""
     args = [*full_size_args(local_batch_size, 2, NUMERICS_STEPS), "--data.dataset", MARKOV_TEXT]
     runs = [
         Run(STOCK_COMPILED, "olmoe-1b-7b-torchtitan-moe", 2, [*args, *COMPILE]),
         Run("olmoe grouped_mm compiled", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *ALL_TO_ALL, *COMPILE]),
         Run("olmoe triton compiled", "olmoe-1b-7b", 2, [*args, *TRITON, *ALL_TO_ALL, *COMPILE]),
-        Run(NUMERICS_FP8, "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *FP8, *ALL_TO_ALL, *COMPILE]),
+        Run(NUMERICS_FP8[0], "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *FP8, *ALL_TO_ALL, *COMPILE]),
+        Run(NUMERICS_FP8[1], "olmoe-1b-7b", 2, [*args, *TRITON, *FP8, *ALL_TO_ALL, *COMPILE]),
     ]
     return [[run] for run in runs]
 
 
-def loss_band(runs: list[Run], probe: str = NUMERICS_FP8, window: int = NUMERICS_WINDOW) -> dict | None:
-    """Where ``probe``'s losses lie against the band [min, max] of the other runs' at each step they
-    all logged, and of their means over consecutive windows of ``window`` steps: the steps (windows)
-    inside, and the largest distances above and below the band relative to its edge (above: a higher
-    loss; 0: never on that side). None when ``probe`` or fewer than two other runs logged losses."""
-    by_name = {run.name: run for run in runs if run.losses}
+def loss_band(runs: list[Run], probe: str, window: int = NUMERICS_WINDOW) -> dict | None:
+    """Where ``probe``'s losses lie against the band [min, max] of the other runs' (but the other FP8
+    runs of ``NUMERICS_FP8``) at each step they all logged, and of their means over consecutive windows
+    of ``window`` steps: the steps (windows) inside, and the largest distances above and below the band
+    relative to its edge (above: a higher loss; 0: never on that side). None when ``probe`` or fewer
+    than two band runs logged losses."""
+    by_name = {run.name: run for run in runs if run.losses and (run.name == probe or run.name not in NUMERICS_FP8)}
     if probe not in by_name or len(by_name) < 3:
         return None
     probe_losses = {int(step): loss for step, loss in by_name.pop(probe).losses.items()}
@@ -340,9 +343,9 @@ def loss_band(runs: list[Run], probe: str = NUMERICS_FP8, window: int = NUMERICS
     }
 
 
-def print_loss_band(band: dict | None) -> None:
+def print_loss_band(probe: str, band: dict | None) -> None:
     if band is None:
-        print("loss band: not enough runs logged losses")
+        print(f"{probe}: not enough runs logged losses for its loss band")
         return
     print(f"{band['probe']} against the band of {', '.join(band['band_of'])}:")
     for scope, counts in band.items():
@@ -630,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite != "tiny":
         print_throughput_summary(result["summary"])
     if args.suite == "numerics":
-        print_loss_band(result["loss_band"])
+        for probe, band in result["loss_bands"].items():
+            print_loss_band(probe, band)
     print("problems:" if problems else "all runs agree", *problems, sep="\n  ")
     return 1 if problems else 0
 
@@ -644,7 +648,7 @@ def last_line(text: str | None) -> str:
 def write_results(suite: str, machine: dict, runs: list[Run], skipped: dict, path: str) -> tuple[dict, list[str]]:
     """Write the suite's JSON to ``path``: ``machine`` (``environment()``, read once per suite), runs,
     skipped runs, problems (losses that disagree with each run's reference, runs that failed), but
-    for ``tiny`` the throughput summary, and for ``numerics`` the FP8 loss band; return it and the
+    for ``tiny`` the throughput summary, and for ``numerics`` each FP8 run's loss band; return it and the
     problems."""
     problems = compare_losses(runs)
     problems += [
@@ -660,7 +664,7 @@ def write_results(suite: str, machine: dict, runs: list[Run], skipped: dict, pat
     if suite != "tiny":
         result["summary"] = throughput_summary(runs)
     if suite == "numerics":
-        result["loss_band"] = loss_band(runs)
+        result["loss_bands"] = {probe: loss_band(runs, probe) for probe in NUMERICS_FP8}
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     return result, problems

@@ -79,3 +79,22 @@ def nested_configs(config: Trainer.Config, config_class: type[NestedConfig]) -> 
     """Every ``config_class`` config inside the flavor's model, in model order (torchtitan's
     ``traverse`` finds them, typed as any config)."""
     return [c for _, c, _, _ in model_config(config).traverse(config_class) if isinstance(c, config_class)]
+
+
+def tensors_saved_for_backward(compute, inputs: list[torch.Tensor], *args, **kwargs) -> list[tuple[str, torch.dtype]]:
+    """``compute(*inputs, *args, **kwargs)`` compiled (``aot_eager``, whole graph) and run forward once:
+    each tensor its graph saves for the backward as (which input it is, or "computed", and its dtype),
+    in a sorted list. The inputs are plain tensors, not parameters the partitioner may save for free,
+    as FSDP's gathered weights are."""
+    names = {t.untyped_storage().data_ptr(): f"input {i}" for i, t in enumerate(inputs)}
+    saved: list[tuple[str, torch.dtype]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append((names.get(t.untyped_storage().data_ptr(), "computed"), t.dtype))
+        return t
+
+    torch._dynamo.reset()
+    compiled = torch.compile(compute, fullgraph=True, backend="aot_eager")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        compiled(*inputs, *args, **kwargs)
+    return sorted(saved, key=str)

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from helpers import model_config, nested_configs
+from helpers import model_config, nested_configs, tensors_saved_for_backward
 from torchtitan.components.quantization.float8 import Float8GroupedExpertsConverter
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
@@ -160,6 +160,16 @@ def test_compiled_triton_fp8_experts_equal_eager():
         strict=True,
     ):
         assert relative_error(actual, expected) <= 1e-6, name
+
+
+def test_compiled_triton_fp8_experts_save_what_the_native_experts_save():
+    """No e4m3 weight copy is kept from the forward to the backward (FSDP frees the gathered weights
+    after the forward, not copies of them): the compiled graph saves the tensors the bf16 experts save."""
+    counts = COUNT_CASES["mixed_with_an_empty_expert"]
+    inputs = exactly_quantisable_expert_inputs(counts, 32, 48)
+    native = tensors_saved_for_backward(grouped_mm_experts, inputs, torch.tensor(counts))
+    fp8 = tensors_saved_for_backward(fp8_grouped_experts, inputs, torch.tensor(counts), emulated=False, gemm="triton")
+    assert fp8 == native
 
 
 def test_fp8_experts_differ_from_native_by_e4m3_rounding():

@@ -4,8 +4,10 @@ emulation in bf16, forward and every gradient, eager and compiled."""
 
 import pytest
 import torch
+from helpers import tensors_saved_for_backward
 
 from torchtitan_ext.bench.common import relative_error
+from torchtitan_ext.experiments.moe_backends.experts import grouped_mm_experts
 from torchtitan_ext.experiments.moe_backends.fp8_experts import (
     FP8_GEMMS,
     fp8_grouped_experts,
@@ -90,3 +92,13 @@ def test_the_triton_fp8_gemm_equals_torchs_scaled_grouped_mm():
     rows = int(offsets[-1])
     assert relative_error(outputs[1][:rows], outputs[0][:rows]) <= 1e-2
     assert not outputs[1][rows:].any()
+
+
+@pytest.mark.parametrize("gemm", FP8_GEMMS)
+def test_compiled_fp8_experts_save_what_the_native_experts_save(gemm):
+    """No e4m3 weight copy is kept from the forward to the backward (FSDP frees the gathered weights
+    after the forward, not copies of them)."""
+    inputs = expert_inputs(256, 128)
+    counts = torch.tensor(COUNTS, device="cuda")
+    native = tensors_saved_for_backward(grouped_mm_experts, inputs, counts)
+    assert tensors_saved_for_backward(fp8_grouped_experts, inputs, counts, emulated=False, gemm=gemm) == native

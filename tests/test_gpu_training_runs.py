@@ -342,7 +342,7 @@ def test_numerics_suite_trains_each_bf16_layer_and_fp8_for_300_steps_on_the_endl
         runs_module.STOCK_COMPILED,
         "olmoe grouped_mm compiled",
         "olmoe triton compiled",
-        runs_module.NUMERICS_FP8,
+        *runs_module.NUMERICS_FP8,
     ]
     for run in runs:
         config = parsed(run, monkeypatch)
@@ -350,7 +350,7 @@ def test_numerics_suite_trains_each_bf16_layer_and_fp8_for_300_steps_on_the_endl
         assert config.dataloader.dataset == "markov_text"
         assert run.reference is None, run.name
         precisions = {e.expert_precision for e in nested_configs(config, BackendGroupedExperts.Config)}
-        assert precisions <= {"fp8_rowwise" if run.name == runs_module.NUMERICS_FP8 else "native"}, run.name
+        assert precisions <= {"fp8_rowwise" if run.name in runs_module.NUMERICS_FP8 else "native"}, run.name
 
 
 def curve(name: str, losses: list[float]) -> Run:
@@ -371,6 +371,14 @@ def test_loss_band_counts_the_steps_and_windows_of_the_probe_inside_the_others_s
     assert band["windows_of_2"] == {"compared": 2, "inside": 2, "largest_rel_above": 0.0, "largest_rel_below": 0.0}
     assert runs_module.loss_band([low, probe], probe="fp8") is None
     assert runs_module.loss_band([low, high], probe="fp8") is None
+
+
+def test_each_fp8_runs_loss_band_is_the_bf16_runs_spread():
+    first, second = runs_module.NUMERICS_FP8
+    bf16 = [curve("a", [2.0, 1.0]), curve("b", [2.2, 1.2])]
+    fp8 = [curve(first, [2.1, 1.1]), curve(second, [9.0, 9.0])]
+    assert runs_module.loss_band([*bf16, *fp8], probe=first)["band_of"] == ["a", "b"]
+    assert runs_module.loss_band([*bf16, *fp8], probe=second)["steps"]["inside"] == 0
 
 
 def test_a_run_killed_after_training_completed_says_so_in_one_line():

@@ -108,8 +108,14 @@ def _quantize_columns_transposed_kernel(
 
 
 @torch.library.custom_op("torchtitan_ext::quantize_columns_transposed", mutates_args=())
-def quantize_columns_transposed(w_parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(module docstring) ``w_parts``: one or two [E, P, K] tensors of one dtype and E, K."""
+def quantize_columns_transposed(
+    w_parts: list[torch.Tensor], ordered_after: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(module docstring) ``w_parts``: one or two [E, P, K] tensors of one dtype and E, K.
+
+    ``ordered_after`` is never read: a compiled graph runs the op only once that tensor exists. The
+    backward passes the gradient the weight multiplies, so the partitioner cannot quantise in the
+    forward and keep the e4m3 copy until the backward (memory FSDP cannot free, unlike the weight)."""
     if not 1 <= len(w_parts) <= MAX_PARTS:
         raise ValueError(f"quantize_columns_transposed takes 1 to {MAX_PARTS} weight parts, got {len(w_parts)}")
     check_runnable(*w_parts)
@@ -138,7 +144,7 @@ def quantize_columns_transposed(w_parts: list[torch.Tensor]) -> tuple[torch.Tens
 
 
 @quantize_columns_transposed.register_fake
-def _(w_parts):
+def _(w_parts, ordered_after=None):
     experts, _, dim = w_parts[0].shape
     rows = sum(w.shape[1] for w in w_parts)
     values = w_parts[0].new_empty(experts, dim, rows, dtype=torch.float8_e4m3fn)

@@ -108,14 +108,18 @@ def scaled_grouped_gemm(
     return FP8_GEMMS[gemm](a_values, a_inverse, w_values_ENK, w_inverse_EN1, offsets_E, out_dtype)
 
 
-def quantize_stacked_columns(w_parts_EPK: list[torch.Tensor], *, emulated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_stacked_columns(
+    w_parts_EPK: list[torch.Tensor], *, emulated: bool, ordered_after: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The stack ``[w_parts]`` [E, N, K] quantised per (expert, column) along N, transposed: row-major
     e4m3 values [E, K, N] and inverse scales [E, K, 1] (the input gradient's weight operand). On the
-    GPU one Triton kernel (``kernels.fp8_quantize``); emulated, the same rule in plain torch."""
+    GPU one Triton kernel (``kernels.fp8_quantize``), computed after ``ordered_after`` exists (its
+    docstring); emulated, the same rule in plain torch, which a compiled graph may compute in the
+    forward and keep until the backward."""
     if emulated:
         values, inverse = quantize_rowwise(_stacked(w_parts_EPK).transpose(-2, -1))
         return row_major(values), inverse
-    return quantize_columns_transposed(w_parts_EPK)
+    return quantize_columns_transposed(w_parts_EPK, ordered_after)
 
 
 class Fp8GroupedLinear(torch.autograd.Function):
@@ -140,8 +144,8 @@ class Fp8GroupedLinear(torch.autograd.Function):
         grad_parts_RP = [row_major(grad) for grad in grad_parts_RP]
         grad_a = None
         if ctx.needs_input_grad[0]:
-            w_values, w_inverse = quantize_stacked_columns(w_parts_EPK, emulated=ctx.emulated)
             grad_RN = _stacked(grad_parts_RP)
+            w_values, w_inverse = quantize_stacked_columns(w_parts_EPK, emulated=ctx.emulated, ordered_after=grad_RN)
             grad_a = scaled_grouped_gemm(
                 grad_RN, w_values, w_inverse, offsets_E, a_RK.dtype, emulated=ctx.emulated, gemm=ctx.gemm
             )
