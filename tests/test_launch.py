@@ -58,6 +58,7 @@ def assert_one_startup_error(result: subprocess.CompletedProcess, message: str) 
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith(f"error: {message}"), lines[-5:]
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+    assert "closing signal" not in result.stderr and "exitcode" not in result.stderr, lines[-5:]
     assert sum(message in line for line in lines) == 1
 
 

@@ -91,10 +91,23 @@ class _WithoutCtrlCReports(logging.Filter):
         return self.PATTERN.match(record.getMessage()) is None
 
 
-TORCHRUN_CTRL_C_LOGGERS = (
+class _WithoutStartupFailureReports(logging.Filter):
+    """Drops torchrun's lines about a failed worker and the workers it stops, once a worker wrote its
+    start-up error to ``folder``: the launcher prints that error instead, once."""
+
+    def __init__(self, folder: str):
+        super().__init__()
+        self.folder = folder
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return next(Path(self.folder).glob("rank-*.txt"), None) is None
+
+
+TORCHRUN_WORKER_LOGGERS = (
     "torch.distributed.elastic.agent.server.api",
     "torch.distributed.elastic.multiprocessing.api",
 )
+"""torchrun's loggers of signals sent to the workers and of their failures."""
 
 
 def launch(args: list[str]) -> int:
@@ -107,9 +120,10 @@ def launch(args: list[str]) -> int:
     if not any(a.partition("=")[0] in RANK_FILTER_OPTIONS for a in launcher_args):
         launcher_args.append("--local-ranks-filter=0")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    for name in TORCHRUN_CTRL_C_LOGGERS:
-        logging.getLogger(name).addFilter(_WithoutCtrlCReports())
     with tempfile.TemporaryDirectory(prefix="moe-train-") as folder:
+        for name in TORCHRUN_WORKER_LOGGERS:
+            logging.getLogger(name).addFilter(_WithoutCtrlCReports())
+            logging.getLogger(name).addFilter(_WithoutStartupFailureReports(folder))
         os.environ[ERROR_FOLDER_ENV] = folder
         try:
             torchrun_main([*launcher_args, "-m", "torchtitan_ext.train", *train_args])
