@@ -35,8 +35,9 @@ per GPU (default 1: qwen3-30b-a3b's weights, gradients and AdamW state alone tak
 and layout), grouped_mm, and triton over each EP transport; losses of the first 10 steps within 2% of
 the baseline's. A run
 whose weights, gradients and optimizer state alone do not fit its GPUs' memory is skipped, and said so.
-Per run: losses, tokens/s, MFU, peak memory (rank 0's log) and the seconds from launch to the
-first step's log line; each run names the run it is compared with (``reference``). The JSON carries
+Per run: losses, tokens/s, MFU, peak memory (rank 0's log: reserved by the allocator, and allocated)
+and the seconds from launch to the first step's log line; each run names the run it is compared with
+(``reference``). The JSON carries
 the device, torch, triton and NCCL versions, the commit (``SOURCE_COMMIT`` where the tree has no
 git metadata) and, for every suite but ``tiny``, a summary row per run: median tokens/s and MFU of
 steps 5-20, the ratio to the stock compiled baseline, peak memory and seconds to the first step.
@@ -73,6 +74,8 @@ STEP_LINE = re.compile(
     r"step:\s+(?P<step>\d+)\s+loss:\s+(?P<loss>[0-9.]+).*?memory:\s+(?P<memory>[0-9.]+)GiB"
     r".*?tps:\s+(?P<tps>[0-9,]+)(?:.*?mfu:\s+(?P<mfu>[0-9.]+)%)?"
 )
+PEAK_MEMORY_LINE = re.compile(r"peak GPU memory:\s+(?P<allocated>[0-9.]+) GiB allocated")
+"""The run summary's line of rank 0's GPU memory peaks (``metrics.processor.run_summary_lines``)."""
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -94,7 +97,26 @@ class Run:
     tokens_per_second: dict[int, int] = field(default_factory=dict)
     mfu_percent: dict[int, float] = field(default_factory=dict)
     peak_memory_gib: float | None = None
+    """The largest ``memory`` of the step lines: what the caching allocator reserved (torchtitan's column)."""
+    peak_allocated_gib: float | None = None
+    """The most memory rank 0's tensors held at once (the run summary's line; None: not logged)."""
     error_tail: str | None = None
+
+
+def record_log_line(run: Run, line: str, seconds_since_launch: float) -> None:
+    """Take what one line of rank 0's log tells into ``run``: a step's loss, tokens/s, MFU and reserved
+    memory (and, at the first step, the seconds since the launch), or the run's allocated peak."""
+    if match := STEP_LINE.search(line):
+        step = int(match["step"])
+        if run.seconds_to_first_step is None:
+            run.seconds_to_first_step = round(seconds_since_launch, 1)
+        run.losses[step] = float(match["loss"])
+        run.tokens_per_second[step] = int(match["tps"].replace(",", ""))
+        if match["mfu"] is not None:
+            run.mfu_percent[step] = float(match["mfu"])
+        run.peak_memory_gib = max(run.peak_memory_gib or 0.0, float(match["memory"]))
+    elif match := PEAK_MEMORY_LINE.search(line):
+        run.peak_allocated_gib = float(match["allocated"])
 
 
 def launch(run: Run, device_ids: str, port: int, env: dict[str, str], timeout_s: float) -> Run:
@@ -129,16 +151,7 @@ def launch(run: Run, device_ids: str, port: int, env: dict[str, str], timeout_s:
     for raw_line in process.stdout:
         line = ANSI.sub("", raw_line)
         lines.append(line)
-        match = STEP_LINE.search(line)
-        if match:
-            step = int(match["step"])
-            if run.seconds_to_first_step is None:
-                run.seconds_to_first_step = round(time.monotonic() - started, 1)
-            run.losses[step] = float(match["loss"])
-            run.tokens_per_second[step] = int(match["tps"].replace(",", ""))
-            if match["mfu"] is not None:
-                run.mfu_percent[step] = float(match["mfu"])
-            run.peak_memory_gib = max(run.peak_memory_gib or 0.0, float(match["memory"]))
+        record_log_line(run, line, time.monotonic() - started)
     run.returncode = process.wait()
     watchdog.cancel()
     run.wall_seconds = round(time.monotonic() - started, 1)
@@ -436,7 +449,8 @@ def is_stock(run: Run) -> bool:
 def throughput_summary(runs: list[Run]) -> list[dict]:
     """Per run: median tokens/s per GPU and MFU of steps 5 on, the tokens/s ratio to the stock run it
     is compared with (a stock run compared with none is a baseline: 1.0; no stock reference in
-    ``runs``: None), peak memory and the seconds to the first step (compilation included)."""
+    ``runs``: None), peak memory (reserved, and allocated where logged) and the seconds to the first step
+    (compilation included)."""
     by_name = {run.name: run for run in runs}
     rows = []
     for run in runs:
@@ -450,6 +464,7 @@ def throughput_summary(runs: list[Run]) -> list[dict]:
                 "median_mfu_percent": median_mfu_percent(run),
                 "ratio_to_stock_compiled": round(tps / stock_tps, 3) if tps and stock_tps else None,
                 "peak_memory_gib": run.peak_memory_gib,
+                "peak_allocated_gib": run.peak_allocated_gib,
                 "seconds_to_first_step": run.seconds_to_first_step,
             }
         )
@@ -462,7 +477,8 @@ def print_throughput_summary(rows: list[dict]) -> None:
         versus_stock = f"{ratio:.2f}x torchtitan's MoE compiled" if ratio else "no ratio"
         print(
             f"  {row['name']}: median {row['median_tokens_per_second']} tokens/s per GPU, {versus_stock}, "
-            f"MFU {row['median_mfu_percent']}%, peak {row['peak_memory_gib']} GiB, "
+            f"MFU {row['median_mfu_percent']}%, peak {row['peak_memory_gib']} GiB reserved "
+            f"({row.get('peak_allocated_gib')} allocated), "
             f"first step after {row['seconds_to_first_step']} s"
         )
 

@@ -394,3 +394,22 @@ def test_a_run_killed_after_training_completed_says_so_in_one_line():
     run.returncode, run.error_tail = -9, tail
     _, problems = runs_module.write_results("full", {}, [run], {}, os.devnull)
     assert problems == [f"grouped_mm: exit code -9: {tail}"]
+
+
+def test_rank_zeros_log_lines_fill_the_run():
+    run = Run("r", "olmoe-1b-7b", 2, [])
+    steps = [
+        "step:  1  loss: 10.8323  grad_norm: 3.1  memory: 61.20GiB(77.3%)  tps: 4,101  tflops: 80.1  mfu: 8.10%",
+        "step:  2  loss:  9.5000  grad_norm: 2.9  memory: 63.55GiB(80.2%)  tps: 12,334  tflops: 98.2  mfu: 9.93%",
+    ]
+    runs_module.record_log_line(run, steps[0], 41.26)
+    runs_module.record_log_line(run, steps[1], 43.0)
+    runs_module.record_log_line(
+        run,
+        "[titan]   peak GPU memory:   58.31 GiB allocated, 63.55 GiB reserved by the caching allocator (this rank)",
+        50,
+    )
+    assert run.seconds_to_first_step == 41.3 and run.losses == {1: 10.8323, 2: 9.5}
+    assert run.tokens_per_second == {1: 4101, 2: 12334} and run.mfu_percent == {1: 8.1, 2: 9.93}
+    assert run.peak_memory_gib == 63.55 and run.peak_allocated_gib == 58.31
+    assert runs_module.throughput_summary([run])[0]["peak_allocated_gib"] == 58.31

@@ -254,6 +254,25 @@ def test_run_summary_lines():
     assert nothing[0] == "run summary: 0 steps run, no loss logged, wall time 0.0 s" and len(nothing) == 3
 
 
+def test_the_run_summary_gives_the_gpu_memory_peaks_of_the_whole_run(monkeypatch):
+    """torchtitan resets the allocator's peaks at every logged step: the run's peaks are the largest of
+    each interval's, allocated and reserved apart."""
+    intervals = iter([(5, 8), (7, 7), (6, 9)])
+
+    def memory_stats():
+        allocated, reserved = next(intervals)
+        return {"active_bytes.all.peak": allocated * 2**30, "reserved_bytes.all.peak": reserved * 2**30}
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", memory_stats)
+    progress = RunProgress()
+    for _ in range(3):
+        progress.record_gpu_memory_peaks()
+    lines = run_summary_lines(progress, output_folder="/out", checkpoint_folder=None, wandb_run=None, wall_seconds=1.0)
+    assert (
+        lines[-1] == "  peak GPU memory:   7.00 GiB allocated, 9.00 GiB reserved by the caching allocator (this rank)"
+    )
+
+
 def test_wandb_run_location_of_a_live_offline_run(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb", reason=WANDB_MISSING)
 

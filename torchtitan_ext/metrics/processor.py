@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from torchtitan.components.metrics import (
     BaseLogger,
@@ -98,11 +99,24 @@ class RunProgress:
     last_step: int | None = None
     first_loss: tuple[int, float] | None = None
     last_loss: tuple[int, float] | None = None
+    peak_allocated_bytes: int | None = None
+    """The most GPU memory this rank's tensors held at once (None: no GPU)."""
+    peak_reserved_bytes: int | None = None
+    """The most GPU memory this rank's caching allocator held at once, what torchtitan's step line
+    reports as ``memory`` (allocated plus cached, fragmentation included)."""
 
     def record_loss(self, step: int, loss: float) -> None:
         if self.first_loss is None:
             self.first_loss = (step, loss)
         self.last_loss = (step, loss)
+
+    def record_gpu_memory_peaks(self) -> None:
+        """Fold the CUDA allocator's peaks since its last reset into the run's; torchtitan resets them at
+        every logged step, so calling this before each reset and at the end covers the whole run."""
+        stats = torch.cuda.memory_stats()
+        allocated, reserved = stats.get("active_bytes.all.peak", 0), stats.get("reserved_bytes.all.peak", 0)
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes or 0, allocated)
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes or 0, reserved)
 
 
 def run_summary_lines(
@@ -113,7 +127,8 @@ def run_summary_lines(
     wandb_run: WandbRunLocation | None,
     wall_seconds: float,
 ) -> list[str]:
-    """Closing summary: steps, loss, wall time, and where outputs, checkpoints and wandb went.
+    """Closing summary: steps, loss, wall time, the GPU memory peaks (when recorded), and where outputs,
+    checkpoints and wandb went.
 
     ``checkpoint_folder`` is None when checkpointing is off.
     """
@@ -135,6 +150,11 @@ def run_summary_lines(
         "  checkpoint folder: "
         + (os.path.abspath(checkpoint_folder) if checkpoint_folder else "none (checkpoint.enable is false)"),
     ]
+    if progress.peak_allocated_bytes is not None and progress.peak_reserved_bytes is not None:
+        lines.append(
+            f"  peak GPU memory:   {progress.peak_allocated_bytes / 2**30:.2f} GiB allocated, "
+            f"{progress.peak_reserved_bytes / 2**30:.2f} GiB reserved by the caching allocator (this rank)"
+        )
     if wandb_run is not None:
         lines.append(f"  wandb run:         {wandb_run.describe()}")
     return lines
@@ -313,6 +333,8 @@ class MoEMetricsProcessor(MetricsProcessor):
             moe_line = moe_console_line(scalars)
         self._progress.last_step = step
         self._progress.record_loss(step, global_avg_loss)
+        if not self._on_cpu:
+            self._progress.record_gpu_memory_peaks()
         with self._gpu_only_columns_hidden():
             super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
         if moe_line is not None:
@@ -338,6 +360,8 @@ class MoEMetricsProcessor(MetricsProcessor):
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank != 0 and self._wandb_run is None:
             return
+        if not self._on_cpu:
+            self._progress.record_gpu_memory_peaks()
         for line in run_summary_lines(
             self._progress,
             output_folder=self._output_folder,
