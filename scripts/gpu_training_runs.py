@@ -507,6 +507,9 @@ def compare_losses(runs: list[Run]) -> list[str]:
 
 
 def environment() -> dict:
+    """The machine and versions every run of the suite shares, with the CUDA caching allocator's settings
+    the runs inherit (``PYTORCH_ALLOC_CONF``, or its older name; None: the allocator's defaults, where
+    torchtitan's own launch script sets ``expandable_segments:True``)."""
     return {
         "device": torch.cuda.get_device_name(0),
         "gpus": torch.cuda.device_count(),
@@ -515,6 +518,7 @@ def environment() -> dict:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())),
         "commit": source_commit(),
         "date": date.today().isoformat(),
+        "allocator_settings": os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF")),
     }
 
 
