@@ -246,6 +246,16 @@ QUICK_ANSWERS = {
         f"--nproc_per_node 2: torchrun options come first, before the training arguments: "
         f"python -m torchtitan_ext.train --nproc_per_node 2 --flavor {TINY}",
     ),
+    "repeated option": (
+        [*FLAVOR_ARGS, "--training.steps", "3", "--training.steps=4"],
+        2,
+        "--training.steps is given twice (3, 4): give it once",
+    ),
+    "repeated torchrun option": (
+        ["--nproc_per_node=2", "--nproc-per-node", "2", *FLAVOR_ARGS],
+        2,
+        "--nproc_per_node is given twice (2, 2): give it once",
+    ),
 }
 
 
@@ -322,6 +332,18 @@ def test_the_checks_before_torch_name_every_unknown_key_of_every_file_and_the_co
         ([], "[training]\nstepz = 3\n[model]\ndim = 5\ntraining = 3\n"),
         ([], "[training\n"),
         (["--toml"], None),
+        (
+            [
+                "--training.steps",
+                "3",
+                "--moe.compute-backend=for_loop",
+                "--training.steps=4",
+                "--moe.compute_backend",
+                "for_loop",
+            ],
+            None,
+        ),
+        (["--compile.enable", "--training.stesp", "3", "--compile.no-enable"], None),
     ],
 )
 def test_the_checks_before_torch_say_what_the_run_would(tmp_path, args, toml):
@@ -335,3 +357,98 @@ def test_the_checks_before_torch_say_what_the_run_would(tmp_path, args, toml):
     with pytest.raises(ConfigError) as error:
         parse(*args)
     assert quick and "\n".join(quick) == str(error.value)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--moe.compute_backend", "triton", "--moe.compute_backend", "grouped_mm"],
+            "--moe.compute_backend is given twice (triton, grouped_mm)",
+        ),
+        (["--training.steps", "5", "--training.steps=10"], "--training.steps is given twice (5, 10)"),
+        (
+            ["--training.local-batch-size=2", "--training.local_batch_size", "2"],
+            "--training.local_batch_size is given twice (2, 2)",
+        ),
+        (["--moe.top-k", "1", "--moe.top_k=2"], "--moe.top_k is given twice (1, 2)"),
+        (
+            ["--model.layers.0.moe.router.top_k=1", "--model.layers.0.moe.router.top-k", "1"],
+            "--model.layers.0.moe.router.top_k is given twice (1, 1)",
+        ),
+        (["--compile.enable", "--compile.enable"], "--compile.enable is given twice (true, true)"),
+        (["--compile.enable", "--compile.no-enable"], "--compile.enable is given twice (true, false)"),
+        (
+            ["--training.seed", "1", "--training.seed=2", "--training.seed", "3"],
+            "--training.seed is given 3 times (1, 2, 3)",
+        ),
+        (["--flavor=tiny-moe-for-loop"], f"--flavor is given twice ({TINY}, tiny-moe-for-loop)"),
+    ],
+)
+def test_a_key_given_twice_is_refused_naming_its_values(capsys, args, message):
+    code = main([*FLAVOR_ARGS, *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err == f"error: command line: {message}: give it once\n"
+
+
+def test_repeated_keys_are_listed_with_the_other_errors(tmp_path, capsys):
+    toml = tmp_path / "a.toml"
+    toml.write_text("[training]\nstepz = 3\n")
+    args = [*FLAVOR_ARGS, "--toml", str(toml), "--training.steps", "5", "--moe.compute_backend", "triton"]
+    args += ["--training.stesp", "1", "--training.steps=10", "--moe.compute-backend=grouped_mm"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1, err
+    lines = err.removeprefix("error: ").splitlines()
+    assert [line.split(" unknown ")[0] for line in lines[:2]] == [f"{toml}:2:", "command line:"], lines
+    assert lines[2:] == [
+        "command line: --training.steps is given twice (5, 10): give it once",
+        "command line: --moe.compute_backend is given twice (triton, grouped_mm): give it once",
+    ]
+
+
+def test_a_torchrun_option_given_twice_is_refused_before_torchrun_starts(monkeypatch, capsys):
+    import torchtitan_ext.train
+
+    monkeypatch.setattr(torchtitan_ext.train, "launch", lambda args: pytest.fail("torchrun was started"))
+    code = main(
+        [
+            "--nproc_per_node=2",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "1",
+            *FLAVOR_ARGS,
+            "--training.steps",
+            "1",
+            "--training.steps",
+            "1",
+        ]
+    )
+    assert code == 2
+    assert capsys.readouterr().err == (
+        "error: command line: --nproc_per_node is given twice (2, 1): give it once\n"
+        "command line: --training.steps is given twice (1, 1): give it once\n"
+    )
+
+
+def test_a_toml_key_set_once_on_the_command_line_and_the_values_of_a_list_key_are_no_repeat(tmp_path):
+    from torchtitan_ext.command_facts import command_facts
+    from torchtitan_ext.train import argument_errors
+
+    files = []
+    for name, steps in (("a.toml", 7), ("b.toml", 8)):
+        (tmp_path / name).write_text(f'[training]\nsteps = {steps}\n[moe]\ncompute_backend = "for_loop"\n')
+        files += ["--toml", str(tmp_path / name)]
+    fqns = ["tok_embeddings,layers.0", "layers.1,norm,output"]
+    args = [*files, "--training.steps", "11", "--moe.compute_backend", "grouped_mm"]
+    args += ["--parallelism.module_fqns_per_model_part", *fqns, "--compile.components", "model"]
+    assert argument_errors([*FLAVOR_ARGS, *args], command_facts()) == []
+    config = parse(*args)
+    assert config.training.steps == 11
+    assert {e.compute_backend for _, e, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)} == {
+        "grouped_mm"
+    }
+    assert config.parallelism.module_fqns_per_model_part == [fqn.split(",") for fqn in fqns]
+    assert config.compile.components == ["model"]

@@ -4,9 +4,10 @@
     torchrun --nproc_per_node=2 -m torchtitan_ext.train --flavor tiny-moe-grouped-mm
     python -m torchtitan_ext.train --flavor tiny-moe-for-loop --toml my.toml --training.steps 20
 
-Precedence: command line > TOML files (later wins) > flavor defaults. ``--help``, a missing or
-unknown flavor, an unknown option and a torchrun option placed after the training arguments are
-answered from the cached command facts (``command_facts``) before torch is imported; everything
+Precedence: command line > TOML files (later wins) > flavor defaults; a key given twice on the
+command line is an error. ``--help``, a missing or unknown flavor, an unknown or repeated option and
+a torchrun option placed after the training arguments are answered from the cached command facts
+(``command_facts``) before torch is imported and before torchrun starts any process; everything
 else is checked once the config is built (``run_training``), before any process group or model.
 Configuration errors exit with code 2.
 """
@@ -21,6 +22,7 @@ from torchtitan_ext.config.command_line import (
     COMMAND_LINE,
     FLAVOR_REQUIRED,
     command_line_errors,
+    launcher_option_errors,
     split_override_args,
     split_project_args,
 )
@@ -45,8 +47,8 @@ options:
   --help-torchtitan    with --flavor: list every torchtitan option for that flavor
   -h, --help           show this help
 
-Every short key (below) and any torchtitan option is accepted after these and wins over
-the TOML files, e.g. --moe.compute_backend for_loop --parallelism.ep 2 --training.steps 20.
+Every short key (below) and any torchtitan option is accepted after these, once each, and wins
+over the TOML files, e.g. --moe.compute_backend for_loop --parallelism.ep 2 --training.steps 20.
 """
 
 
@@ -86,13 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         print(command_facts().short_keys_help)
         return 0
-    launcher = wants_launcher(args)
-    if errors := argument_errors(split_launcher_args(args)[1] if launcher else args, command_facts()):
+    facts = command_facts()
+    launcher_args, train_args = split_launcher_args(args) if wants_launcher(args) else ([], args)
+    if errors := [*launcher_option_errors(launcher_args, facts.torchrun_options), *argument_errors(train_args, facts)]:
         message = "\n".join(errors)
         if not report_startup_error(message) and is_rank_zero():
             print(f"error: {message}", file=sys.stderr)
         return 2
-    if launcher:
+    if launcher_args:
         return launch(args)
     from torchtitan_ext.run_training import run
 

@@ -1,7 +1,9 @@
 """``--name value`` options taken out of a command line: the one splitter of the train entry's
 ``--flavor``/``--toml`` and of the keys the project's overrides set (short keys such as
-``--training.lr 1e-3``, and ``--model.*``), which win over the TOML files."""
+``--training.lr 1e-3``, and ``--model.*``), which win over the TOML files; and what the options of
+a command line cannot be: unknown, misplaced (torchrun's) or given twice."""
 
+import itertools
 import shlex
 from collections.abc import Callable, Collection
 from typing import Any
@@ -77,14 +79,39 @@ def split_override_args(args: list[str]) -> tuple[dict[str, Any], list[str]]:
     return overrides, rest
 
 
+def repeated_option_errors(args: list[str], key_of: Callable[[str], str | None]) -> list[str]:
+    """An error for each key that options of ``args`` set more than once, naming the values in order;
+    ``key_of(arg)`` is the key the option ``arg`` (``--NAME`` or ``--NAME=VALUE``) sets, None for an
+    argument not to count. The value of an option is the text after ``=``, else the arguments up to
+    the next ``--`` option (all of a list-valued key's values), else true (false for a switch
+    ``--a.no_b`` whose key is ``a.b``)."""
+    given: dict[str, list[str]] = {}
+    for i, arg in enumerate(args):
+        if (key := key_of(arg)) is None:
+            continue
+        name, has_inline, inline = arg.partition("=")
+        following = list(itertools.takewhile(lambda a: not a.startswith("--"), args[i + 1 :]))
+        switched_on = name[2:].replace("-", "_") == key
+        value = inline if has_inline else " ".join(following) if following else str(switched_on).lower()
+        given.setdefault(key, []).append(value)
+    return [
+        f"{COMMAND_LINE}: --{key} is given {'twice' if len(values) == 2 else f'{len(values)} times'} "
+        f"({', '.join(values)}): give it once"
+        for key, values in given.items()
+        if len(values) > 1
+    ]
+
+
 PROJECT_OPTIONS = ("--flavor", "--toml")
-"""The train entry's own options; short keys and torchtitan's options follow them."""
+"""The train entry's own options; short keys and torchtitan's options follow them. ``--toml`` is
+meant to be repeated (later files win)."""
 
 FLAVOR_REQUIRED = "--flavor is required (list flavors: python -m torchtitan_ext.flavors)"
 
 
 def split_project_args(args: list[str]) -> tuple[str | None, list[str], list[str]]:
-    """Take ``--flavor`` and ``--toml`` out of ``args``: (flavor, toml files, the rest)."""
+    """Take ``--flavor`` and ``--toml`` out of ``args``: (flavor, toml files, the rest). ``--flavor``
+    given twice is refused here, alone: the flavor decides which keys the rest may set."""
     taken, rest = take_options(args, lambda name: name if name in PROJECT_OPTIONS else None)
     flavor, tomls = None, []
     for option, value in taken:
@@ -94,6 +121,8 @@ def split_project_args(args: list[str]) -> tuple[str | None, list[str], list[str
             flavor = value
         else:
             tomls.append(value)
+    if repeated := repeated_option_errors(args, lambda arg: "flavor" if arg.partition("=")[0] == "--flavor" else None):
+        raise ConfigError(repeated[0])
     return flavor, tomls, rest
 
 
@@ -109,10 +138,27 @@ def option_key(arg: str, known: set[str]) -> str | None:
 
 def command_line_errors(keys: list[str], args: list[str], torchrun_options: dict[str, bool]) -> list[str]:
     """The options of the training arguments ``args`` that cannot be: torchrun options placed among them
-    (``misplaced_torchrun_options``), then options that name none of the settable ``keys``."""
+    (``misplaced_torchrun_options``), options that name none of the settable ``keys``, then keys given
+    more than once (``repeated_option_errors``; a key of the TOML files set once here is no repeat)."""
     flavor_and_files_out = split_project_args(args)[2]
     misplaced = misplaced_torchrun_options(args, torchrun_options)
-    return [*([misplaced] if misplaced else []), *unknown_option_errors(keys, flavor_and_files_out, torchrun_options)]
+    known = set(keys)
+    return [
+        *([misplaced] if misplaced else []),
+        *unknown_option_errors(keys, flavor_and_files_out, torchrun_options),
+        *repeated_option_errors(
+            flavor_and_files_out, lambda arg: override_key(arg.partition("=")[0]) or option_key(arg, known)
+        ),
+    ]
+
+
+def launcher_option_errors(launcher_args: list[str], torchrun_options: dict[str, bool]) -> list[str]:
+    """torchrun options of the leading ``launcher_args`` given more than once; torchrun reads ``-`` and
+    ``_`` in a name as the same option (``--nproc-per-node``, ``--nproc_per_node``)."""
+    return repeated_option_errors(
+        launcher_args,
+        lambda arg: name[2:].replace("-", "_") if (name := arg.partition("=")[0]) in torchrun_options else None,
+    )
 
 
 def unknown_option_errors(keys: list[str], args: list[str], torchrun_options: Collection[str]) -> list[str]:
