@@ -478,7 +478,7 @@ def print_throughput_summary(rows: list[dict]) -> None:
         print(
             f"  {row['name']}: median {row['median_tokens_per_second']} tokens/s per GPU, {versus_stock}, "
             f"MFU {row['median_mfu_percent']}%, peak {row['peak_memory_gib']} GiB reserved "
-            f"({row.get('peak_allocated_gib')} allocated), "
+            f"({row['peak_allocated_gib']} allocated), "
             f"first step after {row['seconds_to_first_step']} s"
         )
 
