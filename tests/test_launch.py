@@ -10,11 +10,16 @@ import time
 import pytest
 import torch
 
+from torchtitan_ext import train
 from torchtitan_ext.launch import (
+    ALLOCATOR_DEFAULT,
+    ALLOCATOR_ENV,
     ERROR_FOLDER_ENV,
     INTERRUPTED_EXIT_CODE,
+    allocator_settings,
     first_startup_error,
     report_startup_error,
+    set_allocator_default,
     split_launcher_args,
 )
 
@@ -26,6 +31,46 @@ def test_leading_torchrun_options_are_split_from_training_arguments():
     assert launcher == ["--nproc_per_node=2", "--nnodes", "1", "--standalone"]
     assert rest == ["--flavor", "tiny-moe-grouped-mm", "--nnodes", "3"]
     assert split_launcher_args(["--flavor", "x", "--nproc_per_node=2"]) == ([], ["--flavor", "x", "--nproc_per_node=2"])
+
+
+@pytest.mark.parametrize(
+    ("environ", "settings"),
+    [
+        ({}, ALLOCATOR_DEFAULT),
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, "expandable_segments:False"),
+        ({"PYTORCH_ALLOC_CONF": ""}, ""),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, "max_split_size_mb:512"),
+        ({"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.8", "PYTORCH_CUDA_ALLOC_CONF": "x"}, None),
+    ],
+    ids=["unset", "set", "set to nothing", "older name", "both names"],
+)
+def test_the_allocator_default_applies_only_where_the_environment_names_no_settings(environ, settings):
+    given = dict(environ)
+    set_allocator_default(environ)
+    if settings is None:  # torch reads PYTORCH_ALLOC_CONF first
+        assert environ == given and allocator_settings(environ) == "garbage_collection_threshold:0.8"
+        return
+    assert allocator_settings(environ) == settings
+    assert environ == (given or {"PYTORCH_ALLOC_CONF": ALLOCATOR_DEFAULT})
+
+
+@pytest.mark.parametrize("launcher", [[], ["--nproc_per_node=2"]], ids=["one process", "torchrun"])
+def test_the_train_entry_sets_the_allocator_default_before_it_trains_or_launches(monkeypatch, launcher):
+    """Both ways the train entry trains start with the default in the environment torch and the
+    processes torchrun starts read."""
+    for name in ALLOCATOR_ENV:
+        monkeypatch.setenv(name, "")  # recorded, so that the end of the test restores the variables
+        monkeypatch.delenv(name)
+    seen = []
+
+    def record(args):
+        seen.append(allocator_settings())
+        return 0
+
+    monkeypatch.setattr(train, "launch", record)
+    monkeypatch.setattr("torchtitan_ext.run_training.run", record)
+    assert train.main([*launcher, "--flavor", "tiny-moe-grouped-mm"]) == 0
+    assert seen == [ALLOCATOR_DEFAULT]
 
 
 cpu_runs = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo runs: two processes need two GPUs")

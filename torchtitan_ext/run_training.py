@@ -38,7 +38,13 @@ from torchtitan_ext.config.command_line import (
 )
 from torchtitan_ext.config.toml_files import toml_value
 from torchtitan_ext.config.value_sources import forget_value_sources, record_resolved_from, record_value_sources
-from torchtitan_ext.launch import INTERRUPTED_EXIT_CODE, report_startup_error, under_this_launcher
+from torchtitan_ext.launch import (
+    ALLOCATOR_DEFAULT,
+    INTERRUPTED_EXIT_CODE,
+    allocator_settings,
+    report_startup_error,
+    under_this_launcher,
+)
 from torchtitan_ext.metrics.metadata import record_run_metadata, run_metadata
 from torchtitan_ext.metrics.processor import close_interrupted_runs
 from torchtitan_ext.place_in_launch import in_launch, is_rank_zero
@@ -148,6 +154,11 @@ class FlavorConfigManager(ConfigManager):
                 logger.info(
                     f"CPU: {torch.get_num_threads()} thread(s) per process, OMP_NUM_THREADS="
                     f"{os.environ.get('OMP_NUM_THREADS')} (1 when it is unset, as torchrun gives each process)"
+                )
+            else:
+                logger.info(
+                    f"CUDA caching allocator: {allocator_settings() or 'torch defaults'} (PYTORCH_ALLOC_CONF; "
+                    f"{ALLOCATOR_DEFAULT} when it is unset)"
                 )
             for note in startup_notes(config):
                 logger.info(note)

@@ -28,7 +28,13 @@ from torchtitan_ext.config.command_line import (
 )
 from torchtitan_ext.config.names import unknown_flavor_message
 from torchtitan_ext.config.toml_files import read_toml
-from torchtitan_ext.launch import launch, report_startup_error, split_launcher_args, wants_launcher
+from torchtitan_ext.launch import (
+    launch,
+    report_startup_error,
+    set_allocator_default,
+    split_launcher_args,
+    wants_launcher,
+)
 from torchtitan_ext.place_in_launch import is_rank_zero
 from torchtitan_ext.stdout_pipe import until_the_reader_stops
 
@@ -95,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         if not report_startup_error(message) and is_rank_zero():
             print(f"error: {message}", file=sys.stderr)
         return 2
+    set_allocator_default()
     if launcher_args:
         return launch(args)
     from torchtitan_ext.run_training import run
