@@ -23,11 +23,12 @@ from torchtitan_ext.experiments.moe_backends.fp8_experts import (
     quantize_dequantize,
     quantize_rowwise,
     quantize_stacked_columns,
+    quantize_stacked_rows,
     reference_fp8_experts,
 )
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config, with_expert_precision
 from torchtitan_ext.kernels.fp8_grouped_gemm import fp8_grouped_gemm
-from torchtitan_ext.kernels.fp8_quantize import quantize_columns_transposed
+from torchtitan_ext.kernels.fp8_quantize import quantize_columns_transposed, quantize_rows
 from torchtitan_ext.registry import Flavor, get_flavor
 from torchtitan_ext.run_training import FlavorConfigManager
 
@@ -99,11 +100,29 @@ def test_the_column_quantisation_kernel_is_the_plain_torch_rule_transposed(part_
     assert torch.equal(values.float() * inverse, torch.cat(parts, dim=1).transpose(-2, -1))  # nothing rounded
 
 
-def test_the_column_quantisation_kernel_refuses_mismatched_parts():
+@pytest.mark.parametrize(
+    "part_shapes",
+    [[(3, 40, 70)], [(2, 24, 33), (2, 75, 33)], [(2, 5, 5000)]],
+    ids=["one_part_masked_row", "gate_and_up_rows_of_both_in_one_program", "one_row_per_program"],
+)
+def test_the_row_quantisation_kernel_is_the_plain_torch_rule(part_shapes):
+    parts = [exactly_quantisable(shape, seed) for seed, shape in enumerate(part_shapes)]
+    parts[0][1, 2] = 0  # a row of zeros: scaled as SMALLEST_AMAX, values zero
+    values, inverse = quantize_rows(parts)
+    expected_values, expected_inverse = quantize_stacked_rows(parts, emulated=True)
+    stacked_rows = sum(shape[1] for shape in part_shapes)
+    assert values.shape == (part_shapes[0][0], stacked_rows, part_shapes[0][2]) and values.is_contiguous()
+    assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
+    assert torch.equal(inverse, expected_inverse)
+    assert torch.equal(values.float() * inverse, torch.cat(parts, dim=1))  # nothing rounded
+
+
+@pytest.mark.parametrize("quantize", [quantize_columns_transposed, quantize_rows])
+def test_the_weight_quantisation_kernels_refuse_mismatched_parts(quantize):
     with pytest.raises(ValueError, match="differ in E, K or dtype"):
-        quantize_columns_transposed([torch.ones(2, 4, 8), torch.ones(2, 4, 16)])
+        quantize([torch.ones(2, 4, 8), torch.ones(2, 4, 16)])
     with pytest.raises(ValueError, match="1 to 2 weight parts"):
-        quantize_columns_transposed([torch.ones(2, 4, 8)] * 3)
+        quantize([torch.ones(2, 4, 8)] * 3)
 
 
 @pytest.mark.parametrize("case", COUNT_CASES)
@@ -203,14 +222,20 @@ def test_compiled_fp8_experts_equal_eager():
     ids=["grouped_mm", "triton"],
 )
 def test_a_layer_built_with_fp8_computes_in_fp8(backend, precision):
-    """The layer's experts compute in FP8 (Triton's kernels in the interpreter here): e4m3 rounding away
-    from the native layer, and the same numbers as the emulation."""
+    """The layer's experts compute in FP8 (Triton's kernels in the interpreter here, on
+    ``exactly_quantisable`` weights): e4m3 rounding away from the native layer, and the same numbers
+    as the emulation."""
     shape = {"dim": 32, "hidden_dim": 48, "num_experts": 4, "top_k": 2}
     native = seeded_layer(moe_layer_config(compute_backend=backend, **shape))
     fp8 = seeded_layer(with_expert_precision(moe_layer_config(compute_backend=backend, **shape), precision))
     emulated = seeded_layer(
         with_expert_precision(moe_layer_config(compute_backend="grouped_mm", **shape), "fp8_rowwise_emulated")
     )
+    for layer in (native, fp8, emulated):
+        experts = layer.routed_experts.inner_experts
+        with torch.no_grad():
+            for seed, weight in enumerate((experts.w1_EFD, experts.w2_EDF, experts.w3_EFD)):
+                weight.copy_(exactly_quantisable(weight.shape, seed) / 8)
     x = torch.randn(2, 8, 32)
     assert f"compute_backend={backend}, expert_precision={precision}" in repr(fp8)
     assert 1e-3 < relative_error(fp8(x), native(x)) < 0.15

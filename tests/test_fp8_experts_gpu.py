@@ -14,9 +14,10 @@ from torchtitan_ext.experiments.moe_backends.fp8_experts import (
     fp8_unavailable_reason,
     quantize_rowwise,
     quantize_stacked_columns,
+    quantize_stacked_rows,
     reference_fp8_experts,
 )
-from torchtitan_ext.kernels.fp8_quantize import quantize_columns_transposed
+from torchtitan_ext.kernels.fp8_quantize import quantize_columns_transposed, quantize_rows
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,6 +76,20 @@ def test_the_column_quantisation_kernel_rounds_as_torch(part_shapes):
     parts = [torch.randn(*shape, generator=generator).to("cuda", torch.bfloat16) for shape in part_shapes]
     values, inverse = quantize_columns_transposed(parts)
     expected_values, expected_inverse = quantize_stacked_columns(parts, emulated=True)
+    assert torch.equal(inverse, expected_inverse)
+    assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "part_shapes",
+    [[(8, 200, 72)], [(16, 768, 2048), (16, 768, 2048)], [(4, 40, 14336)]],
+    ids=["masked", "gate_up", "one_row_per_program"],
+)
+def test_the_row_quantisation_kernel_rounds_as_torch(part_shapes):
+    generator = torch.Generator().manual_seed(0)
+    parts = [torch.randn(*shape, generator=generator).to("cuda", torch.bfloat16) for shape in part_shapes]
+    values, inverse = quantize_rows(parts)
+    expected_values, expected_inverse = quantize_stacked_rows(parts, emulated=True)
     assert torch.equal(inverse, expected_inverse)
     assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
 

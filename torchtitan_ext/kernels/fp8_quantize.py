@@ -1,8 +1,17 @@
-"""FP8 (e4m3) quantisation of expert weights for the input-gradient GEMM, in one Triton kernel.
+"""FP8 (e4m3) quantisation of expert weights, one Triton kernel per layout.
 
-``quantize_columns_transposed(w_parts)`` takes expert weights ``w_EPK`` (parts stacked along P,
-e.g. the gate and up projections ``[w1; w3]``, without stacking them in memory) and returns the
-stack's columns quantised and laid out transposed:
+Both take expert weights ``w_EPK`` as parts stacked along P (e.g. the gate and up projections
+``[w1; w3]``), without stacking them in memory, and apply the rule of ``quantize_rowwise``
+(``experiments.moe_backends.fp8_experts``): a power-of-two scale ``2^floor(log2(448 / amax))`` per
+row of the operand, ``amax`` its absolute maximum (at least ``SMALLEST_AMAX``).
+
+``quantize_rows(w_parts)``: the forward GEMM's weight operand, each (expert, row) of the stack scaled
+along K: ``values_ENK`` e4m3 [E, N, K], ``inverse_EN1`` fp32 [E, N, 1]. Compiled as plain torch,
+Inductor's kernel loops over each row twice (absolute maximum, then scale and cast); this one holds
+each row whole and reads it once.
+
+``quantize_columns_transposed(w_parts)`` returns the stack's columns quantised and laid out
+transposed, the input gradient's weight operand:
 
 - ``values_EKN`` e4m3, row-major [E, K, N] with N the parts' summed rows:
   ``values[e, k, n] = clamp(w[e, n, k] * scale[e, k], -448, 448)`` rounded to e4m3;
@@ -31,6 +40,9 @@ SMALLEST_AMAX = 1e-12
 BLOCK_N = 64
 BLOCK_K = 64
 MAX_PARTS = 2
+ROW_KERNEL_ELEMENTS = 8192
+"""Elements one program of the row kernel holds: as many rows (K padded to a power of 2) as fit, at
+least one, at most 16."""
 
 
 @triton.jit
@@ -107,6 +119,91 @@ def _quantize_columns_transposed_kernel(
     )
 
 
+@triton.jit
+def _quantize_rows_kernel(
+    first_ptr,
+    second_ptr,
+    values_ptr,
+    inverse_ptr,
+    FIRST_ROWS,
+    SECOND_ROWS,
+    K,
+    E4M3_MAX: tl.constexpr,
+    SMALLEST_AMAX: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One program per (expert, ``ROWS`` rows of the stack), each row read once in one ``BLOCK_K`` >= K
+    tile; ``SECOND_ROWS`` 0: one part."""
+    expert = tl.program_id(0).to(tl.int64)
+    total_rows = FIRST_ROWS + SECOND_ROWS
+    n = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    k = tl.arange(0, BLOCK_K)
+    k_ok = (k < K)[None, :]
+    in_first = n < FIRST_ROWS
+    in_second = (n >= FIRST_ROWS) & (n < total_rows)
+    first_rows = first_ptr + (expert * FIRST_ROWS + n) * K
+    second_rows = second_ptr + (expert * SECOND_ROWS + n - FIRST_ROWS) * K
+    tile = tl.load(first_rows[:, None] + k[None, :], mask=in_first[:, None] & k_ok, other=0.0).to(tl.float32)
+    tile += tl.load(second_rows[:, None] + k[None, :], mask=in_second[:, None] & k_ok, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(tile), axis=1), SMALLEST_AMAX)
+    scale = tl.exp2(tl.floor(tl.log2(tl.math.div_rn(E4M3_MAX, amax))))
+    row_ok = n < total_rows
+    tl.store(inverse_ptr + expert * total_rows + n, 1.0 / scale, mask=row_ok)
+    quantized = tl.clamp(tile * scale[:, None], -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
+    out_rows = values_ptr + (expert * total_rows + n) * K
+    tl.store(out_rows[:, None] + k[None, :], quantized, mask=row_ok[:, None] & k_ok)
+
+
+def _checked_parts(w_parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``w_parts`` contiguous, once they are 1 to ``MAX_PARTS`` [E, P, K] tensors of one E, K and dtype
+    that the kernels can run on."""
+    if not 1 <= len(w_parts) <= MAX_PARTS:
+        raise ValueError(f"FP8 weight quantisation takes 1 to {MAX_PARTS} weight parts, got {len(w_parts)}")
+    check_runnable(*w_parts)
+    parts = [w.contiguous() for w in w_parts]
+    experts, _, dim = parts[0].shape
+    if any(w.shape[0] != experts or w.shape[2] != dim or w.dtype != parts[0].dtype for w in parts):
+        raise ValueError(f"weight parts differ in E, K or dtype: {[(tuple(w.shape), w.dtype) for w in parts]}")
+    return parts
+
+
+@torch.library.custom_op("torchtitan_ext::quantize_rows", mutates_args=())
+def quantize_rows(w_parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(module docstring) ``w_parts``: one or two [E, P, K] tensors of one dtype and E, K."""
+    parts = _checked_parts(w_parts)
+    experts, _, dim = parts[0].shape
+    rows = [w.shape[1] for w in parts]
+    values_ENK = parts[0].new_empty(experts, sum(rows), dim, dtype=torch.float8_e4m3fn)
+    inverse_EN1 = parts[0].new_empty(experts, sum(rows), 1, dtype=torch.float32)
+    block_k = triton.next_power_of_2(dim)
+    rows_per_program = max(1, min(16, ROW_KERNEL_ELEMENTS // block_k))
+    second = parts[1] if len(parts) == 2 else parts[0]
+    _quantize_rows_kernel[(experts, triton.cdiv(sum(rows), rows_per_program))](
+        parts[0],
+        second,
+        values_ENK,
+        inverse_EN1,
+        rows[0],
+        rows[1] if len(parts) == 2 else 0,
+        dim,
+        E4M3_MAX=E4M3_MAX,
+        SMALLEST_AMAX=SMALLEST_AMAX,
+        ROWS=rows_per_program,
+        BLOCK_K=block_k,
+        num_warps=8 if block_k >= 4096 else 4,
+    )
+    return values_ENK, inverse_EN1
+
+
+@quantize_rows.register_fake
+def _(w_parts):
+    experts, _, dim = w_parts[0].shape
+    rows = sum(w.shape[1] for w in w_parts)
+    values = w_parts[0].new_empty(experts, rows, dim, dtype=torch.float8_e4m3fn)
+    return values, w_parts[0].new_empty(experts, rows, 1, dtype=torch.float32)
+
+
 @torch.library.custom_op("torchtitan_ext::quantize_columns_transposed", mutates_args=())
 def quantize_columns_transposed(
     w_parts: list[torch.Tensor], ordered_after: torch.Tensor | None = None
@@ -116,13 +213,8 @@ def quantize_columns_transposed(
     ``ordered_after`` is never read: a compiled graph runs the op only once that tensor exists. The
     backward passes the gradient the weight multiplies, so the partitioner cannot quantise in the
     forward and keep the e4m3 copy until the backward (memory FSDP cannot free, unlike the weight)."""
-    if not 1 <= len(w_parts) <= MAX_PARTS:
-        raise ValueError(f"quantize_columns_transposed takes 1 to {MAX_PARTS} weight parts, got {len(w_parts)}")
-    check_runnable(*w_parts)
-    parts = [w.contiguous() for w in w_parts]
+    parts = _checked_parts(w_parts)
     experts, _, dim = parts[0].shape
-    if any(w.shape[0] != experts or w.shape[2] != dim or w.dtype != parts[0].dtype for w in parts):
-        raise ValueError(f"weight parts differ in E, K or dtype: {[(tuple(w.shape), w.dtype) for w in parts]}")
     rows = [w.shape[1] for w in parts]
     values_EKN = parts[0].new_empty(experts, dim, sum(rows), dtype=torch.float8_e4m3fn)
     inverse_EK1 = parts[0].new_empty(experts, dim, 1, dtype=torch.float32)

@@ -24,14 +24,14 @@ numerics check without such a GPU). ``reference_fp8_experts`` is the plain-torch
 are held to.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
 from torchtitan_ext.kernels.fp8_grouped_gemm import fp8_grouped_gemm
-from torchtitan_ext.kernels.fp8_quantize import E4M3_MAX, SMALLEST_AMAX, quantize_columns_transposed
+from torchtitan_ext.kernels.fp8_quantize import E4M3_MAX, SMALLEST_AMAX, quantize_columns_transposed, quantize_rows
 
 from .grouped_matmul import grouped_mm, row_major
 
@@ -108,6 +108,15 @@ def scaled_grouped_gemm(
     return FP8_GEMMS[gemm](a_values, a_inverse, w_values_ENK, w_inverse_EN1, offsets_E, out_dtype)
 
 
+def quantize_stacked_rows(w_parts_EPK: Sequence[torch.Tensor], *, emulated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stack ``[w_parts]`` [E, N, K] quantised per (expert, row) along K: e4m3 values [E, N, K] and
+    inverse scales [E, N, 1] (the forward's weight operand). On the GPU one Triton kernel
+    (``kernels.fp8_quantize``) that reads each row once; emulated, the same rule in plain torch."""
+    if emulated:
+        return quantize_rowwise(_stacked(w_parts_EPK))
+    return quantize_rows(list(w_parts_EPK))
+
+
 def quantize_stacked_columns(
     w_parts_EPK: list[torch.Tensor], *, emulated: bool, ordered_after: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +142,7 @@ class Fp8GroupedLinear(torch.autograd.Function):
     def forward(ctx, a_RK, offsets_E, emulated: bool, gemm: str, *w_parts_EPK):
         ctx.save_for_backward(a_RK, offsets_E, *w_parts_EPK)
         ctx.emulated, ctx.gemm = emulated, gemm
-        w_values, w_inverse = quantize_rowwise(_stacked(w_parts_EPK))
+        w_values, w_inverse = quantize_stacked_rows(w_parts_EPK, emulated=emulated)
         y_RN = scaled_grouped_gemm(a_RK, w_values, w_inverse, offsets_E, a_RK.dtype, emulated=emulated, gemm=gemm)
         return y_RN.split([w.shape[1] for w in w_parts_EPK], dim=1)
 
