@@ -696,6 +696,26 @@ def test_trace_summary_of_a_gpu_step(tmp_path, capsys):
     assert "GPU busy 0.6 ms (55% of the time)" in printed and "2 syncs (0.1 ms waiting for the GPU)" in printed
 
 
+def test_trace_kinds_name_every_kernel_module_of_the_project():
+    """Kernels of a whole-model trace on 2x H100 (triton over symm_mem), from several kernel modules."""
+    from torchtitan_ext.bench.trace import kernel_kind, project_kernel_names
+
+    names = project_kernel_names()
+    for kernel in (
+        "_weight_gradient_kernel",
+        "_gate_up_forward_kernel",
+        "_gate_up_backward_input_kernel",
+        "_permute_kernel",
+        "_push_pairs_kernel",
+        "_scaled_grouped_gemm_kernel",
+        "_quantize_rows_kernel",
+        "_topk_routing_forward_kernel",
+    ):
+        assert kernel_kind(kernel, names) == "project Triton", kernel
+    barrier = "c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int, int, unsigned long)"
+    assert kernel_kind(barrier, names) == "communication"
+
+
 def test_trace_summary_of_a_cpu_run(tmp_path, capsys):
     from torch.profiler import ProfilerActivity, profile
 

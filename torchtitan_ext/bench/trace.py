@@ -17,13 +17,15 @@ first question of a slow run: is the GPU busy (then the kernels decide) or waiti
 """
 
 import gzip
+import importlib
 import json
+import pkgutil
 from collections import Counter
 
-from torchtitan_ext.kernels import moe_permute, swiglu_experts, symm_mem_rows
+from torchtitan_ext import kernels
 
 KINDS = (
-    ("communication", ("nccl",)),
+    ("communication", ("nccl", "symmetric_memory")),
     ("matmul", ("gemm", "cutlass", "nvjet", "cublas", "xmma")),
     ("attention", ("flash", "fmha", "attention")),
     ("optimizer", ("multi_tensor_apply", "adam")),
@@ -37,9 +39,10 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cu
 
 
 def project_kernel_names() -> frozenset[str]:
-    """Names of this project's Triton kernels (as they appear in traces)."""
+    """Names of this project's Triton kernels (as they appear in traces): every module of ``kernels``."""
     names = set()
-    for module in (moe_permute, swiglu_experts, symm_mem_rows):
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
         for value in vars(module).values():
             function = getattr(value, "fn", value)  # autotuned kernels wrap the JIT function
             function = getattr(function, "fn", function)
