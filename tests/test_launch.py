@@ -16,6 +16,7 @@ from torchtitan_ext.launch import (
     ALLOCATOR_ENV,
     ERROR_FOLDER_ENV,
     INTERRUPTED_EXIT_CODE,
+    allocator_description,
     allocator_settings,
     first_startup_error,
     report_startup_error,
@@ -52,6 +53,19 @@ def test_the_allocator_default_applies_only_where_the_environment_names_no_setti
         return
     assert allocator_settings(environ) == settings
     assert environ == (given or {"PYTORCH_ALLOC_CONF": ALLOCATOR_DEFAULT})
+
+
+def test_the_start_up_line_says_where_the_allocator_settings_come_from():
+    assert allocator_description({}) == "torch's defaults (PYTORCH_ALLOC_CONF is empty or unset)"
+    assert (
+        allocator_description({"PYTORCH_ALLOC_CONF": ""}) == "torch's defaults (PYTORCH_ALLOC_CONF is empty or unset)"
+    )
+    default = {"PYTORCH_ALLOC_CONF": ALLOCATOR_DEFAULT}
+    assert allocator_description(default) == (
+        "expandable_segments:True (the train entry's default; PYTORCH_ALLOC_CONF replaces it)"
+    )
+    given = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert allocator_description(given) == "max_split_size_mb:512 (from the environment)"
 
 
 @pytest.mark.parametrize("launcher", [[], ["--nproc_per_node=2"]], ids=["one process", "torchrun"])

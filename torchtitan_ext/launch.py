@@ -52,6 +52,16 @@ def allocator_settings(environ: Mapping[str, str] = os.environ) -> str | None:
     return next((environ[name] for name in ALLOCATOR_ENV if name in environ), None)
 
 
+def allocator_description(environ: Mapping[str, str] = os.environ) -> str:
+    """What the start-up line says of the CUDA caching allocator's settings in ``environ``."""
+    settings = allocator_settings(environ)
+    if settings == ALLOCATOR_DEFAULT:
+        return f"{settings} (the train entry's default; {ALLOCATOR_ENV[0]} replaces it)"
+    if not settings:
+        return f"torch's defaults ({ALLOCATOR_ENV[0]} is empty or unset)"
+    return f"{settings} (from the environment)"
+
+
 def set_allocator_default(environ: MutableMapping[str, str] = os.environ) -> None:
     """Give ``environ`` ``PYTORCH_ALLOC_CONF=ALLOCATOR_DEFAULT`` unless it sets the allocator's settings
     (even to nothing). Takes effect when it runs before torch first allocates CUDA memory: the train

@@ -39,9 +39,8 @@ from torchtitan_ext.config.command_line import (
 from torchtitan_ext.config.toml_files import toml_value
 from torchtitan_ext.config.value_sources import forget_value_sources, record_resolved_from, record_value_sources
 from torchtitan_ext.launch import (
-    ALLOCATOR_DEFAULT,
     INTERRUPTED_EXIT_CODE,
-    allocator_settings,
+    allocator_description,
     report_startup_error,
     under_this_launcher,
 )
@@ -156,10 +155,7 @@ class FlavorConfigManager(ConfigManager):
                     f"{os.environ.get('OMP_NUM_THREADS')} (1 when it is unset, as torchrun gives each process)"
                 )
             else:
-                logger.info(
-                    f"CUDA caching allocator: {allocator_settings() or 'torch defaults'} (PYTORCH_ALLOC_CONF; "
-                    f"{ALLOCATOR_DEFAULT} when it is unset)"
-                )
+                logger.info(f"CUDA caching allocator: {allocator_description()}")
             for note in startup_notes(config):
                 logger.info(note)
         fixes = apply_torch_version_fixes()
