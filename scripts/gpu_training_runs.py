@@ -18,7 +18,8 @@ over symm_mem, triton over each EP transport, triton over all_to_all with static
 (no host sync) without and with CUDA graphs, and triton and grouped_mm over symm_mem with static
 received rows under CUDA graphs; triton over symm_mem eager for reference. Every full-size run names
 its compute backend and whether it compiles, whatever the flavor's defaults. Every loss of the first
-10 steps must be within 2% of the baseline's at the same step (``FULL_SIZE_COMPARED_STEPS``).
+10 steps must be within 2% of the baseline's at the same step (``FULL_SIZE_COMPARED_STEPS``), 4% with
+FP8 experts (``FP8_LOSS_REL``).
 Printed per run: the median tokens/s over steps 5-20 (after warm-up and the first compilations), its
 ratio to the baseline, peak memory and the seconds to the first step.
 ``numerics``: olmoe-1b-7b as ``full`` (FSDP 2, EP 2, compiled, ``--local-batch-size`` default 2) for
@@ -209,6 +210,11 @@ TINY_LOSS_REL = 1e-4
 """Tiny flavors train in fp32: every layout and backend computes the same function up to rounding."""
 FULL_SIZE_LOSS_REL = 0.02
 """Full-size flavors train in bf16: losses agree with the baseline's to a few bf16 roundings."""
+FP8_LOSS_REL = 0.04
+"""Full-size runs with FP8 experts: e4m3 rounding on top of bf16's. On 2x H100 (olmoe-1b-7b, batch 4,
+steps 1-10) FP8 was 1.2% from bf16 grouped_mm, and stock compiled 1.0% from itself on another call
+(our layers repeat their losses exactly), so FP8 against stock reached 2.25%; FP8's own check is the
+numerics suite's 300 steps against the bf16 band."""
 FULL_SIZE_COMPARED_STEPS = 10
 """Full-size losses are compared over the first steps only: bf16 training drifts apart later, and
 from run to run of one implementation (stock torchtitan's olmoe-1b-7b loss at step 17 was 3.89,
@@ -434,7 +440,10 @@ def runs_that_do_not_fit(runs: list[Run], gpu_memory_bytes: int) -> dict[str, st
 
 
 def loss_rel(run: Run) -> float:
-    return TINY_LOSS_REL if run.flavor.startswith("tiny-") else FULL_SIZE_LOSS_REL
+    """How far ``run``'s losses may lie from its reference's, relative to them."""
+    if run.flavor.startswith("tiny-"):
+        return TINY_LOSS_REL
+    return FP8_LOSS_REL if FP8[-1] in run.args else FULL_SIZE_LOSS_REL
 
 
 def median_mfu_percent(run: Run, first_step: int = 5) -> float | None:

@@ -201,9 +201,13 @@ def test_losses_are_compared_with_the_reference_at_the_flavors_tolerance():
     late_spike.losses[runs_module.FULL_SIZE_COMPARED_STEPS + 1] *= 4  # bf16 runs drift apart later
     tiny_late = make_run("t ep2", "tiny-moe-triton", tiny_ep1.name)
     tiny_late.losses[20] *= 1.001  # fp32 runs must agree at every step
-    runs = [stock, close, far, tiny_ep1, tiny_close, tiny_far, orphan, late_spike, tiny_late]
+    fp8_close = make_run("m fp8 close", "qwen3-30b-a3b", stock.name, losses=(2.07, 1.5))
+    fp8_close.args = [*runs_module.FP8]
+    fp8_far = make_run("m fp8 far", "qwen3-30b-a3b", stock.name, losses=(2.1, 1.5))
+    fp8_far.args = [*runs_module.FP8]
+    runs = [stock, close, far, tiny_ep1, tiny_close, tiny_far, orphan, late_spike, tiny_late, fp8_close, fp8_far]
     problems = runs_module.compare_losses(runs)
-    assert [problem.split(":")[0] for problem in problems] == ["m grouped_mm", "t ep8", "t ep2"]
+    assert [problem.split(":")[0] for problem in problems] == ["m grouped_mm", "t ep8", "t ep2", "m fp8 far"]
     assert problems[0].endswith(f"over steps 1-{runs_module.FULL_SIZE_COMPARED_STEPS}")
 
 
