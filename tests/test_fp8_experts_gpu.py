@@ -70,26 +70,21 @@ def test_compiled_fp8_experts_equal_eager(gemm):
         assert relative_error(actual, expected) <= 3e-2, name
 
 
-@pytest.mark.parametrize("part_shapes", [[(8, 200, 72)], [(16, 768, 2048), (16, 768, 2048)]], ids=["masked", "gate_up"])
-def test_the_column_quantisation_kernel_rounds_as_torch(part_shapes):
-    generator = torch.Generator().manual_seed(0)
-    parts = [torch.randn(*shape, generator=generator).to("cuda", torch.bfloat16) for shape in part_shapes]
-    values, inverse = quantize_columns_transposed(parts)
-    expected_values, expected_inverse = quantize_stacked_columns(parts, emulated=True)
-    assert torch.equal(inverse, expected_inverse)
-    assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
-
-
 @pytest.mark.parametrize(
     "part_shapes",
     [[(8, 200, 72)], [(16, 768, 2048), (16, 768, 2048)], [(4, 40, 14336)]],
-    ids=["masked", "gate_up", "one_row_per_program"],
+    ids=["masked", "gate_up", "long_rows"],
 )
-def test_the_row_quantisation_kernel_rounds_as_torch(part_shapes):
+@pytest.mark.parametrize(
+    "kernel, rule",
+    [(quantize_rows, quantize_stacked_rows), (quantize_columns_transposed, quantize_stacked_columns)],
+    ids=["rows", "columns"],
+)
+def test_the_weight_quantisation_kernels_round_as_torch(kernel, rule, part_shapes):
     generator = torch.Generator().manual_seed(0)
     parts = [torch.randn(*shape, generator=generator).to("cuda", torch.bfloat16) for shape in part_shapes]
-    values, inverse = quantize_rows(parts)
-    expected_values, expected_inverse = quantize_stacked_rows(parts, emulated=True)
+    values, inverse = kernel(parts)
+    expected_values, expected_inverse = rule(parts, emulated=True)
     assert torch.equal(inverse, expected_inverse)
     assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
 

@@ -91,10 +91,10 @@ def _part_store_transposed(
 def _quantize_columns_transposed_kernel(
     first_ptr,
     second_ptr,
-    values_ptr,
-    inverse_ptr,
     FIRST_ROWS,
     SECOND_ROWS,
+    values_ptr,
+    inverse_ptr,
     K,
     E4M3_MAX: tl.constexpr,
     SMALLEST_AMAX: tl.constexpr,
@@ -123,10 +123,10 @@ def _quantize_columns_transposed_kernel(
 def _quantize_rows_kernel(
     first_ptr,
     second_ptr,
-    values_ptr,
-    inverse_ptr,
     FIRST_ROWS,
     SECOND_ROWS,
+    values_ptr,
+    inverse_ptr,
     K,
     E4M3_MAX: tl.constexpr,
     SMALLEST_AMAX: tl.constexpr,
@@ -155,9 +155,10 @@ def _quantize_rows_kernel(
     tl.store(out_rows[:, None] + k[None, :], quantized, mask=row_ok[:, None] & k_ok)
 
 
-def _checked_parts(w_parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``w_parts`` contiguous, once they are 1 to ``MAX_PARTS`` [E, P, K] tensors of one E, K and dtype
-    that the kernels can run on."""
+def _kernel_parts(w_parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The kernels' first four arguments, ``(first, second, FIRST_ROWS, SECOND_ROWS)``, once ``w_parts``
+    are 1 to ``MAX_PARTS`` [E, P, K] tensors of one E, K and dtype that the kernels can run on (one
+    part: passed twice, with no second rows)."""
     if not 1 <= len(w_parts) <= MAX_PARTS:
         raise ValueError(f"FP8 weight quantisation takes 1 to {MAX_PARTS} weight parts, got {len(w_parts)}")
     check_runnable(*w_parts)
@@ -165,27 +166,28 @@ def _checked_parts(w_parts: list[torch.Tensor]) -> list[torch.Tensor]:
     experts, _, dim = parts[0].shape
     if any(w.shape[0] != experts or w.shape[2] != dim or w.dtype != parts[0].dtype for w in parts):
         raise ValueError(f"weight parts differ in E, K or dtype: {[(tuple(w.shape), w.dtype) for w in parts]}")
-    return parts
+    if len(parts) == 1:
+        return parts[0], parts[0], parts[0].shape[1], 0
+    return parts[0], parts[1], parts[0].shape[1], parts[1].shape[1]
 
 
 @torch.library.custom_op("torchtitan_ext::quantize_rows", mutates_args=())
 def quantize_rows(w_parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(module docstring) ``w_parts``: one or two [E, P, K] tensors of one dtype and E, K."""
-    parts = _checked_parts(w_parts)
-    experts, _, dim = parts[0].shape
-    rows = [w.shape[1] for w in parts]
-    values_ENK = parts[0].new_empty(experts, sum(rows), dim, dtype=torch.float8_e4m3fn)
-    inverse_EN1 = parts[0].new_empty(experts, sum(rows), 1, dtype=torch.float32)
+    first, second, first_rows, second_rows = _kernel_parts(w_parts)
+    experts, _, dim = first.shape
+    rows = first_rows + second_rows
+    values_ENK = first.new_empty(experts, rows, dim, dtype=torch.float8_e4m3fn)
+    inverse_EN1 = first.new_empty(experts, rows, 1, dtype=torch.float32)
     block_k = triton.next_power_of_2(dim)
     rows_per_program = max(1, min(16, ROW_KERNEL_ELEMENTS // block_k))
-    second = parts[1] if len(parts) == 2 else parts[0]
-    _quantize_rows_kernel[(experts, triton.cdiv(sum(rows), rows_per_program))](
-        parts[0],
+    _quantize_rows_kernel[(experts, triton.cdiv(rows, rows_per_program))](
+        first,
         second,
+        first_rows,
+        second_rows,
         values_ENK,
         inverse_EN1,
-        rows[0],
-        rows[1] if len(parts) == 2 else 0,
         dim,
         E4M3_MAX=E4M3_MAX,
         SMALLEST_AMAX=SMALLEST_AMAX,
@@ -213,19 +215,17 @@ def quantize_columns_transposed(
     ``ordered_after`` is never read: a compiled graph runs the op only once that tensor exists. The
     backward passes the gradient the weight multiplies, so the partitioner cannot quantise in the
     forward and keep the e4m3 copy until the backward (memory FSDP cannot free, unlike the weight)."""
-    parts = _checked_parts(w_parts)
-    experts, _, dim = parts[0].shape
-    rows = [w.shape[1] for w in parts]
-    values_EKN = parts[0].new_empty(experts, dim, sum(rows), dtype=torch.float8_e4m3fn)
-    inverse_EK1 = parts[0].new_empty(experts, dim, 1, dtype=torch.float32)
-    second = parts[1] if len(parts) == 2 else parts[0]
+    first, second, first_rows, second_rows = _kernel_parts(w_parts)
+    experts, _, dim = first.shape
+    values_EKN = first.new_empty(experts, dim, first_rows + second_rows, dtype=torch.float8_e4m3fn)
+    inverse_EK1 = first.new_empty(experts, dim, 1, dtype=torch.float32)
     _quantize_columns_transposed_kernel[(experts, triton.cdiv(dim, BLOCK_K))](
-        parts[0],
+        first,
         second,
+        first_rows,
+        second_rows,
         values_EKN,
         inverse_EK1,
-        rows[0],
-        rows[1] if len(parts) == 2 else 0,
         dim,
         E4M3_MAX=E4M3_MAX,
         SMALLEST_AMAX=SMALLEST_AMAX,
