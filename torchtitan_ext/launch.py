@@ -44,7 +44,7 @@ ALLOCATOR_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 ALLOCATOR_DEFAULT = "expandable_segments:True"
 """The allocator settings of a training run whose environment names none: segments that grow in place
 instead of new ones of fixed sizes, so a compiled step's many buffer sizes fragment less (2x H100,
-``olmoe-1b-7b``: 5 to 8 GiB less reserved at the same tokens/s, docs/results/gpu_training.md)."""
+``olmoe-1b-7b``: 3.7 to 8.6 GiB less reserved at the same tokens/s, docs/results/gpu_training.md)."""
 
 
 def allocator_settings(environ: Mapping[str, str] = os.environ) -> str | None:
