@@ -75,9 +75,9 @@ run_task() {
       # give each part its own OUT.
       suite=${task#train-}
       # TRAIN_LOCAL_BATCH sets the full, numerics and scale suites' sequences per GPU per step (default:
-      # full 4, an H200 takes 8; numerics 2; scale 1). Every run inherits the allocator's settings, e.g.
-      # PYTORCH_ALLOC_CONF=expandable_segments:True as torchtitan's own launch script sets it (recorded
-      # in the JSON's environment).
+      # full 4, an H200 takes 8; numerics 2; scale 1). Every run trains with the CUDA allocator settings
+      # of PYTORCH_ALLOC_CONF when it is set (PYTORCH_ALLOC_CONF= for torch's defaults), else with the
+      # train entry's expandable_segments:True (recorded in the JSON's environment).
       python3 scripts/gpu_training_runs.py "$suite" --out "$out/train_$suite.json" \
           ${TRAIN_ONLY:+--only $TRAIN_ONLY} ${TRAIN_LOCAL_BATCH:+--local-batch-size $TRAIN_LOCAL_BATCH} \
           ${TRAIN_RUN_TIMEOUT_S:+--run-timeout $TRAIN_RUN_TIMEOUT_S} \
