@@ -67,7 +67,7 @@ from torchtitan_ext.bench.common import source_commit
 from torchtitan_ext.data import MARKOV_TEXT
 from torchtitan_ext.experiments.moe_backends.experts import backend_names
 from torchtitan_ext.experiments.moe_backends.flavors import tiny_flavor_name
-from torchtitan_ext.launch import allocator_settings, set_allocator_default
+from torchtitan_ext.launch import training_allocator_settings
 from torchtitan_ext.model_size import gibibytes, training_state_bytes
 from torchtitan_ext.registry import get_flavor
 
@@ -520,8 +520,6 @@ def environment() -> dict:
     """The machine and versions every run of the suite shares, with the CUDA caching allocator's settings
     every run trains with (``PYTORCH_ALLOC_CONF``, or its older name, else the train entry's default;
     None: torch's defaults)."""
-    settings = dict(os.environ)
-    set_allocator_default(settings)
     return {
         "device": torch.cuda.get_device_name(0),
         "gpus": torch.cuda.device_count(),
@@ -530,7 +528,7 @@ def environment() -> dict:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())),
         "commit": source_commit(),
         "date": date.today().isoformat(),
-        "allocator_settings": allocator_settings(settings) or None,
+        "allocator_settings": training_allocator_settings() or None,
     }
 
 

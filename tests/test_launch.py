@@ -22,6 +22,7 @@ from torchtitan_ext.launch import (
     report_startup_error,
     set_allocator_default,
     split_launcher_args,
+    training_allocator_settings,
 )
 
 
@@ -53,6 +54,12 @@ def test_the_allocator_default_applies_only_where_the_environment_names_no_setti
         return
     assert allocator_settings(environ) == settings
     assert environ == (given or {"PYTORCH_ALLOC_CONF": ALLOCATOR_DEFAULT})
+
+
+def test_a_training_process_runs_with_the_environments_allocator_settings_else_the_default():
+    assert training_allocator_settings({}) == ALLOCATOR_DEFAULT
+    assert training_allocator_settings({"PYTORCH_ALLOC_CONF": ""}) == ""
+    assert training_allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}) == "max_split_size_mb:512"
 
 
 def test_the_start_up_line_says_where_the_allocator_settings_come_from():

@@ -52,6 +52,13 @@ def allocator_settings(environ: Mapping[str, str] = os.environ) -> str | None:
     return next((environ[name] for name in ALLOCATOR_ENV if name in environ), None)
 
 
+def training_allocator_settings(environ: Mapping[str, str] = os.environ) -> str:
+    """The allocator settings a training process the train entry starts from ``environ`` runs with:
+    ``environ``'s, else ``ALLOCATOR_DEFAULT`` ("": torch's defaults)."""
+    settings = allocator_settings(environ)
+    return ALLOCATOR_DEFAULT if settings is None else settings
+
+
 def allocator_description(environ: Mapping[str, str] = os.environ) -> str:
     """What the start-up line says of the CUDA caching allocator's settings in ``environ``."""
     settings = allocator_settings(environ)
