@@ -1,16 +1,19 @@
-"""Helpers shared by the tests: weight-gradient and bf16 rounding checks, a free TCP port, a
-backend made unavailable, the model config of a flavor and the configs inside it."""
+"""Helpers shared by the tests: weight-gradient and bf16 rounding checks, a free TCP port, spawned
+gloo workers, a backend made unavailable, the model config of a flavor and the configs inside it."""
 
 from __future__ import annotations
 
 import dataclasses
 import socket
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+import torch.multiprocessing as mp
 from torchtitan.models.common.decoder import Decoder
 
 from torchtitan_ext.bench.common import relative_error
+from torchtitan_ext.compat.cpu import exit_skipping_finalization
 from torchtitan_ext.experiments.moe_backends.experts import BACKENDS, runnable_backends
 from torchtitan_ext.kernels.availability import interpreter_enabled
 
@@ -51,6 +54,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn_workers(worker: Callable[..., None], world: int, *args: Any) -> None:
+    """Run ``worker(rank, *args)`` in ``world`` spawned processes and wait for all of them. A worker
+    that returns ends through ``exit_skipping_finalization`` (gloo can abort a finished process at
+    interpreter exit); one that raises fails the caller with its traceback."""
+    mp.spawn(_run_then_exit, args=(worker, args), nprocs=world, join=True)
+
+
+def _run_then_exit(rank: int, worker: Callable[..., None], args: tuple) -> None:
+    worker(rank, *args)
+    exit_skipping_finalization(0)
 
 
 def cpu_tensor_backends() -> list[str]:

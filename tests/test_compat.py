@@ -22,7 +22,7 @@ import torchtitan.components.metrics as titan_metrics
 import torchtitan.distributed.fsdp as titan_fsdp
 import torchtitan.distributed.utils as titan_dist_utils
 import torchtitan.tools.utils as titan_utils
-from helpers import free_port, model_config, nested_configs
+from helpers import free_port, model_config, nested_configs, spawn_workers
 from torch._functorch import partitioners
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
@@ -268,7 +268,7 @@ def _mesh_saving_block_worker(rank: int, port: int, results) -> None:
 
 def test_compiled_block_saving_a_device_mesh_and_recomputing_attention_trains():
     results = mp.Manager().dict()
-    mp.spawn(_mesh_saving_block_worker, args=(free_port(), results), nprocs=1, join=True)
+    spawn_workers(_mesh_saving_block_worker, 1, free_port(), results)
     if torch_versions.needs_rng_state_order_fix():
         assert "expected all tensors_saved_with_vc_check to be Tensors" in results["unfixed"]
     else:
@@ -326,7 +326,7 @@ def test_compiled_checkpointed_block_gets_the_expert_bias_update_of_eager():
 @cpu_only
 def test_fsdp_sum_reductions_and_timeouts_work_with_gloo():
     results = mp.Manager().dict()
-    mp.spawn(_fsdp_worker, args=(2, free_port(), results), nprocs=2, join=True)
+    spawn_workers(_fsdp_worker, 2, 2, free_port(), results)
     assert dict(results) == {0: True, 1: True}
 
 

@@ -24,12 +24,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import free_port
+from helpers import free_port, spawn_workers
 from torchtitan.config.configs import CompileConfig
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.distributed.compile import apply_compile
 
-from torchtitan_ext.compat.cpu import exit_after_cpu_training
 from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
 from torchtitan_ext.experiments.moe_backends.ep_check import seeded_layer
 from torchtitan_ext.experiments.moe_backends.experts import backend_names
@@ -117,13 +116,12 @@ def _train_cases_worker(rank: int, world: int, dump_folder: str, results) -> Non
         exit_code = main(train_args(case, mode, world, os.path.join(dump_folder, f"{case}-{mode}")))
         if rank == 0:
             results[(case, mode)] = (exit_code, list(steps))
-    exit_after_cpu_training(0)
 
 
 def train_every_case(world: int, dump_folder) -> dict:
     """Each process trains every case in turn (one import of torch and torchtitan for all)."""
     results = mp.Manager().dict()
-    mp.spawn(_train_cases_worker, args=(world, str(dump_folder), results), nprocs=world, join=True)
+    spawn_workers(_train_cases_worker, world, world, str(dump_folder), results)
     return dict(results)
 
 

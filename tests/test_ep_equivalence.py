@@ -22,8 +22,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import cpu_tensor_backends, free_port
+from helpers import cpu_tensor_backends, free_port, spawn_workers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -199,7 +198,7 @@ def test_moe_layer_ep1_local_dispatch_equals_reference():
 def test_moe_layer_under_ep_equals_single_process(world, ep_transport):
     if ep_transport == "symm_mem" and not interpreter_enabled():
         pytest.skip(f"the CPU stand-in of symm_mem runs its kernels on CPU tensors. {CPU_TRITON_SKIP}")
-    mp.spawn(ep_worker, args=(world, free_port(), ep_transport), nprocs=world, join=True)
+    spawn_workers(ep_worker, world, world, free_port(), ep_transport)
 
 
 def test_skewed_router_leaves_last_experts_empty():

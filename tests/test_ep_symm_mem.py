@@ -12,8 +12,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from test_ep_equivalence import free_port
+from helpers import free_port, spawn_workers
 from torch.distributed.device_mesh import init_device_mesh
 from torchtitan.distributed.utils import set_spmd_backend
 
@@ -250,7 +249,7 @@ def exchange_worker(rank: int, world: int, port: int) -> None:
 )
 @pytest.mark.parametrize("world", [2, 4])
 def test_symm_mem_transport_equals_nccl_transport(world):
-    mp.spawn(exchange_worker, args=(world, free_port()), nprocs=world, join=True)
+    spawn_workers(exchange_worker, world, world, free_port())
 
 
 def test_symm_mem_start_up_errors(monkeypatch):

@@ -25,8 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import cpu_tensor_backends, free_port, relative_error
+from helpers import cpu_tensor_backends, free_port, relative_error, spawn_workers
 
 pytest.importorskip("transformers", reason="the Hugging Face checks compare with transformers (the test extra)")
 
@@ -214,7 +213,7 @@ def test_trainer_loads_and_saves_hf_under_fsdp_and_ep2(flavor, hub, tmp_path, mo
         str(tmp_path),
     ]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the workers inherit it before they import torch
-    mp.spawn(trainer_worker, args=(2, free_port(), args, str(tmp_path)), nprocs=2, join=True)
+    spawn_workers(trainer_worker, 2, 2, free_port(), args, str(tmp_path))
     expected = hf_logits(hf_model)
     for rank in range(2):
         for backend, logits in torch.load(tmp_path / f"logits-{rank}.pt").items():

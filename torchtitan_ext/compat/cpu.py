@@ -156,21 +156,27 @@ def _disable_division_with_sum_reductions(model: torch.nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def exit_after_cpu_training(exit_code: int) -> None:
-    """End a CPU training process with ``exit_code``, skipping interpreter finalization.
+def exit_skipping_finalization(exit_code: int) -> None:
+    """End this process with ``exit_code`` once logs and standard streams are flushed, skipping
+    interpreter finalization.
 
-    After torchtitan's ``destroy_process_group``, gloo's C++ worker threads can still own
-    work objects; if they are freed during interpreter finalization the process aborts
-    ("terminate called without an active exception", SIGABRT; seen in about 1 of 10
-    two-process runs with torch 2.13). Everything the run wrote is flushed first.
-    With CUDA this returns to a normal ``sys.exit``.
+    After ``destroy_process_group``, gloo's C++ worker threads can still own work objects; if
+    they are freed during interpreter finalization the process aborts ("terminate called
+    without an active exception", SIGABRT; seen in about 1 of 10 two-process runs with torch
+    2.13), although everything it had to do is done.
     """
-    if not cpu_training():
-        sys.exit(exit_code)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def exit_after_cpu_training(exit_code: int) -> None:
+    """End a training process with ``exit_code``: on CPU (gloo) through
+    ``exit_skipping_finalization``, with CUDA through a normal ``sys.exit``."""
+    if not cpu_training():
+        sys.exit(exit_code)
+    exit_skipping_finalization(exit_code)
 
 
 def patch_torchtitan_for_cpu() -> None:
