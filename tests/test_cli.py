@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.config.command_line import split_override_args, take_options
+from torchtitan_ext.config.command_line import split_override_args, switches_for_parser, take_options
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.experiments.moe_backends.layer import routing_dispatchers
 from torchtitan_ext.metrics.metadata import run_metadata
@@ -49,6 +49,29 @@ def test_a_short_key_without_a_value_is_refused_unless_it_is_a_switch():
     )
 
 
+def test_switches_given_a_value_are_spelled_as_the_parser_takes_them():
+    keys = ["compile.enable", "training.disable_cuda_graphs"]
+    args = ["--compile.enable", "false", "--training.disable-cuda-graphs=true", "--compile.no_enable", "false"]
+    assert switches_for_parser(args, keys) == [
+        "--compile.no_enable",
+        "--training.disable_cuda_graphs",
+        "--compile.enable",
+    ]
+    untouched = ["--compile.enable", "--training.steps", "false", "--compile.enable", "activation-checkpoint:full"]
+    assert switches_for_parser(untouched, keys) == untouched
+    for bad in (["--compile.enable", "maybe"], ["--compile.enable=False"]):
+        with pytest.raises(ConfigError, match=r"--compile\.enable is a switch: give true, false or no value"):
+            switches_for_parser(bad, keys)
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_torchtitan_switches_take_true_or_false_as_the_short_keys_do(value):
+    text = str(value).lower()
+    config = parse("--compile.enable", text, "--metrics.enable-tensorboard", text, "--moe_metrics.enable", text)
+    assert (config.compile.enable, config.metrics.enable_tensorboard, config.metrics.moe_metrics) == (value,) * 3
+    assert parse(f"--compile.enable={text}").compile.enable is value
+
+
 def test_short_keys_on_the_command_line_take_effect():
     config = parse(
         "--moe.compute_backend", "for_loop", "--training.lr", "1e-3", "--parallelism.ep", "1", "--training.steps", "3"
@@ -80,6 +103,7 @@ def test_command_line_beats_toml(tmp_path):
         (["--training.steps", "0"], ["training.steps = 0: must be >= 1"]),
         (["--metrics.log_freq", "0"], ["metrics.log_freq = 0: must be >= 1 (every N steps)"]),
         (["--training.lr"], ["--training.lr needs a value"]),
+        (["--compile.enable", "yes"], ["--compile.enable is a switch: give true, false or no value, got 'yes'"]),
     ],
 )
 def test_bad_command_line_is_one_message_and_exit_2(capsys, args, fragments):

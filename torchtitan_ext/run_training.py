@@ -35,7 +35,9 @@ from torchtitan_ext.config.command_line import (
     option_key,
     split_override_args,
     split_project_args,
+    switches_for_parser,
 )
+from torchtitan_ext.config.config_tree import leaf_items
 from torchtitan_ext.config.toml_files import toml_value
 from torchtitan_ext.config.value_sources import forget_value_sources, record_resolved_from, record_value_sources
 from torchtitan_ext.launch import (
@@ -109,6 +111,7 @@ class FlavorConfigManager(ConfigManager):
         from_files = resolve_config(flavor, tomls)
         config = apply_overrides(from_files, cli_overrides, source=COMMAND_LINE)
         known = set(valid_keys(config))
+        rest = switches_for_parser(rest, [key for key, value in leaf_items(config).items() if isinstance(value, bool)])
         parser_keys = parser_options(rest, known)
         errors = command_line_errors(list(known), args, torchrun_options())
         errors += parser_conflict_errors(from_files, cli_overrides, parser_keys)

@@ -55,6 +55,7 @@ options:
 
 Every short key (below) and any torchtitan option is accepted after these, once each, and wins
 over the TOML files, e.g. --moe.compute_backend for_loop --parallelism.ep 2 --training.steps 20.
+Switches take true or false as the short keys do (--compile.enable false = --compile.no-enable).
 """
 
 

@@ -136,6 +136,34 @@ def option_key(arg: str, known: set[str]) -> str | None:
     return name if name in known else plain if plain in known else None
 
 
+def switches_for_parser(args: list[str], switch_keys: Collection[str]) -> list[str]:
+    """``args`` with torchtitan's boolean options given a value, as the short keys take one
+    (``--a.b false``, ``--a.b=true``, ``--a.no_b false``), spelled as the switches its parser takes
+    (``--a.no_b``, ``--a.b``); ``switch_keys`` are the boolean config keys. Any other value is refused
+    (ConfigError), except a tyro subcommand (``activation-checkpoint:full``) after a bare switch."""
+    known = set(switch_keys)
+    spelled: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, has_inline, inline = arg.partition("=")
+        key = option_key(arg, known)
+        following = args[i + 1] if not has_inline and i + 1 < len(args) else "--"
+        if key is None or (not has_inline and (following.startswith("--") or ":" in following)):
+            spelled.append(arg)
+            i += 1
+            continue
+        text = inline if has_inline else following
+        value = toml_value(text)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{COMMAND_LINE}: {name} is a switch: give true, false or no value, got {text!r}")
+        negated = name[2:].replace("-", "_") != key
+        parent, _, leaf = key.rpartition(".")
+        spelled.append(f"--{key}" if value != negated else f"--{parent}.no_{leaf}")
+        i += 1 if has_inline else 2
+    return spelled
+
+
 def command_line_errors(keys: list[str], args: list[str], torchrun_options: dict[str, bool]) -> list[str]:
     """The options of the training arguments ``args`` that cannot be: torchrun options placed among them
     (``misplaced_torchrun_options``), options that name none of the settable ``keys``, then keys given

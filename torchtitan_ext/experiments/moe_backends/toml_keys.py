@@ -10,7 +10,7 @@ from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.short_keys import register_short_key
 
 from .dispatcher import EPReceiveRows, EPTransportChoice, PermuteBackend, RoutingDispatcher
-from .experts import BackendGroupedExperts, ComputeBackendChoice
+from .experts import BackendGroupedExperts, ComputeBackendChoice, fp8_backends
 from .fp8_experts import ExpertPrecision
 from .model_shapes import ScoreFunc
 from .moe import AuxLossType, RoutedMoE
@@ -29,8 +29,8 @@ def set_compute_backend(config, backend: str) -> None:
 @register_short_key(
     "moe.expert_precision",
     ExpertPrecision,
-    "expert GEMMs: native (the activations' dtype), fp8_rowwise (e4m3, rowwise scales; CUDA 9.0+, grouped_mm) "
-    "or fp8_rowwise_emulated (the same numerics in fp32, any device)",
+    "expert GEMMs: native (the activations' dtype), fp8_rowwise (e4m3, rowwise scales; CUDA 9.0+; "
+    f"{' or '.join(fp8_backends())}) or fp8_rowwise_emulated (the same numerics in fp32, any device)",
 )
 def set_expert_precision(config, precision: ExpertPrecision) -> None:
     for experts in experts_configs(config, "moe.expert_precision"):
