@@ -3,7 +3,8 @@
 activation checkpointing, in fp32.
 
 Training (through the train entry, five steps, at expert parallel degree 1 and 2 over gloo with the
-``all_to_all`` transport): every tiny flavor whose backend compiles, and FP8 rowwise experts
+``all_to_all`` transport): every tiny flavor whose backend compiles (the backends' and the model
+families'), and FP8 rowwise experts
 (``fp8_rowwise_emulated``), losses within rel 1e-4 of eager's and the MoE metrics of the observer
 equal to eager's. Inductor compiles ``grouped_mm`` and
 the stock flavor (torchtitan's own MoE layers); ``for_loop`` and ``batched_mm_padded`` compile with
@@ -32,7 +33,7 @@ from torchtitan.distributed.compile import apply_compile
 from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
 from torchtitan_ext.experiments.moe_backends.ep_check import seeded_layer
 from torchtitan_ext.experiments.moe_backends.experts import backend_names
-from torchtitan_ext.experiments.moe_backends.flavors import tiny_flavor_name
+from torchtitan_ext.experiments.moe_backends.flavors import TINY_HF_FLAVORS, tiny_flavor_name
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 from torchtitan_ext.kernels.fused_moe import triton_available_reason
 from torchtitan_ext.metrics.observer import MoERoutingObserver, summarize
@@ -46,11 +47,14 @@ INDUCTOR_CANNOT_LOWER = {"for_loop", "batched_mm_padded"}
 FP8_CASE = "tiny-moe-grouped-mm-fp8"
 CASE_ARGS = {
     **{tiny_flavor_name(b): ["--flavor", tiny_flavor_name(b)] for b in backend_names() if b != "triton"},
+    **{flavor: ["--flavor", flavor] for flavor in TINY_HF_FLAVORS},
     "tiny-torchtitan-moe": ["--flavor", "tiny-torchtitan-moe"],
     FP8_CASE: ["--flavor", "tiny-moe-grouped-mm", "--moe.expert_precision", "fp8_rowwise_emulated"],
 }
 """Each case trained eager and compiled: a flavor of every backend of the table but ``triton``
-(below), the stock flavor, and FP8 rowwise experts (emulated in fp32)."""
+(below), the tiny flavor of every model family (Qwen3-MoE, OLMoE, Mixtral, DeepSeek-V3 with MLA,
+shared experts and sigmoid routing with a correction bias; ``grouped_mm``), the stock flavor, and FP8
+rowwise experts (emulated in fp32)."""
 COMPILE_BACKENDS = {
     case: "aot_eager" if any(tiny_flavor_name(b) in args for b in INDUCTOR_CANNOT_LOWER) else "inductor"
     for case, args in CASE_ARGS.items()
