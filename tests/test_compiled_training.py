@@ -1,10 +1,10 @@
 """Compiled training equals eager training, compiled as torchtitan compiles: ``--compile.enable``
 (``apply_compile``: each block ``torch.compile(fullgraph=True)``) under the flavors' selective
-activation checkpointing, in fp32.
+activation checkpointing (and one case under full checkpointing), in fp32.
 
 Training (through the train entry, five steps, at expert parallel degree 1 and 2 over gloo with the
 ``all_to_all`` transport): every tiny flavor whose backend compiles (the backends' and the model
-families'), and FP8 rowwise experts
+families'), ``grouped_mm`` under full checkpointing, and FP8 rowwise experts
 (``fp8_rowwise_emulated``), losses within rel 1e-4 of eager's and the MoE metrics of the observer
 equal to eager's. Inductor compiles ``grouped_mm`` and
 the stock flavor (torchtitan's own MoE layers); ``for_loop`` and ``batched_mm_padded`` compile with
@@ -38,6 +38,7 @@ from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 from torchtitan_ext.kernels.fused_moe import triton_available_reason
 from torchtitan_ext.metrics.observer import MoERoutingObserver, summarize
 from torchtitan_ext.metrics.processor import MoEMetricsProcessor
+from torchtitan_ext.run_training import FlavorConfigManager
 from torchtitan_ext.train import main
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo, fp32 runs")
@@ -45,16 +46,20 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo, fp3
 STEPS = 5
 INDUCTOR_CANNOT_LOWER = {"for_loop", "batched_mm_padded"}
 FP8_CASE = "tiny-moe-grouped-mm-fp8"
+FULL_AC_CASE = "tiny-moe-grouped-mm-full-ac"
 CASE_ARGS = {
     **{tiny_flavor_name(b): ["--flavor", tiny_flavor_name(b)] for b in backend_names() if b != "triton"},
     **{flavor: ["--flavor", flavor] for flavor in TINY_HF_FLAVORS},
     "tiny-torchtitan-moe": ["--flavor", "tiny-torchtitan-moe"],
     FP8_CASE: ["--flavor", "tiny-moe-grouped-mm", "--moe.expert_precision", "fp8_rowwise_emulated"],
+    FULL_AC_CASE: ["--flavor", "tiny-moe-grouped-mm"],
 }
 """Each case trained eager and compiled: a flavor of every backend of the table but ``triton``
 (below), the tiny flavor of every model family (Qwen3-MoE, OLMoE, Mixtral, DeepSeek-V3 with MLA,
-shared experts and sigmoid routing with a correction bias; ``grouped_mm``), the stock flavor, and FP8
-rowwise experts (emulated in fp32)."""
+shared experts and sigmoid routing with a correction bias; ``grouped_mm``), the stock flavor, FP8
+rowwise experts (emulated in fp32), and ``grouped_mm`` under full checkpointing (``SUBCOMMANDS``)."""
+SUBCOMMANDS = {FULL_AC_CASE: ["activation-checkpoint:full"]}
+"""torchtitan's subcommands of a case, given after every option."""
 COMPILE_BACKENDS = {
     case: "aot_eager" if any(tiny_flavor_name(b) in args for b in INDUCTOR_CANNOT_LOWER) else "inductor"
     for case, args in CASE_ARGS.items()
@@ -72,7 +77,7 @@ def train_args(case: str, mode: str, ep: int, dump_folder: str) -> list[str]:
     args += ["--training.seq_len", "32", "--training.local_batch_size", "2", "--dump_folder", dump_folder]
     if mode == "compiled":
         args += ["--compile.enable", "--compile.backend", COMPILE_BACKENDS[case]]
-    return args
+    return args + SUBCOMMANDS.get(case, [])
 
 
 def record_steps(steps: list) -> None:
@@ -94,6 +99,19 @@ def record_steps(steps: list) -> None:
     MoEMetricsProcessor.log = log_and_keep
 
 
+def record_checkpointing(kinds: list) -> None:
+    """Append the activation-checkpointing config class of every config the train entry parses to
+    ``kinds`` (``FullAC.Config``, ``MoESelectiveAC.Config``, ...)."""
+    parse_args = FlavorConfigManager.parse_args
+
+    def parse_and_keep(self, args=None):
+        config = parse_args(self, args)
+        kinds.append(type(config.activation_checkpoint).__qualname__)
+        return config
+
+    FlavorConfigManager.parse_args = parse_and_keep
+
+
 def agreed_port(rank: int, shared, run: int) -> int:
     """The rendezvous port of run ``run``: rank 0 picks a free one just before the run and shares it
     (picked minutes ahead, a port could meanwhile be taken by another test's rendezvous, whose ranks
@@ -110,16 +128,18 @@ def _train_cases_worker(rank: int, world: int, dump_folder: str, results) -> Non
     """Rank ``rank`` of ``world``: every case, eager then compiled; rank 0 keeps each run's steps."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    steps = []
+    steps, checkpointing = [], []
     record_steps(steps)
+    record_checkpointing(checkpointing)
     runs = [(case, mode) for case in CASE_ARGS for mode in MODES]
     for run, (case, mode) in enumerate(runs):
         os.environ["MASTER_PORT"] = str(agreed_port(rank, results, run))
         torch._dynamo.reset()
         steps.clear()
+        checkpointing.clear()
         exit_code = main(train_args(case, mode, world, os.path.join(dump_folder, f"{case}-{mode}")))
         if rank == 0:
-            results[(case, mode)] = (exit_code, list(steps))
+            results[(case, mode)] = (exit_code, list(steps), list(checkpointing))
 
 
 def train_every_case(world: int, dump_folder) -> dict:
@@ -131,8 +151,9 @@ def train_every_case(world: int, dump_folder) -> dict:
 
 def assert_compiled_trains_like_eager(results: dict) -> None:
     for case in CASE_ARGS:
-        (eager_code, eager), (compiled_code, compiled) = (results[(case, mode)] for mode in MODES)
+        (eager_code, eager, eager_ac), (compiled_code, compiled, compiled_ac) = (results[case, mode] for mode in MODES)
         assert eager_code == compiled_code == 0, case
+        assert eager_ac == compiled_ac == ["FullAC.Config" if case == FULL_AC_CASE else "MoESelectiveAC.Config"], case
         assert [s for s, _, _ in compiled] == [s for s, _, _ in eager] == list(range(1, STEPS + 1)), case
         for (step, eager_loss, eager_scalars), (_, loss, scalars) in zip(eager, compiled):
             assert loss == pytest.approx(eager_loss, rel=1e-4), (case, step)
