@@ -89,14 +89,16 @@ def reference_grouped(x_RD, w1_EFD, w2_EDF, w3_EFD, num_tokens_per_expert_E) -> 
     the host (one sync).
     """
     w1, w2, w3 = (w.to(x_RD.dtype) for w in (w1_EFD, w2_EDF, w3_EFD))
-    outputs, start = [], 0
-    for expert, count in enumerate(num_tokens_per_expert_E.tolist()):
+    counts = num_tokens_per_expert_E.tolist()
+    for count in counts:
         torch._check(count >= 0)  # under compile the counts are unbacked sizes: tell the compiler their range
-        torch._check(start + count <= x_RD.shape[0])
-        outputs.append(_swiglu_expert(x_RD[start : start + count], w1[expert], w2[expert], w3[expert]))
-        start += count
-    outputs.append(torch.zeros_like(x_RD[start:]))
-    return torch.cat(outputs)
+    rows_after_experts = x_RD.shape[0] - sum(counts)
+    torch._check(rows_after_experts >= 0)
+    # split, not slices: its backward is one cat, where slices' scatters make Inductor decide signs
+    # of expressions in the unbacked sizes (EP's received rows), which it cannot
+    *expert_rows, rest_RD = torch.split(x_RD, [*counts, rows_after_experts])
+    outputs = [_swiglu_expert(rows, w1[e], w2[e], w3[e]) for e, rows in enumerate(expert_rows)]
+    return torch.cat([*outputs, torch.zeros_like(rest_RD)])
 
 
 def reference_routed(x_TD, w1_EFD, w2_EDF, w3_EFD, topk_expert_ids_TK, topk_scores_TK) -> torch.Tensor:
