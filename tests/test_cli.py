@@ -72,6 +72,22 @@ def test_torchtitan_switches_take_true_or_false_as_the_short_keys_do(value):
     assert parse(f"--compile.enable={text}").compile.enable is value
 
 
+def test_activation_checkpoint_mode_is_a_key_and_torchtitans_subcommands_set_it(tmp_path):
+    toml = tmp_path / "full.toml"
+    toml.write_text('[activation_checkpoint]\nmode = "full"\npreserve_rng_state = false\n')
+    full = parse("--toml", str(toml)).activation_checkpoint
+    assert (type(full).__qualname__, full.preserve_rng_state) == ("FullAC.Config", False)
+    for args in (["activation-checkpoint:selective"], ["--activation_checkpoint.mode", "selective"]):
+        selective = parse("--toml", str(toml), *args).activation_checkpoint
+        assert (type(selective).__qualname__, selective.preserve_rng_state) == ("MoESelectiveAC.Config", False), args
+    assert parse("activation-checkpoint:none").activation_checkpoint is None
+    assert type(parse("--activation_checkpoint.mode=full").activation_checkpoint).__qualname__ == "FullAC.Config"
+    with pytest.raises(ConfigError, match=r"--activation_checkpoint\.mode is given twice \(full, none\)"):
+        parse("--activation_checkpoint.mode", "full", "activation-checkpoint:none")
+    with pytest.raises(ConfigError, match=r"activation_checkpoint\.mode = 'ful' is not one of the valid choices"):
+        parse("--activation_checkpoint.mode", "ful")
+
+
 def test_short_keys_on_the_command_line_take_effect():
     config = parse(
         "--moe.compute_backend", "for_loop", "--training.lr", "1e-3", "--parallelism.ep", "1", "--training.steps", "3"

@@ -35,6 +35,7 @@ from torchtitan_ext.config.command_line import (
     option_key,
     split_override_args,
     split_project_args,
+    subcommands_as_short_keys,
     switches_for_parser,
 )
 from torchtitan_ext.config.config_tree import leaf_items
@@ -105,8 +106,9 @@ class FlavorConfigManager(ConfigManager):
             raise ConfigError(FLAVOR_REQUIRED)
         if "--help-torchtitan" in rest:
             rest = [a for a in rest if a != "--help-torchtitan"] + ["--help"]
-        self.run_arguments = (flavor, tomls, rest)
         all_flavors()  # experiments register their short keys on import
+        args, rest = subcommands_as_short_keys(args), subcommands_as_short_keys(rest)
+        self.run_arguments = (flavor, tomls, rest)
         cli_overrides, rest = split_override_args(rest)
         from_files = resolve_config(flavor, tomls)
         config = apply_overrides(from_files, cli_overrides, source=COMMAND_LINE)

@@ -5,6 +5,7 @@ a command line cannot be: unknown, misplaced (torchrun's) or given twice."""
 
 import itertools
 import shlex
+import typing
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -134,6 +135,24 @@ def option_key(arg: str, known: set[str]) -> str | None:
     parent, _, leaf = name.rpartition(".")
     plain = f"{parent}.{leaf.removeprefix('no_')}".lstrip(".")
     return name if name in known else plain if plain in known else None
+
+
+def subcommands_as_short_keys(args: list[str]) -> list[str]:
+    """``args`` with each torchtitan subcommand ``section-name:choice`` written as the short key
+    ``--section_name.mode choice`` where one is registered and takes that choice
+    (``activation-checkpoint:full`` -> ``--activation_checkpoint.mode full``): the choice is then
+    applied as every other key is (over the TOML files, checked for repeats). Other subcommands
+    (``activation-checkpoint:memory-budget``) stay for torchtitan's parser."""
+    spelled: list[str] = []
+    for arg in args:
+        section, colon, choice = arg.partition(":")
+        key = f"{section.replace('-', '_')}.mode"
+        registered = short_key(key) if colon and not arg.startswith("-") else None
+        if registered is not None and choice in typing.get_args(registered.annotation):
+            spelled += [f"--{key}", choice]
+        else:
+            spelled.append(arg)
+    return spelled
 
 
 def switches_for_parser(args: list[str], switch_keys: Collection[str]) -> list[str]:

@@ -6,9 +6,14 @@ option is checked once, by its config's ``validation_errors``, in the start-up c
 (``startup_checks``).
 """
 
+from typing import Literal
+
+from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing, FullAC, SelectiveAC
+
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.short_keys import register_short_key
 
+from .activation_checkpoint import MoESelectiveAC
 from .dispatcher import EPReceiveRows, EPTransportChoice, PermuteBackend, RoutingDispatcher
 from .experts import BackendGroupedExperts, ComputeBackendChoice, fp8_backends
 from .fp8_experts import ExpertPrecision
@@ -137,3 +142,27 @@ def set_top_k(config, top_k: int) -> None:
     for moe in moe_configs(config, "moe.top_k"):
         moe.router.top_k = top_k
         moe.routed_experts.token_dispatcher.top_k = top_k
+
+
+ActivationCheckpointMode = Literal["selective", "full", "none"]
+
+
+@register_short_key(
+    "activation_checkpoint.mode",
+    ActivationCheckpointMode,
+    "activation checkpointing of every block: selective (keeps the matmuls' and MoE ops' outputs; the "
+    "flavors' default), full (recomputes the whole block) or none (= torchtitan's activation-checkpoint:MODE)",
+)
+def set_activation_checkpoint_mode(config, mode: ActivationCheckpointMode) -> None:
+    """Selective is the flavor's selective config if it has one, else ``MoESelectiveAC``'s; the options
+    every mode shares (``preserve_rng_state``, ``determinism_check``, ``debug``) carry over."""
+    current = config.activation_checkpoint
+    shared = {}
+    if isinstance(current, ActivationCheckpointing.Config):
+        shared = {name: getattr(current, name) for name in ("preserve_rng_state", "determinism_check", "debug")}
+    if mode == "none":
+        config.activation_checkpoint = None
+    elif mode == "full" and type(current) is not FullAC.Config:
+        config.activation_checkpoint = FullAC.Config(**shared)
+    elif mode == "selective" and not isinstance(current, SelectiveAC.Config):
+        config.activation_checkpoint = MoESelectiveAC.Config(**shared)
