@@ -29,7 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torchtitan.distributed.utils import set_spmd_backend
 
 from torchtitan_ext.experiments.moe_backends.activation_checkpoint import MoESelectiveAC
-from torchtitan_ext.experiments.moe_backends.dispatcher import EPTransport, RoutingDispatcher
+from torchtitan_ext.experiments.moe_backends.dispatcher import EPReceiveRows, EPTransport, RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process, seeded_layer
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 from torchtitan_ext.kernels.availability import interpreter_enabled
@@ -55,14 +55,20 @@ LOSS_CASES: list[dict[str, Any]] = [  # keyword arguments of build_layer
 
 
 def build_layer(
-    compute_backend: str, *, aux_loss_coeff, z_loss_coeff, aux_loss_type, ep_transport: EPTransport = "all_to_all"
+    compute_backend: str,
+    *,
+    aux_loss_coeff,
+    z_loss_coeff,
+    aux_loss_type,
+    ep_transport: EPTransport = "all_to_all",
+    ep_receive_rows: EPReceiveRows = "exact",
 ):
     """A RoutedMoE layer with deterministic weights (identical in every process)."""
     config = moe_layer_config(compute_backend=compute_backend, load_balance_coeff=None, **LAYER_SHAPE)
     config.aux_loss_coeff, config.z_loss_coeff, config.aux_loss_type = aux_loss_coeff, z_loss_coeff, aux_loss_type
     dispatcher = config.routed_experts.token_dispatcher
     assert isinstance(dispatcher, RoutingDispatcher.Config)
-    dispatcher.ep_transport = ep_transport
+    dispatcher.ep_transport, dispatcher.ep_receive_rows = ep_transport, ep_receive_rows
     layer = seeded_layer(config)
     with torch.no_grad():
         # Feature 0 of every token is large (see ``batch``): experts 6 and 7 (the last
@@ -81,16 +87,20 @@ def batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_layer_shard(ep_mesh, ep_transport: EPTransport = "all_to_all") -> None:
-    """This rank's outputs and gradients equal the single-process run on the whole batch."""
+    """This rank's outputs and gradients equal the single-process run on the whole batch, for every
+    backend; under EP with exact and with static received rows (the latter with the first losses)."""
     world = 1 if ep_mesh is None else ep_mesh.size()
     x_all, grad_all = batch(world)
-    for losses in LOSS_CASES:
+    cases: list[tuple[dict[str, Any], EPReceiveRows]] = [(losses, "exact") for losses in LOSS_CASES]
+    if ep_mesh is not None:
+        cases.append((LOSS_CASES[0], "static"))
+    for losses, receive_rows in cases:
         for backend in BACKENDS:
-            layer = build_layer(backend, **losses, ep_transport=ep_transport)
+            layer = build_layer(backend, **losses, ep_transport=ep_transport, ep_receive_rows=receive_rows)
             pairs = compare_with_single_process(build_layer("for_loop", **losses), layer, x_all, grad_all, ep_mesh)
             rank = 0 if ep_mesh is None else ep_mesh.get_local_rank()
             for quantity, (actual, expected) in pairs.items():
-                what = f"rank {rank}/{world} {ep_transport} {backend} {losses} {quantity}"
+                what = f"rank {rank}/{world} {ep_transport} {receive_rows} rows {backend} {losses} {quantity}"
                 torch.testing.assert_close(actual, expected, msg=lambda m, what=what: f"{what}: {m}")
 
 

@@ -48,9 +48,9 @@ COUNT_CASES = {
 }
 
 
-def make_inputs(counts, dim, hidden, x_dtype, w_dtype, seed, device="cpu"):
+def make_inputs(counts, dim, hidden, x_dtype, w_dtype, seed, device="cpu", rows_after_experts=0):
     generator = torch.Generator().manual_seed(seed)
-    num_experts, num_rows = len(counts), sum(counts)
+    num_experts, num_rows = len(counts), sum(counts) + rows_after_experts
 
     def randn(*shape, dtype, scale=1.0):
         return (torch.randn(*shape, generator=generator) * scale).to(device, dtype)
@@ -95,6 +95,23 @@ def assert_backend_matches_reference(backend, counts, dim, hidden, x_dtype, w_dt
 @pytest.mark.parametrize("case", list(COUNT_CASES))
 def test_edge_case_token_counts_fp32(backend, case):
     assert_backend_matches_reference(backend, COUNT_CASES[case], 16, 24, torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
+@pytest.mark.parametrize("counts", [[3, 0, 6, 1], [0, 0, 0]])
+def test_rows_after_the_experts_change_nothing_the_experts_compute(backend, counts):
+    """Rows after the experts' (EP's static receive rows): the experts' rows of the output and of the
+    input gradient and every weight gradient are the reference's (``ExpertCompute``)."""
+    grouped = sum(counts)
+    tensors, counts_E, grad_out = make_inputs(counts, 16, 24, torch.float32, torch.float32, 0, device_of(backend), 5)
+    grad_out[grouped:] = 0  # the combine reads no row after the experts'
+    expected_out, expected_grads = run_backend(reference_grouped, tensors, counts_E, grad_out)
+    out, grads = run_backend(BACKENDS[backend].grouped, tensors, counts_E, grad_out)
+    assert out.shape == expected_out.shape
+    assert relative_error(out[:grouped], expected_out[:grouped]) < TOLERANCE[torch.float32], "output"
+    assert relative_error(grads[0][:grouped], expected_grads[0][:grouped]) < TOLERANCE[torch.float32], "grad of x"
+    for name, actual, expected in zip(("w1", "w2", "w3"), grads[1:], expected_grads[1:]):
+        assert relative_error(actual, expected) < TOLERANCE[torch.float32], f"grad of {name}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)

@@ -41,7 +41,12 @@ ExpertCompute = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     torch.Tensor,
 ]
-"""``(x_RD, w1_EFD, w2_EDF, w3_EFD, num_tokens_per_expert_E) -> out_RD``, rows grouped by expert."""
+"""``(x_RD, w1_EFD, w2_EDF, w3_EFD, num_tokens_per_expert_E) -> out_RD``, rows grouped by expert.
+
+``x_RD`` may hold rows after the experts' (R > the counts' sum: EP's static receive rows, the row
+bound of ``align_size`` padding). They change no weight gradient; their output and input-gradient
+rows are unspecified (``grouped_mm`` leaves them unwritten, as ``torch._grouped_mm`` does), and no
+caller reads them: the combine gathers the experts' rows."""
 RoutedExpertCompute = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     torch.Tensor,
@@ -96,29 +101,37 @@ def batched_mm_padded_experts(
 ) -> torch.Tensor:
     """Pad every expert's rows to the largest expert, three ``bmm``s, gather back.
 
-    One host sync (the largest count sizes the padded buffer). Padding rows are
-    zeros, contribute nothing to the weight gradients and are never gathered back.
+    One host sync (the largest count sizes the padded buffer, the sum splits off the rows after
+    the experts'). Padding rows are zeros, contribute nothing to the weight gradients and are never
+    gathered back; rows after the experts' (EP's static receive rows) get zero outputs.
     """
     dtype = x_RD.dtype
     num_experts = num_tokens_per_expert_E.shape[0]
     num_rows = x_RD.shape[0]
+    counts_E = num_tokens_per_expert_E.to(torch.int64)
     # At least 2 rows per expert (zero rows change nothing): under compile the count is an unbacked
     # size, and the batched matmul's layout must not depend on whether it is 1.
-    max_rows_per_expert = int(num_tokens_per_expert_E.max().clamp(min=2)) if num_experts else 2
+    max_rows_per_expert, grouped_rows = (
+        torch.stack([counts_E.max().clamp(min=2), counts_E.sum()]).tolist() if num_experts else (2, 0)
+    )
     torch._check(max_rows_per_expert >= 2)
     torch._check(max_rows_per_expert <= max(num_rows, 2))
-    counts_E = num_tokens_per_expert_E.to(torch.int64)
+    torch._check(grouped_rows >= 0)
+    torch._check(grouped_rows <= num_rows)
+    grouped_GD, after_experts_RD = torch.split(x_RD, [grouped_rows, num_rows - grouped_rows])
     starts_E = torch.cumsum(counts_E, dim=0) - counts_E
-    expert_R = torch.repeat_interleave(torch.arange(num_experts, device=x_RD.device), counts_E, output_size=num_rows)
-    slot_R = torch.arange(num_rows, device=x_RD.device) - starts_E[expert_R]
+    expert_G = torch.repeat_interleave(
+        torch.arange(num_experts, device=x_RD.device), counts_E, output_size=grouped_rows
+    )
+    slot_G = torch.arange(grouped_rows, device=x_RD.device) - starts_E[expert_G]
 
     padded_EMD = x_RD.new_zeros(num_experts, max_rows_per_expert, x_RD.shape[1])
-    padded_EMD = padded_EMD.index_put((expert_R, slot_R), x_RD)
+    padded_EMD = padded_EMD.index_put((expert_G, slot_G), grouped_GD)
     h_EMF = F.silu(torch.bmm(padded_EMD, w1_EFD.to(dtype).transpose(1, 2))) * torch.bmm(
         padded_EMD, w3_EFD.to(dtype).transpose(1, 2)
     )
     out_EMD = torch.bmm(h_EMF, w2_EDF.to(dtype).transpose(1, 2))
-    return out_EMD[expert_R, slot_R]
+    return torch.cat([out_EMD[expert_G, slot_G], torch.zeros_like(after_experts_RD)])
 
 
 @dataclass(frozen=True, kw_only=True)
