@@ -11,6 +11,8 @@
 #     experts' loss against the bf16 layers'
 #   scripts/measure_on_gpu.sh scale-out   # 4 or 8 GPUs of one host: ep4 (and ep8), then train-scale4 (or
 #     train-scale8): EP 1 vs 4 (vs 8) losses of a tiny flavor, qwen3-30b-a3b and deepseek-v3-16b next to stock
+#   scripts/measure_on_gpu.sh memory   # 2 GPUs: allocator snapshots of olmoe-1b-7b, stock and ours, and where
+#     their reserved memory came from
 #   scripts/measure_on_gpu.sh fp8   # 2 GPUs: FP8 expert tests, layer and whole-model runs next to bf16 and stock
 #   scripts/measure_on_gpu.sh train-step   # one GPU: a training step of 4 olmoe-1b-7b layers per
 #     backend (fp32 parameters under bf16 autocast, as torchtitan trains on one GPU) and of the
@@ -112,6 +114,30 @@ run_task() {
           2>&1 | tee "$out/moe_layer_fp8.log"
       TRAIN_ONLY="torchtitan-moe.compiled grouped_mm.compiled$ grouped_mm.compiled.symm_mem$ triton.compiled.symm_mem$ fp8" \
           run_task train-full ;;
+    memory)
+      # Where the reserved memory of olmoe-1b-7b (FSDP 2 x EP 2, compiled, batch TRAIN_LOCAL_BATCH (4) x 2048)
+      # comes from: stock torchtitan's MoE and triton over symm_mem, MEMORY_STEPS (8) steps each with a CUDA
+      # allocator snapshot of both ranks at the last step, read by `bench memory` (the summaries come back; the
+      # snapshots, hundreds of MB, stay on the machine). MEMORY_RUNS names the runs (default: stock triton_symm_mem).
+      need_gpus 2 "$task"
+      steps=${MEMORY_STEPS:-8}
+      common="--nproc_per_node=2 --training.steps $steps --training.local_batch_size ${TRAIN_LOCAL_BATCH:-4}
+        --training.seq_len 2048 --parallelism.expert_parallel_degree 2 --metrics.log_freq 1 --compile.enable
+        --profiler.enable_memory_snapshot --profiler.memory_snapshot_freq $steps"
+      declare -A memory_runs=(
+        [stock]="--flavor olmoe-1b-7b-torchtitan-moe"
+        [triton_symm_mem]="--flavor olmoe-1b-7b --toml examples/triton.toml --toml examples/ep_symm_mem.toml"
+        [grouped_mm_symm_mem]="--flavor olmoe-1b-7b --moe.compute_backend grouped_mm --toml examples/ep_symm_mem.toml"
+        [triton_all_to_all]="--flavor olmoe-1b-7b --toml examples/triton.toml --moe.ep_transport all_to_all"
+      )
+      for name in ${MEMORY_RUNS:-stock triton_symm_mem}; do
+        [[ -n ${memory_runs[$name]:-} ]] || { echo "unknown memory run $name (${!memory_runs[*]})"; exit 2; }
+        dump=$(mktemp -d)
+        python3 -m torchtitan_ext.train ${memory_runs[$name]} $common --dump_folder "$dump" > "$out/memory_$name.log" 2>&1
+        grep -E "step: |rror" "$out/memory_$name.log" | tail -n 24
+        python3 -m torchtitan_ext.bench memory "$dump"/profiling/memory_snapshot/step_*/*.pickle \
+            --json "$out/memory_$name.json" 2>&1 | tee "$out/memory_$name.txt"
+      done ;;
     scale-out)
       # Every run on all GPUs of the host: 8 or more take the 8-GPU runs, 4 to 7 the 4-GPU ones.
       need_gpus 4 "$task"
@@ -120,7 +146,7 @@ run_task() {
       else
         run_task ep4; run_task train-scale4
       fi ;;
-    *) echo "unknown task $task (tests, bench, ep<ranks>, train-tiny, train-full, train-numerics, train-scale4, train-scale8, scale-out, train-step, fp8)"
+    *) echo "unknown task $task (tests, bench, ep<ranks>, train-tiny, train-full, train-numerics, train-scale4, train-scale8, scale-out, train-step, fp8, memory)"
        exit 2 ;;
   esac
 }

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import pickle
 import subprocess
 import time
 from pathlib import Path
@@ -967,3 +968,123 @@ def test_a_backend_has_one_colour_in_every_plot(tmp_path, monkeypatch):
     assert {"grouped_mm", "triton", "torchtitan"} <= drawn.keys()
     assert all(len(colours) == 1 for colours in drawn.values()), drawn
     assert len({colour for colours in drawn.values() for colour in colours}) == len(drawn)
+
+
+MIB = 1024**2
+
+
+def synthetic_memory_snapshot(path: Path) -> None:
+    """Rank 1's allocator (torch's ``_snapshot()`` format): 2 GiB and a 20 MiB side-stream segment
+    reserved and 1 GiB of weights allocated before the recorded history; then the reserve grows twice,
+    for an autotuning buffer (1 GiB, freed again) and for a compiled graph's output (512 MiB)."""
+
+    def frames(*sites):
+        return [{"filename": filename, "line": line, "name": name} for filename, line, name in sites]
+
+    torch_frame = ("/env/site-packages/torch/utils/_contextlib.py", 120, "decorate_context")
+    autotune = frames(torch_frame, ("/repo/torchtitan_ext/kernels/autotune.py", 50, "benchmark"))
+    model = frames(("/repo/model.py", 10, "forward"))
+    graph = frames(("/tmp/inductor/ab/cabc.py", 99, "call"))
+    weights = frames(("/repo/init.py", 5, "init_weights"))
+    base = 1 << 40
+
+    def event(action, addr, size, frames_, time_us):
+        return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": time_us, "frames": frames_}
+
+    trace = [
+        event("alloc", base + 1024 * MIB, 512 * MIB, model, 1_000_000),
+        event("segment_map", base + 2048 * MIB, 1024 * MIB, autotune, 1_500_000),
+        event("alloc", base + 1536 * MIB, 800 * MIB, autotune, 1_500_001),
+        event("free_requested", base + 1536 * MIB, 800 * MIB, autotune, 1_600_000),
+        event("free_completed", base + 1536 * MIB, 800 * MIB, autotune, 1_600_000),
+        event("segment_map", base + 3072 * MIB, 512 * MIB, graph, 3_000_000),
+        event("alloc", base + 1536 * MIB, 600 * MIB, graph, 3_000_001),
+    ]
+
+    def block(address, size, state, frames_=()):
+        return {"address": address, "size": size, "requested_size": size, "state": state, "frames": list(frames_)}
+
+    main_segment = {
+        "device": 1,
+        "address": base,
+        "total_size": 3584 * MIB,
+        "stream": 0,
+        "is_expandable": True,
+        "blocks": [
+            block(base, 1024 * MIB, "active_allocated", weights),
+            block(base + 1024 * MIB, 512 * MIB, "active_allocated", model),
+            block(base + 1536 * MIB, 600 * MIB, "active_allocated", graph),
+            block(base + 2136 * MIB, 1448 * MIB, "inactive"),
+        ],
+    }
+    side_segment = {
+        "device": 1,
+        "address": base + (1 << 36),
+        "total_size": 20 * MIB,
+        "stream": 7,
+        "is_expandable": True,
+        "blocks": [block(base + (1 << 36), 20 * MIB, "inactive")],
+    }
+    snapshot = {"segments": [main_segment, side_segment], "device_traces": [[], trace]}
+    with open(path, "wb") as f:
+        pickle.dump(snapshot, f, protocol=4)
+
+
+def test_memory_summary_names_where_the_reserve_grew(tmp_path, capsys):
+    path = tmp_path / "000001_step_6.pickle"
+    synthetic_memory_snapshot(path)
+    out = tmp_path / "memory.json"
+    assert main(["memory", str(path), "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["snapshots"][0]
+    assert summary["device"] == 1 and summary["events"] == 7 and summary["expandable_segments"]
+    assert summary["reserved_gib"] == round(3604 / 1024, 3) and summary["allocated_gib"] == round(2136 / 1024, 3)
+    assert summary["largest_free_block_mib"] == 1448.0
+    assert summary["reserved_gib_by_stream"] == {"0": 3.5, "7": round(20 / 1024, 3)}
+    assert summary["reserved_gib_at_first_event"] == round(2068 / 1024, 3)
+    assert summary["peak_allocated_gib"] == round(2336 / 1024, 3)  # weights, model output, autotuning buffer
+    assert summary["growth"] == {"count": 2, "gib": 1.5}
+    assert summary["growth_by_site"] == [
+        {"site": "autotune.py:50 benchmark", "gib": 1.0, "count": 1},
+        {"site": "cabc.py:99 call", "gib": 0.5, "count": 1},
+    ]
+    first, last = summary["largest_growths"]
+    assert (first["seconds"], first["request_mib"], first["allocated_gib"]) == (0.5, 800.0, 1.5)
+    assert last == summary["last_growth"] and last["reserved_gib_after"] == round(3604 / 1024, 3)
+    assert last["stack"] == ["cabc.py:99 call"]
+    assert summary["live_at_last_growth"] == [
+        {"site": "init.py:5 init_weights", "gib": 1.0},
+        {"site": "model.py:10 forward", "gib": 0.5},
+    ]
+    printed = capsys.readouterr().out
+    assert "the reserve grew 2 times by 1.50 GiB" in printed and "reserved by stream" in printed
+    assert "for a 600.0 MiB request from cabc.py:99 call" in printed
+
+
+def test_memory_summary_counts_what_was_allocated_before_the_history(tmp_path):
+    """Memory allocated before the ring buffer's first event and freed within it has no frames:
+    it is named as such when it held memory at a growth."""
+    path = tmp_path / "snapshot.pickle"
+    segment = {"device": 0, "address": 0, "total_size": 2048 * MIB, "stream": 0, "blocks": []}
+    segment["blocks"] = [{"address": 0, "size": 2048 * MIB, "state": "inactive", "frames": []}]
+    trace = [
+        {"action": "segment_alloc", "addr": 0, "size": 1024 * MIB, "stream": 0, "time_us": 0, "frames": []},
+        {"action": "alloc", "addr": 0, "size": 1024 * MIB, "stream": 0, "time_us": 0, "frames": []},
+        {"action": "free_completed", "addr": 0, "size": 1024 * MIB, "stream": 0, "time_us": 1, "frames": []},
+        {"action": "free_completed", "addr": 5, "size": 256 * MIB, "stream": 0, "time_us": 2, "frames": []},
+    ]
+    with open(path, "wb") as f:
+        pickle.dump({"segments": [segment], "device_traces": [trace]}, f)
+    summary = bench_cli.memory_snapshot.summarize(str(path))
+    assert summary["reserved_gib_at_first_event"] == 1.0 and summary["peak_allocated_gib"] == 1.25
+    assert summary["live_at_last_growth"] == [{"site": "allocated before the recorded history", "gib": 0.25}]
+    assert summary["last_growth"]["site"] == "unknown" and not summary["expandable_segments"]
+
+
+@pytest.mark.parametrize("content", [b"not a pickle", pickle.dumps({"traceEvents": []})])
+def test_unreadable_memory_snapshot_exits_2(tmp_path, content, capsys):
+    path = tmp_path / "bad.pickle"
+    path.write_bytes(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["memory", str(path)])
+    assert exit_info.value.code == 2
+    assert f"memory {path}: cannot read a CUDA memory snapshot" in capsys.readouterr().err

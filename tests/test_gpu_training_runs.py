@@ -417,3 +417,29 @@ def test_rank_zeros_log_lines_fill_the_run():
     assert run.tokens_per_second == {1: 4101, 2: 12334} and run.mfu_percent == {1: 8.1, 2: 9.93}
     assert run.peak_memory_gib == 63.55 and run.peak_allocated_gib == 58.31
     assert runs_module.throughput_summary([run])[0]["peak_allocated_gib"] == 58.31
+
+
+def test_memory_task_snapshots_stock_and_ours_and_reads_each_snapshot(tmp_path):
+    result, commands = measure_on_gpu(tmp_path, 2, "memory")
+    assert result.returncode == 0, result.stdout + result.stderr
+    trains = [c for c in commands if "torchtitan_ext.train" in c]
+    reads = [c for c in commands if "torchtitan_ext.bench memory" in c]
+    assert [c.split("--flavor ")[1].split()[0] for c in trains] == ["olmoe-1b-7b-torchtitan-moe", "olmoe-1b-7b"]
+    for command in trains:
+        options = command.split()
+        assert {"--compile.enable", "--profiler.enable_memory_snapshot", "--nproc_per_node=2"} <= set(options)
+        assert options[options.index("--profiler.memory_snapshot_freq") + 1] == "8"
+        assert options[options.index("--training.steps") + 1] == "8"
+    assert "examples/ep_symm_mem.toml" in trains[1] and "examples/triton.toml" in trains[1]
+    assert [c.split("--json ")[1] for c in reads] == [
+        f"{tmp_path}/out/memory_stock.json",
+        f"{tmp_path}/out/memory_triton_symm_mem.json",
+    ]
+
+
+def test_memory_task_refuses_an_unknown_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMORY_RUNS", "stock tritn")
+    result, commands = measure_on_gpu(tmp_path, 2, "memory")
+    assert result.returncode == 2
+    assert "unknown memory run tritn" in result.stdout
+    assert len([c for c in commands if "torchtitan_ext.train" in c]) == 1

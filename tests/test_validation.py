@@ -237,3 +237,14 @@ def test_the_parallel_layout_of_the_ranks():
     ]
     layout.pipeline_parallel_degree = 0
     assert degree_errors(layout, 4)[0].startswith("parallelism: degrees must be >= 1")
+
+
+def test_memory_snapshots_on_cpu_are_refused_with_where_to_take_them(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    toml = write_toml(tmp_path, "[profiler]\nenable_memory_snapshot = true\nmemory_snapshot_freq = 2\n")
+    assert_refused(
+        capsys,
+        ["--toml", toml],
+        "bad.toml:2: profiler.enable_memory_snapshot: memory snapshots record the CUDA allocator",
+        "python -m torchtitan_ext.bench memory SNAPSHOT.pickle",
+    )

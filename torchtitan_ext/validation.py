@@ -310,6 +310,20 @@ def memory_errors(config) -> list[str]:
     ]
 
 
+def memory_snapshot_errors(config) -> list[str]:
+    """On CPU: no memory snapshots (torchtitan records them from the CUDA allocator, which a CPU run
+    does not have; it would fail with an AttributeError when training starts)."""
+    from torchtitan_ext.compat import cpu_training
+
+    if not config.profiler.enable_memory_snapshot or not cpu_training():
+        return []
+    return [
+        f"{named('profiler.enable_memory_snapshot')}: memory snapshots record the CUDA allocator, and this run "
+        "trains on CPU; take them on GPUs (then python -m torchtitan_ext.bench memory SNAPSHOT.pickle says "
+        "where the reserved memory came from)"
+    ]
+
+
 @register_config_check
 def check_config_values(config) -> None:
     """Every value and cross-field rule of the framework; one ``ConfigError`` lists all problems."""
@@ -322,6 +336,7 @@ def check_config_values(config) -> None:
         *compile_errors(config),
         *resume_errors(config),
         *memory_errors(config),
+        *memory_snapshot_errors(config),
     ]
     if errors:
         raise ConfigError("\n".join(dict.fromkeys(errors)))

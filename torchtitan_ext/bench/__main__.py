@@ -7,6 +7,7 @@
     python -m torchtitan_ext.bench auto --flavor tiny-moe-for-loop          # fill the "auto" backend cache
     python -m torchtitan_ext.bench plot --from result.json --out result.png
     python -m torchtitan_ext.bench trace rank0_trace.json.gz                # where a profiled step's time went
+    python -m torchtitan_ext.bench memory 000000_step_6.pickle              # where the reserved memory came from
 
 Progress goes to stderr, the table to stdout; ``--json`` and ``--plot`` write the results.
 Without CUDA everything runs on CPU in fp32, timed with torch.utils.benchmark and reported
@@ -16,6 +17,7 @@ TRITON_INTERPRET=1); with CUDA timings are medians over CUDA events after warm-u
 
 import argparse
 import dataclasses
+import pickle
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 from torchtitan.models.common.moe import MoE
 
-from torchtitan_ext.bench import expert_block, moe_layer, plot, trace
+from torchtitan_ext.bench import expert_block, memory_snapshot, moe_layer, plot, trace
 from torchtitan_ext.bench.common import (
     COMPILE_BACKENDS,
     COMPILE_MODES,
@@ -257,6 +259,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--top", type=int, default=15, metavar="N", help="list the N slowest kernels (default 15)"
     )
     trace_command.add_argument("--json", metavar="PATH", help="write the summaries as JSON")
+    memory_command = commands.add_parser(
+        "memory",
+        help="where a run's reserved GPU memory came from (growth by code site, what held memory), "
+        "from CUDA allocator snapshots",
+    )
+    memory_command.add_argument(
+        "snapshots",
+        nargs="+",
+        metavar="SNAPSHOT.pickle",
+        help="allocator snapshots, e.g. torchtitan's profiling/memory_snapshot/step_<N>/<rank>_step_<N>.pickle "
+        "(--profiler.enable_memory_snapshot)",
+    )
+    memory_command.add_argument(
+        "--top", type=int, default=10, metavar="N", help="list the N largest sites and growths (default 10)"
+    )
+    memory_command.add_argument("--json", metavar="PATH", help="write the summaries as JSON")
     for subparser, handler in (
         (expert, run_expert),
         (layer, run_layer),
@@ -265,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
         (auto, run_auto),
         (plot_command, run_plot),
         (trace_command, run_trace),
+        (memory_command, run_memory),
     ):
         subparser.set_defaults(handler=handler, subparser=subparser)
     return parser
@@ -516,6 +535,20 @@ def run_trace(parser, args, device, command) -> None:
     for summary in summaries:
         trace.print_summary(summary)
     write_json(args.json, {"command": command, "traces": summaries})
+
+
+def run_memory(parser, args, device, command) -> None:
+    if args.top < 1:
+        parser.error(f"--top must be >= 1, got {args.top}")
+    summaries = []
+    for path in args.snapshots:
+        try:
+            summaries.append(memory_snapshot.summarize(path, args.top))
+        except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as e:
+            parser.error(f"memory {path}: cannot read a CUDA memory snapshot: {e}")
+    for summary in summaries:
+        memory_snapshot.print_summary(summary)
+    write_json(args.json, {"command": command, "snapshots": summaries})
 
 
 OUTPUT_OPTIONS = {"json": "--json", "plot": "--plot", "out": "--out"}

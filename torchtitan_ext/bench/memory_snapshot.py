@@ -1,0 +1,182 @@
+"""Where a run's reserved GPU memory came from, read from a CUDA allocator snapshot.
+
+torchtitan writes one snapshot per rank when training runs with ``--profiler.enable_memory_snapshot``
+(``<dump_folder>/profiling/memory_snapshot/step_<N>/<rank>_step_<N>.pickle``, every
+``--profiler.memory_snapshot_freq`` steps). The peak that torchtitan logs as ``memory`` is what the
+allocator reserved; the summary answers why it is larger than what tensors needed:
+
+- ``reserved_gib`` / ``allocated_gib``: at the snapshot; ``free_in_segments_gib`` is their difference
+  (memory the allocator holds without a tensor in it) and ``largest_free_block_mib`` its largest piece.
+- ``peak_allocated_gib``: the most that tensors held at once over the recorded history.
+- ``growth``: every time the allocator reserved more (``cudaMalloc`` of a segment, or pages mapped
+  into an expandable segment): how much, when (seconds after the first recorded event), what tensors
+  held then, and the request that did not fit (``request_mib``), with the code that asked
+  (``site``: the innermost frame outside torch; compiled graphs appear as their generated files).
+- ``growth_by_site``: reserve growth summed by site; ``live_at_last_growth``: what tensors held the
+  memory, by site, when the reserve grew for the last time (the moment that set the final reserve).
+
+The allocator keeps a ring buffer of events (``--profiler.memory_snapshot_max_entries``); when it
+wrapped, the history starts later than the run and ``reserved_gib_at_first_event`` is above zero.
+"""
+
+import os
+import pickle
+import re
+from collections import Counter
+
+GIB = 1024**3
+MIB = 1024**2
+GROWTH_ACTIONS = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+ALLOCATED_STATES = ("active_allocated", "active_pending_free")
+BEFORE_HISTORY = "allocated before the recorded history"
+TORCH_FRAME = re.compile(r"[/\\]torch[/\\]")
+
+
+def frame_text(frame: dict) -> str:
+    return f"{os.path.basename(frame.get('filename', '?'))}:{frame.get('line', '?')} {frame.get('name', '?')}"
+
+
+def site(frames: list[dict]) -> str:
+    """The innermost frame outside torch's own package (frames are innermost first); the innermost
+    frame when every frame is torch's, ``"unknown"`` when the event has no frames."""
+    if not frames:
+        return "unknown"
+    outside = next((f for f in frames if not TORCH_FRAME.search(f.get("filename", ""))), frames[0])
+    return frame_text(outside)
+
+
+def device_of(snapshot: dict) -> int:
+    """The device whose trace the snapshot recorded (torchtitan records one device per rank)."""
+    traces = snapshot.get("device_traces", [])
+    recorded = [i for i, trace in enumerate(traces) if trace]
+    if recorded:
+        return recorded[0]
+    devices = {segment["device"] for segment in snapshot["segments"]}
+    if not devices:
+        raise ValueError("the snapshot has neither segments nor recorded events")
+    return min(devices)
+
+
+def gib(size: float) -> float:
+    return round(size / GIB, 3)
+
+
+def summarize(path: str, top: int = 10) -> dict:
+    """The summary of one snapshot file (see the module docstring)."""
+    with open(path, "rb") as f:
+        snapshot = pickle.load(f)
+    if not isinstance(snapshot, dict) or "segments" not in snapshot:
+        raise ValueError("not a CUDA memory snapshot (no 'segments')")
+    device = device_of(snapshot)
+    segments = [s for s in snapshot["segments"] if s["device"] == device]
+    events = snapshot.get("device_traces", [])[device] if snapshot.get("device_traces") else []
+    blocks = [b for s in segments for b in s["blocks"]]
+    reserved_end = sum(s["total_size"] for s in segments)
+    allocated_end = sum(b["size"] for b in blocks if b["state"] in ALLOCATED_STATES)
+    free_blocks = [b["size"] for b in blocks if b["state"] == "inactive"]
+    reserved_by_stream = Counter()
+    for segment in segments:
+        reserved_by_stream[segment.get("stream", 0)] += segment["total_size"]
+
+    reserved = reserved_end - sum(GROWTH_ACTIONS.get(e["action"], 0) * e["size"] for e in events)
+    allocated = allocated_end - sum(
+        e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == "free_completed" else 0 for e in events
+    )
+    reserved_at_start, start_us = reserved, events[0].get("time_us", 0) if events else 0
+    peak_allocated = allocated
+    allocated_in_history = {e["addr"] for e in events if e["action"] == "alloc"}
+    live = {
+        b["address"]: (b["size"], site(b.get("frames", [])))
+        for b in blocks
+        if b["state"] in ALLOCATED_STATES and b["address"] not in allocated_in_history
+    }
+    growths: list[dict] = []
+    pending_request: dict | None = None
+    live_at_last_growth: dict[int, tuple[int, str]] = {}
+    for event in events:
+        action, size = event["action"], event["size"]
+        if action == "alloc":
+            allocated += size
+            peak_allocated = max(peak_allocated, allocated)
+            live[event["addr"]] = (size, site(event.get("frames", [])))
+            if pending_request is not None:
+                pending_request["request_mib"] = round(size / MIB, 1)
+                pending_request["site"] = site(event.get("frames", []))
+                pending_request = None
+        elif action == "free_completed":
+            allocated -= size
+            live.pop(event["addr"], None)
+        elif action in GROWTH_ACTIONS:
+            reserved += GROWTH_ACTIONS[action] * size
+            if GROWTH_ACTIONS[action] > 0:
+                pending_request = {
+                    "seconds": round((event.get("time_us", start_us) - start_us) / 1e6, 3),
+                    "size_mib": round(size / MIB, 1),
+                    "reserved_gib_after": gib(reserved),
+                    "allocated_gib": gib(allocated),
+                    "request_mib": None,
+                    "site": site(event.get("frames", [])),
+                    "stack": [frame_text(f) for f in event.get("frames", [])[:8]],
+                }
+                growths.append(pending_request)
+                live_at_last_growth = dict(live)
+                unaccounted = allocated - sum(size for size, _ in live.values())
+                if unaccounted > 0:
+                    live_at_last_growth[-1] = (unaccounted, BEFORE_HISTORY)
+
+    by_site, counts = Counter(), Counter()
+    for growth in growths:
+        by_site[growth["site"]] += growth["size_mib"]
+        counts[growth["site"]] += 1
+    live_by_site = Counter()
+    for size, where in live_at_last_growth.values():
+        live_by_site[where] += size
+    return {
+        "snapshot": path,
+        "device": device,
+        "events": len(events),
+        "expandable_segments": any(s.get("is_expandable", False) for s in segments),
+        "reserved_gib": gib(reserved_end),
+        "allocated_gib": gib(allocated_end),
+        "free_in_segments_gib": gib(reserved_end - allocated_end),
+        "largest_free_block_mib": round(max(free_blocks, default=0) / MIB, 1),
+        "reserved_gib_by_stream": {str(stream): gib(size) for stream, size in reserved_by_stream.most_common()},
+        "reserved_gib_at_first_event": gib(reserved_at_start),
+        "peak_allocated_gib": gib(peak_allocated),
+        "growth": {"count": len(growths), "gib": gib(sum(g["size_mib"] for g in growths) * MIB)},
+        "growth_by_site": [
+            {"site": where, "gib": gib(mib * MIB), "count": counts[where]} for where, mib in by_site.most_common(top)
+        ],
+        "largest_growths": sorted(growths, key=lambda g: -g["size_mib"])[:top],
+        "last_growth": growths[-1] if growths else None,
+        "live_at_last_growth": [{"site": where, "gib": gib(size)} for where, size in live_by_site.most_common(top)],
+    }
+
+
+def print_summary(summary: dict) -> None:
+    kind = "expandable segments" if summary["expandable_segments"] else "fixed segments"
+    print(f"{summary['snapshot']}: device {summary['device']}, {summary['events']:,} recorded events, {kind}")
+    print(
+        f"reserved {summary['reserved_gib']:.2f} GiB, allocated {summary['allocated_gib']:.2f} GiB at the snapshot "
+        f"({summary['free_in_segments_gib']:.2f} GiB held without a tensor, largest free piece "
+        f"{summary['largest_free_block_mib']:.0f} MiB); peak allocated {summary['peak_allocated_gib']:.2f} GiB"
+    )
+    if len(summary["reserved_gib_by_stream"]) > 1:
+        print(
+            "reserved by stream (GiB): " + ", ".join(f"{s}: {g}" for s, g in summary["reserved_gib_by_stream"].items())
+        )
+    if summary["reserved_gib_at_first_event"] > 0:
+        print(f"the recorded history starts with {summary['reserved_gib_at_first_event']:.2f} GiB already reserved")
+    growth = summary["growth"]
+    print(f"the reserve grew {growth['count']} times by {growth['gib']:.2f} GiB in all; by site (GiB, times):")
+    for row in summary["growth_by_site"]:
+        print(f"  {row['gib']:8.3f} {row['count']:5d}  {row['site']}")
+    last = summary["last_growth"]
+    if last:
+        print(
+            f"last growth at {last['seconds']:.1f} s: +{last['size_mib']:.0f} MiB "
+            f"to {last['reserved_gib_after']:.2f} GiB for a {last['request_mib']} MiB request from {last['site']}, "
+            f"with {last['allocated_gib']:.2f} GiB allocated; what held memory then (GiB):"
+        )
+        for row in summary["live_at_last_growth"]:
+            print(f"  {row['gib']:8.3f}  {row['site']}")
