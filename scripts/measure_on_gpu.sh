@@ -121,7 +121,7 @@ run_task() {
       # snapshots, hundreds of MB, stay on the machine). MEMORY_RUNS names the runs (default: stock triton_symm_mem).
       need_gpus 2 "$task"
       steps=${MEMORY_STEPS:-8}
-      common="--nproc_per_node=2 --training.steps $steps --training.local_batch_size ${TRAIN_LOCAL_BATCH:-4}
+      common="--training.steps $steps --training.local_batch_size ${TRAIN_LOCAL_BATCH:-4}
         --training.seq_len 2048 --parallelism.expert_parallel_degree 2 --metrics.log_freq 1 --compile.enable
         --profiler.enable_memory_snapshot --profiler.memory_snapshot_freq $steps"
       declare -A memory_runs=(
@@ -133,7 +133,7 @@ run_task() {
       for name in ${MEMORY_RUNS:-stock triton_symm_mem}; do
         [[ -n ${memory_runs[$name]:-} ]] || { echo "unknown memory run $name (${!memory_runs[*]})"; exit 2; }
         dump=$(mktemp -d)
-        python3 -m torchtitan_ext.train ${memory_runs[$name]} $common --dump_folder "$dump" > "$out/memory_$name.log" 2>&1
+        python3 -m torchtitan_ext.train --nproc_per_node=2 ${memory_runs[$name]} $common --dump_folder "$dump" > "$out/memory_$name.log" 2>&1
         grep -E "step: |rror" "$out/memory_$name.log" | tail -n 24
         python3 -m torchtitan_ext.bench memory "$dump"/profiling/memory_snapshot/step_*/*.pickle \
             --json "$out/memory_$name.json" 2>&1 | tee "$out/memory_$name.txt"

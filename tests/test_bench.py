@@ -1061,11 +1061,14 @@ def test_memory_summary_names_where_the_reserve_grew(tmp_path, capsys):
 
 
 def test_memory_summary_counts_what_was_allocated_before_the_history(tmp_path):
-    """Memory allocated before the ring buffer's first event and freed within it has no frames:
-    it is named as such when it held memory at a growth."""
+    """Memory allocated before the ring buffer's first event (freed within it, or still held at the
+    snapshot without frames) is named as such when it held memory at a growth."""
     path = tmp_path / "snapshot.pickle"
     segment = {"device": 0, "address": 0, "total_size": 2048 * MIB, "stream": 0, "blocks": []}
-    segment["blocks"] = [{"address": 0, "size": 2048 * MIB, "state": "inactive", "frames": []}]
+    segment["blocks"] = [
+        {"address": 0, "size": 1984 * MIB, "state": "inactive", "frames": []},
+        {"address": 1984 * MIB, "size": 64 * MIB, "state": "active_allocated", "frames": []},
+    ]
     trace = [
         {"action": "segment_alloc", "addr": 0, "size": 1024 * MIB, "stream": 0, "time_us": 0, "frames": []},
         {"action": "alloc", "addr": 0, "size": 1024 * MIB, "stream": 0, "time_us": 0, "frames": []},
@@ -1075,8 +1078,8 @@ def test_memory_summary_counts_what_was_allocated_before_the_history(tmp_path):
     with open(path, "wb") as f:
         pickle.dump({"segments": [segment], "device_traces": [trace]}, f)
     summary = bench_cli.memory_snapshot.summarize(str(path))
-    assert summary["reserved_gib_at_first_event"] == 1.0 and summary["peak_allocated_gib"] == 1.25
-    assert summary["live_at_last_growth"] == [{"site": "allocated before the recorded history", "gib": 0.25}]
+    assert summary["reserved_gib_at_first_event"] == 1.0 and summary["peak_allocated_gib"] == 1.312
+    assert summary["live_at_last_growth"] == [{"site": "allocated before the recorded history", "gib": 0.312}]
     assert summary["last_growth"]["site"] == "unknown" and not summary["expandable_segments"]
 
 

@@ -86,7 +86,7 @@ def summarize(path: str, top: int = 10) -> dict:
     peak_allocated = allocated
     allocated_in_history = {e["addr"] for e in events if e["action"] == "alloc"}
     live = {
-        b["address"]: (b["size"], site(b.get("frames", [])))
+        b["address"]: (b["size"], site(b["frames"]) if b.get("frames") else BEFORE_HISTORY)
         for b in blocks
         if b["state"] in ALLOCATED_STATES and b["address"] not in allocated_in_history
     }
