@@ -317,7 +317,10 @@ def test_named_shapes_are_the_moe_layers_of_the_public_models():
 def test_what_cannot_run_here_is_the_backend_tables_verdict(monkeypatch, capsys):
     make_backend_unavailable(monkeypatch, "triton", "needs CUDA")
     assert "fused_routed" not in expert_block.default_impls() and "triton" not in expert_block.default_impls()
-    assert moe_layer.default_kinds() == ["torchtitan", *TORCH_BACKENDS]
+    kinds = moe_layer.default_kinds()  # the FP8 layers of the torch backends too, where FP8 GEMMs run
+    assert kinds[: 1 + len(TORCH_BACKENDS)] == ["torchtitan", *TORCH_BACKENDS] and not {"triton", "triton_fp8"} & set(
+        kinds
+    )
     for argv, refused in (
         (["expert", "--tiny", "--impls", "for_loop", "fused_routed"], "--impls fused_routed: needs CUDA"),
         (["layer", "--tiny", "--layers", "triton"], "--layers triton: needs CUDA"),

@@ -9,6 +9,7 @@ import torch
 
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.command_line import split_override_args, switches_for_parser, take_options
+from torchtitan_ext.experiments.moe_backends.dispatcher import chosen_ep_transport
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.experiments.moe_backends.layer import routing_dispatchers
 from torchtitan_ext.metrics.metadata import run_metadata
@@ -148,8 +149,9 @@ def test_run_metadata_and_start_up_line_name_the_ep_transport_under_ep(monkeypat
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with caplog.at_level(logging.INFO):
         parse("--parallelism.expert_parallel_degree", "2")
-    assert run_metadata()["ep_transport"] == "all_to_all"
-    assert "expert_parallel_degree=2, ep_transport=all_to_all," in caplog.text
+    chosen = chosen_ep_transport("auto", 2)  # symm_mem on a host with CUDA GPUs, else all_to_all
+    assert run_metadata()["ep_transport"] == chosen
+    assert f"expert_parallel_degree=2, ep_transport={chosen}," in caplog.text
     parse()
     assert "ep_transport" not in run_metadata()
 
