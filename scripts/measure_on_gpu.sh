@@ -135,7 +135,7 @@ run_task() {
         dump=$(mktemp -d)
         python3 -m torchtitan_ext.train --nproc_per_node=2 ${memory_runs[$name]} $common --dump_folder "$dump" > "$out/memory_$name.log" 2>&1
         grep -E "step: |rror" "$out/memory_$name.log" | tail -n 24
-        python3 -m torchtitan_ext.bench memory "$dump"/profiling/memory_snapshot/step_*/*.pickle \
+        python3 -m torchtitan_ext.bench memory "$dump/profiling/memory_snapshot" \
             --json "$out/memory_$name.json" 2>&1 | tee "$out/memory_$name.txt"
       done ;;
     scale-out)

@@ -1094,3 +1094,19 @@ def test_unreadable_memory_snapshot_exits_2(tmp_path, content, capsys):
         main(["memory", str(path)])
     assert exit_info.value.code == 2
     assert f"memory {path}: cannot read a CUDA memory snapshot" in capsys.readouterr().err
+
+
+def test_memory_summary_of_a_folder_reads_every_ranks_snapshot(tmp_path, capsys):
+    step = tmp_path / "memory_snapshot" / "step_000000000006"
+    step.mkdir(parents=True)
+    for rank in (1, 0):
+        synthetic_memory_snapshot(step / f"00000{rank}_step_6.pickle")
+    out = tmp_path / "memory.json"
+    assert main(["memory", str(tmp_path / "memory_snapshot"), "--json", str(out)]) == 0
+    snapshots = json.loads(out.read_text())["snapshots"]
+    assert [Path(s["snapshot"]).name for s in snapshots] == ["000000_step_6.pickle", "000001_step_6.pickle"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["memory", str(tmp_path / "empty")])
+    assert exit_info.value.code == 2
+    assert f"memory {tmp_path / 'empty'}: the folder holds no .pickle snapshots" in capsys.readouterr().err

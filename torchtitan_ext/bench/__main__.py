@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="SNAPSHOT.pickle",
         help="allocator snapshots, e.g. torchtitan's profiling/memory_snapshot/step_<N>/<rank>_step_<N>.pickle "
-        "(--profiler.enable_memory_snapshot)",
+        "(--profiler.enable_memory_snapshot), or folders holding them (every rank's of a step)",
     )
     memory_command.add_argument(
         "--top", type=int, default=10, metavar="N", help="list the N largest sites and growths (default 10)"
@@ -541,7 +541,7 @@ def run_memory(parser, args, device, command) -> None:
     if args.top < 1:
         parser.error(f"--top must be >= 1, got {args.top}")
     summaries = []
-    for path in args.snapshots:
+    for path in memory_snapshot.snapshot_files(args.snapshots, parser.error):
         try:
             summaries.append(memory_snapshot.summarize(path, args.top))
         except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as e:

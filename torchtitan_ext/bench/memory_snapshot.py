@@ -23,6 +23,9 @@ import os
 import pickle
 import re
 from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
 
 GIB = 1024**3
 MIB = 1024**2
@@ -30,6 +33,21 @@ GROWTH_ACTIONS = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "seg
 ALLOCATED_STATES = ("active_allocated", "active_pending_free")
 BEFORE_HISTORY = "allocated before the recorded history"
 TORCH_FRAME = re.compile(r"[/\\]torch[/\\]")
+
+
+def snapshot_files(paths: list[str], error: Callable[[str], NoReturn]) -> list[str]:
+    """``paths`` with each folder replaced by the ``.pickle`` files under it, sorted; ``error`` is called
+    for a folder without any."""
+    files = []
+    for path in paths:
+        if not os.path.isdir(path):
+            files.append(path)
+            continue
+        found = sorted(str(p) for p in Path(path).rglob("*.pickle"))
+        if not found:
+            error(f"memory {path}: the folder holds no .pickle snapshots")
+        files += found
+    return files
 
 
 def frame_text(frame: dict) -> str:
