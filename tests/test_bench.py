@@ -734,14 +734,22 @@ def test_trace_summary_of_a_cpu_run(tmp_path, capsys):
     assert "no GPU kernels in this trace" in printed and "aten::mm" in printed
 
 
-@pytest.mark.parametrize("content", ["not json", json.dumps({"traceEvents": []})])
-def test_unreadable_trace_exits_2(tmp_path, content, capsys):
-    path = tmp_path / "bad.json"
-    path.write_text(content)
+@pytest.mark.parametrize(
+    "command, name, content, refusal",
+    [
+        ("trace", "bad.json", b"not json", "cannot read a torch.profiler trace"),
+        ("trace", "bad.json", json.dumps({"traceEvents": []}).encode(), "cannot read a torch.profiler trace"),
+        ("memory", "bad.pickle", b"not a pickle", "cannot read a CUDA memory snapshot"),
+        ("memory", "bad.pickle", pickle.dumps({"traceEvents": []}), "cannot read a CUDA memory snapshot"),
+    ],
+)
+def test_an_unreadable_profile_exits_2(tmp_path, command, name, content, refusal, capsys):
+    path = tmp_path / name
+    path.write_bytes(content)
     with pytest.raises(SystemExit) as exit_info:
-        main(["trace", str(path)])
+        main([command, str(path)])
     assert exit_info.value.code == 2
-    assert f"trace {path}: cannot read a torch.profiler trace" in capsys.readouterr().err
+    assert f"{command} {path}: {refusal}" in capsys.readouterr().err
 
 
 def test_kernel_profile_clears_gradients_before_each_call_like_the_timed_runs():
@@ -1084,16 +1092,6 @@ def test_memory_summary_counts_what_was_allocated_before_the_history(tmp_path):
     assert summary["reserved_gib_at_first_event"] == 1.0 and summary["peak_allocated_gib"] == 1.312
     assert summary["live_at_last_growth"] == [{"site": "allocated before the recorded history", "gib": 0.312}]
     assert summary["last_growth"]["site"] == "unknown" and not summary["expandable_segments"]
-
-
-@pytest.mark.parametrize("content", [b"not a pickle", pickle.dumps({"traceEvents": []})])
-def test_unreadable_memory_snapshot_exits_2(tmp_path, content, capsys):
-    path = tmp_path / "bad.pickle"
-    path.write_bytes(content)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["memory", str(path)])
-    assert exit_info.value.code == 2
-    assert f"memory {path}: cannot read a CUDA memory snapshot" in capsys.readouterr().err
 
 
 def test_memory_summary_of_a_folder_reads_every_ranks_snapshot(tmp_path, capsys):

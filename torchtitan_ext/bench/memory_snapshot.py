@@ -15,8 +15,9 @@ allocator reserved; the summary answers why it is larger than what tensors neede
 - ``growth_by_site``: reserve growth summed by site; ``live_at_last_growth``: what tensors held the
   memory, by site, when the reserve grew for the last time (the moment that set the final reserve).
 
-The allocator keeps a ring buffer of events (``--profiler.memory_snapshot_max_entries``); when it
-wrapped, the history starts later than the run and ``reserved_gib_at_first_event`` is above zero.
+``reserved_gib_at_first_event``: what was reserved when the recorded history begins: torchtitan starts
+recording once the model is built, and the allocator keeps a ring buffer of events
+(``--profiler.memory_snapshot_max_entries``) that drops the oldest once full.
 """
 
 import os
