@@ -20,7 +20,7 @@ import torch
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.apply import apply_overrides
 from torchtitan_ext.metrics.observer import MoERoutingObserver, summarize
-from torchtitan_ext.metrics.processor import RunProgress, heatmap_due, run_summary_lines
+from torchtitan_ext.metrics.processor import RunProgress, heatmap_due, profiler_output_lines, run_summary_lines
 from torchtitan_ext.metrics.statistics import (
     HEATMAP_SCALE_MAX,
     layer_scalars,
@@ -428,3 +428,32 @@ def test_toml_short_keys_set_metrics_fields():
         apply_overrides(config, {"moe_metrics.heatmap_every": -1})
     with pytest.raises(ConfigError, match=r"moe_metrics\.enable"):
         apply_overrides(config, {"moe_metrics.enable": "yes"})
+
+
+def test_the_run_summary_names_the_profiler_outputs_and_the_commands_that_read_them():
+    config = {
+        "profiler": {
+            "enable_profiling": True,
+            "save_traces_folder": "profiling/traces",
+            "enable_memory_snapshot": True,
+            "save_memory_snapshot_folder": "snapshots",
+        }
+    }
+    lines = profiler_output_lines("/out", config)
+    assert lines == [
+        "  profiler traces:   /out/profiling/traces (where a step's time went: python -m torchtitan_ext.bench trace "
+        "/out/profiling/traces/iteration_N/rank0_trace.json.gz)",
+        "  memory snapshots:  /out/snapshots (where the reserved memory came from: python -m torchtitan_ext.bench "
+        "memory /out/snapshots/step_N)",
+    ]
+    summary = run_summary_lines(
+        RunProgress(),
+        output_folder="/out",
+        checkpoint_folder=None,
+        wandb_run=None,
+        wall_seconds=1.0,
+        profiler_lines=lines,
+    )
+    assert summary[-2:] == lines
+    assert profiler_output_lines("/out", {"profiler": {"enable_profiling": False}}) == []
+    assert profiler_output_lines("/out", None) == []

@@ -19,7 +19,7 @@ import re
 import sys
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,9 +126,10 @@ def run_summary_lines(
     checkpoint_folder: str | None,
     wandb_run: WandbRunLocation | None,
     wall_seconds: float,
+    profiler_lines: Sequence[str] = (),
 ) -> list[str]:
     """Closing summary: steps, loss, wall time, the GPU memory peaks (when recorded), and where outputs,
-    checkpoints and wandb went.
+    checkpoints, profiler outputs (``profiler_lines``, from ``profiler_output_lines``) and wandb went.
 
     ``checkpoint_folder`` is None when checkpointing is off.
     """
@@ -155,6 +156,7 @@ def run_summary_lines(
             f"  peak GPU memory:   {progress.peak_allocated_bytes / 2**30:.2f} GiB allocated, "
             f"{progress.peak_reserved_bytes / 2**30:.2f} GiB reserved by the caching allocator (this rank)"
         )
+    lines += profiler_lines
     if wandb_run is not None:
         lines.append(f"  wandb run:         {wandb_run.describe()}")
     return lines
@@ -200,6 +202,7 @@ class MoEMetricsProcessor(MetricsProcessor):
         self._progress = RunProgress()
         self._output_folder = dump_folder
         self._checkpoint_folder = _checkpoint_folder(dump_folder, config_dict)
+        self._profiler_output_lines = profiler_output_lines(dump_folder, config_dict)
         self._on_cpu = cpu_training()
         super().__init__(config, dump_folder=dump_folder, config_dict=config_dict, **kwargs)
         _open_processors.add(self)
@@ -368,6 +371,7 @@ class MoEMetricsProcessor(MetricsProcessor):
             checkpoint_folder=self._checkpoint_folder,
             wandb_run=self._wandb_run,
             wall_seconds=time.perf_counter() - self._progress.started,
+            profiler_lines=self._profiler_output_lines,
         ):
             logger.info(line)
 
@@ -414,6 +418,28 @@ def moe_console_line(scalars: dict[str, float]) -> str:
         f"cv {model('load_cv'):.3f}  dead {model('dead_expert_fraction'):.3f}  "
         f"entropy {model('router_entropy'):.3f}"
     )
+
+
+def profiler_output_lines(dump_folder: str, config_dict: dict[str, Any] | None) -> list[str]:
+    """Summary lines for what torchtitan's profiler wrote (``profiler.enable_profiling``: Chrome traces;
+    ``profiler.enable_memory_snapshot``: allocator snapshots): the folder and the command that reads it."""
+    profiler = (config_dict or {}).get("profiler") or {}
+    lines = []
+    if profiler.get("enable_profiling"):
+        traces = os.path.abspath(os.path.join(dump_folder, profiler.get("save_traces_folder", "profiling/traces")))
+        lines.append(
+            f"  profiler traces:   {traces} (where a step's time went: python -m torchtitan_ext.bench trace "
+            f"{traces}/iteration_N/rank0_trace.json.gz)"
+        )
+    if profiler.get("enable_memory_snapshot"):
+        snapshots = os.path.abspath(
+            os.path.join(dump_folder, profiler.get("save_memory_snapshot_folder", "profiling/memory_snapshot"))
+        )
+        lines.append(
+            f"  memory snapshots:  {snapshots} (where the reserved memory came from: python -m torchtitan_ext.bench "
+            f"memory {snapshots}/step_N)"
+        )
+    return lines
 
 
 def _checkpoint_folder(dump_folder: str, config_dict: dict[str, Any] | None) -> str | None:
