@@ -1108,3 +1108,38 @@ def test_memory_summary_of_a_folder_reads_every_ranks_snapshot(tmp_path, capsys)
         main(["memory", str(tmp_path / "empty")])
     assert exit_info.value.code == 2
     assert f"memory {tmp_path / 'empty'}: the folder holds no .pickle snapshots" in capsys.readouterr().err
+
+
+def write_structured_log(folder: Path, rank: int, records: list[dict]) -> None:
+    """torchtitan's structured log of one rank: one JSON record per line."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps(record) for record in records]
+    (folder / f"training.global_rank_{rank}.20261126-000000-ABCDEF.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_memory_growth_is_split_by_the_training_steps_of_the_ranks_structured_log(tmp_path, capsys):
+    dump = tmp_path / "outputs"
+    snapshot = dump / "profiling" / "memory_snapshot" / "step_000000000006" / "000001_step_6.pickle"
+    snapshot.parent.mkdir(parents=True)
+    synthetic_memory_snapshot(snapshot)  # the reserve grows at 1.5 s and 3.0 s
+    started = {"time_us": 900_000, "log_type_name": "structured_logger_started"}
+    steps = [{"time_us": t, "step": n, "log_type_name": "step_start"} for t, n in ((1_200_000, 1), (2_500_000, 2))]
+    write_structured_log(dump / "structured_logs", 0, [started, {"time_us": 10**15, "step": 1}])  # another rank's
+    write_structured_log(dump / "structured_logs", 1, [started, *steps, {"time_us": 3_500_000}])
+    summary = bench_cli.memory_snapshot.summarize(str(snapshot))
+    assert summary["growth_by_step"] == {"1": 1.0, "2": 0.5}
+    assert summary["steps_from"].endswith("training.global_rank_1.20261126-000000-ABCDEF.jsonl")
+    assert [g["step"] for g in summary["largest_growths"]] == [1, 2]
+    bench_cli.memory_snapshot.print_summary(summary)
+    printed = capsys.readouterr().out
+    assert "by training step (GiB; step 0: before step 1): 1: 1.000, 2: 0.500" in printed
+    assert "last growth at 2.0 s (step 2)" in printed
+
+    write_structured_log(dump / "structured_logs", 1, [{"time_us": 10**15, "log_type_name": "step_start", "step": 1}])
+    summary = bench_cli.memory_snapshot.summarize(str(snapshot))
+    assert summary["growth_by_step"] is None and "the snapshot's times lie outside" in summary["steps_from"]
+    (dump / "structured_logs" / "training.global_rank_1.20261126-000000-ABCDEF.jsonl").unlink()
+    summary = bench_cli.memory_snapshot.summarize(str(snapshot))
+    assert summary["steps_from"] == "not split by step: no structured_logs/ of this rank above the snapshot"
+    bench_cli.memory_snapshot.print_summary(summary)
+    assert "growth not split by step: no structured_logs/ of this rank" in capsys.readouterr().out

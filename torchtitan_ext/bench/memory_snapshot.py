@@ -14,12 +14,17 @@ allocator reserved; the summary answers why it is larger than what tensors neede
   (``site``: the innermost frame outside torch; compiled graphs appear as their generated files).
 - ``growth_by_site``: reserve growth summed by site; ``live_at_last_growth``: what tensors held the
   memory, by site, when the reserve grew for the last time (the moment that set the final reserve).
+- ``growth_by_step``: reserve growth per training step (``"0"``: before step 1), from the step starts
+  in torchtitan's structured log of the same rank (``<dump_folder>/structured_logs``, found next to the
+  snapshot); ``steps_from`` names that log, or says why growth is not split by step.
 
 ``reserved_gib_at_first_event``: what was reserved when the recorded history begins: torchtitan starts
 recording once the model is built, and the allocator keeps a ring buffer of events
 (``--profiler.memory_snapshot_max_entries``) that drops the oldest once full.
 """
 
+import bisect
+import json
 import os
 import pickle
 import re
@@ -49,6 +54,68 @@ def snapshot_files(paths: list[str], error: Callable[[str], NoReturn]) -> list[s
             error(f"memory {path}: the folder holds no .pickle snapshots")
         files += found
     return files
+
+
+SNAPSHOT_RANK = re.compile(r"^(\d+)_step_\d+(?:_exit)?\.pickle$")
+STRUCTURED_LOGS = "structured_logs"
+CLOCK_SLACK_US = 60_000_000
+"""How far outside its structured log's time span a snapshot event may lie and still be given a step."""
+
+
+def structured_log_of(snapshot_path: str) -> str | None:
+    """The newest structured log torchtitan wrote for the snapshot's rank (torchtitan names snapshots
+    ``<rank>_step_<N>.pickle`` and logs ``<dump_folder>/structured_logs/training.global_rank_<rank>.*.jsonl``),
+    looked for in the folders above the snapshot; None when there is none."""
+    path = Path(snapshot_path).resolve()
+    match = SNAPSHOT_RANK.match(path.name)
+    if match is None:
+        return None
+    for folder in list(path.parents)[:5]:
+        logs = sorted((folder / STRUCTURED_LOGS).glob(f"training.global_rank_{int(match.group(1))}.*.jsonl"))
+        if logs:
+            return str(logs[-1])
+    return None
+
+
+def step_starts(log_path: str) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """``([(time_us, step)] of every step start, (first, last) time_us of the log)`` from a structured log."""
+    starts, times = [], []
+    with open(log_path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "time_us" not in record:
+                continue
+            times.append(record["time_us"])
+            if record.get("log_type_name") == "step_start" and "step" in record:
+                starts.append((record["time_us"], int(record["step"])))
+    if not times:
+        raise ValueError("no timed records")
+    return sorted(starts), (min(times), max(times))
+
+
+def steps_of(growth_times_us: list[int], snapshot_path: str) -> tuple[list[int] | None, str]:
+    """The training step of each growth (0: before step 1) and where the steps came from; ``None`` and
+    the reason when the snapshot has no structured log whose clock spans its events."""
+    log = structured_log_of(snapshot_path)
+    if log is None:
+        return None, f"not split by step: no {STRUCTURED_LOGS}/ of this rank above the snapshot"
+    try:
+        starts, (first_us, last_us) = step_starts(log)
+    except (OSError, ValueError) as e:
+        return None, f"not split by step: {log}: {e}"
+    if not starts:
+        return None, f"not split by step: {log} records no step start"
+    if any(t < first_us - CLOCK_SLACK_US or t > last_us + CLOCK_SLACK_US for t in growth_times_us):
+        return None, f"not split by step: the snapshot's times lie outside {log}'s"
+    start_times = [t for t, _ in starts]
+    steps = []
+    for t in growth_times_us:
+        index = bisect.bisect_right(start_times, t)
+        steps.append(starts[index - 1][1] if index else 0)
+    return steps, log
 
 
 def frame_text(frame: dict) -> str:
@@ -110,6 +177,7 @@ def summarize(path: str, top: int = 10) -> dict:
         if b["state"] in ALLOCATED_STATES and b["address"] not in allocated_in_history
     }
     growths: list[dict] = []
+    growth_times_us: list[int] = []
     pending_request: dict | None = None
     live_at_last_growth: dict[int, tuple[int, str]] = {}
     for event in events:
@@ -128,6 +196,7 @@ def summarize(path: str, top: int = 10) -> dict:
         elif action in GROWTH_ACTIONS:
             reserved += GROWTH_ACTIONS[action] * size
             if GROWTH_ACTIONS[action] > 0:
+                growth_times_us.append(event.get("time_us", start_us))
                 pending_request = {
                     "seconds": round((event.get("time_us", start_us) - start_us) / 1e6, 3),
                     "size_mib": round(size / MIB, 1),
@@ -150,6 +219,11 @@ def summarize(path: str, top: int = 10) -> dict:
     live_by_site = Counter()
     for size, where in live_at_last_growth.values():
         live_by_site[where] += size
+    steps, steps_from = steps_of(growth_times_us, path) if growths else (None, "no growth recorded")
+    by_step = Counter()
+    for growth, step in zip(growths, steps or [], strict=False):
+        growth["step"] = step
+        by_step[step] += growth["size_mib"]
     return {
         "snapshot": path,
         "device": device,
@@ -169,6 +243,8 @@ def summarize(path: str, top: int = 10) -> dict:
         "largest_growths": sorted(growths, key=lambda g: -g["size_mib"])[:top],
         "last_growth": growths[-1] if growths else None,
         "live_at_last_growth": [{"site": where, "gib": gib(size)} for where, size in live_by_site.most_common(top)],
+        "growth_by_step": {str(step): gib(mib * MIB) for step, mib in sorted(by_step.items())} if steps else None,
+        "steps_from": steps_from,
     }
 
 
@@ -190,10 +266,18 @@ def print_summary(summary: dict) -> None:
     print(f"the reserve grew {growth['count']} times by {growth['gib']:.2f} GiB in all; by site (GiB, times):")
     for row in summary["growth_by_site"]:
         print(f"  {row['gib']:8.3f} {row['count']:5d}  {row['site']}")
+    if summary["growth_by_step"]:
+        print(
+            "by training step (GiB; step 0: before step 1): "
+            + ", ".join(f"{step}: {g:.3f}" for step, g in summary["growth_by_step"].items())
+        )
+    elif summary["growth"]["count"]:
+        print(f"growth {summary['steps_from']}")
     last = summary["last_growth"]
     if last:
+        during = f" (step {last['step']})" if "step" in last else ""
         print(
-            f"last growth at {last['seconds']:.1f} s: +{last['size_mib']:.0f} MiB "
+            f"last growth at {last['seconds']:.1f} s{during}: +{last['size_mib']:.0f} MiB "
             f"to {last['reserved_gib_after']:.2f} GiB for a {last['request_mib']} MiB request from {last['site']}, "
             f"with {last['allocated_gib']:.2f} GiB allocated; what held memory then (GiB):"
         )
