@@ -1053,13 +1053,15 @@ def test_memory_summary_names_where_the_reserve_grew(tmp_path, capsys):
     assert summary["reserved_gib_by_stream"] == {"0": 3.5, "7": round(20 / 1024, 3)}
     assert summary["reserved_gib_at_first_event"] == round(2068 / 1024, 3)
     assert summary["peak_allocated_gib"] == round(2336 / 1024, 3)  # weights, model output, autotuning buffer
-    assert summary["growth"] == {"count": 2, "gib": 1.5}
+    # The first growth had 512 MiB free on stream 0 for an 800 MiB request; the second 1.5 GiB for 600 MiB.
+    assert summary["growth"] == {"count": 2, "gib": 1.5, "while_the_stream_had_room_gib": 0.5}
     assert summary["growth_by_site"] == [
         {"site": "autotune.py:50 benchmark", "gib": 1.0, "count": 1},
         {"site": "cabc.py:99 call", "gib": 0.5, "count": 1},
     ]
     first, last = summary["largest_growths"]
     assert (first["seconds"], first["request_mib"], first["allocated_gib"]) == (0.5, 800.0, 1.5)
+    assert (first["free_on_stream_mib"], last["free_on_stream_mib"]) == (512.0, 1536.0)
     assert last == summary["last_growth"] and last["reserved_gib_after"] == round(3604 / 1024, 3)
     assert last["stack"] == ["cabc.py:99 call"]
     assert summary["live_at_last_growth"] == [
@@ -1067,7 +1069,8 @@ def test_memory_summary_names_where_the_reserve_grew(tmp_path, capsys):
         {"site": "model.py:10 forward", "gib": 0.5},
     ]
     printed = capsys.readouterr().out
-    assert "the reserve grew 2 times by 1.50 GiB" in printed and "reserved by stream" in printed
+    assert "the reserve grew 2 times by 1.50 GiB in all, 0.50 GiB of it for requests smaller" in printed
+    assert "reserved by stream" in printed
     assert "for a 600.0 MiB request from cabc.py:99 call" in printed
 
 
@@ -1092,6 +1095,10 @@ def test_memory_summary_counts_what_was_allocated_before_the_history(tmp_path):
     assert summary["reserved_gib_at_first_event"] == 1.0 and summary["peak_allocated_gib"] == 1.312
     assert summary["live_at_last_growth"] == [{"site": "allocated before the recorded history", "gib": 0.312}]
     assert summary["last_growth"]["site"] == "unknown" and not summary["expandable_segments"]
+    assert (
+        summary["last_growth"]["free_on_stream_mib"] == 704.0
+        and summary["growth"]["while_the_stream_had_room_gib"] == 0
+    )
 
 
 def test_memory_summary_of_a_folder_reads_every_ranks_snapshot(tmp_path, capsys):

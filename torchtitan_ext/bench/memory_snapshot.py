@@ -10,8 +10,11 @@ allocator reserved; the summary answers why it is larger than what tensors neede
 - ``peak_allocated_gib``: the most that tensors held at once over the recorded history.
 - ``growth``: every time the allocator reserved more (``cudaMalloc`` of a segment, or pages mapped
   into an expandable segment): how much, when (seconds after the first recorded event), what tensors
-  held then, and the request that did not fit (``request_mib``), with the code that asked
-  (``site``: the innermost frame outside torch; compiled graphs appear as their generated files).
+  held then, the free memory its stream already held (``free_on_stream_mib``; each stream has its own
+  segments) and the request that did not fit (``request_mib``), with the code that asked (``site``:
+  the innermost frame outside torch; compiled graphs appear as their generated files). A request
+  smaller than the free memory of its stream grew the reserve because no free piece was large enough:
+  fragmentation (``while_the_stream_had_room_gib`` sums those growths).
 - ``growth_by_site``: reserve growth summed by site; ``live_at_last_growth``: what tensors held the
   memory, by site, when the reserve grew for the last time (the moment that set the final reserve).
 - ``growth_by_step``: reserve growth per training step (``"0"``: before step 1), from the step starts
@@ -147,6 +150,16 @@ def gib(size: float) -> float:
     return round(size / GIB, 3)
 
 
+def allocated_change(event: dict) -> int:
+    """Bytes the event adds to what tensors hold (``free_completed``: the memory is reusable again)."""
+    return {"alloc": event["size"], "free_completed": -event["size"]}.get(event["action"], 0)
+
+
+def reserved_change(event: dict) -> int:
+    """Bytes the event adds to what the allocator holds."""
+    return GROWTH_ACTIONS.get(event["action"], 0) * event["size"]
+
+
 def summarize(path: str, top: int = 10) -> dict:
     """The summary of one snapshot file (see the module docstring)."""
     with open(path, "rb") as f:
@@ -157,19 +170,21 @@ def summarize(path: str, top: int = 10) -> dict:
     segments = [s for s in snapshot["segments"] if s["device"] == device]
     events = snapshot.get("device_traces", [])[device] if snapshot.get("device_traces") else []
     blocks = [b for s in segments for b in s["blocks"]]
-    reserved_end = sum(s["total_size"] for s in segments)
-    allocated_end = sum(b["size"] for b in blocks if b["state"] in ALLOCATED_STATES)
     free_blocks = [b["size"] for b in blocks if b["state"] == "inactive"]
-    reserved_by_stream = Counter()
+    reserved_by_stream_end, allocated_by_stream_end = Counter(), Counter()
     for segment in segments:
-        reserved_by_stream[segment.get("stream", 0)] += segment["total_size"]
+        stream = segment.get("stream", 0)
+        reserved_by_stream_end[stream] += segment["total_size"]
+        allocated_by_stream_end[stream] += sum(b["size"] for b in segment["blocks"] if b["state"] in ALLOCATED_STATES)
+    reserved_end, allocated_end = sum(reserved_by_stream_end.values()), sum(allocated_by_stream_end.values())
 
-    reserved = reserved_end - sum(GROWTH_ACTIONS.get(e["action"], 0) * e["size"] for e in events)
-    allocated = allocated_end - sum(
-        e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == "free_completed" else 0 for e in events
-    )
-    reserved_at_start, start_us = reserved, events[0].get("time_us", 0) if events else 0
-    peak_allocated = allocated
+    # Replay from the first recorded event: the state then is the snapshot's less every change since.
+    reserved, allocated = Counter(reserved_by_stream_end), Counter(allocated_by_stream_end)
+    for event in events:
+        reserved[event.get("stream", 0)] -= reserved_change(event)
+        allocated[event.get("stream", 0)] -= allocated_change(event)
+    reserved_at_start, start_us = sum(reserved.values()), events[0].get("time_us", 0) if events else 0
+    peak_allocated = total_allocated = sum(allocated.values())
     allocated_in_history = {e["addr"] for e in events if e["action"] == "alloc"}
     live = {
         b["address"]: (b["size"], site(b["frames"]) if b.get("frames") else BEFORE_HISTORY)
@@ -181,36 +196,36 @@ def summarize(path: str, top: int = 10) -> dict:
     pending_request: dict | None = None
     live_at_last_growth: dict[int, tuple[int, str]] = {}
     for event in events:
-        action, size = event["action"], event["size"]
+        action, size, stream = event["action"], event["size"], event.get("stream", 0)
+        if reserved_change(event) > 0:
+            growth_times_us.append(event.get("time_us", start_us))
+            pending_request = {
+                "seconds": round((event.get("time_us", start_us) - start_us) / 1e6, 3),
+                "size_mib": round(size / MIB, 1),
+                "reserved_gib_after": gib(sum(reserved.values()) + size),
+                "allocated_gib": gib(total_allocated),
+                "free_on_stream_mib": round((reserved[stream] - allocated[stream]) / MIB, 1),
+                "request_mib": None,
+                "site": site(event.get("frames", [])),
+                "stack": [frame_text(f) for f in event.get("frames", [])[:8]],
+            }
+            growths.append(pending_request)
+            live_at_last_growth = dict(live)
+            unaccounted = total_allocated - sum(size for size, _ in live.values())
+            if unaccounted > 0:
+                live_at_last_growth[-1] = (unaccounted, BEFORE_HISTORY)
+        reserved[stream] += reserved_change(event)
+        allocated[stream] += allocated_change(event)
+        total_allocated += allocated_change(event)
+        peak_allocated = max(peak_allocated, total_allocated)
         if action == "alloc":
-            allocated += size
-            peak_allocated = max(peak_allocated, allocated)
             live[event["addr"]] = (size, site(event.get("frames", [])))
             if pending_request is not None:
                 pending_request["request_mib"] = round(size / MIB, 1)
                 pending_request["site"] = site(event.get("frames", []))
                 pending_request = None
         elif action == "free_completed":
-            allocated -= size
             live.pop(event["addr"], None)
-        elif action in GROWTH_ACTIONS:
-            reserved += GROWTH_ACTIONS[action] * size
-            if GROWTH_ACTIONS[action] > 0:
-                growth_times_us.append(event.get("time_us", start_us))
-                pending_request = {
-                    "seconds": round((event.get("time_us", start_us) - start_us) / 1e6, 3),
-                    "size_mib": round(size / MIB, 1),
-                    "reserved_gib_after": gib(reserved),
-                    "allocated_gib": gib(allocated),
-                    "request_mib": None,
-                    "site": site(event.get("frames", [])),
-                    "stack": [frame_text(f) for f in event.get("frames", [])[:8]],
-                }
-                growths.append(pending_request)
-                live_at_last_growth = dict(live)
-                unaccounted = allocated - sum(size for size, _ in live.values())
-                if unaccounted > 0:
-                    live_at_last_growth[-1] = (unaccounted, BEFORE_HISTORY)
 
     by_site, counts = Counter(), Counter()
     for growth in growths:
@@ -224,6 +239,7 @@ def summarize(path: str, top: int = 10) -> dict:
     for growth, step in zip(growths, steps or [], strict=False):
         growth["step"] = step
         by_step[step] += growth["size_mib"]
+    with_room = [g for g in growths if g["request_mib"] is not None and g["free_on_stream_mib"] >= g["request_mib"]]
     return {
         "snapshot": path,
         "device": device,
@@ -233,18 +249,22 @@ def summarize(path: str, top: int = 10) -> dict:
         "allocated_gib": gib(allocated_end),
         "free_in_segments_gib": gib(reserved_end - allocated_end),
         "largest_free_block_mib": round(max(free_blocks, default=0) / MIB, 1),
-        "reserved_gib_by_stream": {str(stream): gib(size) for stream, size in reserved_by_stream.most_common()},
+        "reserved_gib_by_stream": {str(stream): gib(size) for stream, size in reserved_by_stream_end.most_common()},
         "reserved_gib_at_first_event": gib(reserved_at_start),
         "peak_allocated_gib": gib(peak_allocated),
-        "growth": {"count": len(growths), "gib": gib(sum(g["size_mib"] for g in growths) * MIB)},
+        "growth": {
+            "count": len(growths),
+            "gib": gib(sum(g["size_mib"] for g in growths) * MIB),
+            "while_the_stream_had_room_gib": gib(sum(g["size_mib"] for g in with_room) * MIB),
+        },
         "growth_by_site": [
             {"site": where, "gib": gib(mib * MIB), "count": counts[where]} for where, mib in by_site.most_common(top)
         ],
+        "growth_by_step": {str(step): gib(mib * MIB) for step, mib in sorted(by_step.items())} if steps else None,
+        "steps_from": steps_from,
         "largest_growths": sorted(growths, key=lambda g: -g["size_mib"])[:top],
         "last_growth": growths[-1] if growths else None,
         "live_at_last_growth": [{"site": where, "gib": gib(size)} for where, size in live_by_site.most_common(top)],
-        "growth_by_step": {str(step): gib(mib * MIB) for step, mib in sorted(by_step.items())} if steps else None,
-        "steps_from": steps_from,
     }
 
 
@@ -263,7 +283,11 @@ def print_summary(summary: dict) -> None:
     if summary["reserved_gib_at_first_event"] > 0:
         print(f"the recorded history starts with {summary['reserved_gib_at_first_event']:.2f} GiB already reserved")
     growth = summary["growth"]
-    print(f"the reserve grew {growth['count']} times by {growth['gib']:.2f} GiB in all; by site (GiB, times):")
+    print(
+        f"the reserve grew {growth['count']} times by {growth['gib']:.2f} GiB in all, "
+        f"{growth['while_the_stream_had_room_gib']:.2f} GiB of it for requests smaller than the free memory "
+        "their stream already held (fragmentation); by site (GiB, times):"
+    )
     for row in summary["growth_by_site"]:
         print(f"  {row['gib']:8.3f} {row['count']:5d}  {row['site']}")
     if summary["growth_by_step"]:
