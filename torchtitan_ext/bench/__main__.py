@@ -261,8 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     trace_command.add_argument("--json", metavar="PATH", help="write the summaries as JSON")
     memory_command = commands.add_parser(
         "memory",
-        help="where a run's reserved GPU memory came from (growth by code site, what held memory), "
-        "from CUDA allocator snapshots",
+        help="where a run's reserved GPU memory came from (growth by code site and training step, "
+        "fragmentation, what held the memory), from CUDA allocator snapshots",
     )
     memory_command.add_argument(
         "snapshots",

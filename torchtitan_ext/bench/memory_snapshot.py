@@ -42,6 +42,10 @@ GROWTH_ACTIONS = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "seg
 ALLOCATED_STATES = ("active_allocated", "active_pending_free")
 BEFORE_HISTORY = "allocated before the recorded history"
 TORCH_FRAME = re.compile(r"[/\\]torch[/\\]")
+SNAPSHOT_RANK = re.compile(r"^(\d+)_step_\d+(?:_exit)?\.pickle$")
+STRUCTURED_LOGS = "structured_logs"
+CLOCK_SLACK_US = 60_000_000
+"""How far outside its structured log's time span a snapshot event may lie and still be given a step."""
 
 
 def snapshot_files(paths: list[str], error: Callable[[str], NoReturn]) -> list[str]:
@@ -57,12 +61,6 @@ def snapshot_files(paths: list[str], error: Callable[[str], NoReturn]) -> list[s
             error(f"memory {path}: the folder holds no .pickle snapshots")
         files += found
     return files
-
-
-SNAPSHOT_RANK = re.compile(r"^(\d+)_step_\d+(?:_exit)?\.pickle$")
-STRUCTURED_LOGS = "structured_logs"
-CLOCK_SLACK_US = 60_000_000
-"""How far outside its structured log's time span a snapshot event may lie and still be given a step."""
 
 
 def structured_log_of(snapshot_path: str) -> str | None:
