@@ -995,7 +995,7 @@ def synthetic_memory_snapshot(path: Path) -> None:
     torch_frame = ("/env/site-packages/torch/utils/_contextlib.py", 120, "decorate_context")
     autotune = frames(torch_frame, ("/repo/torchtitan_ext/kernels/autotune.py", 50, "benchmark"))
     model = frames(("/repo/model.py", 10, "forward"))
-    graph = frames(("/tmp/inductor/ab/cabc.py", 99, "call"))
+    graph = frames(("/cache/inductor/ab/cabc.py", 99, "call"))
     weights = frames(("/repo/init.py", 5, "init_weights"))
     base = 1 << 40
 
