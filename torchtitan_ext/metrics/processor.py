@@ -35,6 +35,7 @@ from torchtitan.components.metrics import (
     WandBLogger,
 )
 from torchtitan.tools.logging import logger
+from torchtitan.tools.profiler import MEMORY_DIR, PROFILE_DIR
 from torchtitan.tools.utils import NoColor
 
 import torchtitan_ext.metrics.toml_keys  # noqa: F401  (registers the TOML keys)
@@ -426,15 +427,13 @@ def profiler_output_lines(dump_folder: str, config_dict: dict[str, Any] | None) 
     profiler = (config_dict or {}).get("profiler") or {}
     lines = []
     if profiler.get("enable_profiling"):
-        traces = os.path.abspath(os.path.join(dump_folder, profiler.get("save_traces_folder", "profiling/traces")))
+        traces = os.path.abspath(os.path.join(dump_folder, profiler.get("save_traces_folder", PROFILE_DIR)))
         lines.append(
             f"  profiler traces:   {traces} (where a step's time went: python -m torchtitan_ext.bench trace "
             f"{traces}/iteration_N/rank0_trace.json.gz)"
         )
     if profiler.get("enable_memory_snapshot"):
-        snapshots = os.path.abspath(
-            os.path.join(dump_folder, profiler.get("save_memory_snapshot_folder", "profiling/memory_snapshot"))
-        )
+        snapshots = os.path.abspath(os.path.join(dump_folder, profiler.get("save_memory_snapshot_folder", MEMORY_DIR)))
         lines.append(
             f"  memory snapshots:  {snapshots} (where the reserved memory came from: python -m torchtitan_ext.bench "
             f"memory {snapshots}/step_N)"
