@@ -16,8 +16,10 @@ from torchtitan_ext.kernels.availability import interpreter_enabled
 from torchtitan_ext.kernels.fused_moe import (
     fused_moe_grouped,
     fused_moe_routed,
+    fused_moe_row_weighted,
     reference_grouped,
     reference_routed,
+    reference_row_weighted,
     triton_available_reason,
 )
 from torchtitan_ext.kernels.moe_permute import reference_routing_metadata, routing_metadata
@@ -119,6 +121,30 @@ def test_grouped_matches_reference(counts, dtype):
     x = torch.randn(num_rows, 40, generator=generator).to(dtype).requires_grad_()
     inputs = [x, *make_experts(len(counts), 40, 24, dtype, generator), torch.tensor(counts)]
     assert_matches(fused_moe_grouped, reference_grouped, inputs, dtype, generator)
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 9, 3, 0, 2], [4, 6, 0, 3]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("two_passes", [False, True])
+def test_row_weighted_grouped_matches_reference(counts, dtype, two_passes, monkeypatch):
+    """Each row's output times its own score, and the scores' gradient, from the experts' backward
+    (both gate/up forwards); rows after the experts' get zero output and zero score gradient."""
+    from torchtitan_ext.kernels import swiglu_passes
+
+    monkeypatch.setattr(swiglu_passes, "GATE_UP_TWO_PASS_MIN_WEIGHT", 1 if two_passes else 2**40)
+    generator = torch.Generator().manual_seed(sum(counts))
+    num_rows = max(sum(counts), 19)
+    x = torch.randn(num_rows, 40, generator=generator).to(dtype).requires_grad_()
+    scores = torch.rand(num_rows, generator=generator).requires_grad_()
+    inputs = [x, *make_experts(len(counts), 40, 24, dtype, generator), torch.tensor(counts), scores]
+    assert_matches(fused_moe_row_weighted, reference_row_weighted, inputs, dtype, generator)
+
+
+def test_row_scores_must_have_one_score_per_row():
+    generator = torch.Generator().manual_seed(0)
+    w1, w2, w3 = make_experts(2, 16, 8, torch.float32, generator)
+    with pytest.raises(ValueError, match=r"row scores must have shape \(6,\), got \(5,\)"):
+        fused_moe_row_weighted(torch.randn(6, 16), w1, w2, w3, torch.tensor([3, 3]), torch.rand(5))
 
 
 def test_fp32_weights_with_fp16_activations():

@@ -91,6 +91,25 @@ def test_grouped_matches_reference(dtype, counts):
     check_all(fused_moe_grouped, fused_inputs, reference_grouped, reference_inputs, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim,hidden", [(1024, 704), (2048, 4096)])
+def test_row_weighted_grouped_matches_reference(dtype, dim, hidden):
+    """Rows weighted in the down projection (expert parallelism's path), with the one-kernel and
+    the two-pass gate/up forward; trailing rows belong to no expert."""
+    from torchtitan_ext.kernels.fused_moe import fused_moe_row_weighted, reference_row_weighted
+
+    torch.manual_seed(5)
+    counts = [300, 0, 1, 129, 512, 5]
+    counts_E = torch.tensor(counts, device="cuda")
+    num_rows = sum(counts) + 53
+    x = torch.randn(num_rows, dim, device="cuda").to(dtype).requires_grad_()
+    scores = torch.rand(num_rows, device="cuda").requires_grad_()
+    weights = make_weights(len(counts), dim, hidden, dtype)
+    fused_inputs = [x, *weights, counts_E, scores]
+    reference_inputs = [*fp32_copies([x, *weights]), counts_E, *fp32_copies([scores])]
+    check_all(fused_moe_row_weighted, fused_inputs, reference_row_weighted, reference_inputs, dtype)
+
+
 def test_fp32_weights_bf16_activations():
     from torchtitan_ext.kernels.fused_moe import fused_moe_routed, reference_routed
 

@@ -21,8 +21,10 @@ from torchtitan_ext.kernels.swiglu_experts import swiglu_experts
 __all__ = [
     "fused_moe_grouped",
     "fused_moe_routed",
+    "fused_moe_row_weighted",
     "reference_grouped",
     "reference_routed",
+    "reference_row_weighted",
     "triton_available_reason",
 ]
 
@@ -45,6 +47,22 @@ def fused_moe_grouped(
         out_RD: [R, D] in x's dtype.
     """
     return swiglu_experts(x_RD, w1_EFD, w2_EDF, w3_EFD, grouped_metadata(num_tokens_per_expert_E))
+
+
+def fused_moe_row_weighted(
+    x_RD: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    num_tokens_per_expert_E: torch.Tensor,
+    row_scores_R: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`fused_moe_grouped` with each output row multiplied by ``row_scores_R[r]`` ([R], any float
+    dtype, differentiable) in the down projection's epilogue (fp32). The scores' gradient comes from
+    the backward's own reads (the pre-activations it keeps), not from a kept output."""
+    return swiglu_experts(
+        x_RD, w1_EFD, w2_EDF, w3_EFD, grouped_metadata(num_tokens_per_expert_E), scores_S=row_scores_R
+    )
 
 
 def fused_moe_routed(
@@ -99,6 +117,13 @@ def reference_grouped(x_RD, w1_EFD, w2_EDF, w3_EFD, num_tokens_per_expert_E) -> 
     *expert_rows, rest_RD = torch.split(x_RD, [*counts, rows_after_experts])
     outputs = [_swiglu_expert(rows, w1[e], w2[e], w3[e]) for e, rows in enumerate(expert_rows)]
     return torch.cat([*outputs, torch.zeros_like(rest_RD)])
+
+
+def reference_row_weighted(x_RD, w1_EFD, w2_EDF, w3_EFD, num_tokens_per_expert_E, row_scores_R) -> torch.Tensor:
+    """The plain-torch reference of :func:`fused_moe_row_weighted`: the expert block, then each row
+    times its score in fp32."""
+    out_RD = reference_grouped(x_RD, w1_EFD, w2_EDF, w3_EFD, num_tokens_per_expert_E)
+    return (out_RD.float() * row_scores_R.float()[:, None]).to(x_RD.dtype)
 
 
 def reference_routed(x_TD, w1_EFD, w2_EDF, w3_EFD, topk_expert_ids_TK, topk_scores_TK) -> torch.Tensor:

@@ -8,7 +8,10 @@ Two modes share the kernels:
 
 - grouped: the rows of x_RD are already grouped by expert; expert e owns rows
   [group_end[e-1], group_end[e]); rows after group_end[E-1] belong to no expert and
-  get zero output (and zero gradient).
+  get zero output (and zero gradient). With row scores, the down projection's epilogue weights
+  each row by its own score and the backward computes the scores' gradient from what it reads
+  anyway, so the caller keeps no expert output for it (the expert-parallel combine then sums
+  rows unweighted).
 - routed: x_TD holds tokens; they are copied into expert order once (grouped row r holds token
   ``row_slot[r] // top_k``), the down projection's epilogue weights each row by its slot's router
   score, and the K weighted rows of each token are summed.
@@ -107,7 +110,6 @@ def swiglu_experts_backward(
 def _(dout, x_RD, w1_EFD, w2_EDF, w3_EFD, group_end_E, row_slot_S, slot_row_S, scores_S, gate_RF, up_RF, top_k,
       needs_grad):  # fmt: skip
     needs_dx, needs_dw1, needs_dw2, needs_dw3, needs_dscores = needs_grad
-    routed = row_slot_S is not None
     num_inputs = dout.shape[0]
     absent = dout.new_empty(0)
     return (
@@ -115,7 +117,7 @@ def _(dout, x_RD, w1_EFD, w2_EDF, w3_EFD, group_end_E, row_slot_S, slot_row_S, s
         torch.empty_like(w1_EFD) if needs_dw1 or needs_dw3 else absent,
         torch.empty_like(w2_EDF) if needs_dw2 else absent,
         torch.empty_like(w3_EFD) if needs_dw1 or needs_dw3 else absent,
-        torch.empty_like(scores_S) if routed and needs_dscores and scores_S is not None else absent,
+        torch.empty_like(scores_S) if needs_dscores and scores_S is not None else absent,
     )
 
 
@@ -164,16 +166,19 @@ def swiglu_experts(
         x_XD: grouped mode: [R, D] rows grouped by expert; routed mode: [T, D] tokens.
         group_end_E: [E] int32 exclusive end row of each expert's segment.
         row_slot_S: routed mode: [S = T*K] int32 token-major slot of each grouped row.
-        scores_S: routed mode: [S] router weight of each slot (token-major).
+        scores_S: routed mode: [S] router weight of each slot (token-major); grouped mode: None, or
+            [R] the weight of each row (its output is multiplied by it; differentiable).
         top_k: routed mode: K.
         slot_row_S: routed mode: [S] int32 grouped row of each slot, the inverse of row_slot_S
             (``routing_metadata`` returns both).
 
     Returns:
-        grouped: [R, D]; routed: [T, D] = sum_k scores * expert output. Dtype of x.
+        grouped: [R, D] (times scores_S); routed: [T, D] = sum_k scores * expert output. Dtype of x.
     """
     if row_slot_S is not None and (scores_S is None or slot_row_S is None):
         raise ValueError("routed mode needs scores_S and slot_row_S alongside row_slot_S")
+    if row_slot_S is None and scores_S is not None and scores_S.shape != (x_XD.shape[0],):
+        raise ValueError(f"grouped mode's row scores must have shape ({x_XD.shape[0]},), got {tuple(scores_S.shape)}")
     differentiable = (x_XD, w1_EFD, w2_EDF, w3_EFD, scores_S)
     keep_for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
     out, _, _, _ = swiglu_experts_forward(

@@ -7,8 +7,10 @@ For the rows of expert e (weights in torchtitan's layouts w1 [E,F,D], w2 [E,D,F]
 
 Row-tile kernels walk tiles of the expert segments (``tiles.locate_row_tile``); rows after the last
 segment belong to no expert and get zero output. With ``HAS_GATHER`` (routed mode) the down
-projection's epilogue multiplies by the router score of slot ``row_slot[r]`` and writes the row to
-that slot. ``swiglu_passes`` launches them; ``swiglu_experts`` is the differentiable op.
+projection writes each row to slot ``row_slot[r]``; with ``HAS_SCORES`` its epilogue multiplies the
+row by a router score, the slot's (routed mode) or the row's own (grouped mode with row scores), and
+the SwiGLU backward writes that score's gradient. ``swiglu_passes`` launches them; ``swiglu_experts``
+is the differentiable op.
 """
 
 import triton
@@ -405,7 +407,7 @@ def _gate_up_pass_kernel(
 
 @fitted(
     gemm_configs(PLAIN_GEMM_CONFIGS, pre_hook=descriptor_blocks(h_desc=("BLOCK_M", "BLOCK_K"), w2_desc=WEIGHT_BLOCK)),
-    key=["dim", "hidden", "HAS_GATHER", "USE_TMA"],
+    key=["dim", "hidden", "HAS_GATHER", "HAS_SCORES", "USE_TMA"],
     fit=fit_to_shape(m=None, n="dim", k="hidden"),
     divides={"EVEN_K": ("hidden", "BLOCK_K")},
 )
@@ -424,6 +426,7 @@ def _down_forward_kernel(
     dim,
     hidden,
     HAS_GATHER: tl.constexpr,
+    HAS_SCORES: tl.constexpr,
     USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -433,7 +436,7 @@ def _down_forward_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out[dest rows] = (score *) h @ w2[e].T; unassigned trailing rows get zeros.
+    """out[dest rows] = (scores[dest] *) h @ w2[e].T; unassigned trailing rows get zeros.
 
     With USE_TMA, h [R, F] and w2 [E, D, F] load through tensor descriptors: a row tile may
     read rows past its expert's segment, whose outputs are masked at the store.
@@ -458,7 +461,7 @@ def _down_forward_kernel(
         BLOCK_K,
     )
     dest = _destination_rows(rows, row_mask, row_slot_ptr, HAS_GATHER)
-    if HAS_GATHER:
+    if HAS_SCORES:
         acc = acc * tl.load(scores_ptr + dest, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(
         out_ptr + dest[:, None] * dim + cols[None, :],
@@ -547,20 +550,22 @@ def _swiglu_backward_kernel(
     num_experts,
     hidden,
     HAS_GATHER: tl.constexpr,
+    HAS_SCORES: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
     """Over the rows of every expert: d gate and d up from dh, gate and up; dh <- (score *) h in place.
 
-    Routed mode also writes each slot's router-score gradient sum_f dh * h to dscores[slot],
-    summed over F in a fixed order inside one program.
+    With ``HAS_SCORES`` each row's score is that of its slot ``row_slot[r]`` (``HAS_GATHER``) or its
+    own, and its gradient sum_f dh * h goes to the same index of dscores, summed over F in a fixed
+    order inside one program.
     """
     num_assigned = tl.load(group_end_ptr + num_experts - 1)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < num_assigned
-    if HAS_GATHER:
-        slots = tl.load(row_slot_ptr + rows, mask=row_mask, other=0)
-        score = tl.load(scores_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
+    if HAS_SCORES:
+        score_index = _destination_rows(rows, row_mask, row_slot_ptr, HAS_GATHER)
+        score = tl.load(scores_ptr + score_index, mask=row_mask, other=0.0).to(tl.float32)
         dscore = tl.zeros((ROWS,), dtype=tl.float32)
     row_offsets = rows.to(tl.int64)[:, None] * hidden
     for col_start in range(0, hidden, BLOCK_F):
@@ -573,10 +578,10 @@ def _swiglu_backward_kernel(
         sig = tl.sigmoid(gate)
         silu = gate * sig
         h = silu * up
-        if HAS_GATHER:
-            # pyrefly: ignore[unbound-name]  # Triton: bound under the same constexpr HAS_GATHER
+        if HAS_SCORES:
+            # pyrefly: ignore[unbound-name]  # Triton: bound under the same constexpr HAS_SCORES
             dscore += tl.sum(dh * h, axis=1)
-            # pyrefly: ignore[unbound-name]  # Triton: bound under the same constexpr HAS_GATHER
+            # pyrefly: ignore[unbound-name]  # Triton: bound under the same constexpr HAS_SCORES
             dh = dh * score[:, None]
             h = h * score[:, None]
         tl.store(
@@ -584,9 +589,9 @@ def _swiglu_backward_kernel(
         )
         tl.store(dup_ptr + offsets, (dh * silu).to(dup_ptr.dtype.element_ty), mask=mask)
         tl.store(dh_ptr + offsets, h.to(dh_ptr.dtype.element_ty), mask=mask)
-    if HAS_GATHER:
-        # pyrefly: ignore[unbound-name]  # Triton: bound under the same constexpr HAS_GATHER
-        tl.store(dscores_ptr + slots, dscore, mask=row_mask)
+    if HAS_SCORES:
+        # pyrefly: ignore[unbound-name]  # Triton: bound under the same constexpr HAS_SCORES
+        tl.store(dscores_ptr + score_index, dscore, mask=row_mask)
 
 
 @triton.jit

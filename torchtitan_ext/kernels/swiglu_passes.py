@@ -160,9 +160,10 @@ def swiglu_forward(
     w1, w2, w3 = (w.to(x_XD.dtype).contiguous() for w in (w1_EFD, w2_EDF, w3_EFD))
     if routed:
         assert slot_row_S is not None and scores_S is not None, "routed mode needs slot_row_S and scores_S"
-        x_RD, scores = _grouped_rows(x_XD, slot_row_S, top_k), scores_S.contiguous()
+        x_RD = _grouped_rows(x_XD, slot_row_S, top_k)
     else:
-        x_RD, scores = x_XD, None
+        x_RD = x_XD
+    scores = None if scores_S is None else scores_S.contiguous()
     split = gate_up_in_two_passes(dim, hidden)
     gate_RF = x_XD.new_empty(num_rows, hidden) if keep_for_backward or split else None
     up_RF = x_XD.new_empty(num_rows, hidden) if keep_for_backward else None
@@ -226,6 +227,7 @@ def swiglu_forward(
         dim,
         hidden,
         HAS_GATHER=routed,
+        HAS_SCORES=scores is not None,
         USE_TMA=use_tma,
         **common,
     )
@@ -264,9 +266,10 @@ def swiglu_backward(
 
     if routed:
         assert slot_row_S is not None and scores_S is not None, "routed mode needs slot_row_S and scores_S"
-        dout_RD, scores = _grouped_rows(dout, slot_row_S, top_k), scores_S.contiguous()
+        dout_RD = _grouped_rows(dout, slot_row_S, top_k)
     else:
-        dout_RD, scores = dout, None
+        dout_RD = dout
+    scores = None if scores_S is None else scores_S.contiguous()
     dh_RF = gate_RF.new_empty(num_rows, hidden)
     use_tma, (dy_desc, w2_desc) = tensor_descriptors(dout_RD, w2)
     _down_backward_kernel[row_tile_grid(num_rows, num_experts, hidden)](
@@ -283,7 +286,7 @@ def swiglu_backward(
         USE_TMA=use_tma,
         **row_common,
     )
-    dscores_S = torch.zeros(num_rows, device=dout.device, dtype=torch.float32) if routed else None
+    dscores_S = None if scores is None else torch.zeros(num_rows, device=dout.device, dtype=torch.float32)
     dgate_RF, dup_RF = torch.empty_like(gate_RF), torch.empty_like(up_RF)
     rows_per_program, block_f = _elementwise_tile(hidden)
     _swiglu_backward_kernel[(max(1, triton.cdiv(num_rows, rows_per_program)),)](
@@ -299,6 +302,7 @@ def swiglu_backward(
         num_experts,
         hidden,
         HAS_GATHER=routed,
+        HAS_SCORES=scores is not None,
         ROWS=rows_per_program,
         BLOCK_F=block_f,
     )
