@@ -12,25 +12,31 @@ observer equal to eager's. The ``symm_mem`` transport is not covered here.
 
 ``triton`` runs Triton's interpreter on CPU, about 50 s a training step at these shapes, so it is
 compiled at the layer level instead: one MoE layer as a block under torchtitan's selective
-checkpointing and ``apply_compile`` (Inductor), EP 1; its kernels' entry points are compiled in
-``tests/test_kernel_ops.py``, and the EP exchange around them is the one the other backends train
-through at EP 2.
+checkpointing and ``apply_compile`` (Inductor), at EP 1 and at EP 2 over both transports (where its
+experts weight their rows and the transport sums them unweighted); its kernels' entry points are
+compiled in ``tests/test_kernel_ops.py``.
 """
 
 import os
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import free_port, spawn_workers
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torchtitan.config.configs import CompileConfig
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.utils import set_spmd_backend
 
 from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
-from torchtitan_ext.experiments.moe_backends.ep_check import seeded_layer
+from torchtitan_ext.experiments.moe_backends.activation_checkpoint import MoESelectiveAC
+from torchtitan_ext.experiments.moe_backends.dispatcher import EPTransport, RoutingDispatcher
+from torchtitan_ext.experiments.moe_backends.ep_check import local_expert_slice, seeded_layer, shard_experts
 from torchtitan_ext.experiments.moe_backends.experts import backend_names
 from torchtitan_ext.experiments.moe_backends.flavors import TINY_HF_FLAVORS, tiny_flavor_name
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
@@ -178,40 +184,59 @@ class MoEBlock(torch.nn.Module):
 
     moe_enabled = True
 
-    def __init__(self, compute_backend: str):
+    def __init__(
+        self, compute_backend: str, ep_mesh: DeviceMesh | None = None, ep_transport: EPTransport = "all_to_all"
+    ):
         super().__init__()
-        self.moe = seeded_layer(moe_layer_config(compute_backend=compute_backend, **LAYER_SHAPE))
+        config = moe_layer_config(compute_backend=compute_backend, **LAYER_SHAPE)
+        dispatcher = config.routed_experts.token_dispatcher
+        assert isinstance(dispatcher, RoutingDispatcher.Config)
+        dispatcher.ep_transport = ep_transport
+        self.moe = seeded_layer(config)
+        if ep_mesh is not None:
+            shard_experts(self.moe, local_expert_slice(LAYER_SHAPE["num_experts"], ep_mesh))
+            self.moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=ep_mesh)
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         return x_BLD + self.moe(x_BLD)
 
 
-def block_step(compute_backend: str, compile_backend: str | None) -> tuple:
-    """One forward and backward of the block under torchtitan's selective checkpointing (compiled
-    by ``apply_compile`` unless ``compile_backend`` is None): output, gradients, observer summary."""
+def block_step(
+    compute_backend: str,
+    compile_backend: str | None,
+    ep_mesh: DeviceMesh | None = None,
+    ep_transport: EPTransport = "all_to_all",
+) -> tuple:
+    """One forward and backward of the block under selective checkpointing (torchtitan's, or the
+    flavors' ``MoESelectiveAC`` under EP; compiled by ``apply_compile`` unless ``compile_backend`` is
+    None): output, gradients, observer summary. Under EP each rank feeds its own tokens."""
     model = torch.nn.Module()
-    model.layers = torch.nn.ModuleDict({"0": MoEBlock(compute_backend)})
-    SelectiveAC.Config().build().apply(model)
+    model.layers = torch.nn.ModuleDict({"0": MoEBlock(compute_backend, ep_mesh, ep_transport)})
+    checkpointing = SelectiveAC.Config() if ep_mesh is None else MoESelectiveAC.Config()
+    checkpointing.build().apply(model)
     if compile_backend is not None:
         config = CompileConfig(enable=True, backend=compile_backend)
         # pyrefly: ignore[bad-argument-type]  # a stand-in with the ParallelDims attribute apply_compile reads
         apply_compile(model, compile_config=config, parallel_dims=SimpleNamespace(tp_enabled=False))
     observer = MoERoutingObserver([model], expert_parallel=None)
-    x_BLD = torch.randn(2, 6, LAYER_SHAPE["dim"], generator=torch.Generator().manual_seed(1)).requires_grad_()
+    seed = 1 if ep_mesh is None else 1 + ep_mesh.get_local_rank()
+    x_BLD = torch.randn(2, 6, LAYER_SHAPE["dim"], generator=torch.Generator().manual_seed(seed)).requires_grad_()
     out_BLD = model.get_submodule("layers.0")(x_BLD)
     out_BLD.square().sum().backward()
     gradients = {name: param.grad for name, param in model.named_parameters()}
     return out_BLD.detach(), x_BLD.grad, gradients, summarize(observer, num_steps=1, reduce_groups=[])[0]
 
 
-@pytest.mark.skipif(triton_available_reason() is not None, reason="Triton cannot run here")
-def test_compiled_triton_block_equals_eager():
+def assert_compiled_triton_block_equals_eager(
+    ep_mesh: DeviceMesh | None = None, ep_transport: EPTransport = "all_to_all"
+) -> None:
     apply_torch_version_fixes()
     torch._dynamo.reset()
-    eager_out, eager_grad_x, eager_grads, eager_summary = block_step("triton", None)
+    step = partial(block_step, "triton", ep_mesh=ep_mesh, ep_transport=ep_transport)
+    eager_out, eager_grad_x, eager_grads, eager_summary = step(None)
     settings = ("capture_scalar_outputs", "skip_fwd_side_effects_in_bwd_under_checkpoint")
     with torch._dynamo.config.patch({name: getattr(torch._dynamo.config, name) for name in settings}):
-        out, grad_x, grads, summary = block_step("triton", "inductor")
+        out, grad_x, grads, summary = step("inductor")
     torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad_x, eager_grad_x, rtol=1e-5, atol=1e-6)
     assert grads.keys() == eager_grads.keys()
@@ -221,3 +246,29 @@ def test_compiled_triton_block_equals_eager():
     assert summary.num_tokens == eager_summary.num_tokens
     assert summary.router_entropy == pytest.approx(eager_summary.router_entropy, rel=1e-6)
     assert summary.optional_per_step == pytest.approx(eager_summary.optional_per_step, rel=1e-5)
+
+
+@pytest.mark.skipif(triton_available_reason() is not None, reason="Triton cannot run here")
+def test_compiled_triton_block_equals_eager():
+    assert_compiled_triton_block_equals_eager()
+
+
+def compiled_ep_worker(rank: int, world: int, port: int, ep_transport: EPTransport) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    set_spmd_backend("partial_dtensor")  # the backend CPU training uses
+    torch.set_num_threads(1)
+    try:
+        ep_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        assert_compiled_triton_block_equals_eager(ep_mesh, ep_transport)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(triton_available_reason() is not None, reason="Triton cannot run here")
+@pytest.mark.parametrize("ep_transport", ["all_to_all", "symm_mem"])
+def test_compiled_triton_block_under_ep2_equals_eager(ep_transport):
+    """The experts weight their rows under EP (``FusedRoutedExperts``): one graph per block with the
+    transport's ops, equal to eager."""
+    spawn_workers(compiled_ep_worker, 2, 2, free_port(), ep_transport)

@@ -150,9 +150,10 @@ def routing(rank: int, dtype: torch.dtype):
     return x_TD, scores_TK, ids_TK
 
 
-def moe_block(dispatcher, x_TD, scores_TK, ids_TK, weights_LDD, grouping: list):
+def moe_block(dispatcher, x_TD, scores_TK, ids_TK, weights_LDD, grouping: list, weight_rows: bool = False):
     """dispatch -> rows of local expert l times weights_LDD[l] -> combine; appends the dispatch's
-    group sizes and padding row count to ``grouping``."""
+    group sizes and padding row count to ``grouping``. ``weight_rows``: the rows times the
+    transport's row scores, then its unweighted sum (the path of experts that weight their rows)."""
     counts_E = torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS + 1)[:NUM_EXPERTS]
     rows_RD, rows_per_expert_L, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
     grouping.append((rows_per_expert_L.tolist(), int(dispatcher.last_num_padding_rows)))
@@ -161,11 +162,22 @@ def moe_block(dispatcher, x_TD, scores_TK, ids_TK, weights_LDD, grouping: list):
     unreceived_RD = rows_RD[num_received:]  # static received rows: the most a rank can receive
     assert not unreceived_RD.any(), "rows past the received ones must be zeros"
     out_ND = torch.bmm(rows_RD[:num_received].unsqueeze(1), weights_LDD[expert_N]).squeeze(1)
-    return dispatcher.combine(torch.cat([out_ND, torch.zeros_like(unreceived_RD)]), metadata, x_TD)
+    out_RD = torch.cat([out_ND, torch.zeros_like(unreceived_RD)])
+    if weight_rows:
+        row_scores_R = dispatcher.row_scores(metadata, rows_RD.shape[0])
+        assert not row_scores_R[num_received:].any(), "rows past the received ones have no score"
+        weighted_RD = (out_RD.float() * row_scores_R[:, None]).to(out_RD.dtype)  # fp32, as the kernels weight
+        return dispatcher.sum_rows(weighted_RD, metadata, x_TD)
+    return dispatcher.combine(out_RD, metadata, x_TD)
 
 
 def run_two_layers(
-    mesh, transport: EPTransport, align_size: int, dtype: torch.dtype, receive_rows: EPReceiveRows = "exact"
+    mesh,
+    transport: EPTransport,
+    align_size: int,
+    dtype: torch.dtype,
+    receive_rows: EPReceiveRows = "exact",
+    weight_rows: bool = False,
 ):
     rank, world = dist.get_rank(), dist.get_world_size()
     local = NUM_EXPERTS // world
@@ -187,8 +199,8 @@ def run_two_layers(
     x = x_TD.clone().requires_grad_()
     scores = scores_TK.clone().requires_grad_()
     grouping = []
-    hidden = moe_block(dispatcher, x, scores, ids_TK, weights[0], grouping)
-    out = moe_block(dispatcher, hidden, scores.flip(0), ids_TK.flip(0), weights[1], grouping)
+    hidden = moe_block(dispatcher, x, scores, ids_TK, weights[0], grouping, weight_rows)
+    out = moe_block(dispatcher, hidden, scores.flip(0), ids_TK.flip(0), weights[1], grouping, weight_rows)
     out.backward(torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out))
     return (out.detach(), x.grad, scores.grad, weights.grad), grouping
 
@@ -212,6 +224,30 @@ def assert_dispatch_outputs_aligned_and_per_pair(mesh) -> None:
         assert row_count_R0.shape[0] > world * TOKENS, row_count_R0.shape
 
 
+def assert_unweighted_combine_keeps_no_expert_rows(mesh, transport: EPTransport) -> None:
+    """The combine of rows the experts weighted keeps no expert output for backward; the weighted
+    combine keeps it (for the score gradient), so the check can tell them apart."""
+    dispatcher = RoutingDispatcher(
+        RoutingDispatcher.Config(num_experts=NUM_EXPERTS, top_k=TOP_K, permute_backend="triton", ep_transport=transport)
+    )
+    dispatcher.wire_meshes(ep_mesh=mesh)
+    x_TD, scores_TK, ids_TK = routing(dist.get_rank(), torch.float32)
+    scores_TK.requires_grad_()
+    counts_E = torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS + 1)[:NUM_EXPERTS]
+    rows_RD, _, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
+    expert_out_RD = rows_RD.detach().clone().requires_grad_()
+
+    def kept_for_backward(combine) -> set[int]:
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            combine(expert_out_RD, metadata, x_TD)
+        return {t.untyped_storage().data_ptr() for t in kept if t.numel()}
+
+    expert_rows = expert_out_RD.untyped_storage().data_ptr()
+    assert expert_rows in kept_for_backward(dispatcher.combine), f"{transport}: the weighted combine keeps its rows"
+    assert expert_rows not in kept_for_backward(dispatcher.sum_rows), f"{transport}: sum_rows keeps the expert rows"
+
+
 def exchange_worker(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -230,12 +266,15 @@ def exchange_worker(rank: int, world: int, port: int) -> None:
                     what = f"rank {rank}/{world} {dtype} align {align_size} {name}"
                     torch.testing.assert_close(a, e, atol=tol, rtol=tol, msg=lambda m, what=what: f"{what}: {m}")
             for transport in ("symm_mem", "all_to_all"):
-                static, _ = run_two_layers(mesh, transport, 1, dtype, receive_rows="static")
                 exact, _ = run_two_layers(mesh, transport, 1, dtype)
-                for name, e, a in zip(("output", "x grad", "score grad", "weight grad"), exact, static):
-                    what = f"{transport} static rows {name}"
-                    torch.testing.assert_close(a, e, atol=tol, rtol=tol, msg=lambda m, what=what: f"{what}: {m}")
+                for receive_rows, weight_rows in (("static", False), ("exact", True), ("static", True)):
+                    other, _ = run_two_layers(mesh, transport, 1, dtype, receive_rows, weight_rows)
+                    for name, e, a in zip(("output", "x grad", "score grad", "weight grad"), exact, other):
+                        what = f"{transport} {receive_rows} rows{' weighted by the experts' * weight_rows} {name}"
+                        torch.testing.assert_close(a, e, atol=tol, rtol=tol, msg=lambda m, what=what: f"{what}: {m}")
         assert_dispatch_outputs_aligned_and_per_pair(mesh)
+        for transport in ("symm_mem", "all_to_all"):
+            assert_unweighted_combine_keeps_no_expert_rows(mesh, transport)
     finally:
         dist.destroy_process_group()
 

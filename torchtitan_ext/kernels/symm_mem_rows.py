@@ -20,7 +20,8 @@ Regions of a rank's workspace read or written here (``J = min(top_k, world)``):
 - ``counts`` ``[E + 1]`` int32: kept slots per expert, then the rank's token count.
 - ``landing`` ``[T*J, D]``: partial sums sent back to the token's owner, row ``t*J + j`` from
   the ``j``-th of the token's destination ranks in rank order.
-- ``score_grad`` ``[T*K]`` fp32: router-score gradients sent back to the owner.
+- ``score_grad`` ``[T*K]`` fp32: router-score gradients sent back to the owner (computed here from
+  the kept expert outputs, or by the experts for scores they applied to their rows).
 
 Received rows are expert-major: local expert ``i``, then source rank ``s``, then the source's
 slot order. Block ``g = i * world + s`` holds the rows of local expert ``i`` from rank ``s``.
@@ -338,6 +339,32 @@ def _pull_output_grad_kernel(
     tl.store(score_grad_base + token[:, None] * TOP_K + k_index[None, :], dots, mask=rows_here >= 0)
 
 
+@triton.jit
+def _push_score_grads_kernel(
+    grad_ptr,
+    recv_row_ptr,
+    pair_ordinal_ptr,
+    score_grad_ptrs,
+    num_tokens,
+    world,
+    rank,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """``ROWS`` pairs: each slot's score gradient, found at its received row, written to the owner's
+    ``score_grad`` at the slot."""
+    source, token, pairs, pair_ok = _pair_block(num_tokens, world, rank, ROWS)
+    arrives = tl.load(pair_ordinal_ptr + pairs, mask=pair_ok, other=-1) >= 0
+    k_index = tl.arange(0, K_P2)
+    table = pairs[:, None] * TOP_K + k_index[None, :]
+    rows_here = tl.load(recv_row_ptr + table, mask=arrives[:, None] & (k_index[None, :] < TOP_K), other=-1)
+    here = rows_here >= 0
+    grads = tl.load(grad_ptr + rows_here.to(tl.int64), mask=here, other=0.0)
+    score_grad_base = tl.load(score_grad_ptrs + source).to(tl.pointer_type(tl.float32))
+    tl.store(score_grad_base + token[:, None] * TOP_K + k_index[None, :], grads, mask=here)
+
+
 def publish_routing(
     order_S: torch.Tensor,
     expert_S: torch.Tensor,
@@ -602,3 +629,25 @@ def pull_output_grad(
             K_P2=triton.next_power_of_2(pairs.top_k),
         )
     return grad_rows_RD
+
+
+def push_score_grads(grad_scores_R: torch.Tensor, pairs: PairTable, score_grad_ptrs_W: torch.Tensor) -> None:
+    """Send the gradient of each received row's score (``grad_scores_R``, fp32, one per expert row)
+    to the slot's owner's ``score_grad``."""
+    check_runnable(grad_scores_R, pairs.recv_row_PK, score_grad_ptrs_W)
+    if pairs.recv_row_PK.shape[1] != pairs.top_k:
+        raise ValueError("push_score_grads: needs the slot table (one column per slot)")
+    world = score_grad_ptrs_W.shape[0]
+    if pairs.num_tokens and grad_scores_R.shape[0]:
+        _push_score_grads_kernel[_row_blocks_grid(pairs.num_tokens, world)](
+            grad_scores_R.float().contiguous(),
+            pairs.recv_row_PK,
+            pairs.ordinal_P,
+            score_grad_ptrs_W,
+            pairs.num_tokens,
+            world,
+            pairs.rank,
+            TOP_K=pairs.top_k,
+            K_P2=triton.next_power_of_2(pairs.top_k),
+            ROWS=64,
+        )

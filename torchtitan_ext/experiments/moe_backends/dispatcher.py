@@ -156,6 +156,19 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         """Weight each slot's expert output by its score and sum over top_k -> ``(T, D)`` in ``x_TD``'s dtype."""
         return self.transport.combine(routed_output_RD, metadata).to(x_TD.dtype)
 
+    @property
+    def supports_row_scores(self) -> bool:
+        """Whether the transport gives each dispatched row its score, for experts that weight their rows."""
+        return self.transport.supports_row_scores
+
+    def row_scores(self, metadata: object, num_rows: int) -> torch.Tensor:
+        """``(num_rows,)`` fp32, differentiable: each dispatched row's router score (``TokenTransport.row_scores``)."""
+        return self.transport.row_scores(metadata, num_rows)
+
+    def sum_rows(self, weighted_output_RD: torch.Tensor, metadata: object, x_TD: torch.Tensor) -> torch.Tensor:
+        """The combine of rows the experts weighted by ``row_scores`` -> ``(T, D)`` in ``x_TD``'s dtype."""
+        return self.transport.sum_rows(weighted_output_RD, metadata).to(x_TD.dtype)
+
 
 def symm_mem_errors(expert_parallel_degree: int) -> list[str]:
     """Why ``ep_transport = "symm_mem"`` cannot run here (empty list: it can). torchtitan's EP groups

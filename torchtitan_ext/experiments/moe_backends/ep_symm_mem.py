@@ -16,7 +16,12 @@ once, however many of that rank's experts it is routed to:
   owner adds the partial sums of the token's destination ranks (fp32 accumulation).
 
 Backward runs the same two moves the other way round (push each pair's summed row gradient;
-pull each token's output gradient once, which also yields the router-score gradients). Every
+pull each token's output gradient once, which also yields the router-score gradients).
+
+Experts that weight their own rows (``row_scores`` gives each received row its score, the score's
+gradient pushed back to the owner in backward) leave combine an unweighted sum (``sum_rows``), whose
+backward pulls the output gradient to every row of the token: no expert output is kept for the
+router-score gradient. Every
 move is fenced by a device-side barrier; a barrier before overwriting a region is added only
 when a peer may still read it. One host sync per dispatch learns how many rows arrive.
 
@@ -44,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
+from torchtitan_ext.experiments.moe_backends.grouping import row_scores_of_slots
 from torchtitan_ext.kernels import symm_mem_rows as kernels
 from torchtitan_ext.kernels.moe_permute import stable_expert_order
 
@@ -232,6 +238,7 @@ class EPExchange:
         self.workspace: Workspace | None = None
         self._peers_may_read_published = False
         self._landing_in_local_use = False
+        self._score_grads_in_local_use = False
         self.replayable = False
         """Set by a dispatch with static received rows, which a CUDA graph may capture and replay: a replay
         runs no Python, so every fence is then issued whatever the host's flags say, and the received
@@ -256,6 +263,7 @@ class EPExchange:
         self.workspace.barrier()
         self._peers_may_read_published = False
         self._landing_in_local_use = False
+        self._score_grads_in_local_use = False
 
     def _before_publish(self) -> None:
         """About to overwrite this rank's tokens / routing: peers must be done reading them."""
@@ -265,6 +273,11 @@ class EPExchange:
     def _before_push(self) -> None:
         """About to write peers' landing regions: they must be done reading them."""
         if self._landing_in_local_use or self.replayable:
+            self.barrier()
+
+    def _before_score_grad_push(self) -> None:
+        """About to write peers' score-gradient regions: they must be done reading them."""
+        if self._score_grads_in_local_use or self.replayable:
             self.barrier()
 
     def _workspace_for(self, shape: WorkspaceShape) -> Workspace:
@@ -395,7 +408,6 @@ class EPExchange:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(grad_rows_RD, grad_scores_S)`` for the weighted ``push_and_sum``'s output gradient."""
         workspace = route.workspace
-        num_slots = route.expert_S.shape[0]
         self._before_publish()
         workspace.local("tokens")[: route.pairs.num_tokens].copy_(grad_out_TD)
         self.barrier()
@@ -403,10 +415,39 @@ class EPExchange:
             workspace.table("tokens"), route.pairs, rows_RD, workspace.table("score_grad"), self.replayable
         )
         self.barrier()
-        kept_S = route.expert_S < route.num_experts
-        grad_scores_S = torch.where(kept_S, workspace.local("score_grad")[:num_slots], 0.0)
         self._landing_in_local_use = True
-        return grad_rows_RD, grad_scores_S
+        return grad_rows_RD, self._received_score_grads(route)
+
+    def _received_score_grads(self, route: Route) -> torch.Tensor:
+        """``(T*K,)`` fp32: the score gradients peers wrote to this rank's ``score_grad`` (after the
+        barrier that follows their writes), 0 for dropped slots; a copy."""
+        assert self.workspace is not None
+        kept_S = route.expert_S < route.num_experts
+        grad_scores_S = torch.where(kept_S, self.workspace.local("score_grad")[: route.expert_S.shape[0]], 0.0)
+        self._score_grads_in_local_use = True
+        return grad_scores_S
+
+    def sum_rows_backward(self, grad_out_TD: torch.Tensor, route: Route, num_rows: int) -> torch.Tensor:
+        """``(num_rows, D)``: the unweighted ``push_and_sum``'s input gradient, each token's output
+        gradient pulled from its owner to every one of its rows here (zeros in the rows no pair
+        received when ``replayable``)."""
+        workspace = route.workspace
+        self._before_publish()
+        workspace.local("tokens")[: route.pairs.num_tokens].copy_(grad_out_TD)
+        self.barrier()
+        shape = (num_rows, grad_out_TD.shape[1])
+        grad_rows_RD = grad_out_TD.new_zeros(shape) if self.replayable else grad_out_TD.new_empty(shape)
+        kernels.pull_pairs(workspace.table("tokens"), route.pairs, grad_rows_RD)
+        self._peers_may_read_published = True
+        return grad_rows_RD
+
+    def push_score_grads(self, grad_scores_R: torch.Tensor, route: Route) -> torch.Tensor:
+        """Send each received row's score gradient to its slot's owner; return this rank's
+        ``(T*K,)`` fp32 score gradients (0 for dropped slots)."""
+        self._before_score_grad_push()
+        kernels.push_score_grads(grad_scores_R, route.pairs, route.workspace.table("score_grad"))
+        self.barrier()
+        return self._received_score_grads(route)
 
 
 @torch.library.custom_op("torchtitan_ext::symm_mem_dispatch", mutates_args=())
@@ -536,24 +577,111 @@ def _dispatch_backward(ctx, grad_pairs_PD, *_):
     return grad_x_TD, None, None, None, None, None, None
 
 
+@torch.library.custom_op("torchtitan_ext::symm_mem_sum_rows_backward", mutates_args=())
+def _sum_rows_backward_op(
+    grad_out_TD: torch.Tensor,
+    row_count_R0: torch.Tensor,
+    expert_S: torch.Tensor,
+    recv_row_PK: torch.Tensor,
+    recv_score_PK: torch.Tensor,
+    ordinal_P: torch.Tensor,
+    group_name: str,
+    num_experts: int,
+    top_k: int,
+) -> torch.Tensor:
+    """``grad_rows_RD`` of the unweighted combine; ``row_count_R0`` is ``(R, 0)``: its rows count the rows."""
+    route = _route_of(expert_S, (recv_row_PK, recv_score_PK, ordinal_P), group_name, num_experts, top_k)
+    return route.exchange.sum_rows_backward(grad_out_TD.contiguous(), route, row_count_R0.shape[0])
+
+
+@_sum_rows_backward_op.register_fake
+def _(grad_out_TD, row_count_R0, expert_S, recv_row_PK, recv_score_PK, ordinal_P, group_name, num_experts, top_k):
+    return grad_out_TD.new_empty(row_count_R0.shape[0], grad_out_TD.shape[1])
+
+
 def _combine_setup(ctx, inputs, output) -> None:
+    """The weighted combine keeps its rows (the score gradient reads them); the unweighted one only
+    their count."""
     rows_RD, scores_S, expert_S, *tables_and_names = inputs
     *tables, group_name, num_experts, top_k, weighted = tables_and_names
-    if not weighted:
-        raise NotImplementedError("symm_mem: the unweighted combine (dispatch's backward) has no gradient")
-    ctx.save_for_backward(rows_RD, expert_S, *tables)
+    kept_rows = rows_RD if weighted else rows_RD.new_empty(rows_RD.shape[0], 0)
+    ctx.save_for_backward(kept_rows, expert_S, *tables)
+    ctx.names = (group_name, num_experts, top_k)
+    ctx.weighted = weighted
+    ctx.scores_dtype = scores_S.dtype
+    ctx.rows_dtype = rows_RD.dtype
+
+
+def _combine_backward(ctx, grad_out_TD):
+    kept_rows, expert_S, *tables = ctx.saved_tensors
+    unused = (None,) * 8
+    if not ctx.weighted:
+        grad_out_TD = grad_out_TD.to(ctx.rows_dtype)
+        return _sum_rows_backward_op(grad_out_TD, kept_rows, expert_S, *tables, *ctx.names), None, *unused
+    grad_rows_RD, grad_scores_S = _combine_backward_op(grad_out_TD, kept_rows, expert_S, *tables, *ctx.names)
+    return grad_rows_RD, grad_scores_S.to(ctx.scores_dtype), *unused
+
+
+@torch.library.custom_op("torchtitan_ext::symm_mem_row_scores", mutates_args=())
+def _row_scores_op(
+    row_count_R0: torch.Tensor,
+    scores_S: torch.Tensor,
+    expert_S: torch.Tensor,
+    recv_row_PK: torch.Tensor,
+    recv_score_PK: torch.Tensor,
+    ordinal_P: torch.Tensor,
+    group_name: str,
+    num_experts: int,
+    top_k: int,
+) -> torch.Tensor:
+    """``(R,)`` fp32: each received row's router score (0 for rows no pair received);
+    ``row_count_R0`` is ``(R, 0)``; ``scores_S`` is the dispatch's, an input for its gradient only."""
+    return row_scores_of_slots(recv_row_PK.reshape(-1), recv_score_PK, row_count_R0.shape[0])
+
+
+@_row_scores_op.register_fake
+def _(row_count_R0, scores_S, expert_S, recv_row_PK, recv_score_PK, ordinal_P, group_name, num_experts, top_k):
+    return recv_score_PK.new_empty(row_count_R0.shape[0])
+
+
+@torch.library.custom_op("torchtitan_ext::symm_mem_row_scores_backward", mutates_args=())
+def _row_scores_backward_op(
+    grad_scores_R: torch.Tensor,
+    expert_S: torch.Tensor,
+    recv_row_PK: torch.Tensor,
+    recv_score_PK: torch.Tensor,
+    ordinal_P: torch.Tensor,
+    group_name: str,
+    num_experts: int,
+    top_k: int,
+) -> torch.Tensor:
+    """``(T*K,)`` fp32 gradient of the owner's scores: each row's score gradient pushed back."""
+    route = _route_of(expert_S, (recv_row_PK, recv_score_PK, ordinal_P), group_name, num_experts, top_k)
+    return route.exchange.push_score_grads(grad_scores_R, route)
+
+
+@_row_scores_backward_op.register_fake
+def _(grad_scores_R, expert_S, recv_row_PK, recv_score_PK, ordinal_P, group_name, num_experts, top_k):
+    return expert_S.new_empty(expert_S.shape[0], dtype=torch.float32)
+
+
+def _row_scores_setup(ctx, inputs, output) -> None:
+    _, scores_S, expert_S, *tables_and_names = inputs
+    *tables, group_name, num_experts, top_k = tables_and_names
+    ctx.save_for_backward(expert_S, *tables)
     ctx.names = (group_name, num_experts, top_k)
     ctx.scores_dtype = scores_S.dtype
 
 
-def _combine_backward(ctx, grad_out_TD):
-    rows_RD, expert_S, *tables = ctx.saved_tensors
-    grad_rows_RD, grad_scores_S = _combine_backward_op(grad_out_TD, rows_RD, expert_S, *tables, *ctx.names)
-    return grad_rows_RD, grad_scores_S.to(ctx.scores_dtype), None, None, None, None, None, None, None, None
+def _row_scores_backward(ctx, grad_scores_R):
+    expert_S, *tables = ctx.saved_tensors
+    grad_scores_S = _row_scores_backward_op(grad_scores_R.float().contiguous(), expert_S, *tables, *ctx.names)
+    return None, grad_scores_S.to(ctx.scores_dtype), None, None, None, None, None, None, None
 
 
 _dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
 _combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+_row_scores_op.register_autograd(_row_scores_backward, setup_context=_row_scores_setup)
 
 
 def dispatch(
@@ -592,4 +720,25 @@ def combine(rows_RD: torch.Tensor, scores_S: torch.Tensor, route: Route) -> torc
     tables = (route.recv_row_PK, route.recv_score_PK, route.ordinal_P)
     return _combine_op(
         rows_RD, scores_S.reshape(-1), route.expert_S, *tables, route.group_name, route.num_experts, route.top_k, True
+    )
+
+
+def row_scores(scores_S: torch.Tensor, route: Route, num_rows: int) -> torch.Tensor:
+    """Differentiable in ``scores_S``: ``(num_rows,)`` fp32, the router score of each received row
+    (``dispatch``'s ``num_rows`` expert-major rows; 0 for rows no pair received). ``scores_S`` must be
+    the scores given to ``dispatch``; their gradient is pushed back to their owners in backward."""
+    tables = (route.recv_row_PK, route.recv_score_PK, route.ordinal_P)
+    row_count_R0 = route.recv_score_PK.new_empty(num_rows, 0)
+    return _row_scores_op(
+        row_count_R0, scores_S.reshape(-1), route.expert_S, *tables, route.group_name, route.num_experts, route.top_k
+    )
+
+
+def sum_rows(rows_RD: torch.Tensor, route: Route) -> torch.Tensor:
+    """Differentiable in ``rows_RD``: ``(T, D)``, each token's rows summed over its destination ranks,
+    unweighted (rows the experts weighted by ``row_scores``)."""
+    tables = (route.recv_row_PK, route.recv_score_PK, route.ordinal_P)
+    no_scores = route.recv_score_PK.new_empty(0)
+    return _combine_op(
+        rows_RD, no_scores, route.expert_S, *tables, route.group_name, route.num_experts, route.top_k, False
     )

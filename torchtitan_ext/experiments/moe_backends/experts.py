@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torchtitan.distributed.spmd_types import maybe_set_sparse_mesh
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 
 from torchtitan_ext.kernels.fused_moe import (
     fused_moe_grouped,
     fused_moe_routed,
+    fused_moe_row_weighted,
     reference_grouped,
     triton_available_reason,
 )
@@ -47,6 +49,13 @@ ExpertCompute = Callable[
 bound of ``align_size`` padding). They change no weight gradient; their output and input-gradient
 rows are unspecified (``grouped_mm`` leaves them unwritten, as ``torch._grouped_mm`` does), and no
 caller reads them: the combine gathers the experts' rows."""
+RowWeightedExpertCompute = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    torch.Tensor,
+]
+"""``(x_RD, w1_EFD, w2_EDF, w3_EFD, num_tokens_per_expert_E, row_scores_R) -> out_RD``: ``ExpertCompute``
+with each output row multiplied by its score (``(R,)``, differentiable), the scores' gradient computed
+by the experts' backward from what it keeps anyway."""
 RoutedExpertCompute = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     torch.Tensor,
@@ -141,6 +150,9 @@ class ComputeBackendSpec:
     ``grouped`` takes rows grouped by expert (``ExpertCompute``). ``routed``, when set, takes
     tokens and the router's top-k ids and scores (``RoutedExpertCompute``) and returns the
     weighted sum over K; the MoE layer calls it instead of the dispatcher on a single device.
+    ``row_weighted``, when set, is ``grouped`` weighting each row by its score
+    (``RowWeightedExpertCompute``); under expert parallelism the MoE layer then has the transport
+    sum the rows unweighted, and no expert output is kept for the scores' gradient.
     ``unavailable_reason()`` says why the backend cannot run on this machine (None: it can).
     ``fp8_grouped``, when set, is ``grouped`` with FP8 rowwise GEMMs (``fp8_experts``), taking
     ``emulated=`` as a keyword. ``syncs_with_host``: reads the expert counts on the host in every
@@ -150,6 +162,7 @@ class ComputeBackendSpec:
     name: str
     grouped: ExpertCompute
     routed: RoutedExpertCompute | None = None
+    row_weighted: RowWeightedExpertCompute | None = None
     fp8_grouped: Callable[..., torch.Tensor] | None = None
     unavailable_reason: Callable[[], str | None] = lambda: None
     syncs_with_host: bool = False
@@ -225,6 +238,7 @@ register_backend(
         name="triton",
         grouped=fused_moe_grouped,
         routed=fused_moe_routed,
+        row_weighted=fused_moe_row_weighted,
         fp8_grouped=functools.partial(fp8_grouped_experts, gemm="triton"),
         unavailable_reason=triton_available_reason,
     )
@@ -321,15 +335,31 @@ class BackendGroupedExperts(GroupedExperts):
         """The backend's routed path where it computes in this precision (native only), else None."""
         return self.backend.routed if self.expert_precision == "native" else None
 
-    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        """``x_RD`` grouped by expert, ``num_tokens_per_expert_E`` its segment sizes -> ``(R, D)``."""
-        return expert_compute(self.backend, self.expert_precision)(
-            _in_autocast_dtype(x_RD),
-            _local(self.w1_EFD),
-            _local(self.w2_EDF),
-            _local(self.w3_EFD),
-            num_tokens_per_expert_E,
-        )
+    @property
+    def row_weighted(self) -> RowWeightedExpertCompute | None:
+        """The backend's row-weighted path where it computes in this precision (native only), else None."""
+        return self.backend.row_weighted if self.expert_precision == "native" else None
+
+    @property
+    def weights_rows(self) -> bool:
+        """Whether ``forward`` takes ``row_scores_R`` here."""
+        return self.row_weighted is not None
+
+    def forward(
+        self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor, row_scores_R: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x_RD`` grouped by expert, ``num_tokens_per_expert_E`` its segment sizes -> ``(R, D)``; with
+        ``row_scores_R`` (``(R,)``) each output row times its score (backends with ``row_weighted``)."""
+        weights = (_local(self.w1_EFD), _local(self.w2_EDF), _local(self.w3_EFD))
+        if row_scores_R is None:
+            compute = expert_compute(self.backend, self.expert_precision)
+            return compute(_in_autocast_dtype(x_RD), *weights, num_tokens_per_expert_E)
+        if self.row_weighted is None:
+            raise ValueError(
+                f"compute_backend {self.compute_backend!r} with expert_precision {self.expert_precision!r} "
+                "does not weight its rows; combine with the dispatcher's scores instead"
+            )
+        return self.row_weighted(_in_autocast_dtype(x_RD), *weights, num_tokens_per_expert_E, row_scores_R)
 
     def extra_repr(self) -> str:
         precision = "" if self.expert_precision == "native" else f", expert_precision={self.expert_precision}"
@@ -337,14 +367,19 @@ class BackendGroupedExperts(GroupedExperts):
 
 
 class FusedRoutedExperts(RoutedExperts):
-    """torchtitan's ``RoutedExperts`` with a single-device shortcut for backends with a routed path.
+    """torchtitan's ``RoutedExperts`` with a single-device shortcut for backends with a routed path,
+    and experts that weight their own rows under expert parallelism.
 
     When the backend's spec has a ``routed`` path and the dispatcher is single-device, the
     dispatcher is skipped: the fused kernels read token rows through the routing indices (no
     permuted copy) and weight and sum each token's expert outputs in their epilogue (no
     separate combine). Slots the
     router dropped (expert id ``num_experts``) contribute nothing and get no gradient, as in
-    the dispatcher. Every other case is torchtitan's dispatch -> experts -> combine.
+    the dispatcher. Under expert parallelism, a backend with a ``row_weighted`` path over a
+    transport that gives each row its score (``supports_row_scores``) weights the rows in its
+    epilogue and the transport sums them unweighted: the score gradient comes from the experts'
+    backward instead of from their outputs kept until then. Every other case is torchtitan's
+    dispatch -> experts -> combine.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -360,6 +395,14 @@ class FusedRoutedExperts(RoutedExperts):
             return None
         return experts.routed
 
+    def _experts_weight_rows(self) -> bool:
+        """Whether the experts weight their rows here: expert parallelism over a transport that gives
+        each row its score, and a backend with a ``row_weighted`` path in this precision."""
+        dispatcher, experts = self.token_dispatcher, self.inner_experts
+        if not (isinstance(dispatcher, RoutingDispatcher) and not dispatcher.single_device):
+            return False
+        return dispatcher.supports_row_scores and isinstance(experts, BackendGroupedExperts) and experts.weights_rows
+
     def forward(
         self,
         x_BLD: torch.Tensor,
@@ -370,6 +413,10 @@ class FusedRoutedExperts(RoutedExperts):
         """``(B, L, D)`` tokens, ``(B, L, K)`` scores and expert ids -> ``(B, L, D)`` (under autocast: the
         tokens, and what dispatch sends, in the autocast dtype)."""
         x_BLD = _in_autocast_dtype(x_BLD)
+        if self._experts_weight_rows():
+            return self._forward_with_weighted_rows(
+                x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E
+            )
         routed = self._routed_path()
         if routed is None:
             return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
@@ -385,3 +432,28 @@ class FusedRoutedExperts(RoutedExperts):
             topk_scores_BLK.reshape(batch * seq_len, top_k),
         )
         return out_TD.view(batch, seq_len, dim)
+
+    def _forward_with_weighted_rows(
+        self,
+        x_BLD: torch.Tensor,
+        topk_scores_BLK: torch.Tensor,
+        topk_expert_ids_BLK: torch.Tensor,
+        num_local_tokens_per_expert_E: torch.Tensor,
+    ) -> torch.Tensor:
+        """torchtitan's dispatch -> experts -> combine, the scores applied by the experts to their rows
+        and the rows summed unweighted."""
+        batch, seq_len, dim = x_BLD.shape
+        top_k = topk_scores_BLK.shape[-1]
+        x_TD = x_BLD.view(batch * seq_len, dim)
+        dispatcher = self.token_dispatcher
+        assert isinstance(dispatcher, RoutingDispatcher)
+        rows_RD, rows_per_local_expert_e, metadata = dispatcher.dispatch(
+            x_TD,
+            topk_scores_BLK.view(-1, top_k),
+            topk_expert_ids_BLK.view(-1, top_k),
+            num_local_tokens_per_expert_E,
+        )
+        row_scores_R = dispatcher.row_scores(metadata, rows_RD.shape[0])
+        with maybe_set_sparse_mesh():
+            weighted_RD = self.inner_experts(rows_RD, rows_per_local_expert_e, row_scores_R=row_scores_R)
+        return dispatcher.sum_rows(weighted_RD, metadata, x_TD).view(batch, -1, dim)

@@ -60,6 +60,16 @@ class RowOps:
         return self.ops_for(rows_RD)["sum_token_rows"](rows_RD, dest_row_S, top_k)
 
 
+def row_scores_of_slots(dest_row_S: torch.Tensor, scores_S: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``(num_rows,)`` fp32: row ``dest_row_S[s]`` gets slot ``s``'s score (``scores_S``, any shape of
+    ``S`` elements); rows no slot names (padding, rows past the received ones) get 0. Each row is named
+    by at most one slot. Differentiable in ``scores_S``."""
+    here_S = dest_row_S >= 0
+    index_S = torch.where(here_S, dest_row_S.long(), num_rows)
+    values_S = torch.where(here_S, scores_S.reshape(-1).float(), 0.0)
+    return values_S.new_zeros(num_rows + 1).scatter(0, index_S, values_S)[:num_rows]
+
+
 def padded_num_rows(num_real_rows: int, num_groups: int, align_size: int) -> int:
     """Static row count of the padded buffer for ``num_real_rows`` rows in ``num_groups`` groups."""
     if align_size == 1:

@@ -11,6 +11,11 @@ delegates to:
 - ``combine(routed_output_RD, metadata)`` -> ``(T, D)``: each token's expert outputs weighted
   by its router scores and summed over top_k.
 
+The expert-parallel transports except the padded ``symm_mem`` one (``supports_row_scores``) also let
+the experts apply the scores: ``row_scores(metadata, num_rows)`` gives each dispatched row its
+score (differentiable: the gradient goes back to the router's scores) and ``sum_rows(routed_output_RD,
+metadata)`` is the unweighted combine, which keeps no expert output for the scores' gradient.
+
 The transports:
 
 - ``LocalTransport``: no expert parallelism; every expert is local and no row leaves the device.
@@ -39,7 +44,7 @@ step of its transport, the same call its dispatch or combine makes.
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -56,6 +61,7 @@ from torchtitan_ext.experiments.moe_backends.grouping import (
     pair_rows,
     plan_slots,
     reached_ranks,
+    row_scores_of_slots,
     send_buffer_rows,
 )
 from torchtitan_ext.kernels import moe_permute
@@ -75,6 +81,9 @@ MetadataT = TypeVar("MetadataT", bound=DispatchMetadata)
 
 class TokenTransport(ABC, Generic[MetadataT]):
     """Moves routed rows to their experts and back; ``num_experts`` and ``top_k`` as the router's."""
+
+    supports_row_scores: ClassVar[bool] = False
+    """Whether ``row_scores`` and ``sum_rows`` are implemented (the experts may weight their rows)."""
 
     def __init__(self, row_ops: RowOps, align_size: int, num_experts: int, top_k: int):
         self.row_ops = row_ops
@@ -99,6 +108,16 @@ class TokenTransport(ABC, Generic[MetadataT]):
     @abstractmethod
     def combine(self, routed_output_RD: torch.Tensor, metadata: MetadataT) -> torch.Tensor:
         """``(T, D)``: each token's expert outputs weighted by its scores and summed over top_k."""
+
+    def row_scores(self, metadata: MetadataT, num_rows: int) -> torch.Tensor:
+        """``(num_rows,)`` fp32: the router score of each of dispatch's rows (0 for rows of no slot),
+        differentiable in the scores given to dispatch. Only where ``supports_row_scores``."""
+        raise NotImplementedError(f"{type(self).__name__} does not give its rows' scores")
+
+    def sum_rows(self, weighted_output_RD: torch.Tensor, metadata: MetadataT) -> torch.Tensor:
+        """``(T, D)``: each token's rows, already weighted by ``row_scores``, summed over top_k.
+        Only where ``supports_row_scores``."""
+        raise NotImplementedError(f"{type(self).__name__} does not sum weighted rows")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,6 +232,8 @@ class AllToAllMetadata:
 class AllToAllTransport(ExpertParallelTransport[AllToAllMetadata]):
     """EP over all-to-alls of one row per (token, destination rank); any process group backend."""
 
+    supports_row_scores = True
+
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         """One row per (token, destination rank) out; received rows grouped by local expert."""
         ep_size, num_local = self.ep_size, self.num_local_experts
@@ -260,7 +281,19 @@ class AllToAllTransport(ExpertParallelTransport[AllToAllMetadata]):
 
     def combine(self, routed_output_RD, metadata):
         """Weighted sum per received row, one row back per (token, rank) pair, sum over ranks."""
-        partial_UD = self.weight_received_rows(routed_output_RD, metadata)
+        return self.send_back(self.weight_received_rows(routed_output_RD, metadata), metadata)
+
+    def row_scores(self, metadata, num_rows):
+        """The received slots' scores (they came with the rows, differentiable) at their rows."""
+        return row_scores_of_slots(metadata.received_plan.dest_row_S, metadata.received_scores_S, num_rows)
+
+    def sum_rows(self, weighted_output_RD, metadata):
+        """Unweighted sum per received row, one row back per (token, rank) pair, sum over ranks."""
+        partial_UD = self.row_ops.sum_token_rows(weighted_output_RD, metadata.received_plan.dest_row_S, self.top_k)
+        return self.send_back(partial_UD, metadata)
+
+    def send_back(self, partial_UD: torch.Tensor, metadata: AllToAllMetadata) -> torch.Tensor:
+        """``(T, D)``: each received row's partial sum sent back to its sender, which sums over ranks."""
         (returned_UD,) = exchange_rows((partial_UD,), metadata.output_splits, metadata.input_splits, self.group())
         return self.sum_returned_rows(returned_UD, metadata)
 
@@ -377,6 +410,8 @@ class SymmMemTransport(ExpertParallelTransport[SymmMemMetadata]):
     sizes it. Selective activation checkpointing keeps the pairs (the exchange's output) and
     recomputes the copy."""
 
+    supports_row_scores = True
+
     def __init__(
         self, row_ops: RowOps, align_size: int, num_experts: int, top_k: int, ep_mesh: DeviceMesh, static_rows: bool
     ):
@@ -407,6 +442,13 @@ class SymmMemTransport(ExpertParallelTransport[SymmMemMetadata]):
 
     def combine(self, routed_output_RD, metadata):
         return ep_symm_mem.combine(routed_output_RD, metadata.scores_S, metadata.route)
+
+    def row_scores(self, metadata, num_rows):
+        """The scores that travelled with the rows, at their rows; their gradient is pushed back."""
+        return ep_symm_mem.row_scores(metadata.scores_S, metadata.route, num_rows)
+
+    def sum_rows(self, weighted_output_RD, metadata):
+        return ep_symm_mem.sum_rows(weighted_output_RD, metadata.route)
 
 
 @dataclass(frozen=True, kw_only=True)
