@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import typing
+from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ from torch._functorch import partitioners
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor._random import is_rng_supported_mesh
 from torch.utils.checkpoint import checkpoint
 from torchtitan.components.optimizer import OptimizersContainer, default_adamw, register_moe_load_balancing_hook
 from torchtitan.config.configs import ParallelismConfig
@@ -37,6 +39,7 @@ from torchtitan.models.common.attention import (
     get_document_mask_mod,
 )
 from torchtitan.models.common.decoder import Decoder
+from torchtitan.protocols.module import Module
 
 from torchtitan_ext.compat import cpu as cpu_support
 from torchtitan_ext.compat import torch_versions
@@ -328,6 +331,88 @@ def test_fsdp_sum_reductions_and_timeouts_work_with_gloo():
     results = mp.Manager().dict()
     spawn_workers(_fsdp_worker, 2, 2, free_port(), results)
     assert dict(results) == {0: True, 1: True}
+
+
+# Parameter init of sharded DTensors on a CPU mesh
+
+
+def test_torchtitan_inits_each_parameter_on_its_dtensor_and_torch_has_no_cpu_dtensor_rng():
+    assert "self._init_param(name, param)" in inspect.getsource(Module._init_self_parameters)
+    assert "self._param_init[name](param)" in inspect.getsource(cpu_support._original_init_param)
+    with pytest.warns(UserWarning, match="DTensor random operators may not have complete support on cpu"):
+        # pyrefly: ignore[bad-argument-type]  # a stand-in with the one attribute the check reads
+        supported = is_rng_supported_mesh(SimpleNamespace(device_type="cpu"))
+    assert not supported, "torch's DTensor RNG supports CPU meshes now: the init fix may be unneeded"
+
+
+def _trainer_init_worker(rank: int, world: int, expert_parallel_degree: int, port: int, folder: str) -> None:
+    """torchtitan's Trainer builds ``tiny-moe-for-loop`` on ``world`` gloo processes; rank 0 saves every
+    parameter gathered whole, and whether torch's own ``normal_`` on the router gate (split over
+    FSDP) draws the same numbers in every shard."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    torch_versions.apply_torch_version_fixes()
+    patch_torchtitan_for_cpu()
+    config = get_flavor("tiny-moe-for-loop").build()
+    adapt_config_for_cpu(config)
+    config.parallelism.expert_parallel_degree = expert_parallel_degree
+    config.dump_folder = os.path.join(folder, f"{world}x-ep{expert_parallel_degree}")
+    trainer = config.build()
+    try:
+        params = {
+            name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+            for name, param in trainer.model_parts[0].named_parameters()
+        }
+        gate = next(p for name, p in trainer.model_parts[0].named_parameters() if name.endswith("router.gate.weight"))
+        torch.nn.init.normal_(gate)
+        torch_init_repeats = repeats_every_shard(gate.full_tensor(), world)
+        if rank == 0:
+            torch.save((params, torch_init_repeats), os.path.join(folder, f"{world}x-ep{expert_parallel_degree}.pt"))
+    finally:
+        trainer.close()
+        dist.destroy_process_group()
+
+
+def repeats_every_shard(full: torch.Tensor, shards: int) -> bool:
+    """Whether ``full`` split in ``shards`` pieces along dim 0 is one piece repeated."""
+    pieces = full.chunk(shards)
+    return len(pieces) == shards and all(torch.equal(pieces[0], piece) for piece in pieces[1:])
+
+
+def trainer_init(folder: Path, world: int, expert_parallel_degree: int) -> tuple[dict[str, torch.Tensor], bool]:
+    """What ``_trainer_init_worker`` saves: ``({name: full parameter}, torch's init repeats every shard)``."""
+    spawn_workers(_trainer_init_worker, world, world, expert_parallel_degree, free_port(), str(folder))
+    return torch.load(folder / f"{world}x-ep{expert_parallel_degree}.pt")
+
+
+@pytest.fixture(scope="module")
+def single_process_init(tmp_path_factory) -> dict[str, torch.Tensor]:
+    params, _ = trainer_init(tmp_path_factory.mktemp("init"), 1, 1)
+    return params
+
+
+@cpu_only
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_parallel_degree", [2, 4])
+def test_trainer_on_four_processes_initialises_every_parameter_as_one_process(
+    tmp_path, single_process_init, expert_parallel_degree
+):
+    """FSDP over 4 ranks for dense weights; experts over EP (and FSDP of 2 ranks at EP=2)."""
+    params, torch_init_repeats = trainer_init(tmp_path, 4, expert_parallel_degree)
+    assert torch_init_repeats, "torch's DTensor init on a CPU mesh no longer repeats shards: the fix may be unneeded"
+    assert params.keys() == single_process_init.keys()
+    repeated = [name for name, full in params.items() if full.unique().numel() > 1 and repeats_every_shard(full, 4)]
+    assert not repeated, f"parameters repeated in every shard: {repeated}"
+    differ = [name for name, full in params.items() if not torch.equal(full, single_process_init[name])]
+    assert not differ, f"parameters initialised otherwise than in a single-process run: {differ}"
+    assert Module._init_param is cpu_support._init_param_unsharded
 
 
 @cpu_only

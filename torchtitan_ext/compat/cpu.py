@@ -18,15 +18,19 @@ import resource
 import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
 import torchtitan.distributed.fsdp as titan_fsdp
 import torchtitan.tools.utils as titan_utils
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.config.configs import CommConfig
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.common.param_init import skip_param_init
+from torchtitan.protocols.module import Module
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.compat import cpu_training
@@ -156,6 +160,39 @@ def _disable_division_with_sum_reductions(model: torch.nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
+_original_init_param = Module._init_param
+
+
+def _split_over_cpu_mesh(param: torch.Tensor) -> TypeGuard[DTensor]:
+    """Whether ``param`` is a DTensor on a CPU mesh of several ranks whose local tensor is a piece of
+    the full one (a placement other than ``Replicate``: FSDP's ``Shard``, EP's ``_StridedShard``)."""
+    return (
+        isinstance(param, DTensor)
+        and param.device_mesh.device_type == "cpu"
+        and param.device_mesh.size() > 1
+        and not all(placement.is_replicate() for placement in param.placements)
+    )
+
+
+def _init_param_unsharded(self: Module, name: str, param: torch.nn.Parameter) -> None:
+    """``Module._init_param`` that gives a parameter split over a CPU mesh the values a single
+    process gives it: the init function fills a full-size plain tensor (the same random draws, in
+    the same order, on every rank and in a single-process run) and this rank keeps its piece.
+
+    ``skip_param_init`` (a tied weight, initialised through the module that owns it) leaves the
+    parameter as it is; parameters on one process or a CUDA mesh take torchtitan's path.
+    """
+    init = (self._param_init or {}).get(name)
+    if init is None or init is skip_param_init or not _split_over_cpu_mesh(param):
+        _original_init_param(self, name, param)  # raises for a missing init, as torchtitan does
+        return
+    full = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype), requires_grad=False)
+    _original_init_param(self, name, full)
+    piece = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    with torch.no_grad():
+        param.to_local().copy_(piece)
+
+
 def exit_skipping_finalization(exit_code: int) -> None:
     """End this process with ``exit_code`` once logs and standard streams are flushed, skipping
     interpreter finalization.
@@ -192,6 +229,13 @@ def patch_torchtitan_for_cpu() -> None:
       (the divide factor is 1, so results are unchanged).
     - ``models/common/decoder.py`` ``Decoder.get_attention_masks``: only knows Flex
       and varlen masks; build the dense mask ``DocumentCausalSDPA`` expects.
+    - ``protocols/module.py`` ``Module._init_param`` (called by ``Module.init_states`` for every
+      parameter, after the Trainer's ``fully_shard`` and ``to_empty``): the init function runs on
+      the parameter's DTensor, whose random ops use torch's distributed RNG tracker on CUDA-like
+      meshes only (``distributed/tensor/_random.py`` ``is_rng_supported_mesh``). On a CPU mesh
+      every rank fills its shard with the same draws, so the weights repeat every shard (pairs of
+      experts with equal router scores). ``_init_param_unsharded`` inits the full tensor and keeps
+      this rank's piece: the weights a single-process run gives, whatever the FSDP/EP sharding.
     """
     if Decoder.get_attention_masks is _cpu_attention_masks:
         return  # patched already
@@ -207,4 +251,5 @@ def patch_torchtitan_for_cpu() -> None:
     titan_utils.device_type, titan_utils.device_module = "cpu", CPU_DEVICE_MODULE
     titan_fsdp.disable_fsdp_gradient_division = _disable_division_with_sum_reductions
     Decoder.get_attention_masks = _cpu_attention_masks
+    Module._init_param = _init_param_unsharded
     logger.info("No CUDA device: torchtitan patched for CPU training with gloo")
