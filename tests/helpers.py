@@ -1,15 +1,21 @@
 """Helpers shared by the tests: weight-gradient and bf16 rounding checks, a free TCP port, spawned
-gloo workers, a backend made unavailable, the model config of a flavor and the configs inside it."""
+gloo workers and their EP mesh, a backend made unavailable, the model config of a flavor and the
+configs inside it."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan.models.common.decoder import Decoder
 
 from torchtitan_ext.bench.common import relative_error
@@ -61,6 +67,20 @@ def spawn_workers(worker: Callable[..., None], world: int, *args: Any) -> None:
     that returns ends through ``exit_skipping_finalization`` (gloo can abort a finished process at
     interpreter exit); one that raises fails the caller with its traceback."""
     mp.spawn(_run_then_exit, args=(worker, args), nprocs=world, join=True)
+
+
+@contextlib.contextmanager
+def gloo_ep_mesh(rank: int, world: int, port: int) -> Iterator[DeviceMesh]:
+    """In a spawned worker: a gloo process group of ``world`` ranks on ``port`` with the SPMD backend CPU
+    training uses, one thread, and a 1-D "ep" mesh over all ranks; the group is destroyed on exit."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    set_spmd_backend("partial_dtensor")
+    torch.set_num_threads(1)
+    try:
+        yield init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    finally:
+        dist.destroy_process_group()
 
 
 def _run_then_exit(rank: int, worker: Callable[..., None], args: tuple) -> None:

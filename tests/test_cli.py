@@ -161,10 +161,14 @@ def test_ep_options_set_for_a_run_without_ep_are_warned_of_with_where_they_were_
     toml.write_text('[moe]\nep_transport = "all_to_all"\n')
     without_ep = "has no effect: it applies only with parallelism.expert_parallel_degree > 1, and this run has 1"
     with caplog.at_level(logging.WARNING):
-        parse("--toml", str(toml), "--moe.ep_receive_rows", "static", "--moe.align_size", "1")
+        parse(
+            "--toml", str(toml), "--moe.ep_receive_rows", "static", "--moe.align_size", "1",
+            "--moe.experts_apply_scores", "true",
+        )  # fmt: skip
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert f"{toml}:2: moe.ep_transport {without_ep}" in warnings
     assert f"command line: moe.ep_receive_rows {without_ep}" in warnings
+    assert f"command line: moe.experts_apply_scores {without_ep}" in warnings
     caplog.clear()
     parse()  # the flavor's defaults ("auto", "exact") are no one's choice
     monkeypatch.setenv("WORLD_SIZE", "2")

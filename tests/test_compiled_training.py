@@ -12,9 +12,9 @@ observer equal to eager's. The ``symm_mem`` transport is not covered here.
 
 ``triton`` runs Triton's interpreter on CPU, about 50 s a training step at these shapes, so it is
 compiled at the layer level instead: one MoE layer as a block under torchtitan's selective
-checkpointing and ``apply_compile`` (Inductor), at EP 1 and at EP 2 over both transports (where its
-experts weight their rows and the transport sums them unweighted); its kernels' entry points are
-compiled in ``tests/test_kernel_ops.py``.
+checkpointing and ``apply_compile`` (Inductor), at EP 1 and at EP 2 over both transports with
+``experts_apply_scores`` (its experts weight their rows and the transport sums them unweighted); its
+kernels' entry points are compiled in ``tests/test_kernel_ops.py``.
 """
 
 import os
@@ -24,14 +24,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port, spawn_workers
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from helpers import free_port, gloo_ep_mesh, spawn_workers
+from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config.configs import CompileConfig
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.distributed.compile import apply_compile
-from torchtitan.distributed.utils import set_spmd_backend
 
 from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
 from torchtitan_ext.experiments.moe_backends.activation_checkpoint import MoESelectiveAC
@@ -192,6 +190,7 @@ class MoEBlock(torch.nn.Module):
         dispatcher = config.routed_experts.token_dispatcher
         assert isinstance(dispatcher, RoutingDispatcher.Config)
         dispatcher.ep_transport = ep_transport
+        dispatcher.experts_apply_scores = ep_mesh is not None
         self.moe = seeded_layer(config)
         if ep_mesh is not None:
             shard_experts(self.moe, local_expert_slice(LAYER_SHAPE["num_experts"], ep_mesh))
@@ -254,21 +253,14 @@ def test_compiled_triton_block_equals_eager():
 
 
 def compiled_ep_worker(rank: int, world: int, port: int, ep_transport: EPTransport) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    set_spmd_backend("partial_dtensor")  # the backend CPU training uses
-    torch.set_num_threads(1)
-    try:
-        ep_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    with gloo_ep_mesh(rank, world, port) as ep_mesh:
         assert_compiled_triton_block_equals_eager(ep_mesh, ep_transport)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(triton_available_reason() is not None, reason="Triton cannot run here")
 @pytest.mark.parametrize("ep_transport", ["all_to_all", "symm_mem"])
 def test_compiled_triton_block_under_ep2_equals_eager(ep_transport):
-    """The experts weight their rows under EP (``FusedRoutedExperts``): one graph per block with the
+    """The experts weight their rows under EP (``experts_apply_scores``): one graph per block with the
     transport's ops, equal to eager."""
     spawn_workers(compiled_ep_worker, 2, 2, free_port(), ep_transport)

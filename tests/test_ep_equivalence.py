@@ -21,16 +21,14 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import cpu_tensor_backends, free_port, spawn_workers
-from torch.distributed.device_mesh import init_device_mesh
+from helpers import cpu_tensor_backends, free_port, gloo_ep_mesh, spawn_workers
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-from torchtitan.distributed.utils import set_spmd_backend
 
 from torchtitan_ext.experiments.moe_backends.activation_checkpoint import MoESelectiveAC
 from torchtitan_ext.experiments.moe_backends.dispatcher import EPReceiveRows, EPTransport, RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process, seeded_layer
+from torchtitan_ext.experiments.moe_backends.experts import row_weighting_unsupported_reason
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 from torchtitan_ext.kernels.availability import interpreter_enabled
 
@@ -62,6 +60,7 @@ def build_layer(
     aux_loss_type,
     ep_transport: EPTransport = "all_to_all",
     ep_receive_rows: EPReceiveRows = "exact",
+    experts_apply_scores: bool = False,
 ):
     """A RoutedMoE layer with deterministic weights (identical in every process)."""
     config = moe_layer_config(compute_backend=compute_backend, load_balance_coeff=None, **LAYER_SHAPE)
@@ -69,6 +68,7 @@ def build_layer(
     dispatcher = config.routed_experts.token_dispatcher
     assert isinstance(dispatcher, RoutingDispatcher.Config)
     dispatcher.ep_transport, dispatcher.ep_receive_rows = ep_transport, ep_receive_rows
+    dispatcher.experts_apply_scores = experts_apply_scores
     layer = seeded_layer(config)
     with torch.no_grad():
         # Feature 0 of every token is large (see ``batch``): experts 6 and 7 (the last
@@ -88,19 +88,35 @@ def batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def check_layer_shard(ep_mesh, ep_transport: EPTransport = "all_to_all") -> None:
     """This rank's outputs and gradients equal the single-process run on the whole batch, for every
-    backend; under EP with exact and with static received rows (the latter with the first losses)."""
+    backend; under EP with exact and with static received rows (the latter with the first losses),
+    and for the backends that weight their rows with ``experts_apply_scores`` (exact and static)."""
     world = 1 if ep_mesh is None else ep_mesh.size()
     x_all, grad_all = batch(world)
-    cases: list[tuple[dict[str, Any], EPReceiveRows]] = [(losses, "exact") for losses in LOSS_CASES]
+    cases: list[tuple[dict[str, Any], EPReceiveRows, bool]] = [(losses, "exact", False) for losses in LOSS_CASES]
     if ep_mesh is not None:
-        cases.append((LOSS_CASES[0], "static"))
-    for losses, receive_rows in cases:
-        for backend in BACKENDS:
-            layer = build_layer(backend, **losses, ep_transport=ep_transport, ep_receive_rows=receive_rows)
+        ep_cases: list[tuple[dict[str, Any], EPReceiveRows, bool]] = [
+            (LOSS_CASES[0], "static", False),
+            (LOSS_CASES[1], "exact", True),
+            (LOSS_CASES[0], "static", True),
+        ]
+        cases += ep_cases
+    for losses, receive_rows, apply_scores in cases:
+        backends = [b for b in BACKENDS if not apply_scores or row_weighting_unsupported_reason(b, "native") is None]
+        for backend in backends:
+            layer = build_layer(
+                backend,
+                **losses,
+                ep_transport=ep_transport,
+                ep_receive_rows=receive_rows,
+                experts_apply_scores=apply_scores,
+            )
             pairs = compare_with_single_process(build_layer("for_loop", **losses), layer, x_all, grad_all, ep_mesh)
             rank = 0 if ep_mesh is None else ep_mesh.get_local_rank()
             for quantity, (actual, expected) in pairs.items():
-                what = f"rank {rank}/{world} {ep_transport} {receive_rows} rows {backend} {losses} {quantity}"
+                scores_by = "experts" if apply_scores else "combine"
+                what = (
+                    f"rank {rank}/{world} {ep_transport} {receive_rows} rows {backend} {losses} {scores_by} {quantity}"
+                )
                 torch.testing.assert_close(actual, expected, msg=lambda m, what=what: f"{what}: {m}")
 
 
@@ -184,18 +200,11 @@ def check_one_row_per_token_and_rank(ep_mesh) -> None:
 
 
 def ep_worker(rank: int, world: int, port: int, ep_transport: EPTransport) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    set_spmd_backend("partial_dtensor")  # the backend CPU training uses
-    torch.set_num_threads(1)
-    try:
-        ep_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    with gloo_ep_mesh(rank, world, port) as ep_mesh:
         check_layer_shard(ep_mesh, ep_transport)
         if ep_transport == "all_to_all":
             check_one_row_per_token_and_rank(ep_mesh)
             check_selective_checkpointing_saves_the_all_to_alls(ep_mesh)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_moe_layer_ep1_local_dispatch_equals_reference():

@@ -7,14 +7,10 @@ expert weights) as over ``all_to_all``, with uneven splits, dropped slots, a ran
 no token, ``align_size`` padding, and two layers back to back (buffers reused across calls).
 """
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import free_port, spawn_workers
-from torch.distributed.device_mesh import init_device_mesh
-from torchtitan.distributed.utils import set_spmd_backend
+from helpers import free_port, gloo_ep_mesh, spawn_workers
 
 from torchtitan_ext.experiments.moe_backends.dispatcher import (
     EPReceiveRows,
@@ -249,12 +245,7 @@ def assert_unweighted_combine_keeps_no_expert_rows(mesh, transport: EPTransport)
 
 
 def exchange_worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    set_spmd_backend("partial_dtensor")
-    torch.set_num_threads(1)
-    try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    with gloo_ep_mesh(rank, world, port) as mesh:
         for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
             for align_size in (1, 4):
                 expected, expected_grouping = run_two_layers(mesh, "all_to_all", align_size, dtype)
@@ -275,8 +266,6 @@ def exchange_worker(rank: int, world: int, port: int) -> None:
         assert_dispatch_outputs_aligned_and_per_pair(mesh)
         for transport in ("symm_mem", "all_to_all"):
             assert_unweighted_combine_keeps_no_expert_rows(mesh, transport)
-    finally:
-        dist.destroy_process_group()
 
 
 @needs_triton

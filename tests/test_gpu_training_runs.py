@@ -443,3 +443,20 @@ def test_memory_task_refuses_an_unknown_run(tmp_path, monkeypatch):
     assert result.returncode == 2
     assert "unknown memory run tritn" in result.stdout
     assert len([c for c in commands if "torchtitan_ext.train" in c]) == 1
+
+
+def test_profile_task_traces_the_flavor_and_each_variant(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROFILE_VARIANTS", "--moe.experts_apply_scores true;--moe.ep_transport all_to_all")
+    result, commands = measure_on_gpu(tmp_path, 2, "profile")
+    assert result.returncode == 0, result.stdout + result.stderr
+    trains = [c for c in commands if "torchtitan_ext.train" in c]
+    reads = [c for c in commands if "torchtitan_ext.bench trace" in c]
+    assert len(trains) == 3 and len(reads) == 3
+    assert "experts_apply_scores" not in trains[0]
+    assert "--moe.experts_apply_scores true" in trains[1] and "--moe.ep_transport all_to_all" in trains[2]
+    for command in trains:
+        options = command.split()
+        assert {"--compile.enable", "--profiler.enable_profiling", "--nproc_per_node=2"} <= set(options)
+        assert options[options.index("--profiler.profile_freq") + 1] == options[options.index("--training.steps") + 1]
+    assert [c.split("--json ")[1] for c in reads] == [f"{tmp_path}/out/profile_{i}.json" for i in range(3)]
+    assert all("rank0_trace.json.gz" in c for c in reads)

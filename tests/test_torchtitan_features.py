@@ -1,6 +1,8 @@
 """Which torchtitan Trainer features the project's MoE flavors accept at start-up: compile for every
 backend, CUDA graphs only where nothing is read on the host (and the reason where something is)."""
 
+import logging
+
 import pytest
 import torch
 
@@ -128,3 +130,20 @@ def test_the_start_up_line_says_cuda_graphs_stay_off_on_cpu(monkeypatch, caplog)
     with caplog.at_level(logging.INFO):
         parse(monkeypatch, "--flavor", "tiny-moe-triton", CUDA_GRAPHS)
     assert "cuda_graphs=off (no CUDA device" in caplog.text and "cuda_graphs=on" not in caplog.text
+
+
+def test_experts_apply_scores_needs_a_backend_and_transport_that_can(monkeypatch, caplog):
+    """Under EP the start-up check refuses the switch with the reason where the backend (after "auto")
+    or the transport cannot apply it, and names it in the start-up line where it is on."""
+    on = ["--moe.experts_apply_scores", "true", "--parallelism.ep", "2"]
+    with pytest.raises(ConfigError, match=r"experts_apply_scores = true: compute_backend 'grouped_mm' with "):
+        parse(monkeypatch, "--flavor", "tiny-moe-grouped-mm", *on, world=2)
+    fp8 = ["--moe.expert_precision", "fp8_rowwise_emulated"]
+    with pytest.raises(ConfigError, match="expert_precision 'fp8_rowwise_emulated' does not weight its rows"):
+        parse(monkeypatch, "--flavor", "tiny-moe-triton", *fp8, *on, world=2)
+    padded = ["--moe.ep_transport", "symm_mem", "--moe.align_size", "4"]
+    with pytest.raises(ConfigError, match=r"symm_mem transport pads its expert groups \(align_size = 4\)"):
+        parse(monkeypatch, "--flavor", "tiny-moe-triton", *padded, *on, world=2)
+    with caplog.at_level(logging.INFO):
+        parse(monkeypatch, "--flavor", "tiny-moe-triton", "--moe.ep_transport", "all_to_all", *on, world=2)
+    assert "ep_transport=all_to_all, experts_apply_scores=True" in caplog.text

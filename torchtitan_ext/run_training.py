@@ -142,7 +142,9 @@ class FlavorConfigManager(ConfigManager):
         if is_rank_zero():
             metadata = run_metadata()
             transport = "".join(
-                f", {key}={metadata[key]}" for key in ("ep_transport", "ep_receive_rows") if key in metadata
+                f", {key}={metadata[key]}"
+                for key in ("ep_transport", "ep_receive_rows", "experts_apply_scores")
+                if key in metadata
             )
             precision = metadata.get("expert_precision", "native")
             precision = "" if precision == "native" else f", expert_precision={precision}"

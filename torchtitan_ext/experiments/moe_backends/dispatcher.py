@@ -21,6 +21,10 @@ Options (``Config``):
 - ``align_size``: pad each local expert's rows with zero rows to a multiple of it (block-aligned
   kernels; ``grouping`` gives the padded buffer's static size). Padding rows are zeros, are never
   read back into the output, and get no gradient.
+- ``experts_apply_scores`` (off by default): under expert parallelism the experts multiply their rows
+  by the router scores (``row_scores``) and combine sums them unweighted (``sum_rows``), so no expert
+  output is kept for the scores' gradient: less memory, for backends with a row-weighted path over
+  the transports that give each row its score (``row_scores_unsupported_reason``).
 
 After each dispatch, ``last_num_padding_rows`` (a 0-d int64 tensor on the tokens' device) holds
 the zero rows the experts computed on top of the real routed rows.
@@ -74,6 +78,9 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         """Pad each expert's rows to a multiple of this (1: no padding)."""
         ep_transport: EPTransportChoice = "auto"
         """``"all_to_all"``, ``"symm_mem"`` or ``"auto"`` (``chosen_ep_transport``): how rows move between EP ranks."""
+        experts_apply_scores: bool = False
+        """Under expert parallelism, the experts weight their rows by the router scores and combine sums
+        them unweighted (no expert output kept for the scores' gradient)."""
         ep_receive_rows: EPReceiveRows = "exact"
         """``"exact"``: the rows an EP rank receives are counted on the host (one sync per dispatch);
         ``"static"`` (``align_size`` 1): the most a rank can receive, every step, with no host sync, so
@@ -107,6 +114,7 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         self.align_size = config.align_size
         self.ep_transport = config.ep_transport
         self.ep_receive_rows = config.ep_receive_rows
+        self.experts_apply_scores = config.experts_apply_scores
         self.row_ops = RowOps(config.permute_backend)
         self.transport: TokenTransport = self.transport_for(None)
         self.last_num_padding_rows: torch.Tensor | None = None
@@ -161,6 +169,14 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         """Whether the transport gives each dispatched row its score, for experts that weight their rows."""
         return self.transport.supports_row_scores
 
+    def row_scores_error(self) -> str | None:
+        """Why the transport in use cannot give each row its score (None: it can)."""
+        if self.transport.supports_row_scores:
+            return None
+        ep_size = self.ep_mesh.size() if self.ep_mesh is not None else 1
+        reason = row_scores_unsupported_reason(chosen_ep_transport(self.ep_transport, ep_size), self.align_size)
+        return reason or f"{type(self.transport).__name__} does not give its rows' scores"
+
     def row_scores(self, metadata: object, num_rows: int) -> torch.Tensor:
         """``(num_rows,)`` fp32, differentiable: each dispatched row's router score (``TokenTransport.row_scores``)."""
         return self.transport.row_scores(metadata, num_rows)
@@ -168,6 +184,16 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
     def sum_rows(self, weighted_output_RD: torch.Tensor, metadata: object, x_TD: torch.Tensor) -> torch.Tensor:
         """The combine of rows the experts weighted by ``row_scores`` -> ``(T, D)`` in ``x_TD``'s dtype."""
         return self.transport.sum_rows(weighted_output_RD, metadata).to(x_TD.dtype)
+
+
+def row_scores_unsupported_reason(ep_transport: EPTransport, align_size: int) -> str | None:
+    """Why the transport cannot give each row its score for ``experts_apply_scores`` (None: it can)."""
+    if ep_transport == "symm_mem" and align_size != 1:
+        return (
+            f"the symm_mem transport pads its expert groups (align_size = {align_size}) after the exchange "
+            "and weights the rows in its combine; set align_size = 1 or use ep_transport = 'all_to_all'"
+        )
+    return None
 
 
 def symm_mem_errors(expert_parallel_degree: int) -> list[str]:

@@ -286,6 +286,18 @@ def expert_compute(spec: ComputeBackendSpec, precision: str) -> ExpertCompute:
     return functools.partial(spec.fp8_grouped, emulated=precision == "fp8_rowwise_emulated")
 
 
+def row_weighting_unsupported_reason(backend: str, precision: str) -> str | None:
+    """Why ``backend`` in ``precision`` cannot weight its rows by the router scores (None: it can)."""
+    spec = BACKENDS.get(backend)
+    if spec is not None and spec.row_weighted is not None and precision not in FP8_PRECISIONS:
+        return None
+    weighting = [name for name, spec in BACKENDS.items() if spec.row_weighted is not None]
+    return (
+        f"compute_backend {backend!r} with expert_precision {precision!r} does not weight its rows by the "
+        f"router scores; {' or '.join(weighting)} in native precision does"
+    )
+
+
 def host_sync_backends() -> frozenset[str]:
     """Backends that read the expert counts on the host (a device sync) in every forward."""
     return frozenset(name for name, spec in BACKENDS.items() if spec.syncs_with_host)
@@ -396,12 +408,20 @@ class FusedRoutedExperts(RoutedExperts):
         return experts.routed
 
     def _experts_weight_rows(self) -> bool:
-        """Whether the experts weight their rows here: expert parallelism over a transport that gives
-        each row its score, and a backend with a ``row_weighted`` path in this precision."""
+        """Whether the experts weight their rows here: ``experts_apply_scores`` under expert parallelism.
+        ValueError with the reason where the transport or the backend cannot."""
         dispatcher, experts = self.token_dispatcher, self.inner_experts
-        if not (isinstance(dispatcher, RoutingDispatcher) and not dispatcher.single_device):
+        if not (isinstance(dispatcher, RoutingDispatcher) and dispatcher.experts_apply_scores):
             return False
-        return dispatcher.supports_row_scores and isinstance(experts, BackendGroupedExperts) and experts.weights_rows
+        if dispatcher.single_device:
+            return False
+        if (reason := dispatcher.row_scores_error()) is not None:
+            raise ValueError(f"experts_apply_scores: {reason}")
+        if not (isinstance(experts, BackendGroupedExperts) and experts.weights_rows):
+            backend = getattr(experts, "compute_backend", type(experts).__name__)
+            reason = row_weighting_unsupported_reason(backend, getattr(experts, "expert_precision", "native"))
+            raise ValueError(f"experts_apply_scores: {reason}")
+        return True
 
     def forward(
         self,

@@ -1,7 +1,7 @@
 """What the MoE backends experiment says about a run: its run metadata and its start-up note.
 
-``compute_backend``, ``expert_precision``, ``ep_transport`` and static ``ep_receive_rows`` identify a run
-in the metrics' run metadata
+``compute_backend``, ``expert_precision``, ``ep_transport``, static ``ep_receive_rows`` and
+``experts_apply_scores`` identify a run in the metrics' run metadata
 (``registry.register_run_description``); a note before training suggests ``symm_mem`` where
 every EP group fits in this host (``registry.register_startup_note``).
 """
@@ -63,6 +63,14 @@ def ep_receive_rows_of_run(config) -> dict:
     received rows); nothing for the default, exact rows."""
     receive_rows = dispatchers_setting(config, "ep_receive_rows")
     return {} if receive_rows in (None, "exact") else {"ep_receive_rows": receive_rows}
+
+
+@register_run_description
+def experts_apply_scores_of_run(config) -> dict:
+    """``experts_apply_scores`` of the run metadata where the experts weight their rows under expert
+    parallelism; nothing for the default (combine weights them)."""
+    apply_scores = dispatchers_setting(config, "experts_apply_scores")
+    return {"experts_apply_scores": apply_scores} if apply_scores else {}
 
 
 @register_startup_note

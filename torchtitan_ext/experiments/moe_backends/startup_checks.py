@@ -6,7 +6,9 @@ dispatcher, Triton or one host where chosen, the parallel layout against the exp
 against the routed rows of a step. ``check_compute_backends_run_here`` refuses a backend this
 machine cannot run; ``resolve_auto_backend`` then replaces "auto" by the fastest backend here,
 and ``resolve_auto_ep_transport`` an "auto" EP transport by the one that runs fastest here.
-``warn_of_ep_options_without_ep`` warns of EP options set for a run without expert parallelism.
+``warn_of_ep_options_without_ep`` warns of EP options set for a run without expert parallelism;
+``check_experts_apply_scores`` refuses ``experts_apply_scores`` where the backend or the transport
+(both resolved by then) cannot apply it.
 """
 
 import shlex
@@ -23,8 +25,20 @@ from torchtitan_ext.place_in_launch import world_size as launch_world_size
 from torchtitan_ext.validation import named
 
 from .auto_backend import AUTO_COMMAND_OUTLINE, AutoBackendError, UncachedAutoChoice, resolve_auto_compute_backend
-from .dispatcher import RoutingDispatcher, chosen_ep_transport, symm_mem_errors, symm_mem_unfit_reason
-from .experts import BackendGroupedExperts, backend_unavailable_reason, resolved_at_startup, runnable_backends
+from .dispatcher import (
+    RoutingDispatcher,
+    chosen_ep_transport,
+    row_scores_unsupported_reason,
+    symm_mem_errors,
+    symm_mem_unfit_reason,
+)
+from .experts import (
+    BackendGroupedExperts,
+    backend_unavailable_reason,
+    resolved_at_startup,
+    row_weighting_unsupported_reason,
+    runnable_backends,
+)
 from .fp8_experts import fp8_unavailable_reason
 from .layer import routing_dispatchers
 from .moe import RoutedMoE
@@ -138,7 +152,7 @@ def resolve_auto_ep_transport(config) -> None:
         logger.info(f"moe.ep_transport = 'auto' -> {choice!r} ({why})")
 
 
-EP_ONLY_OPTIONS = ("ep_transport", "ep_receive_rows")
+EP_ONLY_OPTIONS = ("ep_transport", "ep_receive_rows", "experts_apply_scores")
 """The dispatcher options that take effect only under expert parallelism."""
 
 
@@ -156,6 +170,31 @@ def warn_of_ep_options_without_ep(config) -> None:
                 f"{option_key(field)} has no effect: it applies only with "
                 f"parallelism.expert_parallel_degree > 1, and this run has {ep}"
             )
+
+
+@register_config_check
+def check_experts_apply_scores(config) -> None:
+    """Under expert parallelism, ``experts_apply_scores`` needs a backend that weights its rows (the
+    resolved one, in its precision) and a transport that gives each row its score: one
+    ``ConfigError`` lists every layer setting it where either cannot."""
+    ep = config.parallelism.expert_parallel_degree
+    if config.model_spec is None or ep <= 1:
+        return
+    errors = []
+    for _, moe, _, _ in config.model_spec.model.traverse(RoutedMoE.Config):
+        dispatcher, experts = moe.routed_experts.token_dispatcher, moe.routed_experts.inner_experts
+        if not (isinstance(dispatcher, RoutingDispatcher.Config) and dispatcher.experts_apply_scores):
+            continue
+        if isinstance(experts, BackendGroupedExperts.Config):
+            backend_reason = row_weighting_unsupported_reason(experts.compute_backend, experts.expert_precision)
+        else:
+            backend_reason = f"torchtitan's {type(experts).__qualname__} does not weight its rows"
+        transport = chosen_ep_transport(dispatcher.ep_transport, ep)
+        for reason in (backend_reason, row_scores_unsupported_reason(transport, dispatcher.align_size)):
+            if reason is not None:
+                errors.append(f"{option_key('experts_apply_scores')} = true: {reason}")
+    if errors:
+        raise ConfigError("\n".join(dict.fromkeys(errors)))
 
 
 def auto_choice_command(config) -> str:

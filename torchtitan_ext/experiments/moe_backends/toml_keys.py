@@ -129,6 +129,13 @@ _option_key(
     dispatcher_configs,
 )
 _option_key(
+    "experts_apply_scores",
+    bool,
+    "under expert parallelism the experts weight their rows by the router scores and combine sums them "
+    "unweighted: no expert output kept for the scores' gradient (less memory; triton)",
+    dispatcher_configs,
+)
+_option_key(
     "ep_receive_rows",
     EPReceiveRows,
     "rows an EP rank receives: exact (counted on the host) or static (the most possible, no host sync, "
