@@ -16,14 +16,14 @@ once, however many of that rank's experts it is routed to:
   owner adds the partial sums of the token's destination ranks (fp32 accumulation).
 
 Backward runs the same two moves the other way round (push each pair's summed row gradient;
-pull each token's output gradient once, which also yields the router-score gradients).
+pull each token's output gradient once, which also yields the router-score gradients). Every
+move is fenced by a device-side barrier; a barrier before overwriting a region is added only
+when a peer may still read it. One host sync per dispatch learns how many rows arrive.
 
 Experts that weight their own rows (``row_scores`` gives each received row its score, the score's
 gradient pushed back to the owner in backward) leave combine an unweighted sum (``sum_rows``), whose
 backward pulls the output gradient to every row of the token: no expert output is kept for the
-router-score gradient. Every
-move is fenced by a device-side barrier; a barrier before overwriting a region is added only
-when a peer may still read it. One host sync per dispatch learns how many rows arrive.
+router-score gradient.
 
 One dispatch is: publish (token copy, a stable sort of the slots by expert, one kernel writing
 the routing regions and counts), barrier, one single-program kernel computing this rank's
