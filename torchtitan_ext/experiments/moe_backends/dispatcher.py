@@ -164,11 +164,6 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         """Weight each slot's expert output by its score and sum over top_k -> ``(T, D)`` in ``x_TD``'s dtype."""
         return self.transport.combine(routed_output_RD, metadata).to(x_TD.dtype)
 
-    @property
-    def supports_row_scores(self) -> bool:
-        """Whether the transport gives each dispatched row its score, for experts that weight their rows."""
-        return self.transport.supports_row_scores
-
     def row_scores_error(self) -> str | None:
         """Why the transport in use cannot give each row its score (None: it can)."""
         if self.transport.supports_row_scores:

@@ -352,11 +352,6 @@ class BackendGroupedExperts(GroupedExperts):
         """The backend's row-weighted path where it computes in this precision (native only), else None."""
         return self.backend.row_weighted if self.expert_precision == "native" else None
 
-    @property
-    def weights_rows(self) -> bool:
-        """Whether ``forward`` takes ``row_scores_R`` here."""
-        return self.row_weighted is not None
-
     def forward(
         self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor, row_scores_R: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -388,7 +383,7 @@ class FusedRoutedExperts(RoutedExperts):
     separate combine). Slots the
     router dropped (expert id ``num_experts``) contribute nothing and get no gradient, as in
     the dispatcher. Under expert parallelism, a backend with a ``row_weighted`` path over a
-    transport that gives each row its score (``supports_row_scores``) weights the rows in its
+    transport that gives each row its score (``experts_apply_scores``) weights the rows in its
     epilogue and the transport sums them unweighted: the score gradient comes from the experts'
     backward instead of from their outputs kept until then. Every other case is torchtitan's
     dispatch -> experts -> combine.
@@ -417,9 +412,7 @@ class FusedRoutedExperts(RoutedExperts):
             return False
         if (reason := dispatcher.row_scores_error()) is not None:
             raise ValueError(f"experts_apply_scores: {reason}")
-        if not (isinstance(experts, BackendGroupedExperts) and experts.weights_rows):
-            backend = getattr(experts, "compute_backend", type(experts).__name__)
-            reason = row_weighting_unsupported_reason(backend, getattr(experts, "expert_precision", "native"))
+        if (reason := experts_row_weighting_error(experts)) is not None:
             raise ValueError(f"experts_apply_scores: {reason}")
         return True
 
@@ -477,3 +470,11 @@ class FusedRoutedExperts(RoutedExperts):
         with maybe_set_sparse_mesh():
             weighted_RD = self.inner_experts(rows_RD, rows_per_local_expert_e, row_scores_R=row_scores_R)
         return dispatcher.sum_rows(weighted_RD, metadata, x_TD).view(batch, -1, dim)
+
+
+def experts_row_weighting_error(experts: torch.nn.Module | GroupedExperts.Config) -> str | None:
+    """Why the grouped experts ``experts`` (a module or its config) cannot weight their rows by the
+    router scores (None: they can): torchtitan's own, or ``row_weighting_unsupported_reason``."""
+    if not isinstance(experts, (BackendGroupedExperts, BackendGroupedExperts.Config)):
+        return f"torchtitan's {type(experts).__qualname__} does not weight its rows"
+    return row_weighting_unsupported_reason(experts.compute_backend, experts.expert_precision)

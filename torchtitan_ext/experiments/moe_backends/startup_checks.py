@@ -35,8 +35,8 @@ from .dispatcher import (
 from .experts import (
     BackendGroupedExperts,
     backend_unavailable_reason,
+    experts_row_weighting_error,
     resolved_at_startup,
-    row_weighting_unsupported_reason,
     runnable_backends,
 )
 from .fp8_experts import fp8_unavailable_reason
@@ -185,12 +185,12 @@ def check_experts_apply_scores(config) -> None:
         dispatcher, experts = moe.routed_experts.token_dispatcher, moe.routed_experts.inner_experts
         if not (isinstance(dispatcher, RoutingDispatcher.Config) and dispatcher.experts_apply_scores):
             continue
-        if isinstance(experts, BackendGroupedExperts.Config):
-            backend_reason = row_weighting_unsupported_reason(experts.compute_backend, experts.expert_precision)
-        else:
-            backend_reason = f"torchtitan's {type(experts).__qualname__} does not weight its rows"
         transport = chosen_ep_transport(dispatcher.ep_transport, ep)
-        for reason in (backend_reason, row_scores_unsupported_reason(transport, dispatcher.align_size)):
+        reasons = (
+            experts_row_weighting_error(experts),
+            row_scores_unsupported_reason(transport, dispatcher.align_size),
+        )
+        for reason in reasons:
             if reason is not None:
                 errors.append(f"{option_key('experts_apply_scores')} = true: {reason}")
     if errors:
