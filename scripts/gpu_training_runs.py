@@ -204,6 +204,7 @@ ALL_TO_ALL = ["--moe.ep_transport", "all_to_all"]
 FP8 = ["--moe.expert_precision", "fp8_rowwise"]
 STATIC_ROWS = ["--moe.ep_receive_rows", "static"]
 CUDA_GRAPHS = [*STATIC_ROWS, "--training.no-disable-cuda-graphs"]
+EXPERTS_APPLY_SCORES = ["--moe.experts_apply_scores", "true"]
 EP_TRANSPORT_ARGS = {"all_to_all": ALL_TO_ALL, "symm_mem": SYMM_MEM}
 TINY_STEPS = ["--training.steps", "30"]
 TINY_LOSS_REL = 1e-4
@@ -292,6 +293,18 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
             "olmoe-1b-7b",
             2,
             [*args, *TRITON, *SYMM_MEM, *COMPILE, *CUDA_GRAPHS],
+        ),
+        Run(
+            "olmoe triton compiled symm_mem apply_scores",
+            "olmoe-1b-7b",
+            2,
+            [*args, *TRITON, *SYMM_MEM, *COMPILE, *EXPERTS_APPLY_SCORES],
+        ),
+        Run(
+            "olmoe triton compiled symm_mem cuda_graphs apply_scores",
+            "olmoe-1b-7b",
+            2,
+            [*args, *TRITON, *SYMM_MEM, *COMPILE, *CUDA_GRAPHS, *EXPERTS_APPLY_SCORES],
         ),
         Run(
             "olmoe grouped_mm compiled symm_mem cuda_graphs",

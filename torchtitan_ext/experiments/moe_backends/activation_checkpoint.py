@@ -6,7 +6,7 @@ backward. The expert block, top-k routing and EP moves of this experiment are ``
 ops of their own, and the FP8 experts' GEMMs are ``aten._scaled_grouped_mm`` or this project's
 ``fp8_grouped_gemm``, none of which it knows: it would recompute the expert GEMMs a second time
 (for FP8 with their operands' quantisation), and the EP exchange a second time (barriers and
-pulls across ranks).
+pulls across ranks; the received rows' scores, a few bytes a row, are kept rather than read again).
 ``MoESelectiveAC`` saves them as torchtitan saves its own equivalents (``aten.linear``,
 ``aten.topk``, ``all_to_all_single``), through the ``get_save_ops`` hook torchtitan offers for
 this.
@@ -31,6 +31,7 @@ SAVED_OPS = (
     torch.ops.torchtitan_ext.topk_routing.default,
     torch.ops.torchtitan_ext.symm_mem_dispatch.default,
     torch.ops.torchtitan_ext.symm_mem_combine.default,
+    torch.ops.torchtitan_ext.symm_mem_row_scores.default,
 )
 """This experiment's ops whose outputs selective checkpointing keeps for backward."""
 
