@@ -30,7 +30,11 @@ def backends_of(config) -> set[str]:
 
 
 def transports_of(config) -> set[str]:
-    return {c.ep_transport for _, c, _, _ in config.model_spec.model.traverse(RoutingDispatcher.Config)}
+    return dispatcher_values(config, "ep_transport")
+
+
+def dispatcher_values(config, field: str) -> set:
+    return {getattr(c, field) for _, c, _, _ in config.model_spec.model.traverse(RoutingDispatcher.Config)}
 
 
 def write_toml(tmp_path, name, text):
@@ -307,6 +311,9 @@ def test_example_toml_files_apply(example):
     read_back = {
         "moe.compute_backend": backends_of,
         "moe.ep_transport": transports_of,
+        "moe.ep_receive_rows": lambda c: dispatcher_values(c, "ep_receive_rows"),
+        "moe.experts_apply_scores": lambda c: dispatcher_values(c, "experts_apply_scores"),
+        "training.disable_cuda_graphs": lambda c: {c.training.disable_cuda_graphs},
         "data.dataset": lambda c: {c.dataloader.dataset},
         "data.path": lambda c: {c.dataloader.dataset_path},
         "data.tokenizer": lambda c: {c.hf_assets_path},
