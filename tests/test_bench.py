@@ -673,6 +673,7 @@ def synthetic_gpu_trace(path: Path) -> None:
 
     events = [
         event("ProfilerStep#3", "user_annotation", 0, 1000, tid=1),
+        *(event("ProfilerStep#3", "gpu_user_annotation", 100, 800, tid=stream) for stream in (7, 9)),
         event("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "kernel", 100, 300),
         event("_permute_kernel", "kernel", 300, 200, tid=9),  # overlaps the all-to-all
         event("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "kernel", 600, 100),

@@ -5,9 +5,12 @@ torchtitan writes one trace per rank when training runs with ``--profiler.enable
 first question of a slow run: is the GPU busy (then the kernels decide) or waiting for the host
 (then launches, Python and host syncs decide)?
 
-- ``wall_ms``: the profiled steps (torch.profiler's ``ProfilerStep#N`` events; the whole trace
-  when it has none).
+- ``wall_ms``: the profiled steps (torch.profiler's ``ProfilerStep#N`` events: the host's count as
+  steps, the copies it marks on each GPU stream only widen the window; the whole trace when it
+  has none).
 - ``gpu_busy_ms``: the union over streams of the kernels, copies and fills inside those steps.
+  Communication kernels (NCCL, symmetric-memory barriers) are busy while they wait for a peer, so
+  a rank waiting for a slower one looks busy: read every rank's trace.
 - ``kinds``: kernel time by kind (communication, matmul, attention, this project's Triton
   kernels, optimizer, index/sort/scatter, copy/fill, elementwise/reduce, other); kernels on
   different streams overlap, so the kinds can add up to more than ``gpu_busy_ms``.
@@ -83,8 +86,9 @@ def summarize(path: str, top: int = 15) -> dict:
     events = load_events(path)
     if not events:
         raise ValueError("no timed events in the trace")
-    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
-    window = steps or events
+    step_marks = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
+    steps = [e for e in step_marks if e.get("cat") != "gpu_user_annotation"]
+    window = step_marks or events
     start = min(e["ts"] for e in window)
     end = max(e["ts"] + e["dur"] for e in window)
     inside = [e for e in events if start <= e["ts"] < end]
