@@ -223,6 +223,34 @@ def test_all_to_all_within_a_gpu_host_notes_symm_mem(monkeypatch, caplog, cuda, 
     assert ("moe.ep_transport = 'symm_mem' (--toml examples/ep_symm_mem.toml)" in caplog.text) == noted
 
 
+CUDA_GRAPHS_NOTE = "--toml examples/cuda_graphs.toml (static received rows, CUDA graphs"
+
+
+@pytest.mark.parametrize(
+    "changed, ep, noted",
+    [
+        ({}, "2", True),
+        ({"--moe.ep_receive_rows": "static"}, "2", False),  # already static
+        ({"--moe.compute_backend": "grouped_mm"}, "2", False),  # its experts cannot apply the scores
+        ({"--moe.ep_transport": "all_to_all"}, "2", False),
+        ({"--compile.enable": "false"}, "2", False),
+        ({}, "4", False),  # static buffers 4x a balanced step's rows
+    ],
+)
+def test_compiled_exact_rows_over_symm_mem_note_the_cuda_graph_example(monkeypatch, caplog, changed, ep, noted):
+    monkeypatch.setenv("WORLD_SIZE", ep)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", ep)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    options = {"--moe.compute_backend": "triton", "--moe.ep_transport": "symm_mem", "--compile.enable": "true"}
+    args = [part for option in {**options, **changed}.items() for part in option]
+    with caplog.at_level(logging.INFO):
+        parse("--parallelism.expert_parallel_degree", ep, *args)
+    assert (CUDA_GRAPHS_NOTE in caplog.text) == noted
+    if noted:
+        assert "with static receive buffers 2x a balanced step's rows" in caplog.text
+
+
 @pytest.mark.parametrize(
     "args",
     [
