@@ -144,7 +144,8 @@ run_task() {
       # Where a step's GPU time goes: olmoe-1b-7b (FSDP 2 x EP 2, compiled, batch TRAIN_LOCAL_BATCH (4) x 2048),
       # `triton` over symm_mem as the flavor trains, then with the options of each PROFILE_VARIANTS entry
       # (";"-separated; default "--moe.experts_apply_scores true"), PROFILE_STEPS (6) steps each, torch.profiler
-      # tracing the last; rank 0's trace read by `bench trace` (kernel time by kind, top kernels, host syncs).
+      # tracing the last; every rank's trace read by `bench trace` (kernel time by kind, top kernels, host syncs:
+      # a step paced by one rank's host shows that rank's GPU idle and the others waiting in communication kernels).
       need_gpus 2 "$task"
       steps=${PROFILE_STEPS:-6}
       IFS=';' read -ra variants <<< "${PROFILE_VARIANTS:---moe.experts_apply_scores true}"
@@ -157,7 +158,7 @@ run_task() {
             --training.seq_len 2048 --parallelism.expert_parallel_degree 2 --metrics.log_freq 1 --compile.enable \
             --profiler.enable_profiling --profiler.profile_freq "$steps" --dump_folder "$dump" > "$out/profile_$index.log" 2>&1
         grep -E "step: |rror" "$out/profile_$index.log" | tail -n 3
-        python3 -m torchtitan_ext.bench trace "$dump"/profiling/traces/*/rank0_trace.json.gz \
+        python3 -m torchtitan_ext.bench trace "$dump"/profiling/traces/*/rank*_trace.json.gz \
             --json "$out/profile_$index.json" 2>&1 | tee "$out/profile_$index.txt"
         index=$((index + 1))
       done ;;

@@ -694,11 +694,15 @@ def test_trace_summary_of_a_gpu_step(tmp_path, capsys):
     summary = json.loads(out.read_text())["traces"][0]
     assert summary["steps"] == 1 and summary["wall_ms"] == 1.0
     assert summary["gpu_busy_ms"] == 0.55  # 100-500 (two streams), 600-700, 800-850
+    assert summary["gpu_busy_outside_communication_ms"] == 0.35  # without the all-to-all: 300-500, 600-700, 800-850
     assert summary["kinds"] == {"communication": 0.3, "project Triton": 0.2, "matmul": 0.1, "copy/fill": 0.05}
     assert summary["host"] == {"sync_calls": 2, "sync_ms": 0.1, "kernel_launches": 3}
     assert [k["name"][:4] for k in summary["top_kernels"]] == ["nccl", "_per"]
     printed = capsys.readouterr().out
-    assert "GPU busy 0.6 ms (55% of the time)" in printed and "2 syncs (0.1 ms waiting for the GPU)" in printed
+    assert (
+        "GPU busy 0.6 ms (55% of the time), 0.3 ms (35%) outside communication kernels" in printed
+        and "2 syncs (0.1 ms waiting for the GPU)" in printed
+    )
 
 
 def test_trace_kinds_name_every_kernel_module_of_the_project():

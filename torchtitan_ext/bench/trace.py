@@ -8,9 +8,11 @@ first question of a slow run: is the GPU busy (then the kernels decide) or waiti
 - ``wall_ms``: the profiled steps (torch.profiler's ``ProfilerStep#N`` events: the host's count as
   steps, the copies it marks on each GPU stream only widen the window; the whole trace when it
   has none).
-- ``gpu_busy_ms``: the union over streams of the kernels, copies and fills inside those steps.
-  Communication kernels (NCCL, symmetric-memory barriers) are busy while they wait for a peer, so
-  a rank waiting for a slower one looks busy: read every rank's trace.
+- ``gpu_busy_ms``: the union over streams of the kernels, copies and fills inside those steps;
+  ``gpu_busy_outside_communication_ms`` the same without communication kernels. Those (NCCL,
+  symmetric-memory barriers) are busy while they wait for a peer, so a rank waiting for a slower
+  one looks busy: read every rank's trace (a step paced by one rank's host shows that rank's GPU
+  idle and the others' time in communication kernels).
 - ``kinds``: kernel time by kind (communication, matmul, attention, this project's Triton
   kernels, optimizer, index/sort/scatter, copy/fill, elementwise/reduce, other); kernels on
   different streams overlap, so the kinds can add up to more than ``gpu_busy_ms``.
@@ -107,6 +109,17 @@ def summarize(path: str, top: int = 15) -> dict:
         "steps": len(steps),
         "wall_ms": round((end - start) / 1e3, 3),
         "gpu_busy_ms": round(union_length([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) / 1e3, 3),
+        "gpu_busy_outside_communication_ms": round(
+            union_length(
+                [
+                    (e["ts"], e["ts"] + e["dur"])
+                    for e in gpu
+                    if kernel_kind(e["name"], project_kernels) != "communication"
+                ]
+            )
+            / 1e3,
+            3,
+        ),
         "kinds": {kind: round(ms, 3) for kind, ms in kinds.most_common()},
         "host": {
             "sync_calls": len(syncs),
@@ -135,7 +148,11 @@ def print_summary(summary: dict) -> None:
     print(f"{summary['trace']}: {steps}, {summary['wall_ms']:.1f} ms")
     wall, busy = summary["wall_ms"], summary["gpu_busy_ms"]
     if "top_kernels" in summary:
-        print(f"GPU busy {busy:.1f} ms ({busy / wall:.0%} of the time); the GPU waited for the host the rest")
+        working = summary["gpu_busy_outside_communication_ms"]
+        print(
+            f"GPU busy {busy:.1f} ms ({busy / wall:.0%} of the time), {working:.1f} ms ({working / wall:.0%}) outside "
+            "communication kernels (which also wait for peers); the GPU waited for the host the rest"
+        )
         print("kernel time by kind (ms): " + ", ".join(f"{kind} {ms:.1f}" for kind, ms in summary["kinds"].items()))
         host = summary["host"]
         print(
