@@ -30,3 +30,21 @@ def private_project_cache(tmp_path_factory):
     """The flavor listing and the "auto" backend choices are cached in a per-session folder,
     never in the user's ``~/.cache/torchtitan_ext`` (subprocesses inherit it)."""
     os.environ["TORCHTITAN_EXT_CACHE"] = str(tmp_path_factory.mktemp("torchtitan_ext_cache"))
+
+
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""torchrun's variables, which the train entry run in this process sets for a world of one."""
+
+
+@pytest.fixture(autouse=True)
+def launch_variables_stay_in_their_test():
+    """A test that runs the train entry in this process leaves torchrun's variables set; a later test's
+    subprocess would inherit them and take itself for a rank of a launch. Each test's values are
+    undone after it."""
+    before = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

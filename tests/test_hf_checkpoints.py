@@ -270,11 +270,9 @@ def test_first_training_step_loss_equals_transformers(flavor, world, hub, tmp_pa
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
     (loss,) = [float(v) for v in re.findall(r"step:\s+1\s+loss:\s+([0-9.]+)", log)]
-    os.environ["WORLD_SIZE"] = str(world)  # the dataloader split the run used
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WORLD_SIZE", str(world))  # the dataloader split the run used
         expected = first_step_loss_of_transformers(hf_model, args, world)
-    finally:
-        os.environ.pop("WORLD_SIZE")
     assert loss == pytest.approx(expected, abs=2e-5), (loss, expected)
 
 
