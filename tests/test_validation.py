@@ -200,6 +200,7 @@ def test_the_memory_rule_is_the_estimate_not_the_flavor_name(monkeypatch, cpu_wi
     (error,) = memory_errors(tiny)
     assert "402.82K parameters" in error and "needs at least 0.0 GiB" in error
     monkeypatch.setenv("WORLD_SIZE", "64")  # 64 hosts of one rank share the state
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     olmoe = get_flavor("olmoe-1b-7b").build()
     monkeypatch.setattr(torchtitan_ext.model_size, "machine_memory_bytes", lambda: 16 * 2**30)
     assert memory_errors(olmoe) == []
