@@ -98,8 +98,12 @@ def summarize(path: str, top: int = 15) -> dict:
     gpu = [e for e in inside if e.get("cat") in GPU_CATEGORIES]
     project_kernels = project_kernel_names()
     kinds, kernel_ms, kernel_calls = Counter(), Counter(), Counter()
+    working = []
     for e in gpu:
-        kinds[kernel_kind(e["name"], project_kernels)] += e["dur"] / 1e3
+        kind = kernel_kind(e["name"], project_kernels)
+        kinds[kind] += e["dur"] / 1e3
+        if kind != "communication":
+            working.append((e["ts"], e["ts"] + e["dur"]))
         kernel_ms[e["name"]] += e["dur"] / 1e3
         kernel_calls[e["name"]] += 1
     runtime = [e for e in inside if e.get("cat") in ("cuda_runtime", "cuda_driver")]
@@ -109,17 +113,7 @@ def summarize(path: str, top: int = 15) -> dict:
         "steps": len(steps),
         "wall_ms": round((end - start) / 1e3, 3),
         "gpu_busy_ms": round(union_length([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) / 1e3, 3),
-        "gpu_busy_outside_communication_ms": round(
-            union_length(
-                [
-                    (e["ts"], e["ts"] + e["dur"])
-                    for e in gpu
-                    if kernel_kind(e["name"], project_kernels) != "communication"
-                ]
-            )
-            / 1e3,
-            3,
-        ),
+        "gpu_busy_outside_communication_ms": round(union_length(working) / 1e3, 3),
         "kinds": {kind: round(ms, 3) for kind, ms in kinds.most_common()},
         "host": {
             "sync_calls": len(syncs),

@@ -14,6 +14,7 @@ from torchtitan.models.common.moe import GroupedExperts
 from torchtitan_ext.registry import register_run_description, register_startup_note
 
 from .dispatcher import symm_mem_unfit_reason
+from .ep_symm_mem import static_receive_rows
 from .experts import DEFAULT_BACKEND, BackendGroupedExperts, experts_row_weighting_error
 from .layer import routing_dispatchers
 
@@ -116,7 +117,7 @@ def cuda_graphs_over_symm_mem(config) -> str | None:
     if any(isinstance(e, GroupedExperts.Config) and experts_row_weighting_error(e) for e in experts_configs):
         return None
     ep = config.parallelism.expert_parallel_degree
-    factor = max(ep * min(d.top_k, d.num_experts // ep) / d.top_k for d in routing_dispatchers(config))
+    factor = max(static_receive_rows(1, ep, d.top_k, d.num_experts) / d.top_k for d in routing_dispatchers(config))
     if factor > STATIC_ROWS_NOTED_UP_TO:
         return None
     return (
