@@ -249,7 +249,19 @@ def tiny_runs() -> list[list[Run]]:
         for backend in TINY_BACKENDS:
             run = tiny_run(backend, f"ep2 {transport}", 2, [*TINY_STEPS, *expert_parallel(2), *transport_args])
             batches += [[run], [compiled(run)]]
+    batches += [[graphed] for graphed in tiny_cuda_graph_runs()]
     return batches
+
+
+def tiny_cuda_graph_runs() -> list[Run]:
+    """``triton`` compiled under CUDA graphs (the step's gradients in the graph's memory), on one GPU and
+    over ``symm_mem`` with static received rows, each compared with ``for_loop``'s eager run of its layout."""
+    one_gpu = [*TINY_STEPS, *COMPILE, "--training.no-disable-cuda-graphs"]
+    ep2 = [*TINY_STEPS, *expert_parallel(2), *SYMM_MEM, *COMPILE, *CUDA_GRAPHS]
+    return [
+        Run("triton ep1 1gpu compiled cuda_graphs", "tiny-moe-triton", 1, one_gpu, "for_loop ep1 1gpu"),
+        Run("triton ep2 symm_mem compiled cuda_graphs", "tiny-moe-triton", 2, ep2, "for_loop ep2 symm_mem"),
+    ]
 
 
 STOCK_COMPILED = "olmoe torchtitan-moe compiled"

@@ -301,7 +301,7 @@ def test_tasks_refuse_a_host_with_too_few_gpus(tmp_path, task, needed):
 def test_two_gpu_suites_compare_with_for_loop_and_with_stock_compiled():
     tiny = all_runs("tiny")
     for run in tiny:
-        backend, _, layout = run.name.removesuffix(" compiled").partition(" ")
+        backend, _, layout = run.name.removesuffix(" cuda_graphs").removesuffix(" compiled").partition(" ")
         eager_for_loop = backend == "for_loop" and not run.name.endswith("compiled")
         expected = None if eager_for_loop or "warm" in layout else f"for_loop {layout}"
         assert run.reference == expected, run.name
@@ -338,6 +338,18 @@ def test_tiny_suite_compiles_every_backend_at_every_layout(monkeypatch):
             eager, compiled = tiny[f"{backend} {layout}"], tiny[f"{backend} {layout} compiled"]
             assert compiled.args == [*eager.args, *runs_module.COMPILE] and compiled.flavor == eager.flavor
             assert parsed(compiled, monkeypatch).compile.enable and not parsed(eager, monkeypatch).compile.enable
+
+
+def test_tiny_suite_trains_triton_under_cuda_graphs_against_for_loop_eager_on_one_gpu_and_over_symm_mem(monkeypatch):
+    tiny = {run.name: run for run in all_runs("tiny")}
+    graphed = [run for run in tiny.values() if "cuda_graphs" in run.name]
+    assert [(run.gpus, run.reference) for run in graphed] == [(1, "for_loop ep1 1gpu"), (2, "for_loop ep2 symm_mem")]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the triton backend parses on a host without CUDA
+    for run in graphed:
+        assert "--training.no-disable-cuda-graphs" in run.args and tiny[run.reference].args[0] == run.args[0]
+        config = parsed(run, monkeypatch)
+        assert config.compile.enable and config.parallelism.expert_parallel_degree == run.gpus
+        assert not tiny[run.reference].args.count("--compile.enable")
 
 
 def test_numerics_suite_trains_each_bf16_layer_and_fp8_for_300_steps_on_the_endless_corpus(monkeypatch):

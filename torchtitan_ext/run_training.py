@@ -1,5 +1,6 @@
 """torchtitan's Trainer on a registered flavor: the ``ConfigManager`` that loads ``--flavor`` / ``--toml``
-and the command line, and a training run in this process (``run``).
+and the command line, and a training run in this process (``run``). The parsed config builds
+``torchtitan_ext.trainer.Trainer`` (torchtitan's, with CUDA-graph steps that own their gradients).
 
 The train entry (``torchtitan_ext.train``) checks the arguments it can without torch and comes
 here to train. Without CUDA, training runs on CPU with gloo (see ``compat.cpu``), one thread per
@@ -51,6 +52,7 @@ from torchtitan_ext.metrics.metadata import record_run_metadata, run_metadata
 from torchtitan_ext.metrics.processor import close_interrupted_runs
 from torchtitan_ext.place_in_launch import in_launch, is_rank_zero
 from torchtitan_ext.registry import UnknownFlavorError, all_flavors, get_flavor, startup_notes
+from torchtitan_ext.trainer import with_gradient_owning_trainer
 from torchtitan_ext.validation import check_config_values
 
 
@@ -123,7 +125,9 @@ class FlavorConfigManager(ConfigManager):
         self.resolved_config = config
         return config, rest
 
-    def parse_args(self, args: list[str] | None = None):
+    def parse_args(self, args: list[str] | None = None) -> Any:
+        """The run's config, a ``torchtitan_ext.trainer.Trainer.Config`` (typed ``Any``: the flavors'
+        configs carry sections of their own, such as ``moe_metrics``, that the class does not declare)."""
         from torchtitan_ext.compat.cuda_graph_dispatchers import apply_cuda_graph_dispatcher_fix
 
         apply_cuda_graph_dispatcher_fix()  # before tyro builds the config: torchtitan checks CUDA graphs there
@@ -171,7 +175,7 @@ class FlavorConfigManager(ConfigManager):
         if cpu_training():
             adapt_config_for_cpu(config)
             patch_torchtitan_for_cpu()
-        return config
+        return with_gradient_owning_trainer(config)
 
 
 def cuda_graphs_state(config) -> str:

@@ -1,0 +1,128 @@
+"""The train entry's Trainer: torchtitan's, with CUDA-graph steps whose gradients the graph owns."""
+
+import inspect
+import weakref
+
+import pytest
+import torch
+from torchtitan import trainer as titan_trainer
+from torchtitan.distributed import cudagraph
+
+from torchtitan_ext import trainer
+from torchtitan_ext.run_training import FlavorConfigManager
+
+
+def test_the_train_entrys_config_builds_the_gradient_owning_trainer_with_the_same_values():
+    config = FlavorConfigManager().parse_args(["--flavor", "tiny-moe-grouped-mm", "--training.steps", "7"])
+    assert isinstance(config, trainer.Trainer.Config) and type(config)._owner is trainer.Trainer
+    assert config.training.steps == 7 and config.model_spec is not None
+    assert trainer.with_gradient_owning_trainer(config) is config
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(6, 5)
+        self.second = torch.nn.Linear(5, 3)
+        self.unused = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x))).square().mean()
+
+
+def train_with_graph_owned_gradients(model, batches, python_steps: int):
+    """Steps as the gradient-owning Trainer runs them under a CUDA graph: the first ``python_steps``
+    forward-backwards run in Python (warm-up, capture), the later ones as a replay would: gradients
+    written into the tensors the capture created, ``.grad`` left unset."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    gradients = trainer.GraphOwnedGradients(list(model.parameters()))
+    ran_in_python = []
+    for step, x in enumerate(batches):
+        gradients.drop()
+        optimizer.zero_grad(set_to_none=False)  # torchtitan's, with graphs on: nothing left to fill
+        if step < python_steps:
+            gradients.forget()
+            model(x).backward()
+            gradients.record()
+        else:
+            used = [g is not None for g in gradients.recorded]
+            params = [p for p, u in zip(model.parameters(), used) if u]
+            for kept, grad in zip(
+                [g for g in gradients.recorded if g is not None], torch.autograd.grad(model(x), params)
+            ):
+                kept.copy_(grad)
+        ran_in_python.append(gradients.restore())
+        optimizer.step()
+    return ran_in_python
+
+
+def test_graph_owned_gradients_train_as_fresh_gradients_through_warm_up_capture_and_replays():
+    torch.manual_seed(0)
+    batches = [torch.randn(4, 6) for _ in range(6)]
+    model = Model()
+    reference = Model()
+    reference.load_state_dict(model.state_dict())
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x in batches:
+        optimizer.zero_grad(set_to_none=True)
+        reference(x).backward()
+        optimizer.step()
+
+    ran_in_python = train_with_graph_owned_gradients(model, batches, python_steps=2)
+
+    assert ran_in_python == [True, True, False, False, False, False]
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter, reference.get_parameter(name), rtol=0, atol=0, msg=name)
+    assert model.unused.weight.grad is None  # a parameter without a gradient keeps none
+
+
+def test_the_recorded_gradients_are_let_go_before_a_python_step_allocates_new_ones():
+    model = Model()
+    gradients = trainer.GraphOwnedGradients(list(model.parameters()))
+    model(torch.randn(2, 6)).backward()
+    gradients.record()
+    gradients.restore()
+    old = weakref.ref(model.first.weight.grad)
+    gradients.drop()
+    gradients.forget()
+    assert old() is None
+
+
+@pytest.mark.parametrize(
+    ("cuda_graphs", "accumulation", "pipeline", "reason"),
+    [
+        (True, 1, False, None),
+        (False, 1, False, "CUDA graphs are off"),
+        (True, 2, False, "gradient accumulation runs 2 forward-backwards per step"),
+        (True, 1, True, "pipeline parallelism runs several forward-backwards per step"),
+    ],
+)
+def test_gradients_live_in_the_graph_only_with_one_forward_backward_per_step(
+    monkeypatch, cuda_graphs, accumulation, pipeline, reason
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = titan_trainer.Trainer.Config()
+    config.training.disable_cuda_graphs = not cuda_graphs
+    assert trainer.graph_owned_gradients_reason(config, accumulation, pipeline) == reason
+
+
+def test_without_cuda_the_gradients_are_torchtitans(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = titan_trainer.Trainer.Config()
+    config.training.disable_cuda_graphs = False
+    assert trainer.graph_owned_gradients_reason(config, 1, False) == "CUDA graphs are off"
+
+
+def test_torchtitan_still_runs_the_step_the_way_the_gradient_owning_trainer_relies_on():
+    """The Trainer overrides ``train_step``, ``forward_backward_step`` and ``_forward_backward_body``
+    on these facts of torchtitan 0.3.0; a torchtitan that changes one of them breaks it."""
+    init = inspect.getsource(titan_trainer.Trainer.__init__)
+    assert "self.fwd_bwd_fn = self._forward_backward_body" in init
+    assert "self.fwd_bwd_fn = wrap_with_cuda_graph(self.fwd_bwd_fn)" in init
+    step = inspect.getsource(titan_trainer.Trainer.train_step)
+    zero_grad = step.index("self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)")
+    assert zero_grad < step.index("self.forward_backward_step(") < step.index("self.optimizers.step()")
+    assert "self.fwd_bwd_fn(" in inspect.getsource(titan_trainer.Trainer.forward_backward_step)
+    replay = inspect.getsource(cudagraph.CUDAGraphWrapper.__call__)
+    after_capture = replay[replay.index("logger.info") :]
+    assert "self._graph.replay()" in after_capture and "self._fn(" not in after_capture
