@@ -98,6 +98,8 @@ class Run:
     losses: dict[int, float] = field(default_factory=dict)
     tokens_per_second: dict[int, int] = field(default_factory=dict)
     mfu_percent: dict[int, float] = field(default_factory=dict)
+    memory_gib: dict[int, float] = field(default_factory=dict)
+    """Each step's ``memory``: the most the caching allocator reserved since the last step line."""
     peak_memory_gib: float | None = None
     """The largest ``memory`` of the step lines: what the caching allocator reserved (torchtitan's column)."""
     peak_allocated_gib: float | None = None
@@ -116,7 +118,8 @@ def record_log_line(run: Run, line: str, seconds_since_launch: float) -> None:
         run.tokens_per_second[step] = int(match["tps"].replace(",", ""))
         if match["mfu"] is not None:
             run.mfu_percent[step] = float(match["mfu"])
-        run.peak_memory_gib = max(run.peak_memory_gib or 0.0, float(match["memory"]))
+        run.memory_gib[step] = float(match["memory"])
+        run.peak_memory_gib = max(run.memory_gib.values())
     elif match := PEAK_MEMORY_LINE.search(line):
         run.peak_allocated_gib = float(match["allocated"])
 
@@ -475,7 +478,7 @@ def loss_rel(run: Run) -> float:
 
 def median_mfu_percent(run: Run, first_step: int = 5) -> float | None:
     values = [mfu for step, mfu in run.mfu_percent.items() if int(step) >= first_step]
-    return float(statistics.median(values)) if values else None
+    return round(float(statistics.median(values)), 2) if values else None
 
 
 def is_stock(run: Run) -> bool:
@@ -486,8 +489,8 @@ def is_stock(run: Run) -> bool:
 def throughput_summary(runs: list[Run]) -> list[dict]:
     """Per run: median tokens/s per GPU and MFU of steps 5 on, the tokens/s ratio to the stock run it
     is compared with (a stock run compared with none is a baseline: 1.0; no stock reference in
-    ``runs``: None), peak memory (reserved, and allocated where logged) and the seconds to the first step
-    (compilation included)."""
+    ``runs``: None), peak memory (reserved: over the run, and from step 5 on, past the warm-up and a CUDA
+    graph's capture; allocated where logged) and the seconds to the first step (compilation included)."""
     by_name = {run.name: run for run in runs}
     rows = []
     for run in runs:
@@ -501,6 +504,9 @@ def throughput_summary(runs: list[Run]) -> list[dict]:
                 "median_mfu_percent": median_mfu_percent(run),
                 "ratio_to_stock_compiled": round(tps / stock_tps, 3) if tps and stock_tps else None,
                 "peak_memory_gib": run.peak_memory_gib,
+                "peak_memory_from_step_5_gib": max(
+                    (gib for step, gib in run.memory_gib.items() if int(step) >= 5), default=None
+                ),
                 "peak_allocated_gib": run.peak_allocated_gib,
                 "seconds_to_first_step": run.seconds_to_first_step,
             }
@@ -515,7 +521,7 @@ def print_throughput_summary(rows: list[dict]) -> None:
         print(
             f"  {row['name']}: median {row['median_tokens_per_second']} tokens/s per GPU, {versus_stock}, "
             f"MFU {row['median_mfu_percent']}%, peak {row['peak_memory_gib']} GiB reserved "
-            f"({row['peak_allocated_gib']} allocated), "
+            f"({row['peak_memory_from_step_5_gib']} from step 5 on; {row['peak_allocated_gib']} allocated), "
             f"first step after {row['seconds_to_first_step']} s"
         )
 

@@ -30,44 +30,44 @@ from torchtitan.tools.logging import logger
 class GraphOwnedGradients:
     """The gradients of ``parameters`` as the last forward-backward that ran in Python created them.
 
-    Protocol per optimizer step: ``drop()`` before the step (the backward then creates every
-    gradient), ``forget()`` and ``record()`` around each forward-backward that runs in Python (eager,
-    or the one a CUDA graph captures; ``forget`` lets the recorded tensors go before it allocates new
-    ones), ``restore()`` after the step's forward-backward: a parameter whose ``.grad`` is unset after
-    it (a replay) gets back the tensor recorded for it, which the replay wrote.
+    Protocol per optimizer step: ``before_step()`` (the backward then creates every gradient; until a
+    CUDA graph has captured the step, the recorded gradients are let go and the allocator's cached
+    memory returned to the device first, so the capture's pool does not sit next to the warm-up's
+    leftovers), ``record()`` after each forward-backward that runs in Python (eager, or the one a CUDA
+    graph captures), ``restore()`` after the step's forward-backward: a parameter whose ``.grad`` is
+    unset after it (a replay) gets back the tensor recorded for it, which the replay wrote.
     """
 
     def __init__(self, parameters: list[torch.nn.Parameter]):
         self.parameters = parameters
         self.recorded: list[torch.Tensor | None] = [None] * len(parameters)
-        self.recorded_since_restore = False
+        self.captured = False
+        """A CUDA graph captured the forward-backward: every later step is a replay."""
 
-    def drop(self) -> None:
+    def before_step(self) -> None:
         for parameter in self.parameters:
             parameter.grad = None
-
-    def forget(self) -> None:
-        self.recorded = [None] * len(self.parameters)
+        if not self.captured:
+            self.recorded = [None] * len(self.parameters)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def record(self) -> None:
         self.recorded = [parameter.grad for parameter in self.parameters]
-        self.recorded_since_restore = True
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self.captured = True
 
-    def restore(self) -> bool:
-        """Put the recorded tensors back where ``.grad`` is unset; True when the step's forward-backward
-        ran in Python (created new gradient tensors) rather than replayed."""
+    def restore(self) -> None:
         for parameter, grad in zip(self.parameters, self.recorded, strict=True):
             if parameter.grad is None:
                 parameter.grad = grad
-        ran_in_python, self.recorded_since_restore = self.recorded_since_restore, False
-        return ran_in_python
 
 
 def graph_owned_gradients_reason(config, gradient_accumulation_steps: int, pipeline_parallel: bool) -> str | None:
     """Why a run's step keeps torchtitan's accumulated gradients (None: its gradients can live in the
     CUDA graph's memory)."""
-    if config.training.disable_cuda_graphs or not torch.cuda.is_available():
-        return "CUDA graphs are off"
+    if config.training.disable_cuda_graphs or not torch.cuda.is_available() or torch.version.hip is not None:
+        return "CUDA graphs are off"  # torchtitan captures them on NVIDIA CUDA only
     if pipeline_parallel:
         return "pipeline parallelism runs several forward-backwards per step"
     if gradient_accumulation_steps > 1:
@@ -96,7 +96,7 @@ class Trainer(titan_trainer.Trainer):
 
     def train_step(self, data_iterator):
         if self.graph_owned_gradients is not None:
-            self.graph_owned_gradients.drop()  # torchtitan's zero_grad then finds nothing to fill
+            self.graph_owned_gradients.before_step()  # torchtitan's zero_grad then finds nothing to fill
         super().train_step(data_iterator)
 
     def forward_backward_step(
@@ -109,20 +109,15 @@ class Trainer(titan_trainer.Trainer):
         loss = super().forward_backward_step(
             input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )
-        if self.graph_owned_gradients is not None and self.graph_owned_gradients.restore():
-            # Eager warm-up or capture: the memory the previous gradients and the warm-up's activations
-            # left cached outside the graph's pool goes back to the device (twice a run).
-            torch.cuda.empty_cache()
+        if self.graph_owned_gradients is not None:
+            self.graph_owned_gradients.restore()
         return loss
 
     def _forward_backward_body(self, *args, **kwargs) -> torch.Tensor:
         """torchtitan's forward-backward; runs in Python only when eager or captured, never in a replay."""
-        gradients = self.graph_owned_gradients
-        if gradients is None:
-            return super()._forward_backward_body(*args, **kwargs)
-        gradients.forget()
         loss = super()._forward_backward_body(*args, **kwargs)
-        gradients.record()
+        if self.graph_owned_gradients is not None:
+            self.graph_owned_gradients.record()
         return loss
 
 
