@@ -210,6 +210,7 @@ CUDA_GRAPHS = [*STATIC_ROWS, "--training.no-disable-cuda-graphs"]
 EXPERTS_APPLY_SCORES = ["--moe.experts_apply_scores", "true"]
 CUDA_GRAPHS_PRESET = ["--toml", "examples/cuda_graphs.toml"]
 """symm_mem, static received rows, CUDA graphs and experts_apply_scores: the fastest EP configuration measured."""
+RECOMPUTE_PREACTIVATIONS = ["--moe.recompute_preactivations", "true"]
 EP_TRANSPORT_ARGS = {"all_to_all": ALL_TO_ALL, "symm_mem": SYMM_MEM}
 TINY_STEPS = ["--training.steps", "30"]
 TINY_LOSS_REL = 1e-4
@@ -322,6 +323,12 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
             "olmoe-1b-7b",
             2,
             [*args, *TRITON, *COMPILE, *CUDA_GRAPHS_PRESET],
+        ),
+        Run(
+            "olmoe triton compiled symm_mem cuda_graphs apply_scores recompute",
+            "olmoe-1b-7b",
+            2,
+            [*args, *TRITON, *COMPILE, *CUDA_GRAPHS_PRESET, *RECOMPUTE_PREACTIVATIONS],
         ),
         Run(
             "olmoe grouped_mm compiled symm_mem cuda_graphs",

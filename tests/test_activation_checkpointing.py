@@ -103,6 +103,7 @@ GEMM_OPS = frozenset(
         torch.ops.torchtitan_ext.fp8_grouped_gemm.default,
         torch.ops.torchtitan_ext.swiglu_experts_forward.default,
         torch.ops.torchtitan_ext.swiglu_experts_backward.default,
+        torch.ops.torchtitan_ext.swiglu_experts_preactivations.default,
     }
 )
 """Every op through which a backend computes its expert GEMMs (forward and backward)."""

@@ -121,6 +121,13 @@ def test_command_line_beats_toml(tmp_path):
         (["--metrics.log_freq", "0"], ["metrics.log_freq = 0: must be >= 1 (every N steps)"]),
         (["--training.lr"], ["--training.lr needs a value"]),
         (["--compile.enable", "yes"], ["--compile.enable is a switch: give true, false or no value, got 'yes'"]),
+        (
+            ["--moe.recompute_preactivations", "true"],
+            [
+                "moe.recompute_preactivations = true: compute_backend 'grouped_mm' with expert_precision 'native' "
+                "keeps its pre-activations for backward; triton in native precision can recompute them"
+            ],
+        ),
     ],
 )
 def test_bad_command_line_is_one_message_and_exit_2(capsys, args, fragments):

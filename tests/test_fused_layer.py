@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torchtitan_ext.bench.common import relative_error
-from torchtitan_ext.experiments.moe_backends.experts import FusedRoutedExperts
+from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts, FusedRoutedExperts
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 from torchtitan_ext.kernels.fused_moe import triton_available_reason
 
@@ -27,9 +27,14 @@ DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 TOLERANCE = 2e-2 if ON_GPU else 1e-5
 
 
-def build_layer(compute_backend: str, capacity_factor: float | None, dtype: torch.dtype):
+def build_layer(
+    compute_backend: str, capacity_factor: float | None, dtype: torch.dtype, recompute_preactivations: bool = False
+):
     config = moe_layer_config(compute_backend=compute_backend, **SHAPE)
     config.router.capacity_factor = capacity_factor
+    (experts,) = [experts for _, experts, _, _ in config.traverse(BackendGroupedExperts.Config)]
+    assert isinstance(experts, BackendGroupedExperts.Config)
+    experts.recompute_preactivations = recompute_preactivations
     with torch.device(DEVICE):
         layer = config.build()
     generator = torch.Generator().manual_seed(0)
@@ -68,3 +73,18 @@ def test_fused_layer_equals_dispatch_path(capacity_factor, monkeypatch):
         assert relative_error(grad, expected_grads[name]) < TOLERANCE, name
     if capacity_factor is not None:
         assert int(fused.last_router_statistics.num_dropped_slots) > 0
+
+
+def test_experts_that_recompute_their_preactivations_take_the_dispatch_path_and_equal_the_reference():
+    """The fused routed path keeps its pre-activations; with ``recompute_preactivations`` the layer
+    dispatches grouped rows to experts that keep none, with the reference's output and gradients."""
+    reference = build_layer("for_loop", None, DTYPE)
+    recomputing = build_layer("triton", None, DTYPE, recompute_preactivations=True)
+    assert recomputing.routed_experts._routed_path() is None
+    assert "recompute_preactivations=True" in repr(recomputing.routed_experts.inner_experts)
+    expected_out, expected_dx, expected_grads = run(reference, DTYPE)
+    out, dx, grads = run(recomputing, DTYPE)
+    assert relative_error(out, expected_out) < TOLERANCE
+    assert relative_error(dx, expected_dx) < TOLERANCE
+    for name, grad in grads.items():
+        assert relative_error(grad, expected_grads[name]) < TOLERANCE, name

@@ -12,7 +12,11 @@ import torch
 from torchtitan_ext.kernels import moe_permute
 from torchtitan_ext.kernels.availability import interpreter_enabled
 from torchtitan_ext.kernels.fused_moe import fused_moe_grouped, fused_moe_routed
-from torchtitan_ext.kernels.swiglu_experts import swiglu_experts_backward, swiglu_experts_forward
+from torchtitan_ext.kernels.swiglu_experts import (
+    swiglu_experts_backward,
+    swiglu_experts_forward,
+    swiglu_experts_preactivations,
+)
 from torchtitan_ext.kernels.topk_routing import topk_routing
 
 pytestmark = pytest.mark.skipif(
@@ -49,16 +53,30 @@ def routed_op_args(seed: int, keep_for_backward: bool = True) -> tuple:
     return (x, *weights(seed), group_end, row_slot, slot_row, scores.reshape(-1), TOP_K, keep_for_backward)
 
 
-def grouped_op_args(seed: int) -> tuple:
+def grouped_op_args(seed: int, keep_for_backward: bool = True) -> tuple:
     g = generator(seed)
     counts = torch.tensor([5, 0, 9, 6], device=DEVICE)
     x = torch.randn(int(counts.sum()) + 3, DIM, generator=g, device=DEVICE).requires_grad_()
-    return (x, *weights(seed), counts.cumsum(0).to(torch.int32), None, None, None, 1, True)
+    return (x, *weights(seed), counts.cumsum(0).to(torch.int32), None, None, None, 1, keep_for_backward)
 
 
-@pytest.mark.parametrize("make_args", [routed_op_args, grouped_op_args], ids=["routed", "grouped"])
+def grouped_recomputing_op_args(seed: int) -> tuple:
+    """A grouped forward that keeps no pre-activations: its backward recomputes them."""
+    return grouped_op_args(seed, keep_for_backward=False)
+
+
+@pytest.mark.parametrize(
+    "make_args",
+    [routed_op_args, grouped_op_args, grouped_recomputing_op_args],
+    ids=["routed", "grouped", "grouped_recomputing"],
+)
 def test_swiglu_experts_forward_op(make_args):
     torch.library.opcheck(swiglu_experts_forward, make_args(0), test_utils=OPCHECK_TESTS)
+
+
+def test_swiglu_experts_preactivations_op():
+    x, w1, _, w3, group_end, *_ = grouped_op_args(3)
+    torch.library.opcheck(swiglu_experts_preactivations, (x.detach(), w1.detach(), w3.detach(), group_end))
 
 
 def test_swiglu_experts_backward_op():

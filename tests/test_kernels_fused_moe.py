@@ -5,7 +5,9 @@ inputs: fp32 tightly, fp16 within half-precision rounding. Shapes are tiny becau
 interpreter is slow; D and F are deliberately not multiples of the 16-wide test tiles.
 """
 
+import functools
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -138,6 +140,90 @@ def test_row_weighted_grouped_matches_reference(counts, dtype, two_passes, monke
     scores = torch.rand(num_rows, generator=generator).requires_grad_()
     inputs = [x, *make_experts(len(counts), 40, 24, dtype, generator), torch.tensor(counts), scores]
     assert_matches(fused_moe_row_weighted, reference_row_weighted, inputs, dtype, generator)
+
+
+@pytest.mark.parametrize("row_weighted", [False, True])
+@pytest.mark.parametrize("two_passes", [False, True])
+def test_recomputed_preactivations_give_the_same_output_and_gradients_bit_for_bit(
+    row_weighted, two_passes, monkeypatch
+):
+    """The backward that recomputes gate and up (both gate/up forwards) gives exactly what the one
+    reading the kept ones gives, and matches the reference."""
+    from torchtitan_ext.kernels import swiglu_passes
+
+    monkeypatch.setattr(swiglu_passes, "GATE_UP_TWO_PASS_MIN_WEIGHT", 1 if two_passes else 2**40)
+    generator = torch.Generator().manual_seed(7)
+    counts = torch.tensor([5, 0, 9, 3])
+    x = torch.randn(21, 40, generator=generator).requires_grad_()
+    inputs = [x, *make_experts(4, 40, 24, torch.float32, generator), counts]
+    if row_weighted:
+        inputs.append(torch.rand(21, generator=generator).requires_grad_())
+    fused: Callable[..., torch.Tensor] = fused_moe_row_weighted if row_weighted else fused_moe_grouped
+    reference = reference_row_weighted if row_weighted else reference_grouped
+    recomputing = functools.partial(fused, recompute_preactivations=True)
+
+    assert_matches(recomputing, reference, inputs, torch.float32, generator)
+    grad_out = torch.randn(21, 40, generator=generator)
+    differentiable = [t for t in inputs if t.is_floating_point()]
+    kept = torch.autograd.grad(fused(*inputs), differentiable, grad_out)
+    recomputed = torch.autograd.grad(recomputing(*inputs), differentiable, grad_out)
+    for a, b in zip(kept, recomputed, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_recomputing_preactivations_saves_no_hidden_sized_tensor_for_backward():
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 40, generator=generator).requires_grad_()
+    w1, w2, w3 = make_experts(2, 40, 24, torch.float32, generator)
+    counts = torch.tensor([5, 7])
+    saved_shapes = []
+
+    def shapes_of(compute, **kwargs):
+        saved_shapes.clear()
+
+        def pack(t):
+            saved_shapes.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            compute(x, w1, w2, w3, counts, **kwargs)
+        return list(saved_shapes)
+
+    assert shapes_of(fused_moe_grouped).count((12, 24)) == 2  # gate and up
+    assert (12, 24) not in shapes_of(fused_moe_grouped, recompute_preactivations=True)
+
+
+def test_recomputed_preactivations_compile_as_one_graph_with_the_eager_gradients():
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 40, generator=generator).requires_grad_()
+    experts = make_experts(2, 40, 24, torch.float32, generator)
+    counts = torch.tensor([5, 7])
+    grad_out = torch.randn(12, 40, generator=generator)
+
+    def gradients(compute):
+        return torch.autograd.grad(compute(x, *experts, counts, recompute_preactivations=True), [x, *experts], grad_out)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fused_moe_grouped, fullgraph=True, backend="aot_eager")
+    for eager, traced in zip(gradients(fused_moe_grouped), gradients(compiled), strict=True):
+        assert torch.equal(eager, traced)
+
+
+def test_routed_mode_refuses_to_recompute_its_preactivations():
+    from torchtitan_ext.kernels.swiglu_experts import swiglu_experts
+
+    with pytest.raises(ValueError, match="grouped mode only"):
+        swiglu_experts(
+            torch.randn(4, 8),
+            torch.randn(2, 8, 8),
+            torch.randn(2, 8, 8),
+            torch.randn(2, 8, 8),
+            torch.tensor([2, 4], dtype=torch.int32),
+            row_slot_S=torch.zeros(4, dtype=torch.int32),
+            scores_S=torch.ones(4),
+            slot_row_S=torch.zeros(4, dtype=torch.int32),
+            recompute_preactivations=True,
+        )
 
 
 def test_row_scores_must_have_one_score_per_row():

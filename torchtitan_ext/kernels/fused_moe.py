@@ -35,6 +35,7 @@ def fused_moe_grouped(
     w2_EDF: torch.Tensor,
     w3_EFD: torch.Tensor,
     num_tokens_per_expert_E: torch.Tensor,
+    recompute_preactivations: bool = False,
 ) -> torch.Tensor:
     """SwiGLU experts on rows already grouped by expert (torchtitan's GroupedExperts contract).
 
@@ -42,11 +43,14 @@ def fused_moe_grouped(
         x_RD: [R, D]; expert e owns the next num_tokens_per_expert_E[e] rows, in expert order.
         num_tokens_per_expert_E: [E] integer counts with sum <= R. Rows past the sum belong to
             no expert: their output rows are zero and their gradient rows are zero.
+        recompute_preactivations: keep no gate/up pre-activations ([R, F] each) for backward,
+            which computes them again (one more gate/up GEMM).
 
     Returns:
         out_RD: [R, D] in x's dtype.
     """
-    return swiglu_experts(x_RD, w1_EFD, w2_EDF, w3_EFD, grouped_metadata(num_tokens_per_expert_E))
+    metadata = grouped_metadata(num_tokens_per_expert_E)
+    return swiglu_experts(x_RD, w1_EFD, w2_EDF, w3_EFD, metadata, recompute_preactivations=recompute_preactivations)
 
 
 def fused_moe_row_weighted(
@@ -56,12 +60,20 @@ def fused_moe_row_weighted(
     w3_EFD: torch.Tensor,
     num_tokens_per_expert_E: torch.Tensor,
     row_scores_R: torch.Tensor,
+    recompute_preactivations: bool = False,
 ) -> torch.Tensor:
     """:func:`fused_moe_grouped` with each output row multiplied by ``row_scores_R[r]`` ([R], any float
     dtype, differentiable) in the down projection's epilogue (fp32). The scores' gradient comes from
-    the backward's own reads (the pre-activations it keeps), not from a kept output."""
+    the backward's own reads (the pre-activations), not from a kept output."""
+    metadata = grouped_metadata(num_tokens_per_expert_E)
     return swiglu_experts(
-        x_RD, w1_EFD, w2_EDF, w3_EFD, grouped_metadata(num_tokens_per_expert_E), scores_S=row_scores_R
+        x_RD,
+        w1_EFD,
+        w2_EDF,
+        w3_EFD,
+        metadata,
+        scores_S=row_scores_R,
+        recompute_preactivations=recompute_preactivations,
     )
 
 

@@ -16,10 +16,15 @@ Two modes share the kernels:
   ``row_slot[r] // top_k``), the down projection's epilogue weights each row by its slot's router
   score, and the K weighted rows of each token are summed.
 
-``torchtitan_ext::swiglu_experts_forward`` and ``torchtitan_ext::swiglu_experts_backward`` are
-custom ops (``swiglu_passes`` launches their kernels) with fake implementations and an autograd
-formula, so ``torch.compile(fullgraph=True)`` traces around them and CUDA graphs capture them:
-neither reads anything on the host.
+Backward reads the gate and up pre-activations ([R, F] each). The forward keeps them, or, in grouped
+mode with ``recompute_preactivations``, keeps none and backward computes them again from x (one more
+gate/up GEMM, ``torchtitan_ext::swiglu_experts_preactivations``): less memory between forward and
+backward for more compute.
+
+``torchtitan_ext::swiglu_experts_forward``, ``torchtitan_ext::swiglu_experts_backward`` and
+``torchtitan_ext::swiglu_experts_preactivations`` are custom ops (``swiglu_passes`` launches their
+kernels) with fake implementations and an autograd formula, so ``torch.compile(fullgraph=True)``
+traces around them and CUDA graphs capture them: none reads anything on the host.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from torchtitan_ext.kernels.availability import check_runnable
-from torchtitan_ext.kernels.swiglu_passes import swiglu_backward, swiglu_forward
+from torchtitan_ext.kernels.swiglu_passes import swiglu_backward, swiglu_forward, swiglu_preactivations
 
 _GRADIENT_INPUTS = (0, 1, 2, 3, 7)
 """Positions of the forward op's differentiable inputs: x, w1, w2, w3, scores."""
@@ -121,13 +126,30 @@ def _(dout, x_RD, w1_EFD, w2_EDF, w3_EFD, group_end_E, row_slot_S, slot_row_S, s
     )
 
 
+@torch.library.custom_op("torchtitan_ext::swiglu_experts_preactivations", mutates_args=())
+def swiglu_experts_preactivations(
+    x_RD: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, group_end_E: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gate_RF, up_RF)`` of expert-grouped rows: what a forward that kept none would have kept."""
+    check_runnable(x_RD, w1_EFD, w3_EFD, group_end_E)
+    return swiglu_preactivations(x_RD, w1_EFD, w3_EFD, group_end_E)
+
+
+@swiglu_experts_preactivations.register_fake
+def _(x_RD, w1_EFD, w3_EFD, group_end_E):
+    hidden = w1_EFD.shape[1]
+    return x_RD.new_empty(x_RD.shape[0], hidden), x_RD.new_empty(x_RD.shape[0], hidden)
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    x_XD, w1_EFD, w2_EDF, w3_EFD, group_end_E, row_slot_S, slot_row_S, scores_S, top_k, _ = inputs
+    x_XD, w1_EFD, w2_EDF, w3_EFD, group_end_E, row_slot_S, slot_row_S, scores_S, top_k, keep_for_backward = inputs
     _, x_RD, gate_RF, up_RF = output
     ctx.mark_non_differentiable(x_RD, gate_RF, up_RF)
     ctx.set_materialize_grads(False)
+    # A forward that needed a gradient but kept nothing is grouped mode recomputing its pre-activations.
+    ctx.recompute = not keep_for_backward and any(ctx.needs_input_grad[i] for i in _GRADIENT_INPUTS)
     weight_rows = x_RD if row_slot_S is not None else x_XD
-    needs_weight_rows = any(ctx.needs_input_grad[1:4])
+    needs_weight_rows = any(ctx.needs_input_grad[1:4]) or ctx.recompute
     ctx.save_for_backward(
         weight_rows if needs_weight_rows else None,
         w1_EFD, w2_EDF, w3_EFD, group_end_E, row_slot_S, slot_row_S, scores_S, gate_RF, up_RF,
@@ -137,6 +159,8 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dout, _dx_RD, _dgate_RF, _dup_RF):
     x_RD, w1_EFD, w2_EDF, w3_EFD, group_end_E, row_slot_S, slot_row_S, scores_S, gate_RF, up_RF = ctx.saved_tensors
+    if ctx.recompute:
+        gate_RF, up_RF = swiglu_experts_preactivations(x_RD, w1_EFD, w3_EFD, group_end_E)
     needs_grad = [ctx.needs_input_grad[i] for i in _GRADIENT_INPUTS]
     grads = swiglu_experts_backward(
         dout, x_RD, w1_EFD, w2_EDF, w3_EFD, group_end_E, row_slot_S, slot_row_S, scores_S, gate_RF, up_RF,
@@ -159,6 +183,7 @@ def swiglu_experts(
     scores_S: torch.Tensor | None = None,
     top_k: int = 1,
     slot_row_S: torch.Tensor | None = None,
+    recompute_preactivations: bool = False,
 ) -> torch.Tensor:
     """SwiGLU experts; grouped mode when row_slot_S is None, routed mode otherwise.
 
@@ -171,16 +196,21 @@ def swiglu_experts(
         top_k: routed mode: K.
         slot_row_S: routed mode: [S] int32 grouped row of each slot, the inverse of row_slot_S
             (``routing_metadata`` returns both).
+        recompute_preactivations: grouped mode: keep no gate/up pre-activations for backward, which
+            computes them again from x_XD.
 
     Returns:
         grouped: [R, D] (times scores_S); routed: [T, D] = sum_k scores * expert output. Dtype of x.
     """
     if row_slot_S is not None and (scores_S is None or slot_row_S is None):
         raise ValueError("routed mode needs scores_S and slot_row_S alongside row_slot_S")
+    if row_slot_S is not None and recompute_preactivations:
+        raise ValueError("recompute_preactivations applies to grouped mode only")
     if row_slot_S is None and scores_S is not None and scores_S.shape != (x_XD.shape[0],):
         raise ValueError(f"grouped mode's row scores must have shape ({x_XD.shape[0]},), got {tuple(scores_S.shape)}")
     differentiable = (x_XD, w1_EFD, w2_EDF, w3_EFD, scores_S)
-    keep_for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+    needs_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable)
+    keep_for_backward = needs_backward and not recompute_preactivations
     out, _, _, _ = swiglu_experts_forward(
         x_XD, w1_EFD, w2_EDF, w3_EFD, group_end_E, row_slot_S, slot_row_S, scores_S, top_k, keep_for_backward
     )

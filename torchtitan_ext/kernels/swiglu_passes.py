@@ -137,6 +137,74 @@ def _release(buffer: torch.Tensor) -> None:
     buffer.untyped_storage().resize_(0)
 
 
+def _gate_up(
+    x_RD: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, group_end_E: torch.Tensor, keep_preactivations: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """``(gate_RF, up_RF, h_RF)`` of the expert-grouped rows ``x_RD`` (weights already in its dtype,
+    contiguous); the pre-activations are None unless ``keep_preactivations``."""
+    num_rows, dim = x_RD.shape
+    num_experts, hidden, _ = w1.shape
+    split = gate_up_in_two_passes(dim, hidden)
+    gate_RF = x_RD.new_empty(num_rows, hidden) if keep_preactivations or split else None
+    up_RF = x_RD.new_empty(num_rows, hidden) if keep_preactivations else None
+    h_RF = x_RD.new_empty(num_rows, hidden)
+    common = row_tile_meta(x_RD.dtype, num_experts)
+    grid = row_tile_grid(num_rows, num_experts, hidden)
+    use_tma, (x_desc, w1_desc, w3_desc) = tensor_descriptors(x_RD, w1, w3)
+    if split:
+        for up_pass, w, w_desc in ((False, w1, w1_desc), (True, w3, w3_desc)):
+            _gate_up_pass_kernel[grid](
+                x_desc,
+                w_desc,
+                x_RD,
+                w,
+                gate_RF,
+                up_RF,
+                h_RF,
+                group_end_E,
+                num_rows,
+                num_experts,
+                dim,
+                hidden,
+                UP_PASS=up_pass,
+                SAVE_UP=keep_preactivations,
+                USE_TMA=use_tma,
+                **common,
+            )
+    else:
+        _gate_up_forward_kernel[grid](
+            x_desc,
+            w1_desc,
+            w3_desc,
+            x_RD,
+            w1,
+            w3,
+            gate_RF,
+            up_RF,
+            h_RF,
+            group_end_E,
+            num_rows,
+            num_experts,
+            dim,
+            hidden,
+            SAVE_PREACT=keep_preactivations,
+            USE_TMA=use_tma,
+            **common,
+        )
+    return (gate_RF, up_RF, h_RF) if keep_preactivations else (None, None, h_RF)
+
+
+def swiglu_preactivations(
+    x_RD: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, group_end_E: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gate_RF, up_RF)`` of expert-grouped rows, as :func:`swiglu_forward` keeps them for backward:
+    the gate/up GEMM again, for a backward whose forward kept none."""
+    w1, w3 = (w.to(x_RD.dtype).contiguous() for w in (w1_EFD, w3_EFD))
+    gate_RF, up_RF, _ = _gate_up(x_RD.contiguous(), w1, w3, group_end_E, keep_preactivations=True)
+    assert gate_RF is not None and up_RF is not None
+    return gate_RF, up_RF
+
+
 def swiglu_forward(
     x_XD: torch.Tensor,
     w1_EFD: torch.Tensor,
@@ -164,54 +232,9 @@ def swiglu_forward(
     else:
         x_RD = x_XD
     scores = None if scores_S is None else scores_S.contiguous()
-    split = gate_up_in_two_passes(dim, hidden)
-    gate_RF = x_XD.new_empty(num_rows, hidden) if keep_for_backward or split else None
-    up_RF = x_XD.new_empty(num_rows, hidden) if keep_for_backward else None
-    h_RF = x_XD.new_empty(num_rows, hidden)
-    common = row_tile_meta(x_XD.dtype, num_experts)
-    grid = row_tile_grid(num_rows, num_experts, hidden)
-    use_tma, (x_desc, w1_desc, w3_desc) = tensor_descriptors(x_RD, w1, w3)
-    if split:
-        for up_pass, w, w_desc in ((False, w1, w1_desc), (True, w3, w3_desc)):
-            _gate_up_pass_kernel[grid](
-                x_desc,
-                w_desc,
-                x_RD,
-                w,
-                gate_RF,
-                up_RF,
-                h_RF,
-                group_end_E,
-                num_rows,
-                num_experts,
-                dim,
-                hidden,
-                UP_PASS=up_pass,
-                SAVE_UP=keep_for_backward,
-                USE_TMA=use_tma,
-                **common,
-            )
-    else:
-        _gate_up_forward_kernel[grid](
-            x_desc,
-            w1_desc,
-            w3_desc,
-            x_RD,
-            w1,
-            w3,
-            gate_RF,
-            up_RF,
-            h_RF,
-            group_end_E,
-            num_rows,
-            num_experts,
-            dim,
-            hidden,
-            SAVE_PREACT=keep_for_backward,
-            USE_TMA=use_tma,
-            **common,
-        )
+    gate_RF, up_RF, h_RF = _gate_up(x_RD, w1, w3, group_end_E, keep_for_backward)
     rows_out = x_XD.new_empty(num_rows, dim)
+    common = row_tile_meta(x_XD.dtype, num_experts)
     use_tma, (h_desc, w2_desc) = tensor_descriptors(h_RF, w2)
     _down_forward_kernel[row_tile_grid(num_rows, num_experts, dim)](
         h_desc,

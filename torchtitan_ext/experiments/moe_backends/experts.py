@@ -157,6 +157,8 @@ class ComputeBackendSpec:
     ``fp8_grouped``, when set, is ``grouped`` with FP8 rowwise GEMMs (``fp8_experts``), taking
     ``emulated=`` as a keyword. ``syncs_with_host``: reads the expert counts on the host in every
     forward. ``pads_rows``: pads every expert's rows to the largest expert's count.
+    ``recomputes_preactivations``: ``grouped`` and ``row_weighted`` take ``recompute_preactivations=True``
+    (keep no gate/up pre-activations for backward, which computes them again).
     """
 
     name: str
@@ -167,6 +169,7 @@ class ComputeBackendSpec:
     unavailable_reason: Callable[[], str | None] = lambda: None
     syncs_with_host: bool = False
     pads_rows: bool = False
+    recomputes_preactivations: bool = False
 
 
 BACKENDS: dict[str, ComputeBackendSpec] = {}
@@ -241,6 +244,7 @@ register_backend(
         row_weighted=fused_moe_row_weighted,
         fp8_grouped=functools.partial(fp8_grouped_experts, gemm="triton"),
         unavailable_reason=triton_available_reason,
+        recomputes_preactivations=True,
     )
 )
 
@@ -298,6 +302,18 @@ def row_weighting_unsupported_reason(backend: str, precision: str) -> str | None
     )
 
 
+def recompute_unsupported_reason(backend: str, precision: str) -> str | None:
+    """Why ``backend`` in ``precision`` cannot recompute its gate/up pre-activations in backward (None: it can)."""
+    spec = BACKENDS.get(backend)
+    if spec is not None and spec.recomputes_preactivations and precision not in FP8_PRECISIONS:
+        return None
+    able = [name for name, spec in BACKENDS.items() if spec.recomputes_preactivations]
+    return (
+        f"compute_backend {backend!r} with expert_precision {precision!r} keeps its pre-activations for "
+        f"backward; {' or '.join(able)} in native precision can recompute them"
+    )
+
+
 def host_sync_backends() -> frozenset[str]:
     """Backends that read the expert counts on the host (a device sync) in every forward."""
     return frozenset(name for name, spec in BACKENDS.items() if spec.syncs_with_host)
@@ -324,28 +340,47 @@ class BackendGroupedExperts(GroupedExperts):
         """How the expert block is computed: a name of the backend table ``BACKENDS``."""
         expert_precision: ExpertPrecision = "native"
         """The expert GEMMs' precision: "native" (the activations' dtype) or FP8 rowwise (``fp8_experts``)."""
+        recompute_preactivations: bool = False
+        """Keep no gate/up pre-activations (R x 2F) from forward to backward, which computes them again
+        (one more gate/up GEMM): less memory for more compute (backends with ``recomputes_preactivations``)."""
 
         def validation_errors(self, key: Callable[[str], str] = str) -> list[str]:
             """Every invalid option, one message each; ``key(field)`` is how a message names a field."""
             errors = choice_errors(key, "expert_precision", self.expert_precision, EXPERT_PRECISIONS)
+            if not isinstance(self.recompute_preactivations, bool):
+                errors.append(
+                    f"{key('recompute_preactivations')} = {self.recompute_preactivations!r}: must be true or false"
+                )
             if (error := backend_name_error(self.compute_backend)) is not None:
                 errors.append(f"{key('compute_backend')} = {self.compute_backend!r}: {error}")
             elif (error := precision_error(self.compute_backend, self.expert_precision)) is not None:
                 errors.append(f"{key('expert_precision')} = {self.expert_precision!r}: {error}")
+            elif self.recompute_preactivations is True and (
+                error := recompute_unsupported_reason(self.compute_backend, self.expert_precision)
+            ):
+                errors.append(f"{key('recompute_preactivations')} = true: {error}")
             return errors
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.compute_backend = config.compute_backend
         self.expert_precision = config.expert_precision
+        self.recompute_preactivations = config.recompute_preactivations
         self.backend = get_backend(config.compute_backend)
         if (error := precision_error(config.compute_backend, config.expert_precision)) is not None:
             raise ValueError(f"expert_precision = {config.expert_precision!r}: {error}")
+        if config.recompute_preactivations and (
+            error := recompute_unsupported_reason(config.compute_backend, config.expert_precision)
+        ):
+            raise ValueError(f"recompute_preactivations: {error}")
 
     @property
     def routed(self) -> RoutedExpertCompute | None:
-        """The backend's routed path where it computes in this precision (native only), else None."""
-        return self.backend.routed if self.expert_precision == "native" else None
+        """The backend's routed path where it computes in this precision (native only) and keeps its
+        pre-activations, else None (the dispatcher's grouped rows then reach ``forward``)."""
+        if self.expert_precision != "native" or self.recompute_preactivations:
+            return None
+        return self.backend.routed
 
     @property
     def row_weighted(self) -> RowWeightedExpertCompute | None:
@@ -358,19 +393,21 @@ class BackendGroupedExperts(GroupedExperts):
         """``x_RD`` grouped by expert, ``num_tokens_per_expert_E`` its segment sizes -> ``(R, D)``; with
         ``row_scores_R`` (``(R,)``) each output row times its score (backends with ``row_weighted``)."""
         weights = (_local(self.w1_EFD), _local(self.w2_EDF), _local(self.w3_EFD))
+        recompute = {"recompute_preactivations": True} if self.recompute_preactivations else {}
         if row_scores_R is None:
             compute = expert_compute(self.backend, self.expert_precision)
-            return compute(_in_autocast_dtype(x_RD), *weights, num_tokens_per_expert_E)
+            return compute(_in_autocast_dtype(x_RD), *weights, num_tokens_per_expert_E, **recompute)
         if self.row_weighted is None:
             raise ValueError(
                 f"compute_backend {self.compute_backend!r} with expert_precision {self.expert_precision!r} "
                 "does not weight its rows; combine with the dispatcher's scores instead"
             )
-        return self.row_weighted(_in_autocast_dtype(x_RD), *weights, num_tokens_per_expert_E, row_scores_R)
+        return self.row_weighted(_in_autocast_dtype(x_RD), *weights, num_tokens_per_expert_E, row_scores_R, **recompute)
 
     def extra_repr(self) -> str:
         precision = "" if self.expert_precision == "native" else f", expert_precision={self.expert_precision}"
-        return f"compute_backend={self.compute_backend}{precision}"
+        recompute = ", recompute_preactivations=True" if self.recompute_preactivations else ""
+        return f"compute_backend={self.compute_backend}{precision}{recompute}"
 
 
 class FusedRoutedExperts(RoutedExperts):

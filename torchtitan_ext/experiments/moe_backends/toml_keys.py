@@ -136,6 +136,13 @@ _option_key(
     dispatcher_configs,
 )
 _option_key(
+    "recompute_preactivations",
+    bool,
+    "the experts keep no gate/up pre-activations (R x 2F) for backward and compute them again there "
+    "(one more gate/up GEMM): less memory, more compute (triton, native precision)",
+    experts_configs,
+)
+_option_key(
     "ep_receive_rows",
     EPReceiveRows,
     "rows an EP rank receives: exact (counted on the host) or static (the most possible, no host sync, "
