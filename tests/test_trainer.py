@@ -1,6 +1,9 @@
 """The train entry's Trainer: torchtitan's, with CUDA-graph steps whose gradients the graph owns."""
 
 import inspect
+import re
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -127,3 +130,34 @@ def test_torchtitan_still_runs_the_step_the_way_the_gradient_owning_trainer_reli
     replay = inspect.getsource(cudagraph.CUDAGraphWrapper.__call__)
     after_capture = replay[replay.index("logger.info") :]
     assert "self._graph.replay()" in after_capture and "self._fn(" not in after_capture
+
+
+GRAPH_OWNED_ON_CPU = """
+import sys
+import torchtitan_ext.trainer as trainer
+trainer.graph_owned_gradients_reason = lambda *args: None
+from torchtitan_ext.run_training import run
+sys.exit(run(sys.argv[1:]))
+"""
+
+
+def test_the_trainer_steps_with_graph_owned_gradients_train_like_torchtitans(tmp_path):
+    """On CPU (no graph to capture, every step runs in Python) the overridden steps drop, record and
+    restore the gradients around torchtitan's real step: the same losses as its own gradients."""
+    args = ["--flavor", "tiny-moe-grouped-mm", "--training.steps", "4", "--metrics.disable_color_printing"]
+
+    def losses(*command: str, dump: str) -> tuple[list[str], str]:
+        result = subprocess.run(
+            [sys.executable, *command, *args, "--dump_folder", str(tmp_path / dump)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, output[-3000:]
+        return re.findall(r"step:\s+\d+\s+loss:\s+([0-9.]+)", output), output
+
+    graph_owned, output = losses("-c", GRAPH_OWNED_ON_CPU, dump="graph_owned")
+    assert "each step's gradients are created by its backward" in output
+    kept, _ = losses("-m", "torchtitan_ext.train", dump="kept")
+    assert len(kept) == 4 and graph_owned == kept
