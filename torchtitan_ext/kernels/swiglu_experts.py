@@ -146,8 +146,9 @@ def _setup_context(ctx, inputs, output) -> None:
     _, x_RD, gate_RF, up_RF = output
     ctx.mark_non_differentiable(x_RD, gate_RF, up_RF)
     ctx.set_materialize_grads(False)
-    # A forward that needed a gradient but kept nothing is grouped mode recomputing its pre-activations.
-    ctx.recompute = not keep_for_backward and any(ctx.needs_input_grad[i] for i in _GRADIENT_INPUTS)
+    # A grouped forward that needed a gradient but kept nothing recomputes its pre-activations in backward.
+    needs_a_gradient = any(ctx.needs_input_grad[i] for i in _GRADIENT_INPUTS)
+    ctx.recompute = row_slot_S is None and not keep_for_backward and needs_a_gradient
     weight_rows = x_RD if row_slot_S is not None else x_XD
     needs_weight_rows = any(ctx.needs_input_grad[1:4]) or ctx.recompute
     ctx.save_for_backward(
