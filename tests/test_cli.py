@@ -163,6 +163,18 @@ def test_run_metadata_and_start_up_line_name_the_ep_transport_under_ep(monkeypat
     assert "ep_transport" not in run_metadata()
 
 
+def test_experts_that_recompute_their_preactivations_are_named_in_the_start_up_line_and_the_metadata(
+    monkeypatch, caplog
+):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the triton backend on a host without CUDA
+    with caplog.at_level(logging.INFO):
+        FlavorConfigManager().parse_args(["--flavor", "tiny-moe-triton", "--moe.recompute_preactivations", "true"])
+    assert run_metadata()["recompute_preactivations"] is True
+    assert "compute_backend=triton, expert_parallel_degree=1, recompute_preactivations=True," in caplog.text
+    parse()
+    assert "recompute_preactivations" not in run_metadata()
+
+
 def test_ep_options_set_for_a_run_without_ep_are_warned_of_with_where_they_were_set(monkeypatch, tmp_path, caplog):
     toml = tmp_path / "ep.toml"
     toml.write_text('[moe]\nep_transport = "all_to_all"\n')

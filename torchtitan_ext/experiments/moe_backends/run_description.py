@@ -1,7 +1,7 @@
 """What the MoE backends experiment says about a run: its run metadata and its start-up note.
 
-``compute_backend``, ``expert_precision``, ``ep_transport``, static ``ep_receive_rows`` and
-``experts_apply_scores`` identify a run in the metrics' run metadata
+``compute_backend``, ``expert_precision``, ``ep_transport``, static ``ep_receive_rows``,
+``experts_apply_scores`` and ``recompute_preactivations`` identify a run in the metrics' run metadata
 (``registry.register_run_description``); notes before training (``registry.register_startup_note``)
 suggest ``symm_mem`` where every EP group fits in this host, and ``examples/cuda_graphs.toml`` where
 a compiled exact-rows step over ``symm_mem`` could replay as a CUDA graph at no more than twice a
@@ -19,7 +19,7 @@ from .experts import DEFAULT_BACKEND, BackendGroupedExperts, experts_row_weighti
 from .layer import routing_dispatchers
 
 
-def experts_setting(config, field: str, torchtitan_value: str) -> str | list[str]:
+def experts_setting(config, field: str, torchtitan_value: str | bool) -> str | bool | list:
     """``field`` of every experts module of the model (``torchtitan_value`` for torchtitan's own), one
     value when they agree, else the sorted values."""
     values = []
@@ -75,6 +75,14 @@ def experts_apply_scores_of_run(config) -> dict:
     parallelism; nothing for the default (combine weights them)."""
     apply_scores = dispatchers_setting(config, "experts_apply_scores")
     return {"experts_apply_scores": apply_scores} if apply_scores else {}
+
+
+@register_run_description
+def recompute_preactivations_of_run(config) -> dict:
+    """``recompute_preactivations`` of the run metadata where the experts recompute their gate/up
+    pre-activations in backward; nothing for the default (they keep them)."""
+    recompute = experts_setting(config, "recompute_preactivations", False)
+    return {"recompute_preactivations": recompute} if recompute else {}
 
 
 @register_startup_note
