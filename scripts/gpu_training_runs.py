@@ -182,7 +182,12 @@ def error_tail(lines: list[str], returncode: int, timeout_s: float, steps: int) 
     return "".join(lines[-60:])
 
 
-def median_tokens_per_second(tokens_per_second: dict, first_step: int = 5) -> float | None:
+FIRST_MEASURED_STEP = 5
+"""Steps before it (compilation, warm-up, a CUDA graph's capture) are left out of the medians and the
+steady memory peak."""
+
+
+def median_tokens_per_second(tokens_per_second: dict, first_step: int = FIRST_MEASURED_STEP) -> float | None:
     """Median tokens/s (per GPU, as torchtitan logs it) over the steps from ``first_step`` on;
     ``tokens_per_second`` maps each step (int, or str as read from JSON) to its tokens/s."""
     values = [tps for step, tps in tokens_per_second.items() if int(step) >= first_step]
@@ -483,7 +488,7 @@ def loss_rel(run: Run) -> float:
     return FP8_LOSS_REL if FP8[-1] in run.args else FULL_SIZE_LOSS_REL
 
 
-def median_mfu_percent(run: Run, first_step: int = 5) -> float | None:
+def median_mfu_percent(run: Run, first_step: int = FIRST_MEASURED_STEP) -> float | None:
     values = [mfu for step, mfu in run.mfu_percent.items() if int(step) >= first_step]
     return round(float(statistics.median(values)), 2) if values else None
 
@@ -512,7 +517,7 @@ def throughput_summary(runs: list[Run]) -> list[dict]:
                 "ratio_to_stock_compiled": round(tps / stock_tps, 3) if tps and stock_tps else None,
                 "peak_memory_gib": run.peak_memory_gib,
                 "peak_memory_from_step_5_gib": max(
-                    (gib for step, gib in run.memory_gib.items() if int(step) >= 5), default=None
+                    (gib for step, gib in run.memory_gib.items() if int(step) >= FIRST_MEASURED_STEP), default=None
                 ),
                 "peak_allocated_gib": run.peak_allocated_gib,
                 "seconds_to_first_step": run.seconds_to_first_step,
@@ -607,7 +612,7 @@ def plot(result_files: list[str], out: str) -> None:
         loss_axis.legend(fontsize=7)
         bars = speed_axis.barh(names, speeds, color="tab:blue")
         speed_axis.bar_label(bars, labels=[f"{v:,}" for v in speeds], fontsize=7, padding=2)
-        speed_axis.set(title="tokens/s per GPU (median of steps >= 5)", xlabel="tokens/s")
+        speed_axis.set(title=f"tokens/s per GPU (median of steps >= {FIRST_MEASURED_STEP})", xlabel="tokens/s")
         speed_axis.xaxis.set_major_formatter(lambda value, _: f"{value / 1000:g}k")
         speed_axis.tick_params(axis="y", labelsize=7)
         speed_axis.invert_yaxis()

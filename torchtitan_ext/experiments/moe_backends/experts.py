@@ -290,27 +290,37 @@ def expert_compute(spec: ComputeBackendSpec, precision: str) -> ExpertCompute:
     return functools.partial(spec.fp8_grouped, emulated=precision == "fp8_rowwise_emulated")
 
 
+def _native_capability_reason(
+    backend: str, precision: str, capable: Callable[[ComputeBackendSpec], bool], cannot: str, can: str
+) -> str | None:
+    """Why ``backend`` in ``precision`` lacks a capability that only ``capable`` backends have, in native
+    precision (None: it has it); ``cannot`` / ``can`` say what it does not / they do."""
+    spec = BACKENDS.get(backend)
+    if spec is not None and capable(spec) and precision not in FP8_PRECISIONS:
+        return None
+    able = [name for name, spec in BACKENDS.items() if capable(spec)]
+    return f"compute_backend {backend!r} with expert_precision {precision!r} {cannot}; {' or '.join(able)} {can}"
+
+
 def row_weighting_unsupported_reason(backend: str, precision: str) -> str | None:
     """Why ``backend`` in ``precision`` cannot weight its rows by the router scores (None: it can)."""
-    spec = BACKENDS.get(backend)
-    if spec is not None and spec.row_weighted is not None and precision not in FP8_PRECISIONS:
-        return None
-    weighting = [name for name, spec in BACKENDS.items() if spec.row_weighted is not None]
-    return (
-        f"compute_backend {backend!r} with expert_precision {precision!r} does not weight its rows by the "
-        f"router scores; {' or '.join(weighting)} in native precision does"
+    return _native_capability_reason(
+        backend,
+        precision,
+        lambda spec: spec.row_weighted is not None,
+        "does not weight its rows by the router scores",
+        "in native precision does",
     )
 
 
 def recompute_unsupported_reason(backend: str, precision: str) -> str | None:
     """Why ``backend`` in ``precision`` cannot recompute its gate/up pre-activations in backward (None: it can)."""
-    spec = BACKENDS.get(backend)
-    if spec is not None and spec.recomputes_preactivations and precision not in FP8_PRECISIONS:
-        return None
-    able = [name for name, spec in BACKENDS.items() if spec.recomputes_preactivations]
-    return (
-        f"compute_backend {backend!r} with expert_precision {precision!r} keeps its pre-activations for "
-        f"backward; {' or '.join(able)} in native precision can recompute them"
+    return _native_capability_reason(
+        backend,
+        precision,
+        lambda spec: spec.recomputes_preactivations,
+        "keeps its pre-activations for backward",
+        "in native precision can recompute them",
     )
 
 
@@ -347,15 +357,11 @@ class BackendGroupedExperts(GroupedExperts):
         def validation_errors(self, key: Callable[[str], str] = str) -> list[str]:
             """Every invalid option, one message each; ``key(field)`` is how a message names a field."""
             errors = choice_errors(key, "expert_precision", self.expert_precision, EXPERT_PRECISIONS)
-            if not isinstance(self.recompute_preactivations, bool):
-                errors.append(
-                    f"{key('recompute_preactivations')} = {self.recompute_preactivations!r}: must be true or false"
-                )
             if (error := backend_name_error(self.compute_backend)) is not None:
                 errors.append(f"{key('compute_backend')} = {self.compute_backend!r}: {error}")
             elif (error := precision_error(self.compute_backend, self.expert_precision)) is not None:
                 errors.append(f"{key('expert_precision')} = {self.expert_precision!r}: {error}")
-            elif self.recompute_preactivations is True and (
+            elif self.recompute_preactivations and (
                 error := recompute_unsupported_reason(self.compute_backend, self.expert_precision)
             ):
                 errors.append(f"{key('recompute_preactivations')} = true: {error}")
