@@ -33,7 +33,8 @@ must equal EP 1's to rel 1e-4. Then qwen3-30b-a3b and deepseek-v3-16b, FSDP 4 x 
 FSDP 8 x EP 8 and FSDP 8 x EP 4 (``scale8``), bf16, 20 steps of ``--local-batch-size`` x 2048 tokens
 per GPU (default 1: qwen3-30b-a3b's weights, gradients and AdamW state alone take 57 GiB of each of
 8 GPUs), compiled: torchtitan's own MoE layers (``<model>-torchtitan-moe``, the baseline of its model
-and layout), grouped_mm, and triton over each EP transport; losses of the first 10 steps within 2% of
+and layout), grouped_mm, triton over each EP transport and triton under CUDA graphs
+(``examples/cuda_graphs.toml``); losses of the first 10 steps within 2% of
 the baseline's. A run
 whose weights, gradients and optimizer state alone do not fit its GPUs' memory is skipped, and said so.
 Per run: losses, tokens/s, MFU, peak memory (rank 0's log: reserved by the allocator, and allocated)
@@ -434,7 +435,7 @@ def stock_name(model: str) -> str:
 def scale_runs(gpus: int, local_batch_size: int) -> list[list[Run]]:
     """Every run on all ``gpus`` GPUs, one at a time: the tiny flavor at EP 1 and at each EP degree over
     each transport (compared with EP 1), then per model and EP degree its stock compiled baseline first
-    and the project's layers compiled (compared with that baseline)."""
+    and the project's layers compiled (compared with that baseline), the CUDA-graph preset last."""
     tiny_ep1 = f"{SCALE_TINY_FLAVOR} fsdp{gpus} ep1"
     runs = [Run(tiny_ep1, SCALE_TINY_FLAVOR, gpus, TINY_STEPS)]
     for degree in SCALE_TINY_EXPERT_PARALLEL[gpus]:
@@ -455,6 +456,13 @@ def scale_runs(gpus: int, local_batch_size: int) -> list[list[Run]]:
                 ),
                 Run(f"{layout} triton compiled", model, gpus, [*args, *TRITON, *ALL_TO_ALL, *COMPILE], baseline),
                 Run(f"{layout} triton compiled symm_mem", model, gpus, [*args, *TRITON, *SYMM_MEM, *COMPILE], baseline),
+                Run(
+                    f"{layout} triton compiled symm_mem cuda_graphs apply_scores",
+                    model,
+                    gpus,
+                    [*args, *TRITON, *COMPILE, *CUDA_GRAPHS_PRESET],
+                    baseline,
+                ),
             ]
     return [[run] for run in runs]
 

@@ -67,6 +67,7 @@ def test_scale_suite_runs_every_model_and_layout_next_to_its_stock_baseline(suit
                 "torchtitan-moe compiled",
                 "triton compiled",
                 "triton compiled symm_mem",
+                "triton compiled symm_mem cuda_graphs apply_scores",
             ]
             for run in layout:
                 assert expert_parallel_degree(run) == degree and "--compile.enable" in run.args
@@ -85,11 +86,12 @@ def test_scale_suite_runs_every_model_and_layout_next_to_its_stock_baseline(suit
                             *runs_module.SYMM_MEM,
                             *runs_module.ALL_TO_ALL,
                             *runs_module.GROUPED_MM,
+                            *runs_module.CUDA_GRAPHS_PRESET,
                         )
                     ]
                     assert project_only == stock[0].args
     assert {expert_parallel_degree(r) for r in full_size} == expected_degrees
-    assert len(full_size) == 2 * len(expected_degrees) * 4
+    assert len(full_size) == 2 * len(expected_degrees) * 5
 
 
 @pytest.mark.parametrize("suite, gpus", SCALE_SUITES.items())
@@ -119,7 +121,10 @@ def test_every_scale_run_parses_and_trains_the_named_backend_and_transport(suite
             assert backends == set() and transports == set(), run.name
             continue
         if expert_parallel_degree(run) > 1:
-            assert transports == {"symm_mem" if run.name.endswith("symm_mem") else "all_to_all"}, run.name
+            assert transports == {"symm_mem" if "symm_mem" in run.name.split() else "all_to_all"}, run.name
+        receive_rows = {d.ep_receive_rows for d in nested_configs(config, RoutingDispatcher.Config)}
+        # on this CPU host the train entry turns CUDA graphs off; the preset's sync-free rows say it is the preset
+        assert (receive_rows == {"static"}) == ("cuda_graphs" in run.name), run.name
         if run.flavor.startswith("tiny-"):
             assert backends == {"triton"} and config.training.mixed_precision_param == "float32", run.name
         else:
