@@ -97,16 +97,27 @@ def test_scale_suite_runs_every_model_and_layout_next_to_its_stock_baseline(suit
 @pytest.mark.parametrize("suite, gpus", SCALE_SUITES.items())
 def test_scale_suite_compares_tiny_losses_at_every_ep_degree_with_ep1(suite, gpus):
     tiny = [run for run in all_runs(suite) if run.flavor.startswith("tiny-")]
-    (ep1,) = [run for run in tiny if expert_parallel_degree(run) == 1]
-    assert ep1.reference is None and all(run.reference == ep1.name for run in tiny if run is not ep1)
-    layouts = {
-        (expert_parallel_degree(run), "symm_mem" if "examples/ep_symm_mem.toml" in run.args else "all_to_all")
-        for run in tiny
-        if run is not ep1
-    }
+    assert {run.flavor for run in tiny} == {"tiny-moe-triton", "tiny-deepseek-v3"}
     degrees = {4: [4], 8: [4, 8]}[gpus]
-    assert layouts == {(degree, transport) for degree in degrees for transport in ("all_to_all", "symm_mem")}
-    assert all(run.gpus == gpus and run.args[:2] == ["--training.steps", "30"] for run in tiny)
+    for flavor in ("tiny-moe-triton", "tiny-deepseek-v3"):
+        runs = [run for run in tiny if run.flavor == flavor]
+        (ep1,) = [run for run in runs if expert_parallel_degree(run) == 1]
+        assert ep1.reference is None and all(run.reference == ep1.name for run in runs if run is not ep1)
+        layouts = {
+            (
+                expert_parallel_degree(run),
+                "preset"
+                if "examples/cuda_graphs.toml" in run.args
+                else "symm_mem"
+                if "examples/ep_symm_mem.toml" in run.args
+                else "all_to_all",
+            )
+            for run in runs
+            if run is not ep1
+        }
+        assert layouts == {(d, layout) for d in degrees for layout in ("all_to_all", "symm_mem", "preset")}
+        assert all(run.gpus == gpus and run.args[:2] == ["--training.steps", "30"] for run in runs)
+        assert all(("--compile.enable" in run.args) == ("compiled" in run.name.split()) for run in runs)
 
 
 @pytest.mark.parametrize("suite", SCALE_SUITES)
@@ -214,6 +225,21 @@ def test_losses_are_compared_with_the_reference_at_the_flavors_tolerance():
     problems = runs_module.compare_losses(runs)
     assert [problem.split(":")[0] for problem in problems] == ["m grouped_mm", "t ep8", "t ep2", "m fp8 far"]
     assert problems[0].endswith(f"over steps 1-{runs_module.FULL_SIZE_COMPARED_STEPS}")
+
+
+def test_deepseek_losses_are_compared_over_the_first_two_steps():
+    stock = make_run("d stock", "deepseek-v3-16b-torchtitan-moe")
+    step3_apart = make_run("d triton", "deepseek-v3-16b", stock.name)
+    step3_apart.losses[3] *= 1.4  # its bf16 training from scratch amplifies rounding from step 3 on
+    step2_apart = make_run("d grouped_mm", "deepseek-v3-16b", stock.name)
+    step2_apart.losses[2] *= 1.03
+    qwen_stock = make_run("q stock", "qwen3-30b-a3b-torchtitan-moe")
+    qwen_step3_apart = make_run("q triton", "qwen3-30b-a3b", qwen_stock.name)
+    qwen_step3_apart.losses[3] *= 1.4
+    problems = runs_module.compare_losses([stock, step3_apart, step2_apart, qwen_stock, qwen_step3_apart])
+    assert [problem.split(":")[0] for problem in problems] == ["d grouped_mm", "q triton"]
+    assert problems[0].endswith("over steps 1-2")
+    assert runs_module.compared_steps(stock) == runs_module.compared_steps(step3_apart) == 2
 
 
 def test_summary_gives_each_run_its_ratio_to_its_stock_baseline():
