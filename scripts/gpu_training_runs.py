@@ -238,7 +238,7 @@ COMPARED_STEPS_BY_MODEL = {"deepseek-v3-16b": 2}
 steps: the forward at initialisation (step 1) and one update (step 2). deepseek-v3-16b at FSDP 4 x EP 4,
 batch 1 x 2048 (4x H200, commit 260a320): triton over all_to_all and over symm_mem (the same kernels,
 step-1 losses equal to 7 digits, step 2 within 0.08%) logged 7.16 and 10.73 at step 10; every run was
-within 0.6% of stock's over steps 1-2 and up to 41% apart over steps 3-10. The tiny DeepSeek-V3 flavor
+within 0.6% of stock's over steps 1-2 and up to 57% apart over steps 3-10. The tiny DeepSeek-V3 flavor
 (fp32) checks the same layers exactly at every step."""
 
 
@@ -680,6 +680,20 @@ def suite_runs(suite: str, local_batch_size: int | None = None) -> list[list[Run
     return scale_runs(int(suite.removeprefix("scale")), sequences)
 
 
+def only_matching(batches: list[list[Run]], patterns: list[str]) -> list[list[Run]]:
+    """The runs whose names match one of ``patterns`` (regular expressions), with the runs they are
+    compared with (their references, transitively), in the suite's order."""
+    runs = {run.name: run for batch in batches for run in batch}
+    chosen = {name for name in runs if any(re.search(pattern, name) for pattern in patterns)}
+    pending = list(chosen)
+    while pending:
+        reference = runs[pending.pop()].reference
+        if reference in runs and reference not in chosen:
+            chosen.add(reference)
+            pending.append(reference)
+    return [kept for batch in batches if (kept := [run for run in batch if run.name in chosen])]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plot"]:
@@ -692,7 +706,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("suite", choices=SUITES)
     parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--only", nargs="+", metavar="REGEX", help="run only the runs whose name matches one of these")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="REGEX",
+        help="run only the runs whose name matches one of these, and the runs they are compared with",
+    )
     parser.add_argument(
         "--local-batch-size",
         type=int,
@@ -712,8 +731,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--local-batch-size must be >= 1, got {args.local_batch_size}")
     batches = suite_runs(args.suite, args.local_batch_size)
     if args.only:
-        batches = [[r for r in batch if any(re.search(p, r.name) for p in args.only)] for batch in batches]
-        batches = [batch for batch in batches if batch]
+        batches = only_matching(batches, args.only)
     if not batches:
         parser.error(f"no run of the {args.suite} suite matches --only {' '.join(args.only)}")
     needed = 1 + max(int(gpu) for batch in batches for slot, run in enumerate(batch) for gpu in device_ids(slot, run))

@@ -9,6 +9,7 @@ import torch
 
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.command_line import split_override_args, switches_for_parser, take_options
+from torchtitan_ext.experiments.moe_backends import run_description
 from torchtitan_ext.experiments.moe_backends.dispatcher import chosen_ep_transport
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.experiments.moe_backends.layer import routing_dispatchers
@@ -245,6 +246,21 @@ def test_all_to_all_within_a_gpu_host_notes_symm_mem(monkeypatch, caplog, cuda, 
 CUDA_GRAPHS_NOTE = "--toml examples/cuda_graphs.toml (static received rows, CUDA graphs"
 
 
+def cuda_graph_note(monkeypatch, caplog, changed: dict, ep: str) -> str | None:
+    """The start-up log's CUDA-graph note for compiled triton over symm_mem at EP ``ep`` with ``changed``
+    options, on a host of ``ep`` GPUs (None: no note)."""
+    monkeypatch.setenv("WORLD_SIZE", ep)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", ep)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    options = {"--moe.compute_backend": "triton", "--moe.ep_transport": "symm_mem", "--compile.enable": "true"}
+    args = [part for option in {**options, **changed}.items() for part in option]
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        parse("--parallelism.expert_parallel_degree", ep, *args)
+    return next((line for line in caplog.text.splitlines() if CUDA_GRAPHS_NOTE in line), None)
+
+
 @pytest.mark.parametrize(
     "changed, ep, noted",
     [
@@ -253,21 +269,20 @@ CUDA_GRAPHS_NOTE = "--toml examples/cuda_graphs.toml (static received rows, CUDA
         ({"--moe.compute_backend": "grouped_mm"}, "2", False),  # its experts cannot apply the scores
         ({"--moe.ep_transport": "all_to_all"}, "2", False),
         ({"--compile.enable": "false"}, "2", False),
-        ({}, "4", False),  # static buffers 4x a balanced step's rows
+        ({}, "4", True),  # static buffers 4x a balanced step's rows, measured at EP 4
     ],
 )
 def test_compiled_exact_rows_over_symm_mem_note_the_cuda_graph_example(monkeypatch, caplog, changed, ep, noted):
-    monkeypatch.setenv("WORLD_SIZE", ep)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", ep)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    options = {"--moe.compute_backend": "triton", "--moe.ep_transport": "symm_mem", "--compile.enable": "true"}
-    args = [part for option in {**options, **changed}.items() for part in option]
-    with caplog.at_level(logging.INFO):
-        parse("--parallelism.expert_parallel_degree", ep, *args)
-    assert (CUDA_GRAPHS_NOTE in caplog.text) == noted
-    if noted:
-        assert "with static receive buffers 2x a balanced step's rows" in caplog.text
+    note = cuda_graph_note(monkeypatch, caplog, changed, ep)
+    assert (note is not None) == noted
+    if note is not None:
+        assert f"with static receive buffers {ep}x a balanced step's rows" in note
+
+
+def test_the_cuda_graph_note_stops_where_the_static_buffers_were_not_measured(monkeypatch, caplog):
+    assert cuda_graph_note(monkeypatch, caplog, {}, "4") is not None
+    monkeypatch.setattr(run_description, "STATIC_ROWS_NOTED_UP_TO", 2)
+    assert cuda_graph_note(monkeypatch, caplog, {}, "4") is None
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,6 @@ host, that each is compared with the right run, and that a host with too few GPU
 
 import importlib.util
 import os
-import re
 import subprocess
 from pathlib import Path
 
@@ -350,7 +349,7 @@ def test_fp8_task_runs_the_fp8_tests_layers_and_runs_next_to_bf16_and_stock(tmp_
     assert "tests/test_fp8_experts_gpu.py" in tests
     assert {"grouped_mm_fp8", "torchtitan_fp8"} <= set(layer.split())  # the stand-in python3 imports torchao
     only = training.split("--only ")[1].split(" --")[0].split()
-    chosen = [run.name for run in all_runs("full") if any(re.search(pattern, run.name) for pattern in only)]
+    chosen = [run.name for batch in runs_module.only_matching(runs_module.suite_runs("full"), only) for run in batch]
     assert chosen == [
         runs_module.STOCK_COMPILED,
         "olmoe grouped_mm compiled",
@@ -360,6 +359,23 @@ def test_fp8_task_runs_the_fp8_tests_layers_and_runs_next_to_bf16_and_stock(tmp_
         "olmoe triton fp8 compiled symm_mem",
         "olmoe triton compiled symm_mem",
     ]
+
+
+def test_only_runs_the_matching_runs_with_the_runs_they_are_compared_with():
+    def chosen(*patterns):
+        return [
+            run.name
+            for batch in runs_module.only_matching(runs_module.suite_runs("scale4"), list(patterns))
+            for run in batch
+        ]
+
+    assert chosen("^deepseek-v3-16b.*symm_mem$", "tiny-deepseek-v3 fsdp4 ep4 all_to_all") == [
+        "tiny-deepseek-v3 fsdp4 ep1",
+        "tiny-deepseek-v3 fsdp4 ep4 all_to_all",
+        "deepseek-v3-16b fsdp4 ep4 torchtitan-moe compiled",
+        "deepseek-v3-16b fsdp4 ep4 triton compiled symm_mem",
+    ]
+    assert chosen("no such run") == []
 
 
 def test_tiny_suite_compiles_every_backend_at_every_layout(monkeypatch):
