@@ -13,8 +13,9 @@
 #     train-scale8): EP 1 vs 4 (vs 8) losses of a tiny flavor, qwen3-30b-a3b and deepseek-v3-16b next to stock
 #   scripts/measure_on_gpu.sh memory   # 2 GPUs: allocator snapshots of olmoe-1b-7b, stock and ours, and where
 #     their reserved memory came from
-#   scripts/measure_on_gpu.sh profile   # 2 GPUs: profiled steps of olmoe-1b-7b (triton over symm_mem), as the
-#     flavor trains and with PROFILE_VARIANTS' options, each read by `bench trace`
+#   scripts/measure_on_gpu.sh profile   # 2 GPUs (PROFILE_GPUS): profiled steps of olmoe-1b-7b (PROFILE_FLAVOR;
+#     triton over symm_mem), as the flavor trains, with PROFILE_VARIANTS' options and (PROFILE_STOCK=1) its
+#     stock sibling, each read by `bench trace`
 #   scripts/measure_on_gpu.sh fp8   # 2 GPUs: FP8 expert tests, layer and whole-model runs next to bf16 and stock
 #   scripts/measure_on_gpu.sh train-step   # one GPU: a training step of 4 olmoe-1b-7b layers per
 #     backend (fp32 parameters under bf16 autocast, as torchtitan trains on one GPU) and of the
@@ -141,26 +142,42 @@ run_task() {
             --json "$out/memory_$name.json" 2>&1 | tee "$out/memory_$name.txt"
       done ;;
     profile)
-      # Where a step's GPU time goes: olmoe-1b-7b (FSDP 2 x EP 2, compiled, batch TRAIN_LOCAL_BATCH (4) x 2048),
-      # `triton` over symm_mem as the flavor trains, then with the options of each PROFILE_VARIANTS entry
-      # (";"-separated; default "--moe.experts_apply_scores true"), PROFILE_STEPS (6) steps each, torch.profiler
-      # tracing the last; every rank's trace read by `bench trace` (kernel time by kind, top kernels, host syncs:
-      # a step paced by one rank's host shows that rank's GPU idle and the others waiting in communication kernels).
-      need_gpus 2 "$task"
+      # Where a step's GPU time goes: PROFILE_FLAVOR (olmoe-1b-7b) on PROFILE_GPUS (2) GPUs, FSDP x EP over all
+      # of them, compiled, batch TRAIN_LOCAL_BATCH (4) x 2048; `triton` over symm_mem as the flavor trains, then
+      # with the options of each PROFILE_VARIANTS entry (";"-separated; default "--moe.experts_apply_scores
+      # true"); PROFILE_STOCK=1 first profiles the flavor's stock sibling (<flavor>-torchtitan-moe, compiled:
+      # profile_stock.*). PROFILE_STEPS (6) steps each, torch.profiler tracing the last; every rank's trace read
+      # by `bench trace` (kernel time by kind, top kernels, host syncs: a step paced by one rank's host shows
+      # that rank's GPU idle and the others waiting in communication kernels).
+      # E.g. PROFILE_FLAVOR=deepseek-v3-16b PROFILE_GPUS=4 TRAIN_LOCAL_BATCH=1 PROFILE_STOCK=1.
+      gpus_needed=${PROFILE_GPUS:-2}
+      need_gpus "$gpus_needed" "$task"
+      flavor=${PROFILE_FLAVOR:-olmoe-1b-7b}
       steps=${PROFILE_STEPS:-6}
       IFS=';' read -ra variants <<< "${PROFILE_VARIANTS:---moe.experts_apply_scores true}"
-      index=0
-      for extra in "" "${variants[@]}"; do
+      profiled=()
+      [[ ${PROFILE_STOCK:-0} == 1 ]] && profiled+=("stock")
+      for index in "${!variants[@]}" "${#variants[@]}"; do profiled+=("$index"); done
+      for name in "${profiled[@]}"; do
         dump=$(mktemp -d)
-        echo "profile $index: ${extra:-as the flavor trains}"
-        python3 -m torchtitan_ext.train --nproc_per_node=2 --flavor olmoe-1b-7b --toml examples/triton.toml \
-            --toml examples/ep_symm_mem.toml $extra --training.steps "$steps" --training.local_batch_size "${TRAIN_LOCAL_BATCH:-4}" \
-            --training.seq_len 2048 --parallelism.expert_parallel_degree 2 --metrics.log_freq 1 --compile.enable \
-            --profiler.enable_profiling --profiler.profile_freq "$steps" --dump_folder "$dump" > "$out/profile_$index.log" 2>&1
-        grep -E "step: |rror" "$out/profile_$index.log" | tail -n 3
+        if [[ $name == stock ]]; then
+          run=(--flavor "$flavor-torchtitan-moe")
+          echo "profile stock: $flavor-torchtitan-moe"
+        elif (( name == 0 )); then
+          run=(--flavor "$flavor" --toml examples/triton.toml --toml examples/ep_symm_mem.toml)
+          echo "profile 0: as the flavor trains"
+        else
+          read -ra extra <<< "${variants[name - 1]}"
+          run=(--flavor "$flavor" --toml examples/triton.toml --toml examples/ep_symm_mem.toml "${extra[@]}")
+          echo "profile $name: ${variants[name - 1]}"
+        fi
+        python3 -m torchtitan_ext.train --nproc_per_node="$gpus_needed" "${run[@]}" --training.steps "$steps" \
+            --training.local_batch_size "${TRAIN_LOCAL_BATCH:-4}" --training.seq_len 2048 \
+            --parallelism.expert_parallel_degree "$gpus_needed" --metrics.log_freq 1 --compile.enable \
+            --profiler.enable_profiling --profiler.profile_freq "$steps" --dump_folder "$dump" > "$out/profile_$name.log" 2>&1
+        grep -E "step: |rror" "$out/profile_$name.log" | tail -n 3
         python3 -m torchtitan_ext.bench trace "$dump"/profiling/traces/*/rank*_trace.json.gz \
-            --json "$out/profile_$index.json" 2>&1 | tee "$out/profile_$index.txt"
-        index=$((index + 1))
+            --json "$out/profile_$name.json" 2>&1 | tee "$out/profile_$name.txt"
       done ;;
     scale-out)
       # Every run on all GPUs of the host: 8 or more take the 8-GPU runs, 4 to 7 the 4-GPU ones.

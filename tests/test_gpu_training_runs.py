@@ -519,3 +519,26 @@ def test_profile_task_traces_the_flavor_and_each_variant(tmp_path, monkeypatch):
         assert options[options.index("--profiler.profile_freq") + 1] == options[options.index("--training.steps") + 1]
     assert [c.split("--json ")[1] for c in reads] == [f"{tmp_path}/out/profile_{i}.json" for i in range(3)]
     assert all("rank*_trace.json.gz" in c for c in reads)  # every rank's trace (the glob, unexpanded here)
+
+
+def test_profile_task_takes_a_flavor_its_gpus_and_its_stock_sibling(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROFILE_FLAVOR", "deepseek-v3-16b")
+    monkeypatch.setenv("PROFILE_GPUS", "4")
+    monkeypatch.setenv("PROFILE_STOCK", "1")
+    result, commands = measure_on_gpu(tmp_path, 4, "profile")
+    assert result.returncode == 0, result.stdout + result.stderr
+    trains = [c.split() for c in commands if "torchtitan_ext.train" in c]
+    reads = [c for c in commands if "torchtitan_ext.bench trace" in c]
+    flavors = [options[options.index("--flavor") + 1] for options in trains]
+    assert flavors == ["deepseek-v3-16b-torchtitan-moe", "deepseek-v3-16b", "deepseek-v3-16b"]
+    assert "examples/triton.toml" not in trains[0] and "examples/triton.toml" in trains[1]
+    assert "--moe.experts_apply_scores" in trains[2]
+    for options in trains:
+        assert "--nproc_per_node=4" in options
+        assert options[options.index("--parallelism.expert_parallel_degree") + 1] == "4"
+    names = ["stock", "0", "1"]
+    assert [c.split("--json ")[1] for c in reads] == [f"{tmp_path}/out/profile_{name}.json" for name in names]
+    two_gpus = tmp_path / "two_gpus"
+    two_gpus.mkdir()
+    refused, ran = measure_on_gpu(two_gpus, 2, "profile")  # 4 GPUs asked for, 2 here
+    assert refused.returncode != 0 and not [c for c in ran if "torchtitan_ext.train" in c]
