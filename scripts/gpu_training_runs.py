@@ -35,8 +35,8 @@ FSDP 8 x EP 8 and FSDP 8 x EP 4 (``scale8``), bf16, 20 steps of ``--local-batch-
 per GPU (default 1: qwen3-30b-a3b's weights, gradients and AdamW state alone take 57 GiB of each of
 8 GPUs), compiled: torchtitan's own MoE layers (``<model>-torchtitan-moe``, the baseline of its model
 and layout), grouped_mm, triton over each EP transport and triton under CUDA graphs
-(``examples/cuda_graphs.toml``); losses of the first 10 steps within 2% of
-the baseline's. A run
+(``examples/cuda_graphs.toml``); losses of the first 10 steps (deepseek-v3-16b: 2,
+``COMPARED_STEPS_BY_MODEL``) within 2% of the baseline's. A run
 whose weights, gradients and optimizer state alone do not fit its GPUs' memory is skipped, and said so.
 Per run: losses, tokens/s, MFU, peak memory (rank 0's log: reserved by the allocator, and allocated)
 and the seconds from launch to the first step's log line; each run names the run it is compared with
