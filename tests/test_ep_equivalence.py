@@ -231,10 +231,14 @@ def test_skewed_router_leaves_last_experts_empty():
 
 
 def train_losses(
-    tmp_path: Path, expert_parallel_degree: int, toml: Path | None = None, processes: int = 2
+    tmp_path: Path,
+    expert_parallel_degree: int,
+    toml: Path | None = None,
+    processes: int = 2,
+    flavor: str = "tiny-moe-for-loop",
 ) -> list[float]:
-    """Losses of the first steps of a torchrun training run on ``processes`` processes on CPU (rank 0's
-    log); CUDA is hidden from it, so it runs over gloo on any machine."""
+    """Losses of the first steps of a torchrun training run of ``flavor`` on ``processes`` processes on CPU
+    (rank 0's log); CUDA is hidden from it, so it runs over gloo on any machine."""
     command = [
         sys.executable,
         "-m",
@@ -245,7 +249,7 @@ def train_losses(
         "-m",
         "torchtitan_ext.train",
         "--flavor",
-        "tiny-moe-for-loop",
+        flavor,
         "--training.steps",
         "3",
         "--training.local_batch_size",
@@ -255,7 +259,7 @@ def train_losses(
         "--parallelism.expert_parallel_degree",
         str(expert_parallel_degree),
         "--dump_folder",
-        str(tmp_path / f"{processes}x-ep{expert_parallel_degree}-{toml.stem if toml else 'default'}"),
+        str(tmp_path / f"{flavor}-{processes}x-ep{expert_parallel_degree}-{toml.stem if toml else 'default'}"),
         "--metrics.disable_color_printing",
     ] + (["--toml", str(toml)] if toml else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -294,6 +298,15 @@ def test_training_loss_curve_ep2_over_all_to_all_with_static_rows_equals_ep1(tmp
     toml.write_text('[moe]\nep_receive_rows = "static"\n')
     ep2_static = train_losses(tmp_path, 2, toml)
     assert ep1_losses == pytest.approx(ep2_static, rel=1e-4), (ep1_losses, ep2_static)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_training_loss_curve_ep2_equals_ep1(tmp_path):
+    """DeepSeek-V3's routing under EP: sigmoid scores with the expert bias (updated after every step from
+    the counts of all ranks), normalised and scaled top-k scores, shared experts, a dense first layer."""
+    ep1 = train_losses(tmp_path, 1, flavor="tiny-deepseek-v3")
+    ep2 = train_losses(tmp_path, 2, flavor="tiny-deepseek-v3")
+    assert ep1 == pytest.approx(ep2, rel=1e-4), (ep1, ep2)
 
 
 @pytest.mark.slow
