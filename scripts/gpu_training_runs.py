@@ -213,6 +213,9 @@ ALL_TO_ALL = ["--moe.ep_transport", "all_to_all"]
 """Every EP run of the project's layers names its transport (the default, "auto", picks symm_mem on one host)."""
 FP8 = ["--moe.expert_precision", "fp8_rowwise"]
 STATIC_ROWS = ["--moe.ep_receive_rows", "static"]
+EXACT_ROWS = ["--moe.ep_receive_rows", "exact"]
+"""The received rows counted on the host, no CUDA graphs: what a run over ``symm_mem`` is without the
+default ``"auto"``, which turns on static rows and CUDA graphs where a compiled step replays."""
 CUDA_GRAPHS = [*STATIC_ROWS, "--training.no-disable-cuda-graphs"]
 EXPERTS_APPLY_SCORES = ["--moe.experts_apply_scores", "true"]
 CUDA_GRAPHS_PRESET = ["--toml", "examples/cuda_graphs.toml"]
@@ -257,7 +260,8 @@ def tiny_runs() -> list[list[Run]]:
 
     def compiled(run: Run) -> Run:
         reference = f"for_loop {run.name.partition(' ')[2]}"
-        return Run(f"{run.name} compiled", run.flavor, run.gpus, [*run.args, *COMPILE], reference)
+        exact = EXACT_ROWS if run.gpus > 1 else []
+        return Run(f"{run.name} compiled", run.flavor, run.gpus, [*run.args, *COMPILE, *exact], reference)
 
     ep1 = [tiny_run(b, "ep1 1gpu", 1, TINY_STEPS) for b in TINY_BACKENDS]
     ep1 += [compiled(run) for run in ep1]
@@ -272,13 +276,22 @@ def tiny_runs() -> list[list[Run]]:
 
 
 def tiny_cuda_graph_runs() -> list[Run]:
-    """``triton`` compiled under CUDA graphs (the step's gradients in the graph's memory), on one GPU and
-    over ``symm_mem`` with static received rows, each compared with ``for_loop``'s eager run of its layout."""
+    """``triton`` compiled under CUDA graphs (the step's gradients in the graph's memory), on one GPU, over
+    ``symm_mem`` with static received rows, and over ``symm_mem`` with the defaults (``ep_receive_rows =
+    "auto"`` turns on static rows, CUDA graphs and ``experts_apply_scores``), each compared with
+    ``for_loop``'s eager run of its layout."""
     one_gpu = [*TINY_STEPS, *COMPILE, "--training.no-disable-cuda-graphs"]
-    ep2 = [*TINY_STEPS, *expert_parallel(2), *SYMM_MEM, *COMPILE, *CUDA_GRAPHS]
+    ep2 = [*TINY_STEPS, *expert_parallel(2), *SYMM_MEM, *COMPILE]
     return [
         Run("triton ep1 1gpu compiled cuda_graphs", "tiny-moe-triton", 1, one_gpu, "for_loop ep1 1gpu"),
-        Run("triton ep2 symm_mem compiled cuda_graphs", "tiny-moe-triton", 2, ep2, "for_loop ep2 symm_mem"),
+        Run(
+            "triton ep2 symm_mem compiled cuda_graphs",
+            "tiny-moe-triton",
+            2,
+            [*ep2, *CUDA_GRAPHS],
+            "for_loop ep2 symm_mem",
+        ),
+        Run("triton ep2 symm_mem compiled defaults", "tiny-moe-triton", 2, ep2, "for_loop ep2 symm_mem"),
     ]
 
 
@@ -306,14 +319,20 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
     runs = [
         Run(STOCK_COMPILED, "olmoe-1b-7b-torchtitan-moe", 2, [*args, *COMPILE]),
         Run("olmoe grouped_mm compiled", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *ALL_TO_ALL, *COMPILE]),
-        Run("olmoe grouped_mm compiled symm_mem", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *SYMM_MEM, *COMPILE]),
+        Run("olmoe triton compiled symm_mem defaults", "olmoe-1b-7b", 2, [*args, *TRITON, *SYMM_MEM, *COMPILE]),
+        Run(
+            "olmoe grouped_mm compiled symm_mem",
+            "olmoe-1b-7b",
+            2,
+            [*args, *GROUPED_MM, *SYMM_MEM, *COMPILE, *EXACT_ROWS],
+        ),
         Run("olmoe grouped_mm fp8 compiled", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *FP8, *ALL_TO_ALL, *COMPILE]),
         Run(
             "olmoe grouped_mm fp8 compiled symm_mem", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *FP8, *SYMM_MEM, *COMPILE]
         ),
         Run("olmoe triton fp8 compiled symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *FP8, *SYMM_MEM, *COMPILE]),
         Run("olmoe triton compiled", "olmoe-1b-7b", 2, [*args, *TRITON, *ALL_TO_ALL, *COMPILE]),
-        Run("olmoe triton compiled symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *SYMM_MEM, *COMPILE]),
+        Run("olmoe triton compiled symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *SYMM_MEM, *COMPILE, *EXACT_ROWS]),
         Run(
             "olmoe triton compiled static_rows", "olmoe-1b-7b", 2, [*args, *TRITON, *ALL_TO_ALL, *COMPILE, *STATIC_ROWS]
         ),
@@ -330,7 +349,7 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
             "olmoe triton compiled symm_mem apply_scores",
             "olmoe-1b-7b",
             2,
-            [*args, *TRITON, *SYMM_MEM, *COMPILE, *EXPERTS_APPLY_SCORES],
+            [*args, *TRITON, *SYMM_MEM, *COMPILE, *EXACT_ROWS, *EXPERTS_APPLY_SCORES],
         ),
         Run(
             "olmoe triton compiled symm_mem cuda_graphs apply_scores",
@@ -479,7 +498,13 @@ def scale_runs(gpus: int, local_batch_size: int) -> list[list[Run]]:
                     f"{layout} grouped_mm compiled", model, gpus, [*args, *GROUPED_MM, *ALL_TO_ALL, *COMPILE], baseline
                 ),
                 Run(f"{layout} triton compiled", model, gpus, [*args, *TRITON, *ALL_TO_ALL, *COMPILE], baseline),
-                Run(f"{layout} triton compiled symm_mem", model, gpus, [*args, *TRITON, *SYMM_MEM, *COMPILE], baseline),
+                Run(
+                    f"{layout} triton compiled symm_mem",
+                    model,
+                    gpus,
+                    [*args, *TRITON, *SYMM_MEM, *COMPILE, *EXACT_ROWS],
+                    baseline,
+                ),
                 Run(
                     f"{layout} triton compiled symm_mem cuda_graphs apply_scores",
                     model,

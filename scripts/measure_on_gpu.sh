@@ -143,9 +143,10 @@ run_task() {
       done ;;
     profile)
       # Where a step's GPU time goes: PROFILE_FLAVOR (olmoe-1b-7b) on PROFILE_GPUS (2) GPUs, FSDP x EP over all
-      # of them, compiled, batch TRAIN_LOCAL_BATCH (4) x 2048; `triton` over symm_mem as the flavor trains, then
-      # with the options of each PROFILE_VARIANTS entry (";"-separated; default "--moe.experts_apply_scores
-      # true"); PROFILE_STOCK=1 first profiles the flavor's stock sibling (<flavor>-torchtitan-moe, compiled:
+      # of them, compiled, batch TRAIN_LOCAL_BATCH (4) x 2048; `triton` over symm_mem as the flavor trains (static
+      # rows under CUDA graphs where moe.ep_receive_rows "auto" picks them), then with the options of each
+      # PROFILE_VARIANTS entry (";"-separated; default "--moe.ep_receive_rows exact": the step that waits for
+      # the host); PROFILE_STOCK=1 first profiles the flavor's stock sibling (<flavor>-torchtitan-moe, compiled:
       # profile_stock.*). PROFILE_STEPS (6) steps each, torch.profiler tracing the last; every rank's trace read
       # by `bench trace` (kernel time by kind, top kernels, host syncs: a step paced by one rank's host shows
       # that rank's GPU idle and the others waiting in communication kernels).
@@ -154,7 +155,7 @@ run_task() {
       need_gpus "$gpus_needed" "$task"
       flavor=${PROFILE_FLAVOR:-olmoe-1b-7b}
       steps=${PROFILE_STEPS:-6}
-      IFS=';' read -ra variants <<< "${PROFILE_VARIANTS:---moe.experts_apply_scores true}"
+      IFS=';' read -ra variants <<< "${PROFILE_VARIANTS:---moe.ep_receive_rows exact}"
       profiled=()
       [[ ${PROFILE_STOCK:-0} == 1 ]] && profiled+=("stock")
       for index in "${!variants[@]}" "${#variants[@]}"; do profiled+=("$index"); done

@@ -9,7 +9,7 @@ import torch
 
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.command_line import split_override_args, switches_for_parser, take_options
-from torchtitan_ext.experiments.moe_backends import run_description
+from torchtitan_ext.experiments.moe_backends import cuda_graph_step
 from torchtitan_ext.experiments.moe_backends.dispatcher import chosen_ep_transport
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.experiments.moe_backends.layer import routing_dispatchers
@@ -243,46 +243,102 @@ def test_all_to_all_within_a_gpu_host_notes_symm_mem(monkeypatch, caplog, cuda, 
     assert ("moe.ep_transport = 'symm_mem' (--toml examples/ep_symm_mem.toml)" in caplog.text) == noted
 
 
-CUDA_GRAPHS_NOTE = "--toml examples/cuda_graphs.toml (static received rows, CUDA graphs"
-
-
-def cuda_graph_note(monkeypatch, caplog, changed: dict, ep: str) -> str | None:
-    """The start-up log's CUDA-graph note for compiled triton over symm_mem at EP ``ep`` with ``changed``
-    options, on a host of ``ep`` GPUs (None: no note)."""
+def parse_on_a_gpu_host(monkeypatch, caplog, ep: str, *args: str):
+    """The config at EP ``ep`` of compiled triton with the options ``args`` (``--key value`` pairs, which
+    replace those defaults), parsed as on a host of ``ep`` Hopper GPUs; the start-up log in ``caplog``."""
     monkeypatch.setenv("WORLD_SIZE", ep)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", ep)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    options = {"--moe.compute_backend": "triton", "--moe.ep_transport": "symm_mem", "--compile.enable": "true"}
-    args = [part for option in {**options, **changed}.items() for part in option]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    options = {"--moe.compute_backend": "triton", "--compile.enable": "true", **dict(zip(args[::2], args[1::2]))}
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        parse("--parallelism.expert_parallel_degree", ep, *args)
-    return next((line for line in caplog.text.splitlines() if CUDA_GRAPHS_NOTE in line), None)
+        return parse(
+            "--parallelism.expert_parallel_degree", ep, *(part for option in options.items() for part in option)
+        )
+
+
+def auto_rows_line(caplog) -> str | None:
+    return next((line for line in caplog.text.splitlines() if "moe.ep_receive_rows = 'auto' ->" in line), None)
+
+
+def test_auto_receive_rows_turn_on_cuda_graphs_where_a_compiled_symm_mem_step_replays(monkeypatch, caplog):
+    config = parse_on_a_gpu_host(monkeypatch, caplog, "2")
+    dispatchers = routing_dispatchers(config)
+    assert {(d.ep_transport, d.ep_receive_rows, d.experts_apply_scores) for d in dispatchers} == {
+        ("symm_mem", "static", True)
+    }
+    assert not config.training.disable_cuda_graphs
+    line = auto_rows_line(caplog)
+    assert (
+        line is not None
+        and "-> 'static', training.disable_cuda_graphs -> false, moe.experts_apply_scores -> true" in line
+    )
+    assert "static receive buffers 2x a balanced step's rows" in line and "--moe.ep_receive_rows exact" in line
+    assert "ep_receive_rows=static, experts_apply_scores=True, compile=on, cuda_graphs=on" in caplog.text
+    assert run_metadata()["ep_receive_rows"] == "static"
 
 
 @pytest.mark.parametrize(
-    "changed, ep, noted",
+    "args, ep, why",
     [
-        ({}, "2", True),
-        ({"--moe.ep_receive_rows": "static"}, "2", False),  # already static
-        ({"--moe.compute_backend": "grouped_mm"}, "2", False),  # its experts cannot apply the scores
-        ({"--moe.ep_transport": "all_to_all"}, "2", False),
-        ({"--compile.enable": "false"}, "2", False),
-        ({}, "4", True),  # static buffers 4x a balanced step's rows, measured at EP 4
+        (["--moe.ep_transport", "all_to_all"], "2", "rows move over all_to_all"),
+        (["--compile.enable", "false"], "2", "the model runs eager"),
+        (["--moe.compute_backend", "for_loop"], "2", "compute_backend for_loop reads expert counts on the host"),
+        (["--moe.compute_backend", "grouped_mm"], "2", "compute_backend grouped_mm in float32"),
+        (["--training.disable_cuda_graphs", "true"], "2", "CUDA graphs are off (command line)"),
     ],
 )
-def test_compiled_exact_rows_over_symm_mem_note_the_cuda_graph_example(monkeypatch, caplog, changed, ep, noted):
-    note = cuda_graph_note(monkeypatch, caplog, changed, ep)
-    assert (note is not None) == noted
-    if note is not None:
-        assert f"with static receive buffers {ep}x a balanced step's rows" in note
+def test_auto_receive_rows_stay_exact_with_the_reason(monkeypatch, caplog, args, ep, why):
+    config = parse_on_a_gpu_host(monkeypatch, caplog, ep, *args)
+    assert {d.ep_receive_rows for d in routing_dispatchers(config)} == {"exact"}
+    assert config.training.disable_cuda_graphs and not any(d.experts_apply_scores for d in routing_dispatchers(config))
+    line = auto_rows_line(caplog)
+    assert line is not None and "-> 'exact' (" in line and why in line, line
 
 
-def test_the_cuda_graph_note_stops_where_the_static_buffers_were_not_measured(monkeypatch, caplog):
-    assert cuda_graph_note(monkeypatch, caplog, {}, "4") is not None
-    monkeypatch.setattr(run_description, "STATIC_ROWS_NOTED_UP_TO", 2)
-    assert cuda_graph_note(monkeypatch, caplog, {}, "4") is None
+def test_auto_receive_rows_stop_where_the_static_buffers_were_not_measured(monkeypatch, caplog):
+    config = parse_on_a_gpu_host(monkeypatch, caplog, "4")
+    assert {d.ep_receive_rows for d in routing_dispatchers(config)} == {"static"}
+    monkeypatch.setattr(cuda_graph_step, "STATIC_ROWS_AUTO_UP_TO", 2)
+    config = parse_on_a_gpu_host(monkeypatch, caplog, "4")
+    assert {d.ep_receive_rows for d in routing_dispatchers(config)} == {"exact"}
+    assert "static receive buffers would hold 4x a balanced step's rows (measured up to 2x)" in auto_rows_line(caplog)
+
+
+def test_set_options_win_over_the_auto_receive_rows(monkeypatch, caplog):
+    """A TOML file's or the command line's ep_receive_rows and experts_apply_scores are kept; CUDA graphs
+    asked for over all_to_all take static rows, which a captured step needs."""
+    config = parse_on_a_gpu_host(monkeypatch, caplog, "2", "--moe.ep_receive_rows", "exact")
+    assert {d.ep_receive_rows for d in routing_dispatchers(config)} == {"exact"}
+    assert config.training.disable_cuda_graphs and auto_rows_line(caplog) is None
+    config = parse_on_a_gpu_host(monkeypatch, caplog, "2", "--moe.experts_apply_scores", "false")
+    assert {(d.ep_receive_rows, d.experts_apply_scores) for d in routing_dispatchers(config)} == {("static", False)}
+    args = ["--moe.ep_transport", "all_to_all", "--training.disable_cuda_graphs", "false"]
+    config = parse_on_a_gpu_host(monkeypatch, caplog, "2", *args)
+    assert {(d.ep_receive_rows, d.experts_apply_scores) for d in routing_dispatchers(config)} == {("static", False)}
+    assert "-> 'static' (CUDA graphs are on" in auto_rows_line(caplog)
+
+
+def test_auto_receive_rows_leave_fp8_experts_without_cuda_graphs(monkeypatch, caplog):
+    config = parse_on_a_gpu_host(monkeypatch, caplog, "2", "--moe.ep_receive_rows", "exact")
+    for dispatcher in routing_dispatchers(config):
+        dispatcher.ep_receive_rows = "auto"
+    for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config):
+        experts.expert_precision = "fp8_rowwise"
+    config.training.disable_cuda_graphs = True
+    choice = cuda_graph_step.auto_receive_rows(config, on_nvidia_gpu=True)
+    assert choice.rows == "exact" and "expert_precision fp8_rowwise is not measured under CUDA graphs" in choice.why
+    assert (
+        cuda_graph_step.auto_receive_rows(config, on_nvidia_gpu=False).why == "CUDA graphs stay off: no NVIDIA CUDA GPU"
+    )
+
+
+def test_auto_receive_rows_are_exact_without_ep(monkeypatch, caplog):
+    config = parse_on_a_gpu_host(monkeypatch, caplog, "1")
+    assert {d.ep_receive_rows for d in routing_dispatchers(config)} == {"exact"}
+    assert config.training.disable_cuda_graphs and auto_rows_line(caplog) is None
 
 
 @pytest.mark.parametrize(

@@ -152,9 +152,14 @@ def test_tiny_flavors_run_eager():
     assert not any(flavor.build().compile.enable for flavor in tiny)
 
 
-def test_show_tells_whether_a_flavor_compiles(capsys):
+def test_show_tells_whether_a_flavor_compiles(capsys, tmp_path):
     assert main(["--show", "olmoe-1b-7b"]) == 0
     (training,) = [line for line in capsys.readouterr().out.splitlines() if line.split()[0] == "training"]
-    assert training.endswith("params in bfloat16, compile on, cuda_graphs off"), training
-    assert main(["--show", TINY]) == 0
-    assert "compile off, cuda_graphs off" in capsys.readouterr().out
+    assert training.endswith(
+        "params in bfloat16, compile on, cuda_graphs off (on under expert parallelism where "
+        "moe.ep_receive_rows = 'auto' picks static rows)"
+    ), training
+    exact_rows = tmp_path / "exact_rows.toml"
+    exact_rows.write_text('[moe]\nep_receive_rows = "exact"\n')
+    assert main(["--show", TINY, "--toml", str(exact_rows)]) == 0
+    assert "compile off, cuda_graphs off\n" in capsys.readouterr().out

@@ -86,6 +86,7 @@ def test_scale_suite_runs_every_model_and_layout_next_to_its_stock_baseline(suit
                             *runs_module.ALL_TO_ALL,
                             *runs_module.GROUPED_MM,
                             *runs_module.CUDA_GRAPHS_PRESET,
+                            *runs_module.EXACT_ROWS,
                         )
                     ]
                     assert project_only == stock[0].args
@@ -155,6 +156,11 @@ def test_every_ep_run_trains_over_the_transport_its_name_says_on_a_gpu_host(suit
         config = parsed(run, monkeypatch)
         transports = {d.ep_transport for d in nested_configs(config, RoutingDispatcher.Config)}
         assert transports == {"symm_mem" if "symm_mem" in run.name.split() else "all_to_all"}, run.name
+        receive_rows = {d.ep_receive_rows for d in nested_configs(config, RoutingDispatcher.Config)}
+        graphed = "cuda_graphs" in run.name or "defaults" in run.name.split()
+        static = graphed or "static_rows" in run.name.split()
+        assert receive_rows == {"static" if static else "exact"}, run.name
+        assert config.training.disable_cuda_graphs != graphed, run.name
 
 
 @pytest.mark.parametrize("suite", ["full", *SCALE_SUITES])
@@ -331,7 +337,8 @@ def test_tasks_refuse_a_host_with_too_few_gpus(tmp_path, task, needed):
 def test_two_gpu_suites_compare_with_for_loop_and_with_stock_compiled():
     tiny = all_runs("tiny")
     for run in tiny:
-        backend, _, layout = run.name.removesuffix(" cuda_graphs").removesuffix(" compiled").partition(" ")
+        name = run.name.removesuffix(" defaults").removesuffix(" cuda_graphs")
+        backend, _, layout = name.removesuffix(" compiled").partition(" ")
         eager_for_loop = backend == "for_loop" and not run.name.endswith("compiled")
         expected = None if eager_for_loop or "warm" in layout else f"for_loop {layout}"
         assert run.reference == expected, run.name
@@ -383,7 +390,8 @@ def test_tiny_suite_compiles_every_backend_at_every_layout(monkeypatch):
     for backend in runs_module.TINY_BACKENDS:
         for layout in ("ep1 1gpu", "ep2 all_to_all", "ep2 symm_mem"):
             eager, compiled = tiny[f"{backend} {layout}"], tiny[f"{backend} {layout} compiled"]
-            assert compiled.args == [*eager.args, *runs_module.COMPILE] and compiled.flavor == eager.flavor
+            exact = runs_module.EXACT_ROWS if compiled.gpus > 1 else []
+            assert compiled.args == [*eager.args, *runs_module.COMPILE, *exact] and compiled.flavor == eager.flavor
             assert parsed(compiled, monkeypatch).compile.enable and not parsed(eager, monkeypatch).compile.enable
 
 
@@ -391,6 +399,8 @@ def test_tiny_suite_trains_triton_under_cuda_graphs_against_for_loop_eager_on_on
     tiny = {run.name: run for run in all_runs("tiny")}
     graphed = [run for run in tiny.values() if "cuda_graphs" in run.name]
     assert [(run.gpus, run.reference) for run in graphed] == [(1, "for_loop ep1 1gpu"), (2, "for_loop ep2 symm_mem")]
+    defaults = tiny["triton ep2 symm_mem compiled defaults"]
+    assert defaults.reference == "for_loop ep2 symm_mem" and "--moe.ep_receive_rows" not in defaults.args
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the triton backend parses on a host without CUDA
     for run in graphed:
         assert "--training.no-disable-cuda-graphs" in run.args and tiny[run.reference].args[0] == run.args[0]
@@ -532,7 +542,7 @@ def test_profile_task_takes_a_flavor_its_gpus_and_its_stock_sibling(tmp_path, mo
     flavors = [options[options.index("--flavor") + 1] for options in trains]
     assert flavors == ["deepseek-v3-16b-torchtitan-moe", "deepseek-v3-16b", "deepseek-v3-16b"]
     assert "examples/triton.toml" not in trains[0] and "examples/triton.toml" in trains[1]
-    assert "--moe.experts_apply_scores" in trains[2]
+    assert trains[2][trains[2].index("--moe.ep_receive_rows") + 1] == "exact"  # the step that waits for the host
     for options in trains:
         assert "--nproc_per_node=4" in options
         assert options[options.index("--parallelism.expert_parallel_degree") + 1] == "4"

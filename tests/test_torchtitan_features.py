@@ -9,6 +9,7 @@ import torch
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.experiments.moe_backends.experts import backend_names
 from torchtitan_ext.experiments.moe_backends.flavors import tiny_flavor_name
+from torchtitan_ext.experiments.moe_backends.layer import routing_dispatchers
 from torchtitan_ext.run_training import FlavorConfigManager
 
 CUDA_GRAPHS = "--training.no-disable-cuda-graphs"
@@ -34,12 +35,14 @@ def test_cuda_graphs_refused_for_backends_that_read_counts_on_the_host(monkeypat
 
 
 def test_cuda_graphs_under_ep_need_a_sync_free_dispatch(monkeypatch):
-    """Static received rows make either EP transport read nothing on the host."""
+    """Static received rows make either EP transport read nothing on the host: exact rows are refused
+    under CUDA graphs, and "auto" (the default) picks static rows there."""
     flavor = ["--flavor", "tiny-moe-triton", "--parallelism.ep", "2", CUDA_GRAPHS]
     for transport in ("all_to_all", "symm_mem"):
         with pytest.raises(ConfigError, match=r"row counts on the host \(set moe\.ep_receive_rows = 'static'\)"):
-            parse(monkeypatch, *flavor, "--moe.ep_transport", transport, world=2)
-        parse(monkeypatch, *flavor, "--moe.ep_transport", transport, "--moe.ep_receive_rows", "static", world=2)
+            parse(monkeypatch, *flavor, "--moe.ep_transport", transport, "--moe.ep_receive_rows", "exact", world=2)
+        config = parse(monkeypatch, *flavor, "--moe.ep_transport", transport, world=2)
+        assert {dispatcher.ep_receive_rows for dispatcher in routing_dispatchers(config)} == {"static"}
 
 
 def test_cuda_graphs_accepted_without_ep_for_backends_that_never_wait(monkeypatch):

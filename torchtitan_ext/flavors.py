@@ -90,6 +90,18 @@ def moe_layer_summary(model_config) -> str:
     return "; ".join(f"{count} x ({kind})" for kind, count in kinds.items()) or "none"
 
 
+def cuda_graphs_summary(config) -> str:
+    """``on``, ``off``, or where the MoE dispatchers' ``ep_receive_rows`` is ``"auto"``, off with the rule
+    that may turn them on at start-up."""
+    if not config.training.disable_cuda_graphs:
+        return "on"
+    from torchtitan_ext.experiments.moe_backends.layer import routing_dispatchers
+
+    if any(dispatcher.ep_receive_rows == "auto" for dispatcher in routing_dispatchers(config)):
+        return "off (on under expert parallelism where moe.ep_receive_rows = 'auto' picks static rows)"
+    return "off"
+
+
 def concise_view(name: str, tomls: list[str], config) -> list[str]:
     """The settings a user looks at first, one line per area, named like the TOML keys."""
     from torchtitan_ext.model_size import human_count, parameter_counts
@@ -123,7 +135,7 @@ def concise_view(name: str, tomls: list[str], config) -> list[str]:
             f"steps {training.steps}, batch_size {training.local_batch_size}, seq_len {training.seq_len}, "
             f"lr {lr} (warmup {lr_scheduler.warmup_steps} steps, {lr_scheduler.decay_type} decay), "
             f"params in {training.mixed_precision_param}, compile {'on' if config.compile.enable else 'off'}, "
-            f"cuda_graphs {'off' if training.disable_cuda_graphs else 'on'}",
+            f"cuda_graphs {cuda_graphs_summary(config)}",
         ),
         (
             "parallelism",

@@ -29,6 +29,12 @@ Options (``Config``):
 After each dispatch, ``last_num_padding_rows`` (a 0-d int64 tensor on the tokens' device) holds
 the zero rows the experts computed on top of the real routed rows.
 
+- ``ep_receive_rows``: ``"exact"`` (the received rows counted on the host), ``"static"`` (the most a
+  rank can receive, nothing read on the host) or ``"auto"`` (the default): the start-up check
+  ``resolve_auto_ep_receive_rows`` replaces it by ``"static"`` where a compiled step over ``symm_mem``
+  then replays as a CUDA graph (``torchtitan_features.auto_receive_rows``), else by ``"exact"``. A
+  dispatcher built without the start-up checks counts ``"auto"`` as ``"exact"``.
+
 No host sync on the local path; each EP transport has one (split sizes / received row count),
 except with ``ep_receive_rows = "static"``.
 """
@@ -63,7 +69,7 @@ EPTransport = Literal["all_to_all", "symm_mem"]
 EP_TRANSPORTS: tuple[EPTransport, ...] = get_args(EPTransport)
 EPTransportChoice = Literal["auto", "all_to_all", "symm_mem"]
 EP_TRANSPORT_CHOICES: tuple[EPTransportChoice, ...] = get_args(EPTransportChoice)
-EPReceiveRows = Literal["exact", "static"]
+EPReceiveRows = Literal["auto", "exact", "static"]
 EP_RECEIVE_ROWS: tuple[str, ...] = get_args(EPReceiveRows)
 
 
@@ -81,11 +87,12 @@ class RoutingDispatcher(AllToAllTokenDispatcher):
         experts_apply_scores: bool = False
         """Under expert parallelism, the experts weight their rows by the router scores and combine sums
         them unweighted (no expert output kept for the scores' gradient)."""
-        ep_receive_rows: EPReceiveRows = "exact"
+        ep_receive_rows: EPReceiveRows = "auto"
         """``"exact"``: the rows an EP rank receives are counted on the host (one sync per dispatch);
         ``"static"`` (``align_size`` 1): the most a rank can receive, every step, with no host sync, so
         that the host runs ahead and a CUDA graph can capture the step (more activation memory;
-        ``all_to_all`` then sends every rank ``T`` rows, whether or not each token has a slot there)."""
+        ``all_to_all`` then sends every rank ``T`` rows, whether or not each token has a slot there);
+        ``"auto"``: one of them, chosen at start-up (see the module docstring)."""
 
         @property
         def host_sync_free(self) -> bool:

@@ -96,9 +96,9 @@ def moe_trainer_config(model_spec: ModelSpec, run: TrainingRun, *, expert_parall
             warmup_steps=run.warmup_steps, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.1
         ),
         compile=CompileConfig(enable=run.compile),
-        # CUDA graphs stay off: under expert parallelism a step is captured only with static received
-        # rows (torchtitan_features.py), and there olmoe-1b-7b trained no faster with graphs than
-        # without them, with more memory (docs/results/gpu_training.md).
+        # CUDA graphs off unless the start-up check of moe.ep_receive_rows = "auto" turns them on
+        # (cuda_graph_step.py): under expert parallelism a step is captured only with static received
+        # rows, which cost memory; without EP they were not measured against eager-launched steps.
         training=TrainingConfig(
             local_batch_size=run.local_batch_size, seq_len=run.seq_len, steps=run.steps, disable_cuda_graphs=True
         ),

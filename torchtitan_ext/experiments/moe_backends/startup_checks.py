@@ -5,7 +5,9 @@
 dispatcher, Triton or one host where chosen, the parallel layout against the experts, align_size
 against the routed rows of a step. ``check_compute_backends_run_here`` refuses a backend this
 machine cannot run; ``resolve_auto_backend`` then replaces "auto" by the fastest backend here,
-and ``resolve_auto_ep_transport`` an "auto" EP transport by the one that runs fastest here.
+and ``resolve_auto_ep_transport`` an "auto" EP transport by the one that runs fastest here,
+``resolve_auto_ep_receive_rows`` an "auto" ``ep_receive_rows`` by static rows under CUDA graphs where
+they replay the step, else exact rows.
 ``warn_of_ep_options_without_ep`` warns of EP options set for a run without expert parallelism;
 ``check_experts_apply_scores`` refuses ``experts_apply_scores`` where the backend or the transport
 (both resolved by then) cannot apply it.
@@ -13,6 +15,7 @@ and ``resolve_auto_ep_transport`` an "auto" EP transport by the one that runs fa
 
 import shlex
 
+import torch
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.config import ConfigError
@@ -25,6 +28,7 @@ from torchtitan_ext.place_in_launch import world_size as launch_world_size
 from torchtitan_ext.validation import named
 
 from .auto_backend import AUTO_COMMAND_OUTLINE, AutoBackendError, UncachedAutoChoice, resolve_auto_compute_backend
+from .cuda_graph_step import auto_receive_rows
 from .dispatcher import (
     RoutingDispatcher,
     chosen_ep_transport,
@@ -152,6 +156,60 @@ def resolve_auto_ep_transport(config) -> None:
         logger.info(f"moe.ep_transport = 'auto' -> {choice!r} ({why})")
 
 
+@register_config_check
+def resolve_auto_ep_receive_rows(config) -> None:
+    """Before training: ``moe.ep_receive_rows = "auto"`` becomes ``"exact"`` without expert parallelism,
+    else the choice of ``auto_receive_rows``. Where that choice turns CUDA graphs on, the experts also
+    apply the router scores (``experts_apply_scores``) unless a TOML file or the command line set it or
+    they cannot; rank 0 logs the choice and why (on NVIDIA GPUs, or where it is static)."""
+    dispatchers = [dispatcher for dispatcher in routing_dispatchers(config) if dispatcher.ep_receive_rows == "auto"]
+    if not dispatchers:
+        return
+    ep = config.parallelism.expert_parallel_degree
+    if ep <= 1:
+        for dispatcher in dispatchers:
+            dispatcher.ep_receive_rows = "exact"
+        return
+    on_nvidia_gpu = torch.cuda.is_available() and torch.version.hip is None
+    choice = auto_receive_rows(config, on_nvidia_gpu)
+    for dispatcher in dispatchers:
+        dispatcher.ep_receive_rows = choice.rows
+    turned_on = []
+    if choice.turns_on_cuda_graphs:
+        config.training.disable_cuda_graphs = False
+        turned_on.append("training.disable_cuda_graphs -> false")
+        if not value_source("moe.experts_apply_scores") and experts_can_apply_scores(config):
+            for dispatcher in routing_dispatchers(config):
+                dispatcher.experts_apply_scores = True
+            turned_on.append("moe.experts_apply_scores -> true")
+    if is_rank_zero() and (on_nvidia_gpu or choice.rows == "static"):
+        opt_out = "; --moe.ep_receive_rows exact keeps them off" if choice.turns_on_cuda_graphs else ""
+        logger.info(
+            f"moe.ep_receive_rows = 'auto' -> {choice.rows!r}{''.join(', ' + t for t in turned_on)} "
+            f"({choice.why}{opt_out})"
+        )
+
+
+def experts_apply_scores_errors(moe, expert_parallel_degree: int) -> list[str]:
+    """Why the MoE layer ``moe`` (with the project's dispatcher) cannot have its experts apply the router
+    scores under expert parallelism (empty: it can): its experts (the resolved backend, in its precision)
+    must weight their rows and its resolved transport give each row its score."""
+    dispatcher, experts = moe.routed_experts.token_dispatcher, moe.routed_experts.inner_experts
+    transport = chosen_ep_transport(dispatcher.ep_transport, expert_parallel_degree)
+    reasons = (experts_row_weighting_error(experts), row_scores_unsupported_reason(transport, dispatcher.align_size))
+    return [reason for reason in reasons if reason is not None]
+
+
+def experts_can_apply_scores(config) -> bool:
+    """Whether every MoE layer has the project's dispatcher and ``experts_apply_scores_errors`` finds nothing."""
+    ep = config.parallelism.expert_parallel_degree
+    return all(
+        isinstance(moe.routed_experts.token_dispatcher, RoutingDispatcher.Config)
+        and not experts_apply_scores_errors(moe, ep)
+        for _, moe, _, _ in config.model_spec.model.traverse(RoutedMoE.Config)
+    )
+
+
 EP_ONLY_OPTIONS = ("ep_transport", "ep_receive_rows", "experts_apply_scores")
 """The dispatcher options that take effect only under expert parallelism."""
 
@@ -180,19 +238,13 @@ def check_experts_apply_scores(config) -> None:
     ep = config.parallelism.expert_parallel_degree
     if config.model_spec is None or ep <= 1:
         return
-    errors = []
-    for _, moe, _, _ in config.model_spec.model.traverse(RoutedMoE.Config):
-        dispatcher, experts = moe.routed_experts.token_dispatcher, moe.routed_experts.inner_experts
-        if not (isinstance(dispatcher, RoutingDispatcher.Config) and dispatcher.experts_apply_scores):
-            continue
-        transport = chosen_ep_transport(dispatcher.ep_transport, ep)
-        reasons = (
-            experts_row_weighting_error(experts),
-            row_scores_unsupported_reason(transport, dispatcher.align_size),
-        )
-        for reason in reasons:
-            if reason is not None:
-                errors.append(f"{option_key('experts_apply_scores')} = true: {reason}")
+    errors = [
+        f"{option_key('experts_apply_scores')} = true: {reason}"
+        for _, moe, _, _ in config.model_spec.model.traverse(RoutedMoE.Config)
+        if isinstance(moe.routed_experts.token_dispatcher, RoutingDispatcher.Config)
+        and moe.routed_experts.token_dispatcher.experts_apply_scores
+        for reason in experts_apply_scores_errors(moe, ep)
+    ]
     if errors:
         raise ConfigError("\n".join(dict.fromkeys(errors)))
 

@@ -145,8 +145,9 @@ _option_key(
 _option_key(
     "ep_receive_rows",
     EPReceiveRows,
-    "rows an EP rank receives: exact (counted on the host) or static (the most possible, no host sync, "
-    "CUDA graphs can capture the step; all_to_all then sends every rank T rows)",
+    "rows an EP rank receives: exact (counted on the host), static (the most possible, no host sync, "
+    "CUDA graphs can capture the step; all_to_all then sends every rank T rows) or auto (static, with CUDA "
+    "graphs turned on, where a compiled step over symm_mem replays as one; else exact)",
     dispatcher_configs,
 )
 

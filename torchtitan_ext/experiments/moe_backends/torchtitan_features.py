@@ -24,7 +24,6 @@ layers cannot honour is refused with the reason (exit 2), never silently ignored
   model computing in bf16: refused.
 """
 
-import torch
 from torchtitan.config.override import derive
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 
@@ -32,36 +31,11 @@ from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.checks import register_config_check
 from torchtitan_ext.registry import register_config_adapter
 
+from .cuda_graph_step import cuda_graph_blockers
 from .dispatcher import RoutingDispatcher
-from .experts import BackendGroupedExperts, host_sync_backends
-from .grouped_matmul import reads_offsets_on_host
+from .experts import BackendGroupedExperts
 
 SUPPORTED_SPMD_BACKEND = "partial_dtensor"
-
-
-def cuda_graph_blockers(config) -> list[str]:
-    """Why a CUDA-graph capture of this config's training step would not replay correctly (empty: it would)."""
-    model = config.model_spec.model
-    reasons = []
-    backends = sorted({experts.compute_backend for _, experts, _, _ in model.traverse(BackendGroupedExperts.Config)})
-    syncing = [b for b in backends if b in host_sync_backends()]
-    if syncing:
-        reasons.append(
-            f"compute_backend {', '.join(syncing)} reads expert counts on the host (use grouped_mm or triton)"
-        )
-    dtype = getattr(torch, config.training.mixed_precision_param)
-    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    if "grouped_mm" in backends and reads_offsets_on_host(dtype, capability):
-        device = f" on compute capability {capability[0]}.{capability[1]}" if capability else ""
-        reasons.append(
-            f"compute_backend grouped_mm in {config.training.mixed_precision_param}{device} reads its group "
-            "offsets on the host (torch._grouped_mm has one grouped kernel only for bfloat16 on compute "
-            "capability 9.x or 10.x: set training.mixed_precision_param = 'bfloat16' there, or use triton)"
-        )
-    dispatchers = [d for _, d, _, _ in model.traverse(RoutingDispatcher.Config)]
-    if config.parallelism.expert_parallel_degree > 1 and not all(d.host_sync_free for d in dispatchers):
-        reasons.append("the EP dispatch reads its row counts on the host (set moe.ep_receive_rows = 'static')")
-    return reasons
 
 
 TORCHTITAN_FLOAT8_MODULE = "torchtitan.components.quantization.float8"
