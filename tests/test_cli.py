@@ -287,6 +287,12 @@ def test_auto_receive_rows_turn_on_cuda_graphs_where_a_compiled_symm_mem_step_re
         (["--compile.enable", "false"], "2", "the model runs eager"),
         (["--moe.compute_backend", "for_loop"], "2", "compute_backend for_loop reads expert counts on the host"),
         (["--moe.compute_backend", "grouped_mm"], "2", "compute_backend grouped_mm in float32"),
+        (
+            ["--moe.compute_backend", "grouped_mm", "--training.mixed_precision_param", "bfloat16"],
+            "2",
+            "the experts cannot apply the router scores (compute_backend 'grouped_mm'",
+        ),
+        (["--moe.experts_apply_scores", "false"], "2", "experts_apply_scores = false (command line): static rows"),
         (["--training.disable_cuda_graphs", "true"], "2", "CUDA graphs are off (command line)"),
     ],
 )
@@ -308,13 +314,15 @@ def test_auto_receive_rows_stop_where_the_static_buffers_were_not_measured(monke
 
 
 def test_set_options_win_over_the_auto_receive_rows(monkeypatch, caplog):
-    """A TOML file's or the command line's ep_receive_rows and experts_apply_scores are kept; CUDA graphs
-    asked for over all_to_all take static rows, which a captured step needs."""
+    """A TOML file's or the command line's ep_receive_rows and experts_apply_scores are kept (the latter
+    false: exact rows, above); CUDA graphs asked for over all_to_all take static rows, which a captured
+    step needs."""
     config = parse_on_a_gpu_host(monkeypatch, caplog, "2", "--moe.ep_receive_rows", "exact")
     assert {d.ep_receive_rows for d in routing_dispatchers(config)} == {"exact"}
     assert config.training.disable_cuda_graphs and auto_rows_line(caplog) is None
-    config = parse_on_a_gpu_host(monkeypatch, caplog, "2", "--moe.experts_apply_scores", "false")
-    assert {(d.ep_receive_rows, d.experts_apply_scores) for d in routing_dispatchers(config)} == {("static", False)}
+    config = parse_on_a_gpu_host(monkeypatch, caplog, "2", "--moe.experts_apply_scores", "true")
+    assert {(d.ep_receive_rows, d.experts_apply_scores) for d in routing_dispatchers(config)} == {("static", True)}
+    assert "-> 'static', training.disable_cuda_graphs -> false (" in auto_rows_line(caplog)
     args = ["--moe.ep_transport", "all_to_all", "--training.disable_cuda_graphs", "false"]
     config = parse_on_a_gpu_host(monkeypatch, caplog, "2", *args)
     assert {(d.ep_receive_rows, d.experts_apply_scores) for d in routing_dispatchers(config)} == {("static", False)}

@@ -5,7 +5,9 @@ A captured step replays kernels only, so nothing may be read on the host (``cuda
 not the expert counts of ``for_loop`` / ``batched_mm_padded``, not ``torch._grouped_mm``'s offsets
 outside bf16 on Hopper / Blackwell, not the EP dispatch's received row count (``ep_receive_rows =
 "exact"``). ``auto_receive_rows`` picks static rows where CUDA graphs are on, and turns the flavor's
-CUDA graphs on where a compiled step over ``symm_mem`` was measured faster with them.
+CUDA graphs on where a compiled step over ``symm_mem`` was measured faster with them: with experts that
+apply the router scores (``experts_apply_scores``), so that no expert output is kept for the static
+rows, which hold every row a rank can receive.
 """
 
 from dataclasses import dataclass
@@ -14,11 +16,12 @@ import torch
 
 from torchtitan_ext.config.value_sources import value_source
 
-from .dispatcher import EPReceiveRows, chosen_ep_transport
+from .dispatcher import EPReceiveRows, RoutingDispatcher, chosen_ep_transport, row_scores_unsupported_reason
 from .ep_symm_mem import static_receive_rows
-from .experts import BackendGroupedExperts, host_sync_backends
+from .experts import BackendGroupedExperts, experts_row_weighting_error, host_sync_backends
 from .grouped_matmul import reads_offsets_on_host
 from .layer import routing_dispatchers
+from .moe import RoutedMoE
 
 
 def experts_graph_blockers(config) -> list[str]:
@@ -73,7 +76,8 @@ def auto_receive_rows(config, on_nvidia_gpu: bool) -> ReceiveRowsChoice:
     where CUDA graphs are on (a captured EP step needs it); ``"exact"`` where a TOML file or the command
     line turned them off; else, CUDA graphs being only the flavor's default off, ``"static"`` with CUDA
     graphs turned on where a compiled step over ``symm_mem`` on NVIDIA GPUs replays as a CUDA graph, in
-    native precision, with static receive buffers at most ``STATIC_ROWS_AUTO_UP_TO`` times a balanced
+    native precision, with experts that can apply the router scores (and are not told not to), and static
+    receive buffers at most ``STATIC_ROWS_AUTO_UP_TO`` times a balanced
     step's rows, and ``"exact"`` with the first reason against it otherwise."""
     ep = config.parallelism.expert_parallel_degree
     if not config.training.disable_cuda_graphs:
@@ -113,4 +117,33 @@ def graphs_left_off_reason(config, on_nvidia_gpu: bool, static_rows_factor: floa
         return f"expert_precision {', '.join(precisions)} is not measured under CUDA graphs"
     if config.parallelism.pipeline_parallel_degree > 1:
         return "pipeline parallelism"
-    return next(iter(experts_graph_blockers(config)), None)
+    if blockers := experts_graph_blockers(config):
+        return blockers[0]
+    layers = [
+        moe
+        for _, moe, _, _ in config.model_spec.model.traverse(RoutedMoE.Config)
+        if isinstance(moe.routed_experts.token_dispatcher, RoutingDispatcher.Config)
+    ]
+    if scores_errors := [error for moe in layers for error in experts_apply_scores_errors(moe, ep)]:
+        return (
+            f"the experts cannot apply the router scores ({scores_errors[0]}), so static rows would keep "
+            "their outputs for every row a rank can receive"
+        )
+    if (source := value_source("moe.experts_apply_scores")) and not all(
+        moe.routed_experts.token_dispatcher.experts_apply_scores for moe in layers
+    ):
+        return (
+            f"experts_apply_scores = false ({source}): static rows would keep the experts' outputs for every "
+            "row a rank can receive"
+        )
+    return None
+
+
+def experts_apply_scores_errors(moe, expert_parallel_degree: int) -> list[str]:
+    """Why the MoE layer ``moe`` (with the project's dispatcher) cannot have its experts apply the router
+    scores under expert parallelism (empty: it can): its experts (the resolved backend, in its precision)
+    must weight their rows and its resolved transport give each row its score."""
+    dispatcher, experts = moe.routed_experts.token_dispatcher, moe.routed_experts.inner_experts
+    transport = chosen_ep_transport(dispatcher.ep_transport, expert_parallel_degree)
+    reasons = (experts_row_weighting_error(experts), row_scores_unsupported_reason(transport, dispatcher.align_size))
+    return [reason for reason in reasons if reason is not None]

@@ -28,18 +28,16 @@ from torchtitan_ext.place_in_launch import world_size as launch_world_size
 from torchtitan_ext.validation import named
 
 from .auto_backend import AUTO_COMMAND_OUTLINE, AutoBackendError, UncachedAutoChoice, resolve_auto_compute_backend
-from .cuda_graph_step import auto_receive_rows
+from .cuda_graph_step import auto_receive_rows, experts_apply_scores_errors
 from .dispatcher import (
     RoutingDispatcher,
     chosen_ep_transport,
-    row_scores_unsupported_reason,
     symm_mem_errors,
     symm_mem_unfit_reason,
 )
 from .experts import (
     BackendGroupedExperts,
     backend_unavailable_reason,
-    experts_row_weighting_error,
     resolved_at_startup,
     runnable_backends,
 )
@@ -160,8 +158,8 @@ def resolve_auto_ep_transport(config) -> None:
 def resolve_auto_ep_receive_rows(config) -> None:
     """Before training: ``moe.ep_receive_rows = "auto"`` becomes ``"exact"`` without expert parallelism,
     else the choice of ``auto_receive_rows``. Where that choice turns CUDA graphs on, the experts also
-    apply the router scores (``experts_apply_scores``) unless a TOML file or the command line set it or
-    they cannot; rank 0 logs the choice and why (on NVIDIA GPUs, or where it is static)."""
+    apply the router scores (``experts_apply_scores``, which the choice needs); rank 0 logs the choice
+    and why (on NVIDIA GPUs, or where it is static)."""
     dispatchers = [dispatcher for dispatcher in routing_dispatchers(config) if dispatcher.ep_receive_rows == "auto"]
     if not dispatchers:
         return
@@ -178,7 +176,7 @@ def resolve_auto_ep_receive_rows(config) -> None:
     if choice.turns_on_cuda_graphs:
         config.training.disable_cuda_graphs = False
         turned_on.append("training.disable_cuda_graphs -> false")
-        if not value_source("moe.experts_apply_scores") and experts_can_apply_scores(config):
+        if not value_source("moe.experts_apply_scores"):
             for dispatcher in routing_dispatchers(config):
                 dispatcher.experts_apply_scores = True
             turned_on.append("moe.experts_apply_scores -> true")
@@ -188,26 +186,6 @@ def resolve_auto_ep_receive_rows(config) -> None:
             f"moe.ep_receive_rows = 'auto' -> {choice.rows!r}{''.join(', ' + t for t in turned_on)} "
             f"({choice.why}{opt_out})"
         )
-
-
-def experts_apply_scores_errors(moe, expert_parallel_degree: int) -> list[str]:
-    """Why the MoE layer ``moe`` (with the project's dispatcher) cannot have its experts apply the router
-    scores under expert parallelism (empty: it can): its experts (the resolved backend, in its precision)
-    must weight their rows and its resolved transport give each row its score."""
-    dispatcher, experts = moe.routed_experts.token_dispatcher, moe.routed_experts.inner_experts
-    transport = chosen_ep_transport(dispatcher.ep_transport, expert_parallel_degree)
-    reasons = (experts_row_weighting_error(experts), row_scores_unsupported_reason(transport, dispatcher.align_size))
-    return [reason for reason in reasons if reason is not None]
-
-
-def experts_can_apply_scores(config) -> bool:
-    """Whether every MoE layer has the project's dispatcher and ``experts_apply_scores_errors`` finds nothing."""
-    ep = config.parallelism.expert_parallel_degree
-    return all(
-        isinstance(moe.routed_experts.token_dispatcher, RoutingDispatcher.Config)
-        and not experts_apply_scores_errors(moe, ep)
-        for _, moe, _, _ in config.model_spec.model.traverse(RoutedMoE.Config)
-    )
 
 
 EP_ONLY_OPTIONS = ("ep_transport", "ep_receive_rows", "experts_apply_scores")
