@@ -506,6 +506,13 @@ def scale_runs(gpus: int, local_batch_size: int) -> list[list[Run]]:
                     baseline,
                 ),
                 Run(
+                    f"{layout} triton compiled symm_mem defaults",
+                    model,
+                    gpus,
+                    [*args, *TRITON, *SYMM_MEM, *COMPILE],
+                    baseline,
+                ),
+                Run(
                     f"{layout} triton compiled symm_mem cuda_graphs apply_scores",
                     model,
                     gpus,

@@ -14,7 +14,9 @@ from helpers import nested_configs
 
 import torchtitan_ext.model_size
 from torchtitan_ext.experiments.moe_backends import startup_checks
+from torchtitan_ext.experiments.moe_backends.cuda_graph_step import STATIC_ROWS_AUTO_UP_TO
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
+from torchtitan_ext.experiments.moe_backends.ep_symm_mem import static_receive_rows
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.run_training import FlavorConfigManager
 
@@ -67,6 +69,7 @@ def test_scale_suite_runs_every_model_and_layout_next_to_its_stock_baseline(suit
                 "triton compiled",
                 "triton compiled symm_mem",
                 "triton compiled symm_mem cuda_graphs apply_scores",
+                "triton compiled symm_mem defaults",
             ]
             for run in layout:
                 assert expert_parallel_degree(run) == degree and "--compile.enable" in run.args
@@ -91,7 +94,7 @@ def test_scale_suite_runs_every_model_and_layout_next_to_its_stock_baseline(suit
                     ]
                     assert project_only == stock[0].args
     assert {expert_parallel_degree(r) for r in full_size} == expected_degrees
-    assert len(full_size) == 2 * len(expected_degrees) * 5
+    assert len(full_size) == 2 * len(expected_degrees) * 6
 
 
 @pytest.mark.parametrize("suite, gpus", SCALE_SUITES.items())
@@ -146,7 +149,9 @@ def test_every_scale_run_parses_and_trains_the_named_backend_and_transport(suite
 @pytest.mark.parametrize("suite", runs_module.SUITES)
 def test_every_ep_run_trains_over_the_transport_its_name_says_on_a_gpu_host(suite, monkeypatch):
     """On one host of CUDA GPUs (H100s) the default transport, "auto", is symm_mem: each EP run of
-    the project's layers names its transport, so it trains over the one its name says."""
+    the project's layers names its transport, so it trains over the one its name says; it trains under
+    CUDA graphs with static rows where its name says so, or says "defaults" and its static receive
+    buffers are no larger than measured."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -156,8 +161,13 @@ def test_every_ep_run_trains_over_the_transport_its_name_says_on_a_gpu_host(suit
         config = parsed(run, monkeypatch)
         transports = {d.ep_transport for d in nested_configs(config, RoutingDispatcher.Config)}
         assert transports == {"symm_mem" if "symm_mem" in run.name.split() else "all_to_all"}, run.name
-        receive_rows = {d.ep_receive_rows for d in nested_configs(config, RoutingDispatcher.Config)}
-        graphed = "cuda_graphs" in run.name or "defaults" in run.name.split()
+        dispatchers = nested_configs(config, RoutingDispatcher.Config)
+        receive_rows = {d.ep_receive_rows for d in dispatchers}
+        ep = expert_parallel_degree(run)
+        measured_static_rows = all(
+            static_receive_rows(1, ep, d.top_k, d.num_experts) / d.top_k <= STATIC_ROWS_AUTO_UP_TO for d in dispatchers
+        )
+        graphed = "cuda_graphs" in run.name or ("defaults" in run.name.split() and measured_static_rows)
         static = graphed or "static_rows" in run.name.split()
         assert receive_rows == {"static" if static else "exact"}, run.name
         assert config.training.disable_cuda_graphs != graphed, run.name
