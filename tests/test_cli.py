@@ -259,8 +259,9 @@ def parse_on_a_gpu_host(monkeypatch, caplog, ep: str, *args: str):
         )
 
 
-def auto_rows_line(caplog) -> str | None:
-    return next((line for line in caplog.text.splitlines() if "moe.ep_receive_rows = 'auto' ->" in line), None)
+def auto_rows_line(caplog) -> str:
+    """The start-up log's line on what ``moe.ep_receive_rows = "auto"`` became ("" where none was logged)."""
+    return next((line for line in caplog.text.splitlines() if "moe.ep_receive_rows = 'auto' ->" in line), "")
 
 
 def test_auto_receive_rows_turn_on_cuda_graphs_where_a_compiled_symm_mem_step_replays(monkeypatch, caplog):
@@ -301,7 +302,7 @@ def test_auto_receive_rows_stay_exact_with_the_reason(monkeypatch, caplog, args,
     assert {d.ep_receive_rows for d in routing_dispatchers(config)} == {"exact"}
     assert config.training.disable_cuda_graphs and not any(d.experts_apply_scores for d in routing_dispatchers(config))
     line = auto_rows_line(caplog)
-    assert line is not None and "-> 'exact' (" in line and why in line, line
+    assert "-> 'exact' (" in line and why in line, line
 
 
 def test_auto_receive_rows_stop_where_the_static_buffers_were_not_measured(monkeypatch, caplog):
@@ -319,7 +320,7 @@ def test_set_options_win_over_the_auto_receive_rows(monkeypatch, caplog):
     step needs."""
     config = parse_on_a_gpu_host(monkeypatch, caplog, "2", "--moe.ep_receive_rows", "exact")
     assert {d.ep_receive_rows for d in routing_dispatchers(config)} == {"exact"}
-    assert config.training.disable_cuda_graphs and auto_rows_line(caplog) is None
+    assert config.training.disable_cuda_graphs and not auto_rows_line(caplog)
     config = parse_on_a_gpu_host(monkeypatch, caplog, "2", "--moe.experts_apply_scores", "true")
     assert {(d.ep_receive_rows, d.experts_apply_scores) for d in routing_dispatchers(config)} == {("static", True)}
     assert "-> 'static', training.disable_cuda_graphs -> false (" in auto_rows_line(caplog)
@@ -346,7 +347,7 @@ def test_auto_receive_rows_leave_fp8_experts_without_cuda_graphs(monkeypatch, ca
 def test_auto_receive_rows_are_exact_without_ep(monkeypatch, caplog):
     config = parse_on_a_gpu_host(monkeypatch, caplog, "1")
     assert {d.ep_receive_rows for d in routing_dispatchers(config)} == {"exact"}
-    assert config.training.disable_cuda_graphs and auto_rows_line(caplog) is None
+    assert config.training.disable_cuda_graphs and not auto_rows_line(caplog)
 
 
 @pytest.mark.parametrize(
