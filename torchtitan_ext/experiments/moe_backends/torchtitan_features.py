@@ -15,8 +15,9 @@ layers cannot honour is refused with the reason (exit 2), never silently ignored
   backends (they read expert counts), for ``grouped_mm`` outside bf16 parameters or on GPUs other
   than Hopper / Blackwell (``torch._grouped_mm`` then reads its offsets on the host,
   ``grouped_matmul.reads_offsets_on_host``) and, under expert parallelism, unless every dispatcher is
-  sync-free (``moe.ep_receive_rows = "static"``, over either EP transport; torchtitan's own check is
-  told so by ``compat.cuda_graph_dispatchers``).
+  sync-free (``moe.ep_receive_rows = "static"``, over either EP transport, which ``"auto"`` becomes
+  where CUDA graphs are on: ``cuda_graph_step``; torchtitan's own check is told so by
+  ``compat.cuda_graph_dispatchers``).
 - Quantizing converters subclass the experts module, but this experiment's experts compute
   through their backend function. torchtitan's float8 grouped-experts converter
   (``Float8GroupedExpertsConverter``, rowwise) is taken as ``moe.expert_precision =
