@@ -56,9 +56,10 @@ def cuda_graph_blockers(config) -> list[str]:
 
 STATIC_ROWS_AUTO_UP_TO = 4
 """The most received rows, as a multiple of a balanced step's, for which ``ep_receive_rows = "auto"`` turns
-on static rows and CUDA graphs, as far as they were measured against exact rows: 2 (olmoe-1b-7b at FSDP 2 x
-EP 2, 2x H200: 1.30-1.35x stock compiled where exact rows gave 1.07-1.31x) and 4 (deepseek-v3-16b at FSDP
-4 x EP 4, batch 1 x 2048, 4x H200: 2.5x the exact rows' tokens/s, 74.1 against 70.7 GiB reserved)."""
+on static rows and CUDA graphs, as far as they were measured against stock compiled and exact rows (all
+on H200s, docs/results/gpu_training.md): 2 (olmoe-1b-7b at FSDP 2 x EP 2, batch 4 x 2048: 1.29-1.34x
+stock compiled, where exact rows gave 1.00-1.25x) and 4 (FSDP 4 x EP 4, batch 1 x 2048: deepseek-v3-16b
+1.64x, where exact rows gave 0.59-0.62x; qwen3-30b-a3b 1.46x)."""
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,9 @@ def auto_receive_rows(config, on_nvidia_gpu: bool) -> ReceiveRowsChoice:
     where CUDA graphs are on (a captured EP step needs it); ``"exact"`` where a TOML file or the command
     line turned them off; else, CUDA graphs being only the flavor's default off, ``"static"`` with CUDA
     graphs turned on where a compiled step over ``symm_mem`` on NVIDIA GPUs replays as a CUDA graph, in
-    native precision, with experts that can apply the router scores (and are not told not to), and static
-    receive buffers at most ``STATIC_ROWS_AUTO_UP_TO`` times a balanced
-    step's rows, and ``"exact"`` with the first reason against it otherwise."""
+    native precision, with experts that can apply the router scores (and are not told not to), and
+    static receive buffers at most ``STATIC_ROWS_AUTO_UP_TO`` times a balanced step's rows; ``"exact"``
+    with the first reason against it otherwise."""
     ep = config.parallelism.expert_parallel_degree
     if not config.training.disable_cuda_graphs:
         return ReceiveRowsChoice("static", "CUDA graphs are on, and a captured EP step reads nothing on the host")

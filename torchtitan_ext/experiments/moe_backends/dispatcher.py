@@ -21,19 +21,19 @@ Options (``Config``):
 - ``align_size``: pad each local expert's rows with zero rows to a multiple of it (block-aligned
   kernels; ``grouping`` gives the padded buffer's static size). Padding rows are zeros, are never
   read back into the output, and get no gradient.
-- ``experts_apply_scores`` (off by default): under expert parallelism the experts multiply their rows
+- ``experts_apply_scores`` (off by default; ``ep_receive_rows = "auto"`` turns it on where it turns
+  CUDA graphs on): under expert parallelism the experts multiply their rows
   by the router scores (``row_scores``) and combine sums them unweighted (``sum_rows``), so no expert
   output is kept for the scores' gradient: less memory, for backends with a row-weighted path over
   the transports that give each row its score (``row_scores_unsupported_reason``).
+- ``ep_receive_rows``: ``"exact"`` (the received rows counted on the host), ``"static"`` (the most a
+  rank can receive, nothing read on the host) or ``"auto"`` (the default): the start-up check
+  ``resolve_auto_ep_receive_rows`` replaces it by ``"static"`` where CUDA graphs are on or a compiled
+  step over ``symm_mem`` replays as one (``cuda_graph_step.auto_receive_rows``), else by ``"exact"``.
+  A dispatcher built without the start-up checks counts ``"auto"`` as ``"exact"``.
 
 After each dispatch, ``last_num_padding_rows`` (a 0-d int64 tensor on the tokens' device) holds
 the zero rows the experts computed on top of the real routed rows.
-
-- ``ep_receive_rows``: ``"exact"`` (the received rows counted on the host), ``"static"`` (the most a
-  rank can receive, nothing read on the host) or ``"auto"`` (the default): the start-up check
-  ``resolve_auto_ep_receive_rows`` replaces it by ``"static"`` where a compiled step over ``symm_mem``
-  then replays as a CUDA graph (``torchtitan_features.auto_receive_rows``), else by ``"exact"``. A
-  dispatcher built without the start-up checks counts ``"auto"`` as ``"exact"``.
 
 No host sync on the local path; each EP transport has one (split sizes / received row count),
 except with ``ep_receive_rows = "static"``.
