@@ -337,10 +337,10 @@ def test_auto_receive_rows_leave_fp8_experts_without_cuda_graphs(monkeypatch, ca
     for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config):
         experts.expert_precision = "fp8_rowwise"
     config.training.disable_cuda_graphs = True
-    choice = cuda_graph_step.auto_receive_rows(config, on_nvidia_gpu=True)
+    choice = cuda_graph_step.auto_receive_rows(config, True, cuda_graph_step.SetBy())
     assert choice.rows == "exact" and "expert_precision fp8_rowwise is not measured under CUDA graphs" in choice.why
-    assert (
-        cuda_graph_step.auto_receive_rows(config, on_nvidia_gpu=False).why == "CUDA graphs stay off: no NVIDIA CUDA GPU"
+    assert cuda_graph_step.auto_receive_rows(config, False, cuda_graph_step.SetBy()).why == (
+        "CUDA graphs stay off: no NVIDIA CUDA GPU"
     )
 
 

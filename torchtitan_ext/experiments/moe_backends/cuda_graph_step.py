@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan_ext.config.value_sources import value_source
-
 from .dispatcher import EPReceiveRows, RoutingDispatcher, chosen_ep_transport, row_scores_unsupported_reason
 from .ep_symm_mem import static_receive_rows
 from .experts import BackendGroupedExperts, experts_row_weighting_error, host_sync_backends
@@ -72,7 +70,16 @@ class ReceiveRowsChoice:
     turns_on_cuda_graphs: bool = False
 
 
-def auto_receive_rows(config, on_nvidia_gpu: bool) -> ReceiveRowsChoice:
+@dataclass(frozen=True)
+class SetBy:
+    """Where a TOML file or the command line set the options ``auto_receive_rows`` weighs ("file:line",
+    "command line"; None: the flavor's default)."""
+
+    disable_cuda_graphs: str | None = None
+    experts_apply_scores: str | None = None
+
+
+def auto_receive_rows(config, on_nvidia_gpu: bool, set_by: SetBy) -> ReceiveRowsChoice:
     """The choice for a config under expert parallelism whose transports are resolved: ``"static"``
     where CUDA graphs are on (a captured EP step needs it); ``"exact"`` where a TOML file or the command
     line turned them off; else, CUDA graphs being only the flavor's default off, ``"static"`` with CUDA
@@ -83,11 +90,11 @@ def auto_receive_rows(config, on_nvidia_gpu: bool) -> ReceiveRowsChoice:
     ep = config.parallelism.expert_parallel_degree
     if not config.training.disable_cuda_graphs:
         return ReceiveRowsChoice("static", "CUDA graphs are on, and a captured EP step reads nothing on the host")
-    if source := value_source("training.disable_cuda_graphs"):
-        return ReceiveRowsChoice("exact", f"CUDA graphs are off ({source})")
+    if set_by.disable_cuda_graphs:
+        return ReceiveRowsChoice("exact", f"CUDA graphs are off ({set_by.disable_cuda_graphs})")
     dispatchers = routing_dispatchers(config)
     factor = max(static_receive_rows(1, ep, d.top_k, d.num_experts) / d.top_k for d in dispatchers)
-    reason = graphs_left_off_reason(config, on_nvidia_gpu, factor)
+    reason = graphs_left_off_reason(config, on_nvidia_gpu, factor, set_by.experts_apply_scores)
     if reason is not None:
         return ReceiveRowsChoice("exact", f"CUDA graphs stay off: {reason}")
     return ReceiveRowsChoice(
@@ -98,9 +105,12 @@ def auto_receive_rows(config, on_nvidia_gpu: bool) -> ReceiveRowsChoice:
     )
 
 
-def graphs_left_off_reason(config, on_nvidia_gpu: bool, static_rows_factor: float) -> str | None:
+def graphs_left_off_reason(
+    config, on_nvidia_gpu: bool, static_rows_factor: float, apply_scores_set_by: str | None
+) -> str | None:
     """The first reason ``auto_receive_rows`` leaves the flavor's CUDA graphs off (None: it turns them
-    on); ``static_rows_factor``: the static receive buffers as a multiple of a balanced step's rows."""
+    on); ``static_rows_factor``: the static receive buffers as a multiple of a balanced step's rows;
+    ``apply_scores_set_by``: where ``experts_apply_scores`` was set (None: the flavor's default)."""
     ep = config.parallelism.expert_parallel_degree
     if not on_nvidia_gpu:
         return "no NVIDIA CUDA GPU"
@@ -130,12 +140,10 @@ def graphs_left_off_reason(config, on_nvidia_gpu: bool, static_rows_factor: floa
             f"the experts cannot apply the router scores ({scores_errors[0]}), so static rows would keep "
             "their outputs for every row a rank can receive"
         )
-    if (source := value_source("moe.experts_apply_scores")) and not all(
-        moe.routed_experts.token_dispatcher.experts_apply_scores for moe in layers
-    ):
+    if apply_scores_set_by and not all(moe.routed_experts.token_dispatcher.experts_apply_scores for moe in layers):
         return (
-            f"experts_apply_scores = false ({source}): static rows would keep the experts' outputs for every "
-            "row a rank can receive"
+            f"experts_apply_scores = false ({apply_scores_set_by}): static rows would keep the experts' "
+            "outputs for every row a rank can receive"
         )
     return None
 

@@ -28,7 +28,7 @@ from torchtitan_ext.place_in_launch import world_size as launch_world_size
 from torchtitan_ext.validation import named
 
 from .auto_backend import AUTO_COMMAND_OUTLINE, AutoBackendError, UncachedAutoChoice, resolve_auto_compute_backend
-from .cuda_graph_step import auto_receive_rows, experts_apply_scores_errors
+from .cuda_graph_step import SetBy, auto_receive_rows, experts_apply_scores_errors
 from .dispatcher import (
     RoutingDispatcher,
     chosen_ep_transport,
@@ -169,14 +169,15 @@ def resolve_auto_ep_receive_rows(config) -> None:
             dispatcher.ep_receive_rows = "exact"
         return
     on_nvidia_gpu = torch.cuda.is_available() and torch.version.hip is None
-    choice = auto_receive_rows(config, on_nvidia_gpu)
+    set_by = SetBy(value_source("training.disable_cuda_graphs"), value_source("moe.experts_apply_scores"))
+    choice = auto_receive_rows(config, on_nvidia_gpu, set_by)
     for dispatcher in dispatchers:
         dispatcher.ep_receive_rows = choice.rows
     turned_on = []
     if choice.turns_on_cuda_graphs:
         config.training.disable_cuda_graphs = False
         turned_on.append("training.disable_cuda_graphs -> false")
-        if not value_source("moe.experts_apply_scores"):
+        if not set_by.experts_apply_scores:
             for dispatcher in routing_dispatchers(config):
                 dispatcher.experts_apply_scores = True
             turned_on.append("moe.experts_apply_scores -> true")
