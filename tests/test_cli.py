@@ -330,6 +330,14 @@ def test_set_options_win_over_the_auto_receive_rows(monkeypatch, caplog):
     assert "-> 'static' (CUDA graphs are on" in auto_rows_line(caplog)
 
 
+def test_auto_receive_rows_name_the_toml_line_that_keeps_them_exact(monkeypatch, caplog, tmp_path):
+    toml = tmp_path / "scores.toml"
+    toml.write_text("[moe]\nexperts_apply_scores = false\n")
+    config = parse_on_a_gpu_host(monkeypatch, caplog, "2", "--toml", str(toml))
+    assert {d.ep_receive_rows for d in routing_dispatchers(config)} == {"exact"}
+    assert f"experts_apply_scores = false ({toml}:2): static rows" in auto_rows_line(caplog)
+
+
 def test_auto_receive_rows_leave_fp8_experts_without_cuda_graphs(monkeypatch, caplog):
     config = parse_on_a_gpu_host(monkeypatch, caplog, "2", "--moe.ep_receive_rows", "exact")
     for dispatcher in routing_dispatchers(config):
