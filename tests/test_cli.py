@@ -272,10 +272,7 @@ def test_auto_receive_rows_turn_on_cuda_graphs_where_a_compiled_symm_mem_step_re
     }
     assert not config.training.disable_cuda_graphs
     line = auto_rows_line(caplog)
-    assert (
-        line is not None
-        and "-> 'static', training.disable_cuda_graphs -> false, moe.experts_apply_scores -> true" in line
-    )
+    assert "-> 'static', training.disable_cuda_graphs -> false, moe.experts_apply_scores -> true" in line
     assert "static receive buffers 2x a balanced step's rows" in line and "--moe.ep_receive_rows exact" in line
     assert "ep_receive_rows=static, experts_apply_scores=True, compile=on, cuda_graphs=on" in caplog.text
     assert run_metadata()["ep_receive_rows"] == "static"

@@ -14,9 +14,8 @@ from helpers import nested_configs
 
 import torchtitan_ext.model_size
 from torchtitan_ext.experiments.moe_backends import startup_checks
-from torchtitan_ext.experiments.moe_backends.cuda_graph_step import STATIC_ROWS_AUTO_UP_TO
+from torchtitan_ext.experiments.moe_backends.cuda_graph_step import STATIC_ROWS_AUTO_UP_TO, static_rows_factor
 from torchtitan_ext.experiments.moe_backends.dispatcher import RoutingDispatcher
-from torchtitan_ext.experiments.moe_backends.ep_symm_mem import static_receive_rows
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.run_training import FlavorConfigManager
 
@@ -163,10 +162,7 @@ def test_every_ep_run_trains_over_the_transport_its_name_says_on_a_gpu_host(suit
         assert transports == {"symm_mem" if "symm_mem" in run.name.split() else "all_to_all"}, run.name
         dispatchers = nested_configs(config, RoutingDispatcher.Config)
         receive_rows = {d.ep_receive_rows for d in dispatchers}
-        ep = expert_parallel_degree(run)
-        measured_static_rows = all(
-            static_receive_rows(1, ep, d.top_k, d.num_experts) / d.top_k <= STATIC_ROWS_AUTO_UP_TO for d in dispatchers
-        )
+        measured_static_rows = static_rows_factor(config) <= STATIC_ROWS_AUTO_UP_TO
         graphed = "cuda_graphs" in run.name or ("defaults" in run.name.split() and measured_static_rows)
         static = graphed or "static_rows" in run.name.split()
         assert receive_rows == {"static" if static else "exact"}, run.name

@@ -87,13 +87,11 @@ def auto_receive_rows(config, on_nvidia_gpu: bool, set_by: SetBy) -> ReceiveRows
     native precision, with experts that can apply the router scores (and are not told not to), and
     static receive buffers at most ``STATIC_ROWS_AUTO_UP_TO`` times a balanced step's rows; ``"exact"``
     with the first reason against it otherwise."""
-    ep = config.parallelism.expert_parallel_degree
     if not config.training.disable_cuda_graphs:
         return ReceiveRowsChoice("static", "CUDA graphs are on, and a captured EP step reads nothing on the host")
     if set_by.disable_cuda_graphs:
         return ReceiveRowsChoice("exact", f"CUDA graphs are off ({set_by.disable_cuda_graphs})")
-    dispatchers = routing_dispatchers(config)
-    factor = max(static_receive_rows(1, ep, d.top_k, d.num_experts) / d.top_k for d in dispatchers)
+    factor = static_rows_factor(config)
     reason = graphs_left_off_reason(config, on_nvidia_gpu, factor, set_by.experts_apply_scores)
     if reason is not None:
         return ReceiveRowsChoice("exact", f"CUDA graphs stay off: {reason}")
@@ -103,6 +101,13 @@ def auto_receive_rows(config, on_nvidia_gpu: bool, set_by: SetBy) -> ReceiveRows
         "balanced step's rows: the fastest EP step measured on one host",
         turns_on_cuda_graphs=True,
     )
+
+
+def static_rows_factor(config) -> float:
+    """The rows a static receive buffer holds at the config's EP degree, as a multiple of the rows a
+    balanced step receives (the largest over its MoE layers): EP x min(top_k, local experts) / top_k."""
+    ep = config.parallelism.expert_parallel_degree
+    return max(static_receive_rows(1, ep, d.top_k, d.num_experts) / d.top_k for d in routing_dispatchers(config))
 
 
 def graphs_left_off_reason(
