@@ -326,11 +326,29 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
             2,
             [*args, *GROUPED_MM, *SYMM_MEM, *COMPILE, *EXACT_ROWS],
         ),
+        Run("olmoe grouped_mm compiled symm_mem defaults", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *SYMM_MEM, *COMPILE]),
         Run("olmoe grouped_mm fp8 compiled", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *FP8, *ALL_TO_ALL, *COMPILE]),
         Run(
-            "olmoe grouped_mm fp8 compiled symm_mem", "olmoe-1b-7b", 2, [*args, *GROUPED_MM, *FP8, *SYMM_MEM, *COMPILE]
+            "olmoe grouped_mm fp8 compiled symm_mem",
+            "olmoe-1b-7b",
+            2,
+            [*args, *GROUPED_MM, *FP8, *SYMM_MEM, *COMPILE, *EXACT_ROWS],
         ),
-        Run("olmoe triton fp8 compiled symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *FP8, *SYMM_MEM, *COMPILE]),
+        Run(
+            "olmoe grouped_mm fp8 compiled symm_mem defaults",
+            "olmoe-1b-7b",
+            2,
+            [*args, *GROUPED_MM, *FP8, *SYMM_MEM, *COMPILE],
+        ),
+        Run(
+            "olmoe triton fp8 compiled symm_mem",
+            "olmoe-1b-7b",
+            2,
+            [*args, *TRITON, *FP8, *SYMM_MEM, *COMPILE, *EXACT_ROWS],
+        ),
+        Run(
+            "olmoe triton fp8 compiled symm_mem defaults", "olmoe-1b-7b", 2, [*args, *TRITON, *FP8, *SYMM_MEM, *COMPILE]
+        ),
         Run("olmoe triton compiled", "olmoe-1b-7b", 2, [*args, *TRITON, *ALL_TO_ALL, *COMPILE]),
         Run("olmoe triton compiled symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *SYMM_MEM, *COMPILE, *EXACT_ROWS]),
         Run(

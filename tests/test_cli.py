@@ -285,10 +285,11 @@ def test_auto_receive_rows_turn_on_cuda_graphs_where_a_compiled_symm_mem_step_re
         (["--compile.enable", "false"], "2", "the model runs eager"),
         (["--moe.compute_backend", "for_loop"], "2", "compute_backend for_loop reads expert counts on the host"),
         (["--moe.compute_backend", "grouped_mm"], "2", "compute_backend grouped_mm in float32"),
+        (["--moe.expert_precision", "fp8_rowwise"], "2", "FP8 weight gradients in float32 on compute capability"),
         (
-            ["--moe.compute_backend", "grouped_mm", "--training.mixed_precision_param", "bfloat16"],
+            ["--moe.align_size", "8"],
             "2",
-            "the experts cannot apply the router scores (compute_backend 'grouped_mm'",
+            "the experts cannot apply the router scores (the symm_mem transport pads its expert groups",
         ),
         (["--moe.experts_apply_scores", "false"], "2", "experts_apply_scores = false (command line): static rows"),
         (["--training.disable_cuda_graphs", "true"], "2", "CUDA graphs are off (command line)"),
@@ -335,15 +336,43 @@ def test_auto_receive_rows_name_the_toml_line_that_keeps_them_exact(monkeypatch,
     assert f"experts_apply_scores = false ({toml}:2): static rows" in auto_rows_line(caplog)
 
 
-def test_auto_receive_rows_leave_fp8_experts_without_cuda_graphs(monkeypatch, caplog):
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--moe.compute_backend", "grouped_mm", "--training.mixed_precision_param", "bfloat16"],
+        ["--moe.expert_precision", "fp8_rowwise", "--training.mixed_precision_param", "bfloat16"],
+        [
+            "--moe.compute_backend",
+            "grouped_mm",
+            "--moe.expert_precision",
+            "fp8_rowwise",
+            "--training.mixed_precision_param",
+            "bfloat16",
+        ],
+    ],
+    ids=["grouped_mm", "fp8_triton", "fp8_grouped_mm"],
+)
+def test_auto_receive_rows_turn_on_cuda_graphs_for_every_backend_that_weights_its_rows(monkeypatch, caplog, args):
+    """grouped_mm (in bf16) and FP8 experts weight the down projection's input rows by their scores, so they
+    take static rows under CUDA graphs as triton does."""
+    config = parse_on_a_gpu_host(monkeypatch, caplog, "2", *args)
+    assert {(d.ep_receive_rows, d.experts_apply_scores) for d in routing_dispatchers(config)} == {("static", True)}
+    assert not config.training.disable_cuda_graphs
+    assert "-> 'static', training.disable_cuda_graphs -> false" in auto_rows_line(caplog)
+
+
+def test_auto_receive_rows_leave_emulated_fp8_experts_without_cuda_graphs(monkeypatch, caplog):
+    """The emulated FP8 GEMMs run torch._grouped_mm in fp32, which reads its offsets on the host (as for
+    a GPU where the emulation is asked for)."""
     config = parse_on_a_gpu_host(monkeypatch, caplog, "2", "--moe.ep_receive_rows", "exact")
     for dispatcher in routing_dispatchers(config):
         dispatcher.ep_receive_rows = "auto"
     for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config):
-        experts.expert_precision = "fp8_rowwise"
+        experts.expert_precision = "fp8_rowwise_emulated"
     config.training.disable_cuda_graphs = True
+    config.training.mixed_precision_param = "bfloat16"
     choice = cuda_graph_step.auto_receive_rows(config, True, cuda_graph_step.SetBy())
-    assert choice.rows == "exact" and "expert_precision fp8_rowwise is not measured under CUDA graphs" in choice.why
+    assert choice.rows == "exact" and "expert_precision fp8_rowwise_emulated computes its GEMMs" in choice.why
     assert cuda_graph_step.auto_receive_rows(config, False, cuda_graph_step.SetBy()).why == (
         "CUDA graphs stay off: no NVIDIA CUDA GPU"
     )

@@ -25,7 +25,7 @@ from torchtitan_ext.experiments.moe_backends.experts import (
     runnable_backends,
 )
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
-from torchtitan_ext.kernels.fused_moe import reference_grouped
+from torchtitan_ext.kernels.fused_moe import reference_grouped, reference_row_weighted
 
 BACKENDS_UNDER_TEST = [b for b in backend_names() if b != "for_loop"]
 
@@ -112,6 +112,48 @@ def test_rows_after_the_experts_change_nothing_the_experts_compute(backend, coun
     assert relative_error(grads[0][:grouped], expected_grads[0][:grouped]) < TOLERANCE[torch.float32], "grad of x"
     for name, actual, expected in zip(("w1", "w2", "w3"), grads[1:], expected_grads[1:]):
         assert relative_error(actual, expected) < TOLERANCE[torch.float32], f"grad of {name}"
+
+
+ROW_WEIGHTING_BACKENDS = [name for name, spec in BACKENDS.items() if spec.row_weighted is not None]
+
+
+@pytest.mark.parametrize("backend", ROW_WEIGHTING_BACKENDS)
+@pytest.mark.parametrize("counts", [[3, 0, 6, 1], [0, 0, 0], [7]])
+@pytest.mark.parametrize("dim,hidden", [(16, 24), (13, 29)])
+def test_row_weighted_experts_match_the_reference(backend, counts, dim, hidden):
+    """``row_weighted`` (``experts_apply_scores``) against the reference, forward and every gradient (the
+    scores' too), with rows after the experts' (EP's static receive rows) whose scores are zero, as the
+    transports give them: the experts' rows of the output, of the input and score gradients, and every
+    weight gradient match."""
+    grouped = sum(counts)
+    tensors, counts_E, grad_out = make_inputs(
+        counts, dim, hidden, torch.float32, torch.float32, 1, device_of(backend), 5
+    )
+    grad_out[grouped:] = 0  # the combine reads no row after the experts'
+    scores = torch.rand(grouped + 5, generator=torch.Generator().manual_seed(2)).to(tensors[0].device)
+    scores[grouped:] = 0
+    leaves = [t.detach().clone().requires_grad_() for t in (*tensors, scores)]
+    x, w1, w2, w3, row_scores = leaves
+    expected = reference_row_weighted(x, w1, w2, w3, counts_E, row_scores)
+    expected_grads = torch.autograd.grad(expected, leaves, grad_out)
+    row_weighted = BACKENDS[backend].row_weighted
+    assert row_weighted is not None
+    out = row_weighted(x, w1, w2, w3, counts_E, row_scores)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    tolerance = TOLERANCE[torch.float32]
+    assert relative_error(out[:grouped], expected[:grouped]) < tolerance, "output"
+    for name, actual, wanted in zip(("x", "w1", "w2", "w3", "scores"), grads, expected_grads, strict=True):
+        rows = slice(None) if name.startswith("w") else slice(grouped)
+        assert relative_error(actual[rows], wanted[rows]) < tolerance, f"grad of {name}"
+
+
+@pytest.mark.parametrize("backend", ROW_WEIGHTING_BACKENDS)
+def test_row_weighted_experts_refuse_scores_of_another_length(backend):
+    (x, w1, w2, w3), counts_E, _ = make_inputs([3, 3], 16, 8, torch.float32, torch.float32, 0, device_of(backend))
+    row_weighted = BACKENDS[backend].row_weighted
+    assert row_weighted is not None
+    with pytest.raises(ValueError, match=r"row scores must have shape \(6,\), got \(5,\)"):
+        row_weighted(x, w1, w2, w3, counts_E, torch.rand(5).to(x.device))
 
 
 @pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)

@@ -178,6 +178,54 @@ def test_triton_fp8_experts_equal_the_reference(case, dim, hidden):
         assert relative_error(actual, expected) <= 1e-5, name
 
 
+def with_row_scores(inputs: list[torch.Tensor], seed: int = 5) -> list[torch.Tensor]:
+    """``inputs`` and one router score per row (in (0.1, 1), differentiable)."""
+    num_rows = inputs[0].shape[0]
+    scores = torch.rand(num_rows, generator=torch.Generator().manual_seed(seed)) * 0.9 + 0.1
+    return [*inputs, scores.requires_grad_()]
+
+
+def forward_and_gradients_with_scores(compute, inputs: list[torch.Tensor], counts: list[int], **kwargs):
+    """``forward_and_gradients`` with the scores (the last input) passed after the counts."""
+    *experts_inputs, scores = inputs
+    out = compute(*experts_inputs, torch.tensor(counts), scores, **kwargs)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    return [out.detach(), *torch.autograd.grad(out, inputs, grad)]
+
+
+ROW_WEIGHTED_FP8_GEMMS = {
+    "emulated": ({"emulated": True}, expert_inputs, 1e-6),
+    "triton": pytest.param(
+        ({"emulated": False, "gemm": "triton"}, exactly_quantisable_expert_inputs, 1e-5), marks=interpreted_kernels
+    ),
+}
+
+
+@pytest.mark.parametrize("gemm", ROW_WEIGHTED_FP8_GEMMS.values(), ids=list(ROW_WEIGHTED_FP8_GEMMS))
+@pytest.mark.parametrize("case", COUNT_CASES)
+def test_row_weighted_fp8_experts_equal_the_reference(gemm, case):
+    """FP8 experts weighting their rows (``experts_apply_scores``): the down projection's input rows times
+    their scores, then quantised; forward and every gradient, the scores' too."""
+    kwargs, make_inputs, tolerance = gemm
+    counts = COUNT_CASES[case]
+    inputs = with_row_scores(make_inputs(counts, 40, 24))
+    fp8 = forward_and_gradients_with_scores(fp8_grouped_experts, inputs, counts, **kwargs)
+    reference = forward_and_gradients_with_scores(reference_fp8_experts, inputs, counts)
+    for name, actual, expected in zip(["out", "x", "w1", "w2", "w3", "scores"], fp8, reference, strict=True):
+        assert relative_error(actual, expected) <= tolerance, name
+
+
+def test_row_weighted_fp8_experts_weight_each_row_by_its_score():
+    """The reference's weighting is the native one up to e4m3 rounding: each output row times its score."""
+    counts = COUNT_CASES["mixed_with_an_empty_expert"]
+    inputs = with_row_scores(expert_inputs(counts, 64, 96))
+    x, w1, w2, w3, scores = inputs
+    weighted = reference_fp8_experts(x, w1, w2, w3, torch.tensor(counts), scores)
+    unweighted = reference_fp8_experts(x, w1, w2, w3, torch.tensor(counts))
+    assert relative_error(weighted, unweighted * scores[:, None]) < 0.1
+    assert relative_error(weighted, unweighted) > 0.2
+
+
 @interpreted_kernels
 def test_compiled_triton_fp8_experts_equal_eager():
     counts = COUNT_CASES["mixed_with_an_empty_expert"]

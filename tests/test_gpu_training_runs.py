@@ -366,10 +366,14 @@ def test_fp8_task_runs_the_fp8_tests_layers_and_runs_next_to_bf16_and_stock(tmp_
     assert chosen == [
         runs_module.STOCK_COMPILED,
         "olmoe grouped_mm compiled",
+        "olmoe triton compiled symm_mem defaults",
         "olmoe grouped_mm compiled symm_mem",
+        "olmoe grouped_mm compiled symm_mem defaults",
         "olmoe grouped_mm fp8 compiled",
         "olmoe grouped_mm fp8 compiled symm_mem",
+        "olmoe grouped_mm fp8 compiled symm_mem defaults",
         "olmoe triton fp8 compiled symm_mem",
+        "olmoe triton fp8 compiled symm_mem defaults",
         "olmoe triton compiled symm_mem",
     ]
 

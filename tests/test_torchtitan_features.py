@@ -53,13 +53,15 @@ def test_cuda_graphs_accepted_without_ep_for_backends_that_never_wait(monkeypatc
 def test_cuda_graphs_refuse_grouped_mm_where_torch_reads_its_offsets_on_the_host(monkeypatch):
     """torch._grouped_mm runs group by group from offsets copied to the host outside bf16 and off
     Hopper / Blackwell: a capture would fail mid-step, so the start-up check says why first."""
-    host_read = r"compute_backend grouped_mm in float32( on compute capability \d+\.\d+)? reads its group offsets"
+    host_read = r"compute_backend grouped_mm in float32( on compute capability \d+\.\d+)?: torch._grouped_mm reads"
     with pytest.raises(ConfigError, match=host_read):
         parse(monkeypatch, "--flavor", "tiny-moe-grouped-mm", CUDA_GRAPHS)
     bf16 = ["--flavor", "tiny-moe-grouped-mm", "--training.mixed_precision_param", "bfloat16", CUDA_GRAPHS]
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.get_device_capability", lambda device=None: (8, 0))
-    with pytest.raises(ConfigError, match=r"grouped_mm in bfloat16 on compute capability 8\.0 reads its group"):
+    with pytest.raises(
+        ConfigError, match=r"grouped_mm in bfloat16 on compute capability 8\.0: torch._grouped_mm reads its group"
+    ):
         parse(monkeypatch, *bf16)
     monkeypatch.setattr("torch.cuda.get_device_capability", lambda device=None: (9, 0))
     parse(monkeypatch, *bf16)
@@ -139,11 +141,12 @@ def test_experts_apply_scores_needs_a_backend_and_transport_that_can(monkeypatch
     """Under EP the start-up check refuses the switch with the reason where the backend (after "auto")
     or the transport cannot apply it, and names it in the start-up line where it is on."""
     on = ["--moe.experts_apply_scores", "true", "--parallelism.ep", "2"]
-    with pytest.raises(ConfigError, match=r"experts_apply_scores = true: compute_backend 'grouped_mm' with "):
-        parse(monkeypatch, "--flavor", "tiny-moe-grouped-mm", *on, world=2)
+    with pytest.raises(ConfigError, match=r"experts_apply_scores = true: compute_backend 'for_loop' with "):
+        parse(monkeypatch, "--flavor", "tiny-moe-grouped-mm", "--moe.compute_backend", "for_loop", *on, world=2)
     fp8 = ["--moe.expert_precision", "fp8_rowwise_emulated"]
-    with pytest.raises(ConfigError, match="expert_precision 'fp8_rowwise_emulated' does not weight its rows"):
-        parse(monkeypatch, "--flavor", "tiny-moe-triton", *fp8, *on, world=2)
+    for flavor in ("tiny-moe-grouped-mm", "tiny-moe-triton"):
+        parse(monkeypatch, "--flavor", flavor, *on, world=2)
+        parse(monkeypatch, "--flavor", flavor, *fp8, *on, world=2)
     padded = ["--moe.ep_transport", "symm_mem", "--moe.align_size", "4"]
     with pytest.raises(ConfigError, match=r"symm_mem transport pads its expert groups \(align_size = 4\)"):
         parse(monkeypatch, "--flavor", "tiny-moe-triton", *padded, *on, world=2)

@@ -3,11 +3,12 @@
 
 A captured step replays kernels only, so nothing may be read on the host (``cuda_graph_blockers``):
 not the expert counts of ``for_loop`` / ``batched_mm_padded``, not ``torch._grouped_mm``'s offsets
-outside bf16 on Hopper / Blackwell, not the EP dispatch's received row count (``ep_receive_rows =
-"exact"``). ``auto_receive_rows`` picks static rows where CUDA graphs are on, and turns the flavor's
-CUDA graphs on where a compiled step over ``symm_mem`` was measured faster with them: with experts that
-apply the router scores (``experts_apply_scores``), so that no expert output is kept for the static
-rows, which hold every row a rank can receive.
+outside bf16 on Hopper / Blackwell (the FP8 weight gradients' and the emulated FP8 GEMMs' included), not
+the EP dispatch's received row count (``ep_receive_rows = "exact"``). ``auto_receive_rows`` picks static
+rows where CUDA graphs are on, and turns the flavor's CUDA graphs on where a compiled step over
+``symm_mem`` was measured faster with them: with experts that apply the router scores
+(``experts_apply_scores``), so that no expert output is kept for the static rows, which hold every row
+a rank can receive.
 """
 
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import torch
 from .dispatcher import EPReceiveRows, RoutingDispatcher, chosen_ep_transport, row_scores_unsupported_reason
 from .ep_symm_mem import static_receive_rows
 from .experts import BackendGroupedExperts, experts_row_weighting_error, host_sync_backends
+from .fp8_experts import FP8_PRECISIONS
 from .grouped_matmul import reads_offsets_on_host
 from .layer import routing_dispatchers
 from .moe import RoutedMoE
@@ -24,22 +26,31 @@ from .moe import RoutedMoE
 
 def experts_graph_blockers(config) -> list[str]:
     """Why the experts of this config cannot be replayed as a CUDA graph (empty: they can)."""
-    model = config.model_spec.model
+    experts = [e for _, e, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)]
     reasons = []
-    backends = sorted({experts.compute_backend for _, experts, _, _ in model.traverse(BackendGroupedExperts.Config)})
-    syncing = [b for b in backends if b in host_sync_backends()]
+    syncing = sorted({e.compute_backend for e in experts} & host_sync_backends())
     if syncing:
         reasons.append(
             f"compute_backend {', '.join(syncing)} reads expert counts on the host (use grouped_mm or triton)"
         )
     dtype = getattr(torch, config.training.mixed_precision_param)
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    if "grouped_mm" in backends and reads_offsets_on_host(dtype, capability):
+    grouped_mm_users = sorted(
+        {"compute_backend grouped_mm" for e in experts if e.compute_backend == "grouped_mm"}
+        | {"FP8 weight gradients" for e in experts if e.expert_precision in FP8_PRECISIONS}
+    )
+    if grouped_mm_users and reads_offsets_on_host(dtype, capability):
         device = f" on compute capability {capability[0]}.{capability[1]}" if capability else ""
         reasons.append(
-            f"compute_backend grouped_mm in {config.training.mixed_precision_param}{device} reads its group "
-            "offsets on the host (torch._grouped_mm has one grouped kernel only for bfloat16 on compute "
-            "capability 9.x or 10.x: set training.mixed_precision_param = 'bfloat16' there, or use triton)"
+            f"{' and '.join(grouped_mm_users)} in {config.training.mixed_precision_param}{device}: "
+            "torch._grouped_mm reads its group offsets on the host (it has one grouped kernel only for bfloat16 "
+            "on compute capability 9.x or 10.x: set training.mixed_precision_param = 'bfloat16' there, or use "
+            "triton in native precision)"
+        )
+    if any(e.expert_precision == "fp8_rowwise_emulated" for e in experts):
+        reasons.append(
+            "expert_precision fp8_rowwise_emulated computes its GEMMs with torch._grouped_mm in float32, which "
+            "reads its group offsets on the host (use fp8_rowwise)"
         )
     return reasons
 
@@ -83,8 +94,8 @@ def auto_receive_rows(config, on_nvidia_gpu: bool, set_by: SetBy) -> ReceiveRows
     """The choice for a config under expert parallelism whose transports are resolved: ``"static"``
     where CUDA graphs are on (a captured EP step needs it); ``"exact"`` where a TOML file or the command
     line turned them off; else, CUDA graphs being only the flavor's default off, ``"static"`` with CUDA
-    graphs turned on where a compiled step over ``symm_mem`` on NVIDIA GPUs replays as a CUDA graph, in
-    native precision, with experts that can apply the router scores (and are not told not to), and
+    graphs turned on where a compiled step over ``symm_mem`` on NVIDIA GPUs replays as a CUDA graph, with
+    experts that can apply the router scores (and are not told not to), and
     static receive buffers at most ``STATIC_ROWS_AUTO_UP_TO`` times a balanced step's rows; ``"exact"``
     with the first reason against it otherwise."""
     if not config.training.disable_cuda_graphs:
@@ -128,9 +139,6 @@ def graphs_left_off_reason(
             f"static receive buffers would hold {static_rows_factor:g}x a balanced step's rows "
             f"(measured up to {STATIC_ROWS_AUTO_UP_TO}x)"
         )
-    experts = [e for _, e, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)]
-    if precisions := sorted({e.expert_precision for e in experts} - {"native"}):
-        return f"expert_precision {', '.join(precisions)} is not measured under CUDA graphs"
     if config.parallelism.pipeline_parallel_degree > 1:
         return "pipeline parallelism"
     if blockers := experts_graph_blockers(config):

@@ -36,7 +36,7 @@ from torchtitan_ext.kernels.fused_moe import (
 
 from .dispatcher import RoutingDispatcher
 from .fp8_experts import EXPERT_PRECISIONS, FP8_PRECISIONS, ExpertPrecision, fp8_grouped_experts
-from .grouped_matmul import grouped_mm, row_major
+from .grouped_matmul import grouped_mm, row_major, weight_rows
 from .validated_config import ValidatedConfig, choice_errors
 
 ExpertCompute = Callable[
@@ -79,9 +79,11 @@ def grouped_mm_experts(
     w2_EDF: torch.Tensor,
     w3_EFD: torch.Tensor,
     num_tokens_per_expert_E: torch.Tensor,
+    row_scores_R: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Three ``torch._grouped_mm`` calls over expert offsets (``grouped_matmul.grouped_mm``, which
-    compiles in every dtype); no host sync.
+    compiles in every dtype); no host sync. With ``row_scores_R`` (``RowWeightedExpertCompute``) the
+    down projection's input rows are weighted by their scores (``weight_rows``).
 
     ``_grouped_mm`` needs row-major operands with 16-byte aligned row strides, so D and
     F are zero-padded when they are not aligned (zeros change no result), the output is
@@ -98,7 +100,7 @@ def grouped_mm_experts(
 
     x_RD = row_major(_pad_to_multiple(x_RD, 1, align))
     h_RF = F.silu(grouped(x_RD, w1_EFD)) * grouped(x_RD, w3_EFD)
-    return grouped(h_RF, w2_EDF)[:, :dim]
+    return grouped(weight_rows(h_RF, row_scores_R), w2_EDF)[:, :dim]
 
 
 def batched_mm_padded_experts(
@@ -228,7 +230,12 @@ def register_backend(spec: ComputeBackendSpec) -> ComputeBackendSpec:
 
 
 DEFAULT_BACKEND = register_backend(
-    ComputeBackendSpec(name="grouped_mm", grouped=grouped_mm_experts, fp8_grouped=fp8_grouped_experts)
+    ComputeBackendSpec(
+        name="grouped_mm",
+        grouped=grouped_mm_experts,
+        row_weighted=grouped_mm_experts,
+        fp8_grouped=fp8_grouped_experts,
+    )
 ).name
 register_backend(ComputeBackendSpec(name="for_loop", grouped=reference_grouped, syncs_with_host=True))
 register_backend(
@@ -285,42 +292,64 @@ def expert_compute(spec: ComputeBackendSpec, precision: str) -> ExpertCompute:
     """The grouped expert computation of backend ``spec`` in ``precision``."""
     if precision not in FP8_PRECISIONS:
         return spec.grouped
-    if spec.fp8_grouped is None:
+    if (fp8 := _fp8_compute(spec, precision)) is None:
         raise ValueError(precision_error(spec.name, precision))
+    return fp8
+
+
+def _fp8_compute(spec: ComputeBackendSpec, precision: str) -> Callable[..., torch.Tensor] | None:
+    """``spec.fp8_grouped`` for the FP8 ``precision`` (emulated or not), None where the backend has none."""
+    if spec.fp8_grouped is None:
+        return None
     return functools.partial(spec.fp8_grouped, emulated=precision == "fp8_rowwise_emulated")
 
 
-def _native_capability_reason(
-    backend: str, precision: str, capable: Callable[[ComputeBackendSpec], bool], cannot: str, can: str
+def row_weighted_compute(spec: ComputeBackendSpec, precision: str) -> RowWeightedExpertCompute | None:
+    """The expert computation of backend ``spec`` in ``precision`` that weights each row by its score
+    (None: the backend does not): ``row_weighted`` in native precision; in FP8, ``fp8_grouped``, which
+    takes the scores as its sixth argument."""
+    if precision in FP8_PRECISIONS:
+        return _fp8_compute(spec, precision)
+    return spec.row_weighted
+
+
+def _capability_reason(
+    backend: str,
+    precision: str,
+    capable: Callable[[ComputeBackendSpec, str], bool],
+    cannot: str,
+    can: tuple[str, str],
 ) -> str | None:
-    """Why ``backend`` in ``precision`` lacks a capability that only ``capable`` backends have, in native
-    precision (None: it has it); ``cannot`` / ``can`` say what it does not / they do."""
+    """Why ``backend`` in ``precision`` lacks a capability that only ``capable(spec, precision)`` backends
+    have (None: it has it); ``cannot`` says what it does not, ``can`` = (the precision the backends
+    that do are listed in, what they do)."""
     spec = BACKENDS.get(backend)
-    if spec is not None and capable(spec) and precision not in FP8_PRECISIONS:
+    if spec is not None and capable(spec, precision):
         return None
-    able = [name for name, spec in BACKENDS.items() if capable(spec)]
-    return f"compute_backend {backend!r} with expert_precision {precision!r} {cannot}; {' or '.join(able)} {can}"
+    able_precision, they_do = can
+    able = [name for name, spec in BACKENDS.items() if capable(spec, able_precision)]
+    return f"compute_backend {backend!r} with expert_precision {precision!r} {cannot}; {' or '.join(able)} {they_do}"
 
 
 def row_weighting_unsupported_reason(backend: str, precision: str) -> str | None:
     """Why ``backend`` in ``precision`` cannot weight its rows by the router scores (None: it can)."""
-    return _native_capability_reason(
+    return _capability_reason(
         backend,
         precision,
-        lambda spec: spec.row_weighted is not None,
+        lambda spec, precision: row_weighted_compute(spec, precision) is not None,
         "does not weight its rows by the router scores",
-        "in native precision does",
+        (precision, "in that precision does"),
     )
 
 
 def recompute_unsupported_reason(backend: str, precision: str) -> str | None:
     """Why ``backend`` in ``precision`` cannot recompute its gate/up pre-activations in backward (None: it can)."""
-    return _native_capability_reason(
+    return _capability_reason(
         backend,
         precision,
-        lambda spec: spec.recomputes_preactivations,
+        lambda spec, precision: spec.recomputes_preactivations and precision not in FP8_PRECISIONS,
         "keeps its pre-activations for backward",
-        "in native precision can recompute them",
+        ("native", "in native precision can recompute them"),
     )
 
 
@@ -390,8 +419,8 @@ class BackendGroupedExperts(GroupedExperts):
 
     @property
     def row_weighted(self) -> RowWeightedExpertCompute | None:
-        """The backend's row-weighted path where it computes in this precision (native only), else None."""
-        return self.backend.row_weighted if self.expert_precision == "native" else None
+        """The backend's row-weighted path in this precision (``row_weighted_compute``), else None."""
+        return row_weighted_compute(self.backend, self.expert_precision)
 
     def forward(
         self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor, row_scores_R: torch.Tensor | None = None

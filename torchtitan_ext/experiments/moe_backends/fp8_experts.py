@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torchtitan_ext.kernels.fp8_grouped_gemm import fp8_grouped_gemm
 from torchtitan_ext.kernels.fp8_quantize import E4M3_MAX, SMALLEST_AMAX, quantize_columns_transposed, quantize_rows
 
-from .grouped_matmul import grouped_mm, row_major
+from .grouped_matmul import grouped_mm, row_major, weight_rows
 
 ExpertPrecision = Literal["native", "fp8_rowwise", "fp8_rowwise_emulated"]
 """How the expert GEMMs compute: in the activations' dtype, in FP8 rowwise on the GPU, or FP8
@@ -184,13 +184,16 @@ def fp8_grouped_experts(
     w2_EDF: torch.Tensor,
     w3_EFD: torch.Tensor,
     num_tokens_per_expert_E: torch.Tensor,
+    row_scores_R: torch.Tensor | None = None,
     *,
     emulated: bool,
     gemm: str = "torch",
 ) -> torch.Tensor:
     """The SwiGLU expert block (``experts`` module docstring) with FP8 rowwise GEMMs computed by
     ``FP8_GEMMS[gemm]``, the gate and up projections as one; rows grouped by expert, no host sync. D
-    and F are zero-padded to multiples of 16 and the output cut back."""
+    and F are zero-padded to multiples of 16 and the output cut back. With ``row_scores_R`` (``(R,)``)
+    each output row is weighted by its score through the down projection's input (``weight_rows``),
+    which is then quantised."""
     dtype = x_RD.dtype
     dim = x_RD.shape[1]
     offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
@@ -201,7 +204,7 @@ def fp8_grouped_experts(
 
     x_RD = row_major(_pad_last_dims(x_RD, 1))
     gate_RF, up_RF = linear(x_RD, w1_EFD, w3_EFD)
-    (out_RD,) = linear(F.silu(gate_RF) * up_RF, w2_EDF)
+    (out_RD,) = linear(weight_rows(F.silu(gate_RF) * up_RF, row_scores_R), w2_EDF)
     return out_RD[:, :dim]
 
 
@@ -227,18 +230,23 @@ def reference_fp8_experts(
     w2_EDF: torch.Tensor,
     w3_EFD: torch.Tensor,
     num_tokens_per_expert_E: torch.Tensor,
+    row_scores_R: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The FP8 rowwise expert block in plain torch: one expert at a time, the gate and up projections
     as one GEMM over ``[w1; w3]``, every GEMM in fp32 from quantised-dequantised operands (host
-    sync; for tests). Output in ``x_RD``'s dtype."""
+    sync; for tests). With ``row_scores_R`` each row of the down projection's input times its score
+    before it is quantised. Output: the experts' rows (the counts' sum) in ``x_RD``'s dtype."""
     outputs = []
     start = 0
     for expert, count in enumerate(num_tokens_per_expert_E.tolist()):
         x_MD = x_RD[start : start + count].float()
-        start += count
         gate_up = _ReferenceFp8Linear.apply(x_MD, torch.cat([w1_EFD[expert], w3_EFD[expert]]).float())
         gate, up = gate_up.chunk(2, dim=-1)
-        outputs.append(_ReferenceFp8Linear.apply(F.silu(gate) * up, w2_EDF[expert].float()))
+        h_MF = F.silu(gate) * up
+        if row_scores_R is not None:
+            h_MF = h_MF * row_scores_R[start : start + count].float()[:, None]
+        start += count
+        outputs.append(_ReferenceFp8Linear.apply(h_MF, w2_EDF[expert].float()))
     return torch.cat(outputs).to(x_RD.dtype)
 
 

@@ -11,7 +11,8 @@ the output shape for any dtype, and its autograd formula is two more calls of it
   gradient; not differentiable itself).
 
 Operands follow ``torch._grouped_mm``'s layout rules (row-major, 16-byte aligned rows); the
-gradient arriving from autograd is made row-major first.
+gradient arriving from autograd is made row-major first. ``weight_rows`` scales the rows a down
+projection reads by the router scores (the ``grouped_mm`` and FP8 experts' row weighting).
 """
 
 import torch
@@ -91,3 +92,16 @@ def _weight_gradient(a: torch.Tensor, b: torch.Tensor, grad_y: torch.Tensor, off
 
 
 grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+
+
+def weight_rows(h_RF: torch.Tensor, row_scores_R: torch.Tensor | None) -> torch.Tensor:
+    """``h_RF`` with row ``r`` times ``row_scores_R[r]`` (``(R,)``, differentiable; the product in fp32,
+    returned in ``h_RF``'s dtype); ``h_RF`` itself without scores. The down projection is linear in its
+    rows, so weighting its input weights its output, and the scores' gradient is the row-wise dot of the
+    input's gradient with ``h_RF``, which a compiled backward recomputes from the gate and up
+    pre-activations instead of keeping an expert output."""
+    if row_scores_R is None:
+        return h_RF
+    if row_scores_R.shape != (h_RF.shape[0],):
+        raise ValueError(f"row scores must have shape ({h_RF.shape[0]},), got {tuple(row_scores_R.shape)}")
+    return (h_RF * row_scores_R.float()[:, None]).to(h_RF.dtype)
