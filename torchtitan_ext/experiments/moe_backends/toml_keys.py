@@ -132,7 +132,7 @@ _option_key(
     "experts_apply_scores",
     bool,
     "under expert parallelism the experts weight their rows by the router scores and combine sums them "
-    "unweighted: no expert output kept for the scores' gradient (less memory; triton)",
+    "unweighted: no expert output kept for the scores' gradient (less memory; triton and grouped_mm)",
     dispatcher_configs,
 )
 _option_key(
