@@ -45,7 +45,9 @@ way. The latter runs on a process group of its own, so its exchange (which then 
 ``EPExchange.replayable``) leaves the exact-rows rows' fences as they are.
 
 ``--check`` first runs the EP layer equivalence (EP = world vs one GPU, every compute backend,
-both transports and both permute backends) and records the largest errors.
+both transports and both permute backends, and for the backends that weight their rows the layer the
+defaults train under CUDA graphs: ``symm_mem``, static received rows, ``experts_apply_scores``) and
+records the largest errors.
 """
 
 import json
@@ -65,7 +67,12 @@ from torchtitan_ext.experiments.moe_backends.dispatcher import (
     RoutingDispatcher,
 )
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process, seeded_layer
-from torchtitan_ext.experiments.moe_backends.experts import backend_names, get_backend, grouped_mm_experts
+from torchtitan_ext.experiments.moe_backends.experts import (
+    backend_names,
+    get_backend,
+    grouped_mm_experts,
+    row_weighting_unsupported_reason,
+)
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
 from torchtitan_ext.experiments.moe_backends.transports import AllToAllTransport, SymmMemTransport
 from torchtitan_ext.place_in_launch import local_rank
@@ -300,7 +307,13 @@ def bench_case(
 
 
 def build_layer(
-    compute_backend: str, transport: EPTransport, permute_backend: PermuteBackend, dim: int = 256, hidden: int = 384
+    compute_backend: str,
+    transport: EPTransport,
+    permute_backend: PermuteBackend,
+    dim: int = 256,
+    hidden: int = 384,
+    receive_rows: EPReceiveRows = "exact",
+    experts_apply_scores: bool = False,
 ):
     """The project's MoE layer (sigmoid routing, aux and z losses on) with uneven expert loads."""
     config = moe_layer_config(
@@ -315,6 +328,7 @@ def build_layer(
     dispatcher = config.routed_experts.token_dispatcher
     assert isinstance(dispatcher, RoutingDispatcher.Config), "moe_layer_config installs the project's dispatcher"
     dispatcher.permute_backend, dispatcher.ep_transport = permute_backend, transport
+    dispatcher.ep_receive_rows, dispatcher.experts_apply_scores = receive_rows, experts_apply_scores
     config.aux_loss_coeff, config.aux_loss_type, config.z_loss_coeff = 0.01, "global", 1e-3
     layer = seeded_layer(config, "cuda")
     with torch.no_grad():
@@ -329,11 +343,28 @@ def check_equivalence(mesh, compute_backends: list[str]) -> list[dict]:
     x_all = torch.randn(world * 2, 512, 256, generator=generator).cuda()
     grad_all = torch.randn(x_all.shape, generator=generator).cuda()
     results = []
+    exact_cases: list[tuple[EPTransport, PermuteBackend, EPReceiveRows, bool]] = [
+        ("all_to_all", "torch", "exact", False),
+        ("all_to_all", "triton", "exact", False),
+        ("symm_mem", "triton", "exact", False),
+    ]
     for compute_backend in compute_backends:
-        for transport, permute_backend in (("all_to_all", "torch"), ("all_to_all", "triton"), ("symm_mem", "triton")):
+        cases = list(exact_cases)
+        if row_weighting_unsupported_reason(compute_backend, "native") is None:
+            cases.append(("symm_mem", "triton", "static", True))
+        for transport, permute_backend, receive_rows, apply_scores in cases:
             # torch._grouped_mm is checked in bf16, the dtype it runs in on GPUs; the rest in fp32.
             dtype = torch.bfloat16 if get_backend(compute_backend).grouped is grouped_mm_experts else torch.float32
-            reference, layer = (build_layer(compute_backend, transport, permute_backend).to(dtype) for _ in range(2))
+            reference, layer = (
+                build_layer(
+                    compute_backend,
+                    transport,
+                    permute_backend,
+                    receive_rows=receive_rows,
+                    experts_apply_scores=apply_scores,
+                ).to(dtype)
+                for _ in range(2)
+            )
             pairs = compare_with_single_process(reference, layer, x_all.to(dtype), grad_all.to(dtype), mesh)
             errors = {quantity: relative_error(actual, expected) for quantity, (actual, expected) in pairs.items()}
             worst = torch.tensor(list(errors.values()), device="cuda")
@@ -344,6 +375,8 @@ def check_equivalence(mesh, compute_backends: list[str]) -> list[dict]:
                     "compute_backend": compute_backend,
                     "transport": transport,
                     "permute_backend": permute_backend,
+                    "receive_rows": receive_rows,
+                    "experts_apply_scores": apply_scores,
                     "dtype": str(dtype).removeprefix("torch."),
                     "max_rel_err_over_ranks": dict(zip(errors, [float(f"{v:.3g}") for v in worst.tolist()])),
                 }
