@@ -119,9 +119,9 @@ run_task() {
           run_task train-full ;;
     memory)
       # Where the reserved memory of olmoe-1b-7b (FSDP 2 x EP 2, compiled, batch TRAIN_LOCAL_BATCH (4) x 2048)
-      # comes from: stock torchtitan's MoE and triton over symm_mem, MEMORY_STEPS (8) steps each with a CUDA
-      # allocator snapshot of both ranks at the last step, read by `bench memory` (the summaries come back; the
-      # snapshots, hundreds of MB, stay on the machine). MEMORY_RUNS names the runs (default: stock triton_symm_mem).
+      # comes from: stock torchtitan's MoE and triton over symm_mem (the defaults: static rows under CUDA graphs),
+      # MEMORY_STEPS (8) steps each with a CUDA allocator snapshot of both ranks at the last step, read by
+      # `bench memory` (the summaries come back; the snapshots, hundreds of MB, stay on the machine). MEMORY_RUNS names the runs (default: stock triton_symm_mem).
       need_gpus 2 "$task"
       steps=${MEMORY_STEPS:-8}
       common="--training.steps $steps --training.local_batch_size ${TRAIN_LOCAL_BATCH:-4}
