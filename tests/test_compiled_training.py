@@ -14,7 +14,9 @@ observer equal to eager's. The ``symm_mem`` transport is not covered here.
 compiled at the layer level instead: one MoE layer as a block under torchtitan's selective
 checkpointing and ``apply_compile`` (Inductor), at EP 1 and at EP 2 over both transports with
 ``experts_apply_scores`` (its experts weight their rows and the transport sums them unweighted); its
-kernels' entry points are compiled in ``tests/test_kernel_ops.py``.
+kernels' entry points are compiled in ``tests/test_kernel_ops.py``. ``grouped_mm``'s block with
+``experts_apply_scores`` (the down projection's input rows weighted) is compiled the same way at EP 2
+over ``all_to_all``.
 """
 
 import os
@@ -226,12 +228,12 @@ def block_step(
     return out_BLD.detach(), x_BLD.grad, gradients, summarize(observer, num_steps=1, reduce_groups=[])[0]
 
 
-def assert_compiled_triton_block_equals_eager(
-    ep_mesh: DeviceMesh | None = None, ep_transport: EPTransport = "all_to_all"
+def assert_compiled_block_equals_eager(
+    compute_backend: str, ep_mesh: DeviceMesh | None = None, ep_transport: EPTransport = "all_to_all"
 ) -> None:
     apply_torch_version_fixes()
     torch._dynamo.reset()
-    step = partial(block_step, "triton", ep_mesh=ep_mesh, ep_transport=ep_transport)
+    step = partial(block_step, compute_backend, ep_mesh=ep_mesh, ep_transport=ep_transport)
     eager_out, eager_grad_x, eager_grads, eager_summary = step(None)
     settings = ("capture_scalar_outputs", "skip_fwd_side_effects_in_bwd_under_checkpoint")
     with torch._dynamo.config.patch({name: getattr(torch._dynamo.config, name) for name in settings}):
@@ -249,12 +251,12 @@ def assert_compiled_triton_block_equals_eager(
 
 @pytest.mark.skipif(triton_available_reason() is not None, reason="Triton cannot run here")
 def test_compiled_triton_block_equals_eager():
-    assert_compiled_triton_block_equals_eager()
+    assert_compiled_block_equals_eager("triton")
 
 
-def compiled_ep_worker(rank: int, world: int, port: int, ep_transport: EPTransport) -> None:
+def compiled_ep_worker(rank: int, world: int, port: int, compute_backend: str, ep_transport: EPTransport) -> None:
     with gloo_ep_mesh(rank, world, port) as ep_mesh:
-        assert_compiled_triton_block_equals_eager(ep_mesh, ep_transport)
+        assert_compiled_block_equals_eager(compute_backend, ep_mesh, ep_transport)
 
 
 @pytest.mark.slow
@@ -263,4 +265,11 @@ def compiled_ep_worker(rank: int, world: int, port: int, ep_transport: EPTranspo
 def test_compiled_triton_block_under_ep2_equals_eager(ep_transport):
     """The experts weight their rows under EP (``experts_apply_scores``): one graph per block with the
     transport's ops, equal to eager."""
-    spawn_workers(compiled_ep_worker, 2, 2, free_port(), ep_transport)
+    spawn_workers(compiled_ep_worker, 2, 2, free_port(), "triton", ep_transport)
+
+
+@pytest.mark.slow
+def test_compiled_grouped_mm_block_weighting_its_rows_under_ep2_equals_eager():
+    """``grouped_mm`` weights the down projection's input rows under EP (``experts_apply_scores``): one
+    graph per block, output, gradients and metrics equal to eager."""
+    spawn_workers(compiled_ep_worker, 2, 2, free_port(), "grouped_mm", "all_to_all")

@@ -157,8 +157,9 @@ class ComputeBackendSpec:
     sum the rows unweighted, and no expert output is kept for the scores' gradient.
     ``unavailable_reason()`` says why the backend cannot run on this machine (None: it can).
     ``fp8_grouped``, when set, is ``grouped`` with FP8 rowwise GEMMs (``fp8_experts``), taking
-    ``emulated=`` as a keyword and the row scores as an optional sixth argument (as ``row_weighted``). ``syncs_with_host``: reads the expert counts on the host in every
-    forward. ``pads_rows``: pads every expert's rows to the largest expert's count.
+    ``emulated=`` as a keyword and the row scores as an optional sixth argument (as ``row_weighted``).
+    ``syncs_with_host``: reads the expert counts on the host in every forward. ``pads_rows``: pads every
+    expert's rows to the largest expert's count.
     ``recomputes_preactivations``: ``grouped`` and ``row_weighted`` take ``recompute_preactivations=True``
     (keep no gate/up pre-activations for backward, which computes them again).
     """
