@@ -375,6 +375,15 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
             2,
             [*args, *TRITON, *COMPILE, *CUDA_GRAPHS_PRESET],
         ),
+        *(
+            Run(
+                f"olmoe triton compiled symm_mem defaults recompute_first_{layers}",
+                "olmoe-1b-7b",
+                2,
+                [*args, *TRITON, *SYMM_MEM, *COMPILE, "--moe.recompute_preactivations_layers", str(layers)],
+            )
+            for layers in (2, 4)
+        ),
         Run(
             "olmoe triton compiled symm_mem cuda_graphs apply_scores recompute",
             "olmoe-1b-7b",

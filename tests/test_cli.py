@@ -129,6 +129,14 @@ def test_command_line_beats_toml(tmp_path):
                 "keeps its pre-activations for backward; triton in native precision can recompute them"
             ],
         ),
+        (
+            ["--moe.recompute_preactivations_layers", "1"],
+            ["moe.recompute_preactivations = true: compute_backend 'grouped_mm' with expert_precision 'native'"],
+        ),
+        (
+            ["--moe.recompute_preactivations_layers", "3"],
+            ["moe.recompute_preactivations_layers = 3: this flavor has 2 MoE layers (0 to 2;"],
+        ),
     ],
 )
 def test_bad_command_line_is_one_message_and_exit_2(capsys, args, fragments):
@@ -174,6 +182,24 @@ def test_experts_that_recompute_their_preactivations_are_named_in_the_start_up_l
     assert "compute_backend=triton, expert_parallel_degree=1, recompute_preactivations=True," in caplog.text
     parse()
     assert "recompute_preactivations" not in run_metadata()
+
+
+def test_recompute_preactivations_layers_recompute_in_the_first_moe_layers_only(monkeypatch, caplog):
+    """The first N MoE layers, whose activations live through the whole backward, recompute; the rest keep
+    their pre-activations, and the start-up line and the metadata count them. Set with
+    moe.recompute_preactivations, it is refused as two keys setting one option."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the triton backend on a host without CUDA
+    with caplog.at_level(logging.INFO):
+        config = FlavorConfigManager().parse_args(
+            ["--flavor", "tiny-moe-triton", "--moe.recompute_preactivations_layers", "1"]
+        )
+    experts = [e for _, e, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)]
+    assert [e.recompute_preactivations for e in experts] == [True, False]
+    assert run_metadata()["recompute_preactivations"] == "1 of 2 MoE layers"
+    assert "recompute_preactivations=1 of 2 MoE layers," in caplog.text
+    both = ["--moe.recompute_preactivations", "true", "--moe.recompute_preactivations_layers", "0"]
+    with pytest.raises(ConfigError, match=r"moe\.recompute_preactivations_layers = 0 both set .* keep one of them"):
+        FlavorConfigManager().parse_args(["--flavor", "tiny-moe-triton", *both])
 
 
 def test_ep_options_set_for_a_run_without_ep_are_warned_of_with_where_they_were_set(monkeypatch, tmp_path, caplog):

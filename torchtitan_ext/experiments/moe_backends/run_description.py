@@ -76,9 +76,19 @@ def experts_apply_scores_of_run(config) -> dict:
 @register_run_description
 def recompute_preactivations_of_run(config) -> dict:
     """``recompute_preactivations`` of the run metadata where the experts recompute their gate/up
-    pre-activations in backward; nothing for the default (they keep them)."""
-    recompute = experts_setting(config, "recompute_preactivations", False)
-    return {"recompute_preactivations": recompute} if recompute else {}
+    pre-activations in backward: true in every MoE layer, "N of M MoE layers" in some; nothing for the
+    default (they keep them)."""
+    if config.model_spec is None:
+        return {}
+    recomputing = [
+        isinstance(experts, BackendGroupedExperts.Config) and experts.recompute_preactivations
+        for _, experts, _, _ in config.model_spec.model.traverse(GroupedExperts.Config)
+    ]
+    if not any(recomputing):
+        return {}
+    if all(recomputing):
+        return {"recompute_preactivations": True}
+    return {"recompute_preactivations": f"{sum(recomputing)} of {len(recomputing)} MoE layers"}
 
 
 @register_startup_note

@@ -142,6 +142,25 @@ _option_key(
     "(one more gate/up GEMM): less memory, more compute (triton, native precision)",
     experts_configs,
 )
+
+
+@register_short_key(
+    "moe.recompute_preactivations_layers",
+    int,
+    "moe.recompute_preactivations in the first N MoE layers only (their activations are kept longest, "
+    "through the whole backward), off in the rest: part of the memory for part of the compute",
+)
+def set_recompute_preactivations_layers(config, layers: int) -> None:
+    experts = experts_configs(config, "moe.recompute_preactivations_layers")
+    if not 0 <= layers <= len(experts):
+        raise ConfigError(
+            f"moe.recompute_preactivations_layers = {layers}: this flavor has {len(experts)} MoE layers "
+            f"(0 to {len(experts)}; moe.recompute_preactivations = true recomputes in all)"
+        )
+    for index, layer_experts in enumerate(experts):
+        layer_experts.recompute_preactivations = index < layers
+
+
 _option_key(
     "ep_receive_rows",
     EPReceiveRows,
