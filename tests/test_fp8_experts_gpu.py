@@ -1,6 +1,7 @@
 """FP8 rowwise experts on the GPU (compute capability 9.0+), with each FP8 GEMM of ``FP8_GEMMS``
 (``torch._scaled_grouped_mm``, the Triton kernel): held to the plain-torch reference and to the fp32
-emulation in bf16, forward and every gradient, eager and compiled."""
+emulation in bf16, forward and every gradient, eager and compiled, and weighting their rows by the
+router scores with rows after the experts' (static received rows)."""
 
 import pytest
 import torch
@@ -56,6 +57,30 @@ def test_fp8_experts_agree_with_the_reference_and_the_emulation(dim, hidden, gem
         assert actual.dtype == torch.bfloat16 and torch.isfinite(actual).all(), name
         assert relative_error(actual, like) <= 1e-2, name
         assert relative_error(actual, expected) <= 3e-2, name
+
+
+@pytest.mark.parametrize("gemm", FP8_GEMMS)
+def test_row_weighted_fp8_experts_with_rows_after_the_experts_agree_with_the_reference(gemm):
+    """``experts_apply_scores`` under static received rows: rows after the experts' with score 0, as the
+    transports give them. The experts' rows of the output and of the input and score gradients, and
+    every weight gradient, agree with the reference; the rows after are never read."""
+    grouped, after, dim = sum(COUNTS), 7, 256
+    x, w1, w2, w3 = expert_inputs(dim, 128)
+    x = torch.cat([x.detach(), torch.zeros(after, dim, device="cuda", dtype=x.dtype)]).requires_grad_()
+    scores = torch.rand(grouped + after, generator=torch.Generator().manual_seed(2)).cuda()
+    scores[grouped:] = 0
+    scores.requires_grad_()
+    leaves, counts = [x, w1, w2, w3, scores], torch.tensor(COUNTS, device="cuda")
+    out = fp8_grouped_experts(x, w1, w2, w3, counts, scores, emulated=False, gemm=gemm)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
+    grad[grouped:] = 0  # the combine reads no row after the experts'
+    actual = [out.detach(), *torch.autograd.grad(out, leaves, grad)]
+    reference_out = reference_fp8_experts(x, w1, w2, w3, counts, scores)
+    expected = [reference_out.detach(), *torch.autograd.grad(reference_out, leaves, grad[:grouped])]
+    for name, got, wanted in zip([*NAMES, "scores"], actual, expected, strict=True):
+        rows = slice(None) if name.startswith("w") else slice(grouped)
+        assert torch.isfinite(got[rows]).all(), name
+        assert relative_error(got[rows], wanted[rows]) <= 3e-2, name
 
 
 @pytest.mark.parametrize("gemm", FP8_GEMMS)
