@@ -67,6 +67,21 @@ def test_cuda_graphs_refuse_grouped_mm_where_torch_reads_its_offsets_on_the_host
     parse(monkeypatch, *bf16)
 
 
+def test_cuda_graphs_refuse_fp8_experts_where_their_gemms_read_offsets_on_the_host(monkeypatch):
+    """The FP8 experts' weight gradients run torch._grouped_mm in the activations' dtype, and the emulated
+    FP8 GEMMs in fp32: both read the group offsets on the host there, which a capture cannot replay."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda device=None: (9, 0))
+    fp8 = ["--flavor", "tiny-moe-triton", "--moe.expert_precision", "fp8_rowwise", CUDA_GRAPHS]
+    with pytest.raises(ConfigError, match=r"FP8 weight gradients in float32 on compute capability 9\.0: torch"):
+        parse(monkeypatch, *fp8)
+    bf16 = ["--training.mixed_precision_param", "bfloat16"]
+    parse(monkeypatch, *fp8, *bf16)
+    emulated = ["--flavor", "tiny-moe-triton", "--moe.expert_precision", "fp8_rowwise_emulated", CUDA_GRAPHS, *bf16]
+    with pytest.raises(ConfigError, match="expert_precision fp8_rowwise_emulated computes its GEMMs with"):
+        parse(monkeypatch, *emulated)
+
+
 def test_the_start_up_line_names_static_received_rows(monkeypatch, caplog):
     import logging
 
