@@ -51,10 +51,14 @@ def expert_inputs(counts: list[int], dim: int, hidden: int, seed: int = 0) -> li
     return [(torch.randn(*s, generator=generator) * c).requires_grad_() for s, c in zip(shapes, scales, strict=True)]
 
 
-def forward_and_gradients(compute, inputs: list[torch.Tensor], counts: list[int], **kwargs) -> list[torch.Tensor]:
-    out = compute(*inputs, torch.tensor(counts), **kwargs)
+def forward_and_gradients(
+    compute, inputs: list[torch.Tensor], counts: list[int], *after_counts: torch.Tensor, **kwargs
+) -> list[torch.Tensor]:
+    """The output and the gradient of every input, ``after_counts`` (the row scores) passed after the
+    counts and differentiated too."""
+    out = compute(*inputs, torch.tensor(counts), *after_counts, **kwargs)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-    return [out.detach(), *torch.autograd.grad(out, inputs, grad)]
+    return [out.detach(), *torch.autograd.grad(out, [*inputs, *after_counts], grad)]
 
 
 def test_rowwise_scales_are_powers_of_two_and_fill_the_e4m3_range():
@@ -178,19 +182,10 @@ def test_triton_fp8_experts_equal_the_reference(case, dim, hidden):
         assert relative_error(actual, expected) <= 1e-5, name
 
 
-def with_row_scores(inputs: list[torch.Tensor], seed: int = 5) -> list[torch.Tensor]:
-    """``inputs`` and one router score per row (in (0.1, 1), differentiable)."""
-    num_rows = inputs[0].shape[0]
+def row_scores(num_rows: int, seed: int = 5) -> torch.Tensor:
+    """One router score per row, in (0.1, 1), differentiable."""
     scores = torch.rand(num_rows, generator=torch.Generator().manual_seed(seed)) * 0.9 + 0.1
-    return [*inputs, scores.requires_grad_()]
-
-
-def forward_and_gradients_with_scores(compute, inputs: list[torch.Tensor], counts: list[int], **kwargs):
-    """``forward_and_gradients`` with the scores (the last input) passed after the counts."""
-    *experts_inputs, scores = inputs
-    out = compute(*experts_inputs, torch.tensor(counts), scores, **kwargs)
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-    return [out.detach(), *torch.autograd.grad(out, inputs, grad)]
+    return scores.requires_grad_()
 
 
 ROW_WEIGHTED_FP8_GEMMS = {
@@ -208,9 +203,10 @@ def test_row_weighted_fp8_experts_equal_the_reference(gemm, case):
     their scores, then quantised; forward and every gradient, the scores' too."""
     kwargs, make_inputs, tolerance = gemm
     counts = COUNT_CASES[case]
-    inputs = with_row_scores(make_inputs(counts, 40, 24))
-    fp8 = forward_and_gradients_with_scores(fp8_grouped_experts, inputs, counts, **kwargs)
-    reference = forward_and_gradients_with_scores(reference_fp8_experts, inputs, counts)
+    inputs = make_inputs(counts, 40, 24)
+    scores = row_scores(sum(counts))
+    fp8 = forward_and_gradients(fp8_grouped_experts, inputs, counts, scores, **kwargs)
+    reference = forward_and_gradients(reference_fp8_experts, inputs, counts, scores)
     for name, actual, expected in zip(["out", "x", "w1", "w2", "w3", "scores"], fp8, reference, strict=True):
         assert relative_error(actual, expected) <= tolerance, name
 
@@ -218,8 +214,8 @@ def test_row_weighted_fp8_experts_equal_the_reference(gemm, case):
 def test_row_weighted_fp8_experts_weight_each_row_by_its_score():
     """The reference's weighting is the native one up to e4m3 rounding: each output row times its score."""
     counts = COUNT_CASES["mixed_with_an_empty_expert"]
-    inputs = with_row_scores(expert_inputs(counts, 64, 96))
-    x, w1, w2, w3, scores = inputs
+    x, w1, w2, w3 = expert_inputs(counts, 64, 96)
+    scores = row_scores(sum(counts))
     weighted = reference_fp8_experts(x, w1, w2, w3, torch.tensor(counts), scores)
     unweighted = reference_fp8_experts(x, w1, w2, w3, torch.tensor(counts))
     assert relative_error(weighted, unweighted * scores[:, None]) < 0.1

@@ -319,16 +319,17 @@ def _capability_reason(
     precision: str,
     capable: Callable[[ComputeBackendSpec, str], bool],
     cannot: str,
-    can: tuple[str, str],
+    *,
+    able_in: str,
+    they_do: str,
 ) -> str | None:
     """Why ``backend`` in ``precision`` lacks a capability that only ``capable(spec, precision)`` backends
-    have (None: it has it); ``cannot`` says what it does not, ``can`` = (the precision the backends
-    that do are listed in, what they do)."""
+    have (None: it has it); ``cannot`` says what it does not, ``they_do`` what the backends capable in
+    precision ``able_in`` (listed) do."""
     spec = BACKENDS.get(backend)
     if spec is not None and capable(spec, precision):
         return None
-    able_precision, they_do = can
-    able = [name for name, spec in BACKENDS.items() if capable(spec, able_precision)]
+    able = [name for name, spec in BACKENDS.items() if capable(spec, able_in)]
     return f"compute_backend {backend!r} with expert_precision {precision!r} {cannot}; {' or '.join(able)} {they_do}"
 
 
@@ -339,7 +340,8 @@ def row_weighting_unsupported_reason(backend: str, precision: str) -> str | None
         precision,
         lambda spec, precision: row_weighted_compute(spec, precision) is not None,
         "does not weight its rows by the router scores",
-        (precision, "in that precision does"),
+        able_in=precision,
+        they_do="in that precision does",
     )
 
 
@@ -350,7 +352,8 @@ def recompute_unsupported_reason(backend: str, precision: str) -> str | None:
         precision,
         lambda spec, precision: spec.recomputes_preactivations and precision not in FP8_PRECISIONS,
         "keeps its pre-activations for backward",
-        ("native", "in native precision can recompute them"),
+        able_in="native",
+        they_do="in native precision can recompute them",
     )
 
 
@@ -433,12 +436,13 @@ class BackendGroupedExperts(GroupedExperts):
         if row_scores_R is None:
             compute = expert_compute(self.backend, self.expert_precision)
             return compute(_in_autocast_dtype(x_RD), *weights, num_tokens_per_expert_E, **recompute)
-        if self.row_weighted is None:
+        row_weighted = self.row_weighted
+        if row_weighted is None:
             raise ValueError(
                 f"compute_backend {self.compute_backend!r} with expert_precision {self.expert_precision!r} "
                 "does not weight its rows; combine with the dispatcher's scores instead"
             )
-        return self.row_weighted(_in_autocast_dtype(x_RD), *weights, num_tokens_per_expert_E, row_scores_R, **recompute)
+        return row_weighted(_in_autocast_dtype(x_RD), *weights, num_tokens_per_expert_E, row_scores_R, **recompute)
 
     def extra_repr(self) -> str:
         precision = "" if self.expert_precision == "native" else f", expert_precision={self.expert_precision}"

@@ -1,8 +1,9 @@
 """Short TOML keys of the MoE backends experiment: the ``[moe]`` table.
 
-Every ``moe.*`` key sets one option on every MoE layer of the flavor's model; see
-docs/routing_and_ep.md. A key only converts the TOML spelling (0 = off becomes None); each
-option is checked once, by its config's ``validation_errors``, in the start-up checks
+Every ``moe.*`` key sets one option on every MoE layer of the flavor's model (but
+``moe.recompute_preactivations_layers``: on the first N, its range the model's MoE layer count, checked
+where it is set); see docs/routing_and_ep.md. A key only converts the TOML spelling (0 = off becomes
+None); each option is checked once, by its config's ``validation_errors``, in the start-up checks
 (``startup_checks``).
 """
 
