@@ -149,16 +149,17 @@ def routing(rank: int, dtype: torch.dtype):
 def moe_block(dispatcher, x_TD, scores_TK, ids_TK, weights_LDD, grouping: list, weight_rows: bool = False):
     """dispatch -> rows of local expert l times weights_LDD[l] -> combine; appends the dispatch's
     group sizes and padding row count to ``grouping``. ``weight_rows``: the rows times the
-    transport's row scores, then its unweighted sum (the path of experts that weight their rows)."""
+    transport's row scores, then its unweighted sum (the path of experts that weight their rows).
+    Rows past the received ones (static received rows: the most a rank can receive) are unset: their
+    outputs here are NaN, and so is the gradient this block sends back to them, so a combine or an
+    exchange backward that read any of them would spread the NaN."""
     counts_E = torch.bincount(ids_TK.flatten(), minlength=NUM_EXPERTS + 1)[:NUM_EXPERTS]
     rows_RD, rows_per_expert_L, metadata = dispatcher.dispatch(x_TD, scores_TK, ids_TK, counts_E)
     grouping.append((rows_per_expert_L.tolist(), int(dispatcher.last_num_padding_rows)))
     expert_N = torch.repeat_interleave(torch.arange(weights_LDD.shape[0]), rows_per_expert_L)
     num_received = expert_N.shape[0]
-    unreceived_RD = rows_RD[num_received:]  # static received rows: the most a rank can receive
-    assert not unreceived_RD.any(), "rows past the received ones must be zeros"
     out_ND = torch.bmm(rows_RD[:num_received].unsqueeze(1), weights_LDD[expert_N]).squeeze(1)
-    out_RD = torch.cat([out_ND, torch.zeros_like(unreceived_RD)])
+    out_RD = torch.cat([out_ND, rows_RD[num_received:] * float("nan")])
     if weight_rows:
         row_scores_R = dispatcher.row_scores(metadata, rows_RD.shape[0])
         assert not row_scores_R[num_received:].any(), "rows past the received ones have no score"

@@ -97,16 +97,27 @@ def test_edge_case_token_counts_fp32(backend, case):
     assert_backend_matches_reference(backend, COUNT_CASES[case], 16, 24, torch.float32, torch.float32)
 
 
+def unset_rows_after_the_experts(x: torch.Tensor, grad_out: torch.Tensor, grouped: int):
+    """``x`` and ``grad_out`` as EP's static receive rows leave them: the rows after the experts' unset
+    (NaN here, so that reading any of them shows), and ``grad_out`` with zeros there for the reference."""
+    unset_x, unset_grad_out, reference_grad_out = x.clone(), grad_out.clone(), grad_out.clone()
+    unset_x[grouped:] = float("nan")
+    unset_grad_out[grouped:] = float("nan")
+    reference_grad_out[grouped:] = 0
+    return unset_x, unset_grad_out, reference_grad_out
+
+
 @pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
 @pytest.mark.parametrize("counts", [[3, 0, 6, 1], [0, 0, 0]])
 def test_rows_after_the_experts_change_nothing_the_experts_compute(backend, counts):
-    """Rows after the experts' (EP's static receive rows): the experts' rows of the output and of the
-    input gradient and every weight gradient are the reference's (``ExpertCompute``)."""
+    """Rows after the experts' (EP's static receive rows, unset: NaN here) and their output gradients
+    (unset too): the experts' rows of the output and of the input gradient and every weight gradient
+    are the reference's (``ExpertCompute``)."""
     grouped = sum(counts)
     tensors, counts_E, grad_out = make_inputs(counts, 16, 24, torch.float32, torch.float32, 0, device_of(backend), 5)
-    grad_out[grouped:] = 0  # the combine reads no row after the experts'
-    expected_out, expected_grads = run_backend(reference_grouped, tensors, counts_E, grad_out)
-    out, grads = run_backend(BACKENDS[backend].grouped, tensors, counts_E, grad_out)
+    unset_x, unset_grad_out, reference_grad_out = unset_rows_after_the_experts(tensors[0], grad_out, grouped)
+    expected_out, expected_grads = run_backend(reference_grouped, tensors, counts_E, reference_grad_out)
+    out, grads = run_backend(BACKENDS[backend].grouped, (unset_x, *tensors[1:]), counts_E, unset_grad_out)
     assert out.shape == expected_out.shape
     assert relative_error(out[:grouped], expected_out[:grouped]) < TOLERANCE[torch.float32], "output"
     assert relative_error(grads[0][:grouped], expected_grads[0][:grouped]) < TOLERANCE[torch.float32], "grad of x"
@@ -122,24 +133,26 @@ ROW_WEIGHTING_BACKENDS = [name for name, spec in BACKENDS.items() if spec.row_we
 @pytest.mark.parametrize("dim,hidden", [(16, 24), (13, 29)])
 def test_row_weighted_experts_match_the_reference(backend, counts, dim, hidden):
     """``row_weighted`` (``experts_apply_scores``) against the reference, forward and every gradient (the
-    scores' too), with rows after the experts' (EP's static receive rows) whose scores are zero, as the
-    transports give them: the experts' rows of the output, of the input and score gradients, and every
-    weight gradient match."""
+    scores' too), with rows after the experts' (EP's static receive rows) as the transports give them:
+    unset (NaN here), their output gradients unset too, their scores zero. The experts' rows of the
+    output, of the input and score gradients, and every weight gradient match."""
     grouped = sum(counts)
     tensors, counts_E, grad_out = make_inputs(
         counts, dim, hidden, torch.float32, torch.float32, 1, device_of(backend), 5
     )
-    grad_out[grouped:] = 0  # the combine reads no row after the experts'
+    unset_x, unset_grad_out, reference_grad_out = unset_rows_after_the_experts(tensors[0], grad_out, grouped)
     scores = torch.rand(grouped + 5, generator=torch.Generator().manual_seed(2)).to(tensors[0].device)
     scores[grouped:] = 0
     leaves = [t.detach().clone().requires_grad_() for t in (*tensors, scores)]
     x, w1, w2, w3, row_scores = leaves
     expected = reference_row_weighted(x, w1, w2, w3, counts_E, row_scores)
-    expected_grads = torch.autograd.grad(expected, leaves, grad_out)
+    expected_grads = torch.autograd.grad(expected, leaves, reference_grad_out)
+    unset_leaves = [t.detach().clone().requires_grad_() for t in (unset_x, *tensors[1:], scores)]
     row_weighted = BACKENDS[backend].row_weighted
     assert row_weighted is not None
-    out = row_weighted(x, w1, w2, w3, counts_E, row_scores)
-    grads = torch.autograd.grad(out, leaves, grad_out)
+    unset_x, w1, w2, w3, row_scores = unset_leaves
+    out = row_weighted(unset_x, w1, w2, w3, counts_E, row_scores)
+    grads = torch.autograd.grad(out, unset_leaves, unset_grad_out)
     tolerance = TOLERANCE[torch.float32]
     assert relative_error(out[:grouped], expected[:grouped]) < tolerance, "output"
     for name, actual, wanted in zip(("x", "w1", "w2", "w3", "scores"), grads, expected_grads, strict=True):

@@ -211,6 +211,29 @@ def test_row_weighted_fp8_experts_equal_the_reference(gemm, case):
         assert relative_error(actual, expected) <= tolerance, name
 
 
+@pytest.mark.parametrize("gemm", ROW_WEIGHTED_FP8_GEMMS.values(), ids=list(ROW_WEIGHTED_FP8_GEMMS))
+def test_row_weighted_fp8_experts_read_no_row_after_the_experts(gemm):
+    """Static received rows: rows after the experts' unset (NaN here) with score 0, their output
+    gradients unset (NaN). The experts' rows of the output and of the input and score gradients, and
+    every weight gradient, equal the reference's: no quantisation, GEMM or gradient reads them."""
+    kwargs, make_inputs, tolerance = gemm
+    counts, after = COUNT_CASES["mixed_with_an_empty_expert"], 5
+    grouped = sum(counts)
+    x, w1, w2, w3 = make_inputs(counts, 40, 24)
+    x = torch.cat([x.detach(), torch.full((after, x.shape[1]), float("nan"))]).requires_grad_()
+    scores = torch.cat([row_scores(grouped).detach(), torch.zeros(after)]).requires_grad_()
+    leaves = [x, w1, w2, w3, scores]
+    out = fp8_grouped_experts(x, w1, w2, w3, torch.tensor(counts), scores, **kwargs)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    grad[grouped:] = float("nan")
+    actual = [out.detach(), *torch.autograd.grad(out, leaves, grad)]
+    reference_out = reference_fp8_experts(x, w1, w2, w3, torch.tensor(counts), scores)
+    expected = [reference_out.detach(), *torch.autograd.grad(reference_out, leaves, grad[:grouped])]
+    for name, got, wanted in zip(["out", "x", "w1", "w2", "w3", "scores"], actual, expected, strict=True):
+        rows = slice(None) if name.startswith("w") else slice(grouped)
+        assert relative_error(got[rows], wanted[rows]) <= tolerance, name
+
+
 def test_row_weighted_fp8_experts_weight_each_row_by_its_score():
     """The reference's weighting is the native one up to e4m3 rounding: each output row times its score."""
     counts = COUNT_CASES["mixed_with_an_empty_expert"]

@@ -61,19 +61,20 @@ def test_fp8_experts_agree_with_the_reference_and_the_emulation(dim, hidden, gem
 
 @pytest.mark.parametrize("gemm", FP8_GEMMS)
 def test_row_weighted_fp8_experts_with_rows_after_the_experts_agree_with_the_reference(gemm):
-    """``experts_apply_scores`` under static received rows: rows after the experts' with score 0, as the
-    transports give them. The experts' rows of the output and of the input and score gradients, and
-    every weight gradient, agree with the reference; the rows after are never read."""
+    """``experts_apply_scores`` under static received rows: rows after the experts' as the transports
+    give them, unset (NaN here) with score 0, and their output gradients unset (NaN). The experts' rows
+    of the output and of the input and score gradients, and every weight gradient, agree with the
+    reference; the rows after are never read."""
     grouped, after, dim = sum(COUNTS), 7, 256
     x, w1, w2, w3 = expert_inputs(dim, 128)
-    x = torch.cat([x.detach(), torch.zeros(after, dim, device="cuda", dtype=x.dtype)]).requires_grad_()
+    x = torch.cat([x.detach(), torch.full((after, dim), float("nan"), device="cuda", dtype=x.dtype)]).requires_grad_()
     scores = torch.rand(grouped + after, generator=torch.Generator().manual_seed(2)).cuda()
     scores[grouped:] = 0
     scores.requires_grad_()
     leaves, counts = [x, w1, w2, w3, scores], torch.tensor(COUNTS, device="cuda")
     out = fp8_grouped_experts(x, w1, w2, w3, counts, scores, emulated=False, gemm=gemm)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
-    grad[grouped:] = 0  # the combine reads no row after the experts'
+    grad[grouped:] = float("nan")
     actual = [out.detach(), *torch.autograd.grad(out, leaves, grad)]
     reference_out = reference_fp8_experts(x, w1, w2, w3, counts, scores)
     expected = [reference_out.detach(), *torch.autograd.grad(reference_out, leaves, grad[:grouped])]

@@ -604,13 +604,12 @@ def pull_output_grad(
     pairs: PairTable,
     rows_RD: torch.Tensor,
     score_grad_ptrs_W: torch.Tensor,
-    zero_unreceived: bool = False,
 ) -> torch.Tensor:
-    """Return ``grad_rows_RD`` (with ``zero_unreceived``, zeros in the rows no pair received);
-    write each row's router-score gradient to its owner's ``score_grad``."""
+    """Return ``grad_rows_RD`` (the rows no pair received unset); write each row's router-score
+    gradient to its owner's ``score_grad``."""
     check_runnable(token_ptrs_W, pairs.recv_row_PK, rows_RD, score_grad_ptrs_W)
     rows_RD = rows_RD.contiguous()
-    grad_rows_RD = torch.zeros_like(rows_RD) if zero_unreceived else torch.empty_like(rows_RD)
+    grad_rows_RD = torch.empty_like(rows_RD)
     if rows_RD.shape[0]:
         world = token_ptrs_W.shape[0]
         _pull_output_grad_kernel[_row_blocks_grid(pairs.num_tokens, world)](

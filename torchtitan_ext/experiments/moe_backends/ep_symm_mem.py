@@ -241,8 +241,7 @@ class EPExchange:
         self._score_grads_in_local_use = False
         self.replayable = False
         """Set by a dispatch with static received rows, which a CUDA graph may capture and replay: a replay
-        runs no Python, so every fence is then issued whatever the host's flags say, and the received
-        rows' buffers (and their gradients) are zeroed past the rows that arrive."""
+        runs no Python, so every fence is then issued whatever the host's flags say."""
 
     @classmethod
     def for_group(cls, group: dist.ProcessGroup, device: torch.device) -> EPExchange:
@@ -412,7 +411,7 @@ class EPExchange:
         workspace.local("tokens")[: route.pairs.num_tokens].copy_(grad_out_TD)
         self.barrier()
         grad_rows_RD = kernels.pull_output_grad(
-            workspace.table("tokens"), route.pairs, rows_RD, workspace.table("score_grad"), self.replayable
+            workspace.table("tokens"), route.pairs, rows_RD, workspace.table("score_grad")
         )
         self.barrier()
         self._landing_in_local_use = True
@@ -429,14 +428,13 @@ class EPExchange:
 
     def sum_rows_backward(self, grad_out_TD: torch.Tensor, route: Route, num_rows: int) -> torch.Tensor:
         """``(num_rows, D)``: the unweighted ``push_and_sum``'s input gradient, each token's output
-        gradient pulled from its owner to every one of its rows here (zeros in the rows no pair
-        received when ``replayable``)."""
+        gradient pulled from its owner to every one of its rows here (the rows no pair received, past
+        the received ones, unset)."""
         workspace = route.workspace
         self._before_publish()
         workspace.local("tokens")[: route.pairs.num_tokens].copy_(grad_out_TD)
         self.barrier()
-        shape = (num_rows, grad_out_TD.shape[1])
-        grad_rows_RD = grad_out_TD.new_zeros(shape) if self.replayable else grad_out_TD.new_empty(shape)
+        grad_rows_RD = grad_out_TD.new_empty(num_rows, grad_out_TD.shape[1])
         kernels.pull_pairs(workspace.table("tokens"), route.pairs, grad_rows_RD)
         self._peers_may_read_published = True
         return grad_rows_RD

@@ -343,10 +343,10 @@ class StaticAllToAllTransport(AllToAllTransport):
     ``align_size`` 1): every rank sends every other rank a fixed ``T`` rows, row ``t`` holding token
     ``t`` when it has a slot there (unset otherwise, and marked so in its metadata row), so the split
     sizes are known without a count exchange; the receiver groups the slots of its experts on the
-    device into the most rows it can receive (``T * W * min(top_k, local experts)``, zero past the
-    received ones). No host sync, so a CUDA graph can capture it; it moves ``W * T`` rows each way
-    where the exact transport moves the (token, rank) pairs that exist. Combine is the exact
-    transport's."""
+    device into the most rows it can receive (``T * W * min(top_k, local experts)``, unset past the
+    received ones: they belong to no expert, and nothing reads them). No host sync, so a CUDA graph
+    can capture it; it moves ``W * T`` rows each way where the exact transport moves the (token,
+    rank) pairs that exist. Combine is the exact transport's."""
 
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         """``T`` rows to every rank, the received slots grouped by local expert on the device."""
@@ -387,7 +387,9 @@ class StaticAllToAllTransport(AllToAllTransport):
             input_splits=splits,
             output_splits=splits,
         )
-        rows_RD = self.row_ops.permute_rows(received_UD, received_plan.dest_row_S, top_k, received_plan.num_rows)
+        rows_RD = self.row_ops.permute_rows(
+            received_UD, received_plan.dest_row_S, top_k, received_plan.num_rows, zero_padding=False
+        )
         return rows_RD, rows_per_local_expert_e, metadata
 
 
@@ -406,9 +408,10 @@ class SymmMemMetadata:
 class SymmMemTransport(ExpertParallelTransport[SymmMemMetadata]):
     """EP through ``ep_symm_mem``, ``align_size`` 1: each arriving token comes once per (token, rank)
     pair and is copied here to its rows, grouped by local expert; with ``static_rows`` the received
-    buffer has the most rows a rank can receive, zero past the received ones, and no host sync
-    sizes it. Selective activation checkpointing keeps the pairs (the exchange's output) and
-    recomputes the copy."""
+    buffer has the most rows a rank can receive, unset past the received ones (they belong to no
+    expert: the experts, the combine and the exchange's backward read none of them, nor their
+    gradients), and no host sync sizes it. Selective activation checkpointing keeps the pairs (the
+    exchange's output) and recomputes the copy."""
 
     supports_row_scores = True
 
@@ -436,9 +439,9 @@ class SymmMemTransport(ExpertParallelTransport[SymmMemMetadata]):
 
     def expand_rows(self, pairs_PD: torch.Tensor, route: ep_symm_mem.Route, num_rows: int) -> torch.Tensor:
         """``(num_rows, D)``: each arriving pair's row copied to its expert rows (local), expert-major;
-        with ``static_rows`` the rows past the received ones are zero."""
+        with ``static_rows`` the rows past the received ones are unset."""
         recv_row_S = route.recv_row_PK.reshape(-1)
-        return self.row_ops.permute_rows(pairs_PD, recv_row_S, self.top_k, num_rows, zero_padding=self.static_rows)
+        return self.row_ops.permute_rows(pairs_PD, recv_row_S, self.top_k, num_rows, zero_padding=False)
 
     def combine(self, routed_output_RD, metadata):
         return ep_symm_mem.combine(routed_output_RD, metadata.scores_S, metadata.route)
