@@ -19,19 +19,26 @@ TOY = "dense_masked"
 
 
 def dense_masked_experts(x_RD, w1_EFD, w2_EDF, w3_EFD, num_tokens_per_expert_E):
-    """Every expert on every row, each row keeping its own expert's output (no host sync)."""
+    """Every expert on every row, each row keeping its own expert's output (no host sync). Rows after
+    the experts' (EP's static received rows, unset) are masked to zero before any product, so that
+    nothing of theirs reaches another row or a weight gradient."""
     dtype = x_RD.dtype
-    num_rows = x_RD.shape[0]
+    num_rows, num_experts = x_RD.shape[0], len(num_tokens_per_expert_E)
+    counts_E = num_tokens_per_expert_E.long()
+    rows_after_experts = (num_rows - counts_E.sum()).reshape(1)
     expert_R = torch.repeat_interleave(
-        torch.arange(len(num_tokens_per_expert_E), device=x_RD.device),
-        num_tokens_per_expert_E.long(),
+        torch.arange(num_experts + 1, device=x_RD.device),
+        torch.cat([counts_E, rows_after_experts]),
         output_size=num_rows,
     )
+    of_an_expert_R1 = (expert_R < num_experts)[:, None]
+    x_RD = torch.where(of_an_expert_R1, x_RD, 0)
     h_ERF = F.silu(torch.einsum("rd,efd->erf", x_RD, w1_EFD.to(dtype))) * torch.einsum(
         "rd,efd->erf", x_RD, w3_EFD.to(dtype)
     )
     out_ERD = torch.einsum("erf,edf->erd", h_ERF, w2_EDF.to(dtype))
-    return out_ERD[expert_R, torch.arange(num_rows, device=x_RD.device)]
+    out_RD = out_ERD[expert_R.clamp(max=num_experts - 1), torch.arange(num_rows, device=x_RD.device)]
+    return torch.where(of_an_expert_R1, out_RD, 0)
 
 
 @pytest.fixture(autouse=True)
@@ -56,6 +63,11 @@ def test_edge_case_token_counts(case):
 @pytest.mark.parametrize("seed", range(2))
 def test_random_shapes_and_counts(seed):
     equivalence.test_random_shapes_and_counts_fp32(TOY, seed)
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 6, 1], [0, 0, 0]])
+def test_rows_after_the_experts(counts):
+    equivalence.test_rows_after_the_experts_change_nothing_the_experts_compute(TOY, counts)
 
 
 def test_odd_dims_and_mixed_precision():
