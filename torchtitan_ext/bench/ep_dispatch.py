@@ -337,7 +337,8 @@ def build_layer(
 
 
 def check_equivalence(mesh, compute_backends: list[str]) -> list[dict]:
-    """EP=world vs a single GPU on the whole batch: output and every gradient (``ep_check``)."""
+    """EP=world vs a single GPU on the whole batch: output and every gradient (``ep_check``); rank 0
+    prints each case's result as a JSON line when it is done, so a run cut short keeps the ones done."""
     world = dist.get_world_size()
     generator = torch.Generator().manual_seed(1)
     x_all = torch.randn(world * 2, 512, 256, generator=generator).cuda()
@@ -381,6 +382,8 @@ def check_equivalence(mesh, compute_backends: list[str]) -> list[dict]:
                     "max_rel_err_over_ranks": dict(zip(errors, [float(f"{v:.3g}") for v in worst.tolist()])),
                 }
             )
+            if dist.get_rank() == 0:
+                print(json.dumps({"equivalence": results[-1]}), flush=True)
     return results
 
 
@@ -416,6 +419,8 @@ def run(
             report["equivalence"] = check_equivalence(mesh, list(check_backends or backend_names()))
         except Exception as e:  # recorded, so the benchmark still runs
             report["equivalence_error"] = f"{type(e).__name__}: {e}"
+            if rank == 0:
+                print(json.dumps({"equivalence_error": report["equivalence_error"]}), flush=True)
     report["bench"] = []
     for num_tokens in token_counts:
         for dim in dims:
