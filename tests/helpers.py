@@ -1,6 +1,6 @@
-"""Helpers shared by the tests: weight-gradient and bf16 rounding checks, a free TCP port, spawned
-gloo workers and their EP mesh, a backend made unavailable, the model config of a flavor and the
-configs inside it."""
+"""Helpers shared by the tests: fresh buffers that hold NaN, weight-gradient and bf16 rounding
+checks, a free TCP port, spawned gloo workers and their EP mesh, a backend made unavailable, the
+model config of a flavor and the configs inside it."""
 
 from __future__ import annotations
 
@@ -25,6 +25,24 @@ from torchtitan_ext.kernels.availability import interpreter_enabled
 
 if TYPE_CHECKING:
     from torchtitan.trainer import Trainer
+
+
+@contextlib.contextmanager
+def fresh_buffers_hold_nan() -> Iterator[None]:
+    """Inside, every fresh ``torch.empty`` buffer holds NaN (torch's deterministic mode fills them),
+    so that reading a row nobody wrote shows in the result."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    # torch.utils.deterministic.fill_uninitialized_memory's getter and setter (a module property
+    # that type checkers do not see)
+    fill = torch._C._get_deterministic_fill_uninitialized_memory()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch._C._set_deterministic_fill_uninitialized_memory(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch._C._set_deterministic_fill_uninitialized_memory(fill)
 
 
 def assert_weight_gradient_matches(

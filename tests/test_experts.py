@@ -6,6 +6,7 @@ import typing
 
 import pytest
 import torch
+from helpers import fresh_buffers_hold_nan
 
 from torchtitan_ext.bench.common import relative_error
 from torchtitan_ext.config.short_keys import short_key
@@ -110,14 +111,15 @@ def unset_rows_after_the_experts(x: torch.Tensor, grad_out: torch.Tensor, groupe
 @pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
 @pytest.mark.parametrize("counts", [[3, 0, 6, 1], [0, 0, 0]])
 def test_rows_after_the_experts_change_nothing_the_experts_compute(backend, counts):
-    """Rows after the experts' (EP's static receive rows, unset: NaN here) and their output gradients
-    (unset too): the experts' rows of the output and of the input gradient and every weight gradient
-    are the reference's (``ExpertCompute``)."""
+    """Rows after the experts' (EP's static receive rows, unset: NaN here), their output gradients
+    (unset too) and every fresh buffer NaN (rows a kernel leaves unwritten): the experts' rows of the
+    output and of the input gradient and every weight gradient are the reference's (``ExpertCompute``)."""
     grouped = sum(counts)
     tensors, counts_E, grad_out = make_inputs(counts, 16, 24, torch.float32, torch.float32, 0, device_of(backend), 5)
     unset_x, unset_grad_out, reference_grad_out = unset_rows_after_the_experts(tensors[0], grad_out, grouped)
     expected_out, expected_grads = run_backend(reference_grouped, tensors, counts_E, reference_grad_out)
-    out, grads = run_backend(BACKENDS[backend].grouped, (unset_x, *tensors[1:]), counts_E, unset_grad_out)
+    with fresh_buffers_hold_nan():
+        out, grads = run_backend(BACKENDS[backend].grouped, (unset_x, *tensors[1:]), counts_E, unset_grad_out)
     assert out.shape == expected_out.shape
     assert relative_error(out[:grouped], expected_out[:grouped]) < TOLERANCE[torch.float32], "output"
     assert relative_error(grads[0][:grouped], expected_grads[0][:grouped]) < TOLERANCE[torch.float32], "grad of x"
@@ -151,8 +153,9 @@ def test_row_weighted_experts_match_the_reference(backend, counts, dim, hidden):
     row_weighted = BACKENDS[backend].row_weighted
     assert row_weighted is not None
     unset_x, w1, w2, w3, row_scores = unset_leaves
-    out = row_weighted(unset_x, w1, w2, w3, counts_E, row_scores)
-    grads = torch.autograd.grad(out, unset_leaves, unset_grad_out)
+    with fresh_buffers_hold_nan():
+        out = row_weighted(unset_x, w1, w2, w3, counts_E, row_scores)
+        grads = torch.autograd.grad(out, unset_leaves, unset_grad_out)
     tolerance = TOLERANCE[torch.float32]
     assert relative_error(out[:grouped], expected[:grouped]) < tolerance, "output"
     for name, actual, wanted in zip(("x", "w1", "w2", "w3", "scores"), grads, expected_grads, strict=True):

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from helpers import model_config, nested_configs, tensors_saved_for_backward
+from helpers import fresh_buffers_hold_nan, model_config, nested_configs, tensors_saved_for_backward
 from torchtitan.components.quantization.float8 import Float8GroupedExpertsConverter
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
@@ -153,21 +153,25 @@ def test_emulated_fp8_experts_equal_the_reference(case, dim, hidden):
 @interpreted_kernels
 @pytest.mark.parametrize("case", COUNT_CASES)
 def test_the_triton_fp8_gemm_is_the_gemm_of_the_dequantised_operands(case):
-    """Each expert's rows times its e4m3 weight, scaled per row and column; rows past the last expert zero."""
+    """Each expert's rows times its e4m3 weight, scaled per row and column; the rows past the last
+    expert are not written (NaN from the fresh buffer here)."""
     counts = COUNT_CASES[case]
     generator = torch.Generator().manual_seed(3)
-    num_rows, dim, cols = sum(counts) + 2, 48, 40
+    grouped = sum(counts)
+    num_rows, dim, cols = grouped + 2, 48, 40
     a_values, a_inverse = quantize_rowwise(torch.randn(num_rows, dim, generator=generator))
     w_values, w_inverse = quantize_rowwise(torch.randn(len(counts), cols, dim, generator=generator))
     group_end = torch.tensor(counts).cumsum(0).to(torch.int32)
-    out = fp8_grouped_gemm(a_values, a_inverse, w_values, w_inverse, group_end, torch.float32)
-    expected = torch.zeros(num_rows, cols)
+    with fresh_buffers_hold_nan():
+        out = fp8_grouped_gemm(a_values, a_inverse, w_values, w_inverse, group_end, torch.float32)
+    expected = torch.zeros(grouped, cols)
     start = 0
     for expert, count in enumerate(counts):
         rows = slice(start, start + count)
         expected[rows] = (a_values[rows].float() * a_inverse[rows]) @ (w_values[expert].float() * w_inverse[expert]).T
         start += count
-    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(out[:grouped], expected, rtol=1e-6, atol=1e-5)
+    assert out[grouped:].isnan().all()
 
 
 @interpreted_kernels
@@ -214,8 +218,9 @@ def test_row_weighted_fp8_experts_equal_the_reference(gemm, case):
 @pytest.mark.parametrize("gemm", ROW_WEIGHTED_FP8_GEMMS.values(), ids=list(ROW_WEIGHTED_FP8_GEMMS))
 def test_row_weighted_fp8_experts_read_no_row_after_the_experts(gemm):
     """Static received rows: rows after the experts' unset (NaN here) with score 0, their output
-    gradients unset (NaN). The experts' rows of the output and of the input and score gradients, and
-    every weight gradient, equal the reference's: no quantisation, GEMM or gradient reads them."""
+    gradients unset (NaN), and every fresh buffer NaN (rows a GEMM leaves unwritten). The experts'
+    rows of the output and of the input and score gradients, and every weight gradient, equal the
+    reference's: no quantisation, GEMM or gradient reads them."""
     kwargs, make_inputs, tolerance = gemm
     counts, after = COUNT_CASES["mixed_with_an_empty_expert"], 5
     grouped = sum(counts)
@@ -223,10 +228,11 @@ def test_row_weighted_fp8_experts_read_no_row_after_the_experts(gemm):
     x = torch.cat([x.detach(), torch.full((after, x.shape[1]), float("nan"))]).requires_grad_()
     scores = torch.cat([row_scores(grouped).detach(), torch.zeros(after)]).requires_grad_()
     leaves = [x, w1, w2, w3, scores]
-    out = fp8_grouped_experts(x, w1, w2, w3, torch.tensor(counts), scores, **kwargs)
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(grouped + after, x.shape[1], generator=torch.Generator().manual_seed(1))
     grad[grouped:] = float("nan")
-    actual = [out.detach(), *torch.autograd.grad(out, leaves, grad)]
+    with fresh_buffers_hold_nan():
+        out = fp8_grouped_experts(x, w1, w2, w3, torch.tensor(counts), scores, **kwargs)
+        actual = [out.detach(), *torch.autograd.grad(out, leaves, grad)]
     reference_out = reference_fp8_experts(x, w1, w2, w3, torch.tensor(counts), scores)
     expected = [reference_out.detach(), *torch.autograd.grad(reference_out, leaves, grad[:grouped])]
     for name, got, wanted in zip(["out", "x", "w1", "w2", "w3", "scores"], actual, expected, strict=True):

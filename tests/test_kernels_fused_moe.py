@@ -5,13 +5,14 @@ inputs: fp32 tightly, fp16 within half-precision rounding. Shapes are tiny becau
 interpreter is slow; D and F are deliberately not multiples of the 16-wide test tiles.
 """
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import assert_weight_gradient_matches
+from helpers import assert_weight_gradient_matches, fresh_buffers_hold_nan
 
 from torchtitan_ext.bench.common import relative_error
 from torchtitan_ext.kernels.availability import interpreter_enabled
@@ -49,25 +50,49 @@ def fp64_copies(tensors):
     return [t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
 
 
-def assert_matches(fused, reference, inputs, dtype, generator):
-    """Forward and the gradient of every differentiable input, against an fp64 reference."""
-    out = fused(*inputs)
-    grad_out = torch.randn(out.shape, generator=generator).to(out.dtype)
-    differentiable = [t for t in inputs if t.is_floating_point() and t.requires_grad]
-    grads = torch.autograd.grad(out, differentiable, grad_out)
+def assert_matches(fused, reference, inputs, dtype, generator, expert_rows: int | None = None):
+    """Forward and the gradient of every differentiable input, against an fp64 reference.
+
+    With ``expert_rows`` (grouped rows, fewer than x's), the rows after them are as EP's static
+    receive rows leave them: x and the output gradient NaN there, and every fresh buffer NaN
+    (``fresh_buffers_hold_nan``); the output and the row-indexed gradients (x, scores) are compared
+    on the experts' rows, the weights' gradients whole."""
+    grad_out = torch.randn(inputs[0].shape[0], inputs[0].shape[1], generator=generator).to(dtype)
+    fused_inputs, fused_grad_out = inputs, grad_out
+    if expert_rows is not None:
+        unset_x = inputs[0].detach().clone()
+        unset_x[expert_rows:] = float("nan")
+        fused_inputs = [unset_x.requires_grad_(), *inputs[1:]]
+        fused_grad_out = grad_out.clone()
+        fused_grad_out[expert_rows:] = float("nan")
+        grad_out[expert_rows:] = 0
+    with fresh_buffers_hold_nan() if expert_rows is not None else contextlib.nullcontext():
+        out = fused(*fused_inputs)
+        differentiable = [t for t in fused_inputs if t.is_floating_point() and t.requires_grad]
+        grads = torch.autograd.grad(out, differentiable, fused_grad_out)
     ref_inputs = [t if not t.is_floating_point() else c for t, c in zip(inputs, fp64_copies(inputs))]
     expected = reference(*ref_inputs)
     ref_differentiable = [t for t in ref_inputs if t.is_floating_point() and t.requires_grad]
     expected_grads = torch.autograd.grad(expected, ref_differentiable, grad_out.double())
+    rows = slice(expert_rows)
     assert out.dtype == inputs[0].dtype
-    assert relative_error(out, expected) < TOLERANCE[dtype]
+    assert out.shape == expected.shape
+    if expert_rows is not None:
+        assert out[expert_rows:].isnan().all(), "the output rows after the experts' are not written"
+        assert grads[0][expert_rows:].isnan().all(), "the input-gradient rows after the experts' are not written"
+    if expert_rows != 0:
+        assert relative_error(out[rows], expected[rows]) < TOLERANCE[dtype]
     for grad, expected_grad, tensor in zip(grads, expected_grads, differentiable):
         assert grad.dtype == tensor.dtype
         assert grad.shape == tensor.shape
-        if expected_grad.abs().max() == 0:
-            assert grad.abs().max() == 0
+        compared = slice(None) if tensor.dim() == 3 else rows  # weights whole, x and scores by row
+        actual, wanted = grad[compared], expected_grad[compared]
+        if actual.numel() == 0:
+            continue
+        if wanted.abs().max() == 0:
+            assert actual.abs().max() == 0
         else:
-            assert relative_error(grad, expected_grad) < TOLERANCE[dtype]
+            assert relative_error(actual, wanted) < TOLERANCE[dtype]
 
 
 def routed_inputs(tokens, dim, hidden, num_experts, top_k, dtype, seed, skew=0.0):
@@ -113,16 +138,20 @@ def test_routed_skewed_even_dims():
         [5, 0, 9, 3, 0, 2],  # empty experts between busy ones, R not a multiple of the tile
         [0, 0, 19, 0],  # one expert takes every row
         [0, 0, 0],  # every expert empty: every row is unassigned
-        [4, 6, 0, 3],  # sum < R: trailing rows get zero output and zero gradient
+        [4, 6, 0, 3],  # sum < R: trailing rows unset, read by nothing
+        [7, 12],  # every row assigned
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_grouped_matches_reference(counts, dtype):
+    """Rows after the experts' (R > the counts' sum) unset, as EP's static receive rows: NaN in x, in
+    the output gradient and in every fresh buffer, none of which reaches the experts' rows or a
+    weight gradient."""
     generator = torch.Generator().manual_seed(len(counts))
     num_rows = max(sum(counts), 19)
     x = torch.randn(num_rows, 40, generator=generator).to(dtype).requires_grad_()
     inputs = [x, *make_experts(len(counts), 40, 24, dtype, generator), torch.tensor(counts)]
-    assert_matches(fused_moe_grouped, reference_grouped, inputs, dtype, generator)
+    assert_matches(fused_moe_grouped, reference_grouped, inputs, dtype, generator, expert_rows=sum(counts))
 
 
 @pytest.mark.parametrize("counts", [[5, 0, 9, 3, 0, 2], [4, 6, 0, 3]])
@@ -130,7 +159,7 @@ def test_grouped_matches_reference(counts, dtype):
 @pytest.mark.parametrize("two_passes", [False, True])
 def test_row_weighted_grouped_matches_reference(counts, dtype, two_passes, monkeypatch):
     """Each row's output times its own score, and the scores' gradient, from the experts' backward
-    (both gate/up forwards); rows after the experts' get zero output and zero score gradient."""
+    (both gate/up forwards); rows after the experts' unset (NaN: ``assert_matches``) change nothing."""
     from torchtitan_ext.kernels import swiglu_passes
 
     monkeypatch.setattr(swiglu_passes, "GATE_UP_TWO_PASS_MIN_WEIGHT", 1 if two_passes else 2**40)
@@ -139,7 +168,7 @@ def test_row_weighted_grouped_matches_reference(counts, dtype, two_passes, monke
     x = torch.randn(num_rows, 40, generator=generator).to(dtype).requires_grad_()
     scores = torch.rand(num_rows, generator=generator).requires_grad_()
     inputs = [x, *make_experts(len(counts), 40, 24, dtype, generator), torch.tensor(counts), scores]
-    assert_matches(fused_moe_row_weighted, reference_row_weighted, inputs, dtype, generator)
+    assert_matches(fused_moe_row_weighted, reference_row_weighted, inputs, dtype, generator, expert_rows=sum(counts))
 
 
 @pytest.mark.parametrize("row_weighted", [False, True])
@@ -162,13 +191,14 @@ def test_recomputed_preactivations_give_the_same_output_and_gradients_bit_for_bi
     reference = reference_row_weighted if row_weighted else reference_grouped
     recomputing = functools.partial(fused, recompute_preactivations=True)
 
-    assert_matches(recomputing, reference, inputs, torch.float32, generator)
+    assert_matches(recomputing, reference, inputs, torch.float32, generator, expert_rows=17)
     grad_out = torch.randn(21, 40, generator=generator)
     differentiable = [t for t in inputs if t.is_floating_point()]
     kept = torch.autograd.grad(fused(*inputs), differentiable, grad_out)
     recomputed = torch.autograd.grad(recomputing(*inputs), differentiable, grad_out)
     for a, b in zip(kept, recomputed, strict=True):
-        assert torch.equal(a, b)
+        rows = slice(None) if a.dim() == 3 else slice(17)  # the rows after the experts' are unset
+        assert torch.equal(a[rows], b[rows])
 
 
 def test_recomputing_preactivations_saves_no_hidden_sized_tensor_for_backward():
@@ -436,7 +466,7 @@ def test_gate_up_in_two_passes(use_descriptors, dtype, monkeypatch):
     assert_matches(fused_moe_routed, reference_routed, inputs, dtype, generator)
     x = torch.randn(21, 40, generator=generator).to(dtype).requires_grad_()
     grouped = [x, *make_experts(4, 40, 24, dtype, generator), torch.tensor([6, 0, 9, 3])]
-    assert_matches(fused_moe_grouped, reference_grouped, grouped, dtype, generator)
+    assert_matches(fused_moe_grouped, reference_grouped, grouped, dtype, generator, expert_rows=18)
     with torch.no_grad():
         assert (
             relative_error(

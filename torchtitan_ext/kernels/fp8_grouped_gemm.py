@@ -9,7 +9,7 @@ For the rows r of expert e (``group_end`` as the SwiGLU kernels: expert e owns r
 the fp32 inverse scales of their rows along K. Products accumulate in fp32 (on Hopper with the tensor
 cores' fast FP8 accumulation, Triton's default there, as
 ``torch._scaled_grouped_mm(use_fast_accum=True)``); the scales apply in the epilogue. Rows after
-group_end[E-1] belong to no expert and get zeros. The op reads nothing on the host, so
+group_end[E-1] belong to no expert: their output rows are not written (unset). The op reads nothing on the host, so
 ``torch.compile(fullgraph=True)`` traces around it and CUDA graphs capture it; it has no autograd
 formula (the FP8 recipe, ``fp8_experts.Fp8GroupedLinear``, is the differentiable layer).
 """
@@ -81,8 +81,10 @@ def _scaled_grouped_gemm_kernel(
         BLOCK_N,
         BLOCK_K,
     )
+    if expert >= num_experts:
+        return
     a_inverse = tl.load(a_inverse_ptr + rows, mask=row_mask, other=0.0)
-    weight_rows = tl.minimum(expert, num_experts - 1).to(tl.int64) * size_n  # acc is zero past the experts
+    weight_rows = expert.to(tl.int64) * size_n
     w_inverse = tl.load(w_inverse_ptr + weight_rows + cols, mask=col_mask, other=0.0)
     acc = acc * a_inverse[:, None] * w_inverse[None, :]
     tl.store(

@@ -42,7 +42,8 @@ def fused_moe_grouped(
     Args:
         x_RD: [R, D]; expert e owns the next num_tokens_per_expert_E[e] rows, in expert order.
         num_tokens_per_expert_E: [E] integer counts with sum <= R. Rows past the sum belong to
-            no expert: their output rows are zero and their gradient rows are zero.
+            no expert: they change no weight gradient, and their output and input-gradient rows
+            are unset (not written; ``ExpertCompute``'s contract).
         recompute_preactivations: keep no gate/up pre-activations ([R, F] each) for backward,
             which computes them again (one more gate/up GEMM).
 

@@ -7,8 +7,10 @@ For the rows of expert e (weights in torchtitan's layouts w1 [E,F,D], w2 [E,D,F]
 Two modes share the kernels:
 
 - grouped: the rows of x_RD are already grouped by expert; expert e owns rows
-  [group_end[e-1], group_end[e]); rows after group_end[E-1] belong to no expert and
-  get zero output (and zero gradient). With row scores, the down projection's epilogue weights
+  [group_end[e-1], group_end[e]); rows after group_end[E-1] belong to no expert: their
+  output, pre-activation and input-gradient rows are not written (unset, as ``torch._grouped_mm``
+  leaves them; EP's static receive rows hold unset values there too) and their score gradient is
+  zero; they change no weight gradient. With row scores, the down projection's epilogue weights
   each row by its own score and the backward computes the scores' gradient from what it reads
   anyway, so the caller keeps no expert output for it (the expert-parallel combine then sums
   rows unweighted).

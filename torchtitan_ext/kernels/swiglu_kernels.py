@@ -6,7 +6,10 @@ For the rows of expert e (weights in torchtitan's layouts w1 [E,F,D], w2 [E,D,F]
     gate = x @ w1[e].T,  up = x @ w3[e].T,  h = silu(gate) * up,  y = h @ w2[e].T
 
 Row-tile kernels walk tiles of the expert segments (``tiles.locate_row_tile``); rows after the last
-segment belong to no expert and get zero output. With ``HAS_GATHER`` (routed mode) the down
+segment belong to no expert. In grouped mode nothing is written for them (their pre-activations,
+output and input-gradient rows stay unset, as ``torch._grouped_mm`` leaves them); in routed mode
+(``HAS_GATHER``) they are dropped slots, whose output and input-gradient rows get zeros for the sum
+over a token's slots (the pre-activations stay unset there too). With ``HAS_GATHER`` the down
 projection writes each row to slot ``row_slot[r]``; with ``HAS_SCORES`` its epilogue multiplies the
 row by a router score, the slot's (routed mode) or the row's own (grouped mode with row scores), and
 the SwiGLU backward writes that score's gradient. ``swiglu_passes`` launches them; ``swiglu_experts``
@@ -232,17 +235,6 @@ def program_tile_of_rows_times_weight_transposed(
     return acc, expert, rows, rows < row_end, cols, cols < size_n
 
 
-@triton.jit
-def _store_zero_tile(ptr, row_start, row_end, n_tile, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Zeros into the tile's rows (< row_end) and columns (< num_cols) of a [R, num_cols] buffer: the
-    pre-activations of rows that belong to no expert are defined, as an op's outputs must be."""
-    rows = row_start + tl.arange(0, BLOCK_M)
-    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < row_end)[:, None] & (cols < num_cols)[None, :]
-    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=ptr.dtype.element_ty)
-    tl.store(ptr + rows.to(tl.int64)[:, None] * num_cols + cols[None, :], zeros, mask=mask)
-
-
 WEIGHT_BLOCK = (1, "BLOCK_N", "BLOCK_K")
 """Descriptor block of a [E, N, K] weight read as w[e].T tiles."""
 
@@ -288,9 +280,6 @@ def _gate_up_forward_kernel(
         group_end_ptr, num_rows, num_experts, hidden, BLOCK_E, GROUP_M, BLOCK_M, BLOCK_N
     )
     if expert >= num_experts:
-        if SAVE_PREACT:
-            _store_zero_tile(gate_ptr, row_start, row_end, n_tile, hidden, BLOCK_M, BLOCK_N)
-            _store_zero_tile(up_ptr, row_start, row_end, n_tile, hidden, BLOCK_M, BLOCK_N)
         return
     rows, row_mask, cols, col_mask, ks, x_ptrs, w_offsets = _transposed_weight_operands(
         x_ptr, expert, row_start, row_end, n_tile, dim, hidden, BLOCK_M, BLOCK_N, BLOCK_K
@@ -365,10 +354,6 @@ def _gate_up_pass_kernel(
         group_end_ptr, num_rows, num_experts, hidden, BLOCK_E, GROUP_M, BLOCK_M, BLOCK_N
     )
     if expert >= num_experts:
-        if not UP_PASS:
-            _store_zero_tile(gate_ptr, row_start, row_end, n_tile, hidden, BLOCK_M, BLOCK_N)
-        elif SAVE_UP:
-            _store_zero_tile(up_ptr, row_start, row_end, n_tile, hidden, BLOCK_M, BLOCK_N)
         return
     acc = _accumulate_rows_times_weight_transposed(
         tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
@@ -436,12 +421,13 @@ def _down_forward_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out[dest rows] = (scores[dest] *) h @ w2[e].T; unassigned trailing rows get zeros.
+    """out[dest rows] = (scores[dest] *) h @ w2[e].T; rows of no expert get zeros in routed mode
+    (dropped slots) and are not written in grouped mode.
 
     With USE_TMA, h [R, F] and w2 [E, D, F] load through tensor descriptors: a row tile may
     read rows past its expert's segment, whose outputs are masked at the store.
     """
-    acc, _, rows, row_mask, cols, col_mask = program_tile_of_rows_times_weight_transposed(
+    acc, expert, rows, row_mask, cols, col_mask = program_tile_of_rows_times_weight_transposed(
         h_desc,
         w2_desc,
         h_ptr,
@@ -460,6 +446,9 @@ def _down_forward_kernel(
         BLOCK_N,
         BLOCK_K,
     )
+    if not HAS_GATHER:  # noqa: SIM102  # Triton: a compile-time branch around a runtime one
+        if expert >= num_experts:
+            return
     dest = _destination_rows(rows, row_mask, row_slot_ptr, HAS_GATHER)
     if HAS_SCORES:
         acc = acc * tl.load(scores_ptr + dest, mask=row_mask, other=0.0).to(tl.float32)[:, None]
@@ -683,10 +672,14 @@ def _gate_up_backward_input_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """dx[dest rows] = dgate @ w1[e] + dup @ w3[e]; unassigned trailing rows get zeros."""
+    """dx[dest rows] = dgate @ w1[e] + dup @ w3[e]; rows of no expert get zeros in routed mode
+    (dropped slots) and are not written in grouped mode."""
     expert, row_start, row_end, n_tile = _program_row_tile(
         group_end_ptr, num_rows, num_experts, dim, BLOCK_E, GROUP_M, BLOCK_M, BLOCK_N
     )
+    if not HAS_GATHER:  # noqa: SIM102  # Triton: a compile-time branch around a runtime one
+        if expert >= num_experts:
+            return
     rows = row_start + tl.arange(0, BLOCK_M)
     row_mask = rows < row_end
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
