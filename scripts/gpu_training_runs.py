@@ -21,7 +21,10 @@ its compute backend and whether it compiles, whatever the flavor's defaults. Eve
 10 steps must be within 2% of the baseline's at the same step (``FULL_SIZE_COMPARED_STEPS``), 4% with
 FP8 experts (``FP8_LOSS_REL``).
 Printed per run: the median tokens/s over steps 5-20 (after warm-up and the first compilations), its
-ratio to the baseline, peak memory and the seconds to the first step.
+ratio to the baseline, peak memory and the seconds to the first step. Single runs of the same code
+spread by up to 5% on the 2-GPU machines, so ``--rounds N`` (``full`` and the scale suites) launches
+the chosen runs N times, round after round, each round with its own stock run, and gives each run the
+median over its rounds (each round's ratio taken against that round's stock run).
 ``numerics``: olmoe-1b-7b as ``full`` (FSDP 2, EP 2, compiled, ``--local-batch-size`` default 2) for
 300 steps with each bf16 implementation (torchtitan's own MoE, grouped_mm, triton) and FP8 rowwise
 experts, same data and seed, on the endless synthetic corpus (``markov_text``: no document repeats, so
@@ -107,6 +110,17 @@ class Run:
     peak_allocated_gib: float | None = None
     """The most memory rank 0's tensors held at once (the run summary's line; None: not logged)."""
     error_tail: str | None = None
+    round: int = 1
+    """Which round of the suite (``--rounds``) launched it: a run is compared with its reference's
+    launch of the same round."""
+
+    def label(self) -> str:
+        """The name, with the round after the first."""
+        return self.name if self.round == 1 else f"{self.name} (round {self.round})"
+
+    def in_round(self, number: int) -> "Run":
+        """A fresh launch of this run (nothing logged yet) in round ``number``."""
+        return Run(self.name, self.flavor, self.gpus, list(self.args), self.reference, round=number)
 
 
 def record_log_line(run: Run, line: str, seconds_since_launch: float) -> None:
@@ -165,7 +179,7 @@ def launch(run: Run, device_ids: str, port: int, env: dict[str, str], timeout_s:
     if run.returncode != 0 or not run.losses:
         run.error_tail = error_tail(lines, run.returncode, timeout_s, len(run.losses))
     print(
-        f"{run.name}: rc {run.returncode}, first step after {run.seconds_to_first_step} s, "
+        f"{run.label()}: rc {run.returncode}, first step after {run.seconds_to_first_step} s, "
         f"{len(run.losses)} steps, last loss {run.losses.get(max(run.losses, default=0))}, "
         f"median tokens/s {median_tokens_per_second(run.tokens_per_second)}",
         flush=True,
@@ -589,31 +603,55 @@ def is_stock(run: Run) -> bool:
     return run.flavor.endswith("-torchtitan-moe")
 
 
+def _round_summary(run: Run, by_key: dict[tuple[str, int], Run]) -> dict:
+    """One launch's row of ``throughput_summary``."""
+    tps = median_tokens_per_second(run.tokens_per_second)
+    stock = by_key.get((run.reference, run.round)) if run.reference else run
+    stock_tps = median_tokens_per_second(stock.tokens_per_second) if stock and is_stock(stock) else None
+    return {
+        "name": run.name,
+        "median_tokens_per_second": tps,
+        "median_mfu_percent": median_mfu_percent(run),
+        "ratio_to_stock_compiled": round(tps / stock_tps, 3) if tps and stock_tps else None,
+        "peak_memory_gib": run.peak_memory_gib,
+        "peak_memory_from_step_5_gib": max(
+            (gib for step, gib in run.memory_gib.items() if int(step) >= FIRST_MEASURED_STEP), default=None
+        ),
+        "peak_allocated_gib": run.peak_allocated_gib,
+        "seconds_to_first_step": run.seconds_to_first_step,
+    }
+
+
+def _median_or_none(values: list) -> float | None:
+    present = [value for value in values if value is not None]
+    return round(float(statistics.median(present)), 3) if present else None
+
+
 def throughput_summary(runs: list[Run]) -> list[dict]:
     """Per run: median tokens/s per GPU and MFU of steps 5 on, the tokens/s ratio to the stock run it
     is compared with (a stock run compared with none is a baseline: 1.0; no stock reference in
     ``runs``: None), peak memory (reserved: over the run, and from step 5 on, past the warm-up and a CUDA
-    graph's capture; allocated where logged) and the seconds to the first step (compilation included)."""
-    by_name = {run.name: run for run in runs}
-    rows = []
+    graph's capture; allocated where logged) and the seconds to the first step (compilation included).
+
+    A run launched in several rounds (``--rounds``) gets one row: the median over its rounds of the
+    tokens/s, the MFU and the ratio (each round's ratio against the stock launch of the same round), the
+    largest memory peaks, the first round's seconds to the first step, and ``rounds``, each round's row."""
+    by_key = {(run.name, run.round): run for run in runs}
+    launches: dict[str, list[dict]] = {}
     for run in runs:
-        tps = median_tokens_per_second(run.tokens_per_second)
-        stock = by_name.get(run.reference) if run.reference else run
-        stock_tps = median_tokens_per_second(stock.tokens_per_second) if stock and is_stock(stock) else None
-        rows.append(
-            {
-                "name": run.name,
-                "median_tokens_per_second": tps,
-                "median_mfu_percent": median_mfu_percent(run),
-                "ratio_to_stock_compiled": round(tps / stock_tps, 3) if tps and stock_tps else None,
-                "peak_memory_gib": run.peak_memory_gib,
-                "peak_memory_from_step_5_gib": max(
-                    (gib for step, gib in run.memory_gib.items() if int(step) >= FIRST_MEASURED_STEP), default=None
-                ),
-                "peak_allocated_gib": run.peak_allocated_gib,
-                "seconds_to_first_step": run.seconds_to_first_step,
-            }
-        )
+        launches.setdefault(run.name, []).append(_round_summary(run, by_key))
+    rows = []
+    for rounds in launches.values():
+        if len(rounds) == 1:
+            rows.append(rounds[0])
+            continue
+        row = dict(rounds[0])
+        for key in ("median_tokens_per_second", "median_mfu_percent", "ratio_to_stock_compiled"):
+            row[key] = _median_or_none([launch[key] for launch in rounds])
+        for key in ("peak_memory_gib", "peak_memory_from_step_5_gib", "peak_allocated_gib"):
+            row[key] = max((launch[key] for launch in rounds if launch[key] is not None), default=None)
+        row["rounds"] = rounds
+        rows.append(row)
     return rows
 
 
@@ -621,6 +659,13 @@ def print_throughput_summary(rows: list[dict]) -> None:
     for row in rows:
         ratio = row["ratio_to_stock_compiled"]
         versus_stock = f"{ratio:.2f}x torchtitan's MoE compiled" if ratio else "no ratio"
+        if "rounds" in row:
+            each = ", ".join(
+                f"{launch['median_tokens_per_second']}"
+                + (f" ({launch['ratio_to_stock_compiled']:.2f}x)" if launch["ratio_to_stock_compiled"] else "")
+                for launch in row["rounds"]
+            )
+            versus_stock += f" (median of {len(row['rounds'])} rounds: {each})"
         print(
             f"  {row['name']}: median {row['median_tokens_per_second']} tokens/s per GPU, {versus_stock}, "
             f"MFU {row['median_mfu_percent']}%, peak {row['peak_memory_gib']} GiB reserved "
@@ -637,16 +682,19 @@ def compared_steps(run: Run) -> int:
 def compare_losses(runs: list[Run]) -> list[str]:
     """Runs whose losses differ from their ``reference``'s by more than ``loss_rel(run)`` (tiny flavors:
     at every step; full-size: over the first ``compared_steps(run)``); runs that logged other
-    steps than their reference; a run whose reference is not among ``runs`` is not compared."""
-    by_name = {run.name: run for run in runs}
+    steps than their reference; a run whose reference is not among ``runs`` is not compared. Each
+    launch is compared with its reference's launch of the same round."""
+    by_key = {(run.name, run.round): run for run in runs}
     problems = []
     for run in runs:
-        reference = by_name.get(run.reference or "")
+        reference = by_key.get((run.reference or "", run.round))
         if reference is None:
             continue
         rel = loss_rel(run)
         if run.losses.keys() != reference.losses.keys() or not run.losses:
-            problems.append(f"{run.name}: steps {sorted(run.losses)} vs {reference.name}'s {sorted(reference.losses)}")
+            problems.append(
+                f"{run.label()}: steps {sorted(run.losses)} vs {reference.label()}'s {sorted(reference.losses)}"
+            )
             continue
         tiny = run.flavor.startswith("tiny-")
         last = compared_steps(run)
@@ -654,7 +702,7 @@ def compare_losses(runs: list[Run]) -> list[str]:
         worst = max(abs(run.losses[s] - reference.losses[s]) / abs(reference.losses[s]) for s in steps)
         if worst > rel:
             where = "" if tiny else f" over steps 1-{last}"
-            problems.append(f"{run.name}: loss differs from {reference.name}'s by rel {worst:.2e} > {rel}{where}")
+            problems.append(f"{run.label()}: loss differs from {reference.label()}'s by rel {worst:.2e} > {rel}{where}")
     return problems
 
 
@@ -697,13 +745,14 @@ def plot(result_files: list[str], out: str) -> None:
         names, speeds = [], []
         for run in result["runs"]:
             steps = sorted(run["losses"], key=int)
+            label = run["name"] if run.get("round", 1) == 1 else f"{run['name']} (round {run['round']})"
             loss_axis.plot(
                 [int(s) for s in steps],
                 [run["losses"][s] for s in steps],
-                label=run["name"],
+                label=label,
                 linestyle="--" if "repeat" in run["name"] else "-",
             )
-            names.append(run["name"])
+            names.append(label)
             speeds.append(round(median_tokens_per_second(run["tokens_per_second"]) or 0))
         loss_axis.set(title=f"loss per step ({title})", xlabel="step", ylabel="loss")
         loss_axis.legend(fontsize=7)
@@ -779,6 +828,14 @@ def main(argv: list[str] | None = None) -> int:
         "numerics 2, scale 1)",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="launch the chosen runs N times, round after round (each stock run beside its runs again), "
+        "and summarise each run by the median of its rounds (default 1)",
+    )
+    parser.add_argument(
         "--run-timeout",
         type=float,
         default=540,
@@ -788,6 +845,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.local_batch_size is not None and args.local_batch_size < 1:
         parser.error(f"--local-batch-size must be >= 1, got {args.local_batch_size}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.rounds > 1 and args.suite in ("tiny", "numerics"):
+        parser.error(f"--rounds times the speed suites (full, scale4, scale8), not {args.suite}")
     batches = suite_runs(args.suite, args.local_batch_size)
     if args.only:
         batches = only_matching(batches, args.only)
@@ -811,15 +872,18 @@ def main(argv: list[str] | None = None) -> int:
     machine = environment()
     result, problems = write_results(args.suite, machine, runs, skipped, args.out)
     port = 29600
-    for batch in filter(None, batches):
-        with ThreadPoolExecutor(len(batch)) as pool:
-            futures = []
-            for slot, run in enumerate(batch):
-                futures.append(pool.submit(launch, run, ",".join(device_ids(slot, run)), port, env, args.run_timeout))
-                port += 1
-            runs += [future.result() for future in futures]
-        # After every batch: a suite killed on the way keeps what ran.
-        result, problems = write_results(args.suite, machine, runs, skipped, args.out)
+    for number in range(1, args.rounds + 1):
+        for batch in filter(None, batches):
+            with ThreadPoolExecutor(len(batch)) as pool:
+                futures = []
+                for slot, run in enumerate(batch):
+                    launched = run.in_round(number)
+                    ids = ",".join(device_ids(slot, launched))
+                    futures.append(pool.submit(launch, launched, ids, port, env, args.run_timeout))
+                    port += 1
+                runs += [future.result() for future in futures]
+            # After every batch: a suite killed on the way keeps what ran.
+            result, problems = write_results(args.suite, machine, runs, skipped, args.out)
     if args.suite != "tiny":
         print_throughput_summary(result["summary"])
     if args.suite == "numerics":

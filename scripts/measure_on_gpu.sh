@@ -83,8 +83,11 @@ run_task() {
       # full 4, an H200 takes 8; numerics 2; scale 1). Every run trains with the CUDA allocator settings
       # of PYTORCH_ALLOC_CONF when it is set (PYTORCH_ALLOC_CONF= for torch's defaults), else with the
       # train entry's expandable_segments:True (recorded in the JSON's environment).
+      # TRAIN_ROUNDS (full and scale suites) launches the runs that many times, round after round, each
+      # round beside its own stock run, and summarises each run by the median of its rounds.
       python3 scripts/gpu_training_runs.py "$suite" --out "$out/train_$suite.json" \
           ${TRAIN_ONLY:+--only $TRAIN_ONLY} ${TRAIN_LOCAL_BATCH:+--local-batch-size $TRAIN_LOCAL_BATCH} \
+          ${TRAIN_ROUNDS:+--rounds $TRAIN_ROUNDS} \
           ${TRAIN_RUN_TIMEOUT_S:+--run-timeout $TRAIN_RUN_TIMEOUT_S} \
           2>&1 | tee "$out/train_$suite.log" ;;
     train-step)

@@ -4,6 +4,7 @@ degrees, transports, backends), that every run parses as the train entry would p
 host, that each is compared with the right run, and that a host with too few GPUs is told so."""
 
 import importlib.util
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -270,6 +271,88 @@ def test_summary_gives_each_run_its_ratio_to_its_stock_baseline():
     assert (
         rows["m ep8 triton"]["median_mfu_percent"] == 13.0 and rows["m ep8 triton"]["median_tokens_per_second"] == 130
     )
+
+
+def in_round(run, number, tps):
+    launched = run.in_round(number)
+    launched.losses = dict(run.losses)
+    launched.tokens_per_second = {step: tps for step in run.tokens_per_second}
+    launched.mfu_percent = {step: tps / 10 for step in run.tokens_per_second}
+    return launched
+
+
+def test_rounds_give_each_run_the_median_of_its_ratios_to_the_stock_run_of_each_round():
+    stock = make_run("m stock", "qwen3-30b-a3b-torchtitan-moe")
+    ours = make_run("m triton", "qwen3-30b-a3b", stock.name)
+    runs = [
+        in_round(stock, 1, 100),
+        in_round(ours, 1, 150),
+        in_round(stock, 2, 80),
+        in_round(ours, 2, 100),
+        in_round(stock, 3, 100),
+        in_round(ours, 3, 130),
+    ]
+    runs[3].peak_memory_gib = 70.0
+    rows = {row["name"]: row for row in runs_module.throughput_summary(runs)}
+    assert [launch["ratio_to_stock_compiled"] for launch in rows["m triton"]["rounds"]] == [1.5, 1.25, 1.3]
+    assert rows["m triton"]["ratio_to_stock_compiled"] == 1.3  # the median ratio, not the ratio of medians
+    assert rows["m triton"]["median_tokens_per_second"] == 130
+    assert rows["m triton"]["peak_memory_gib"] == 70.0
+    assert rows["m stock"]["ratio_to_stock_compiled"] == 1.0
+    assert "rounds" not in runs_module.throughput_summary([stock, ours])[1]
+
+
+def test_each_round_is_compared_with_its_own_stock_launch():
+    stock = make_run("m stock", "qwen3-30b-a3b-torchtitan-moe")
+    ours = make_run("m triton", "qwen3-30b-a3b", stock.name)
+    wrong = in_round(ours, 2, 100)
+    wrong.losses[1] = 9.0
+    runs = [in_round(stock, 1, 100), in_round(ours, 1, 100), in_round(stock, 2, 100), wrong]
+    problems = runs_module.compare_losses(runs)
+    assert len(problems) == 1 and problems[0].startswith("m triton (round 2): loss differs from m stock (round 2)'s")
+
+
+def test_rounds_launch_every_chosen_run_round_after_round(tmp_path, monkeypatch):
+    launched = []
+
+    def fake_launch(run, device_ids, port, env, timeout_s):
+        launched.append((run.round, run.name))
+        for step in range(1, 21):
+            run.losses[step], run.tokens_per_second[step], run.memory_gib[step] = 2.0, 100, 50.0
+        run.returncode = 0
+        return run
+
+    monkeypatch.setattr(runs_module, "launch", fake_launch)
+    monkeypatch.setattr(runs_module.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(runs_module, "runs_that_do_not_fit", lambda runs, memory: {})
+    monkeypatch.setattr(
+        runs_module.torch.cuda, "get_device_properties", lambda index: type("P", (), {"total_memory": 2**40})
+    )
+    monkeypatch.setattr(runs_module, "environment", dict)
+    out = tmp_path / "full.json"
+    only = ["torchtitan-moe.compiled$", "triton.compiled.symm_mem.defaults$"]
+    assert runs_module.main(["full", "--out", str(out), "--rounds", "2", "--only", *only]) == 0
+    names = [name for _, name in launched]
+    assert [number for number, _ in launched] == [1] * (len(names) // 2) + [2] * (len(names) // 2)
+    assert names[: len(names) // 2] == names[len(names) // 2 :]
+    assert any("torchtitan-moe" in name for name in names) and any("defaults" in name for name in names)
+    summary = json.loads(out.read_text())["summary"]
+    assert all(len(row["rounds"]) == 2 for row in summary)
+
+
+def test_train_rounds_reach_the_suite(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAIN_ROUNDS", "3")
+    result, commands = measure_on_gpu(tmp_path, 2, "train-full")
+    assert result.returncode == 0, result.stdout + result.stderr
+    [suite] = [c.split() for c in commands if "gpu_training_runs.py" in c]
+    assert suite[suite.index("--rounds") + 1] == "3"
+
+
+@pytest.mark.parametrize("suite", ["tiny", "numerics"])
+def test_rounds_are_refused_for_the_suites_that_do_not_time(suite, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        runs_module.main([suite, "--out", str(tmp_path / "out.json"), "--rounds", "2"])
+    assert "--rounds times the speed suites" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("suite", SCALE_SUITES)
