@@ -623,6 +623,7 @@ def _round_summary(run: Run, by_key: dict[tuple[str, int], Run]) -> dict:
 
 
 def _median_or_none(values: list) -> float | None:
+    """The median of the values that are not None (3 decimals), None when there are none."""
     present = [value for value in values if value is not None]
     return round(float(statistics.median(present)), 3) if present else None
 
