@@ -1,6 +1,6 @@
-"""Helpers shared by the tests: fresh buffers that hold NaN, weight-gradient and bf16 rounding
-checks, a free TCP port, spawned gloo workers and their EP mesh, a backend made unavailable, the
-model config of a flavor and the configs inside it."""
+"""Helpers shared by the tests: fresh buffers that hold NaN, unset rows after the experts',
+weight-gradient and bf16 rounding checks, a free TCP port, spawned gloo workers and their EP mesh, a
+backend made unavailable, the model config of a flavor and the configs inside it."""
 
 from __future__ import annotations
 
@@ -43,6 +43,16 @@ def fresh_buffers_hold_nan() -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
         torch._C._set_deterministic_fill_uninitialized_memory(fill)
+
+
+def unset_rows_after_the_experts(x: torch.Tensor, grad_out: torch.Tensor, grouped: int):
+    """``x`` and ``grad_out`` as EP's static receive rows leave them: the rows after the experts' unset
+    (NaN here, so that reading any of them shows), and ``grad_out`` with zeros there for the reference."""
+    unset_x, unset_grad_out, reference_grad_out = x.clone(), grad_out.clone(), grad_out.clone()
+    unset_x[grouped:] = float("nan")
+    unset_grad_out[grouped:] = float("nan")
+    reference_grad_out[grouped:] = 0
+    return unset_x, unset_grad_out, reference_grad_out
 
 
 def assert_weight_gradient_matches(

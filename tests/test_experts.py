@@ -6,7 +6,7 @@ import typing
 
 import pytest
 import torch
-from helpers import fresh_buffers_hold_nan
+from helpers import fresh_buffers_hold_nan, unset_rows_after_the_experts
 
 from torchtitan_ext.bench.common import relative_error
 from torchtitan_ext.config.short_keys import short_key
@@ -96,16 +96,6 @@ def assert_backend_matches_reference(backend, counts, dim, hidden, x_dtype, w_dt
 @pytest.mark.parametrize("case", list(COUNT_CASES))
 def test_edge_case_token_counts_fp32(backend, case):
     assert_backend_matches_reference(backend, COUNT_CASES[case], 16, 24, torch.float32, torch.float32)
-
-
-def unset_rows_after_the_experts(x: torch.Tensor, grad_out: torch.Tensor, grouped: int):
-    """``x`` and ``grad_out`` as EP's static receive rows leave them: the rows after the experts' unset
-    (NaN here, so that reading any of them shows), and ``grad_out`` with zeros there for the reference."""
-    unset_x, unset_grad_out, reference_grad_out = x.clone(), grad_out.clone(), grad_out.clone()
-    unset_x[grouped:] = float("nan")
-    unset_grad_out[grouped:] = float("nan")
-    reference_grad_out[grouped:] = 0
-    return unset_x, unset_grad_out, reference_grad_out
 
 
 @pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import assert_weight_gradient_matches, fresh_buffers_hold_nan
+from helpers import assert_weight_gradient_matches, fresh_buffers_hold_nan, unset_rows_after_the_experts
 
 from torchtitan_ext.bench.common import relative_error
 from torchtitan_ext.kernels.availability import interpreter_enabled
@@ -60,12 +60,8 @@ def assert_matches(fused, reference, inputs, dtype, generator, expert_rows: int 
     grad_out = torch.randn(inputs[0].shape[0], inputs[0].shape[1], generator=generator).to(dtype)
     fused_inputs, fused_grad_out = inputs, grad_out
     if expert_rows is not None:
-        unset_x = inputs[0].detach().clone()
-        unset_x[expert_rows:] = float("nan")
+        unset_x, fused_grad_out, grad_out = unset_rows_after_the_experts(inputs[0].detach(), grad_out, expert_rows)
         fused_inputs = [unset_x.requires_grad_(), *inputs[1:]]
-        fused_grad_out = grad_out.clone()
-        fused_grad_out[expert_rows:] = float("nan")
-        grad_out[expert_rows:] = 0
     with fresh_buffers_hold_nan() if expert_rows is not None else contextlib.nullcontext():
         out = fused(*fused_inputs)
         differentiable = [t for t in fused_inputs if t.is_floating_point() and t.requires_grad]
