@@ -235,6 +235,8 @@ EXPERTS_APPLY_SCORES = ["--moe.experts_apply_scores", "true"]
 CUDA_GRAPHS_PRESET = ["--toml", "examples/cuda_graphs.toml"]
 """symm_mem, static received rows, CUDA graphs and experts_apply_scores: the fastest EP configuration measured."""
 RECOMPUTE_PREACTIVATIONS = ["--moe.recompute_preactivations", "true"]
+LOAD_IN_THE_STEP = ["--data.workers", "0"]
+"""The batch loaded by the training process when its step starts, as before the full-size flavors' worker."""
 EP_TRANSPORT_ARGS = {"all_to_all": ALL_TO_ALL, "symm_mem": SYMM_MEM}
 TINY_STEPS = ["--training.steps", "30"]
 TINY_LOSS_REL = 1e-4
@@ -409,6 +411,18 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
             "olmoe-1b-7b",
             2,
             [*args, *GROUPED_MM, *SYMM_MEM, *COMPILE, *CUDA_GRAPHS],
+        ),
+        Run(
+            "olmoe torchtitan-moe compiled data_workers_0",
+            "olmoe-1b-7b-torchtitan-moe",
+            2,
+            [*args, *COMPILE, *LOAD_IN_THE_STEP],
+        ),
+        Run(
+            "olmoe triton compiled symm_mem defaults data_workers_0",
+            "olmoe-1b-7b",
+            2,
+            [*args, *TRITON, *SYMM_MEM, *COMPILE, *LOAD_IN_THE_STEP],
         ),
         Run("olmoe torchtitan-moe eager", "olmoe-1b-7b-torchtitan-moe", 2, [*args, *EAGER]),
         Run("olmoe triton eager symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *SYMM_MEM, *EAGER]),

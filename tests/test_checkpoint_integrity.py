@@ -262,10 +262,10 @@ CHECKPOINTED_RUN = [
 ]
 
 
-def train(dump_folder, steps: int = 4) -> subprocess.CompletedProcess:
+def train(dump_folder, steps: int = 4, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
-            *(sys.executable, "-m", "torchtitan_ext.train", *CHECKPOINTED_RUN),
+            *(sys.executable, "-m", "torchtitan_ext.train", *CHECKPOINTED_RUN, *extra),
             *("--training.steps", str(steps), "--dump_folder", str(dump_folder)),
         ],
         capture_output=True,
@@ -297,6 +297,25 @@ def test_resume_from_intact_checkpoint_continues_with_the_same_losses(uninterrup
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-6), step
+
+
+@pytest.mark.slow
+def test_a_worker_process_loads_the_same_batches_and_its_checkpoint_resumes_after_the_last_trained_one(
+    uninterrupted_run, tmp_path
+):
+    """With ``data.workers 1`` the worker loads batches ahead of the step; the checkpoint holds the
+    data position of the batches trained on, not of those loaded ahead, so the resumed run goes on
+    with the batches the uninterrupted run trained on next."""
+    _, reference = uninterrupted_run
+    worker = ("--data.workers", "1")
+    with_worker = train(tmp_path / "with_worker", extra=worker)
+    assert with_worker.returncode == 0, (with_worker.stdout + with_worker.stderr)[-4000:]
+    assert losses(with_worker) == pytest.approx(reference, rel=1e-6)
+    resumed_folder = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "with_worker" / "checkpoint" / "step-2", resumed_folder / "checkpoint" / "step-2")
+    resumed = train(resumed_folder, extra=worker)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    assert losses(resumed) == pytest.approx({step: reference[step] for step in (3, 4)}, rel=1e-6)
 
 
 @pytest.mark.slow

@@ -122,12 +122,20 @@ def test_stock_sibling_is_the_same_model_with_torchtitans_moe(name):
     assert nested_configs(flavor, BackendGroupedExperts.Config)
     assert not nested_configs(stock, BackendGroupedExperts.Config)
     assert parameter_counts(model_config(stock)) == parameter_counts(model_config(flavor))
-    assert (stock.training, stock.optimizer, stock.lr_scheduler, stock.parallelism, stock.compile) == (
+    assert (
+        stock.training,
+        stock.optimizer,
+        stock.lr_scheduler,
+        stock.parallelism,
+        stock.compile,
+        stock.dataloader,
+    ) == (
         flavor.training,
         flavor.optimizer,
         flavor.lr_scheduler,
         flavor.parallelism,
         flavor.compile,
+        flavor.dataloader,
     )
 
 
@@ -150,6 +158,14 @@ def test_tiny_flavors_run_eager():
     tiny = [flavor for flavor in all_flavors() if flavor.name.startswith("tiny-")]
     assert len(tiny) >= len(backend_names()) + 5  # one per backend, the stock one, one per family
     assert not any(flavor.build().compile.enable for flavor in tiny)
+
+
+def test_full_size_flavors_load_batches_in_one_worker_process_and_tiny_ones_in_the_training_process():
+    """One worker loads the next batch while the GPU runs the step (torchtitan's text dataset gives
+    every worker the whole stream, so more would repeat batches); the tiny CPU runs load their own."""
+    workers = {flavor.name: flavor.build().dataloader.num_workers for flavor in all_flavors()}
+    assert {workers[name] for name in FULL_SIZE_FLAVORS + STOCK_SIBLINGS} == {1}
+    assert {count for name, count in workers.items() if name.startswith("tiny-")} == {0}
 
 
 def test_show_tells_whether_a_flavor_compiles(capsys, tmp_path):

@@ -79,6 +79,14 @@ def assert_refused(capsys, args, *fragments):
             ["bad.toml:3: compile.components = ['modell']: 'modell' is not a component", "did you mean model?"],
         ),
         ('[data]\ndataset = "c5"\n', ["dataloader.dataset = 'c5': unknown dataset", "tiny_stories"]),
+        (
+            "[data]\nworkers = 2\n",
+            [
+                "bad.toml:2: dataloader.num_workers = 2: torchtitan's text and chat datasets give every worker process "
+                "the whole stream, so each batch would be trained on 2 times; use 1"
+            ],
+        ),
+        ("[dataloader]\nnum_workers = -1\n", ["bad.toml:2: dataloader.num_workers = -1: must be >= 0"]),
         ('[data]\ntokenizer = "/no/such/tokenizer"\n', ["'/no/such/tokenizer': no such folder"]),
     ],
 )

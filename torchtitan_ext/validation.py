@@ -173,6 +173,7 @@ def data_errors(config) -> list[str]:
             errors.append(f"{key} = {path!r}: the folder holds no data files")
         elif not local.exists() and (local.is_absolute() or path.startswith(".")):
             errors.append(f"{key} = {path!r}: no such file or folder")
+    errors += data_worker_errors(loader)
     tokenizer = Path(config.hf_assets_path).expanduser()
     tokenizer_key = named("hf_assets_path", "data.tokenizer")
     if not tokenizer.is_dir():
@@ -187,6 +188,30 @@ def data_errors(config) -> list[str]:
     else:
         errors += tokenizer_vocabulary_errors(tokenizer, tokenizer_key, config)
     return errors
+
+
+def data_worker_errors(loader) -> list[str]:
+    """A count of loading processes, and at most one for torchtitan's text and chat datasets, which give
+    every worker process the whole stream (each batch would come once per worker)."""
+    from torchtitan.hf_datasets import text_datasets
+
+    workers = getattr(loader, "num_workers", 0)
+    key = named("dataloader.num_workers", "data.workers")
+    whole_stream_loaders = (
+        text_datasets.HuggingFaceTextDataLoader.Config,
+        text_datasets.InterleavedHuggingFaceTextDataLoader.Config,
+        text_datasets.ChatDataLoader.Config,
+        text_datasets.InterleavedChatDataLoader.Config,
+    )
+    if workers < 0:
+        return [f"{key} = {workers}: must be >= 0 (0: the training process loads each batch)"]
+    if workers > 1 and isinstance(loader, whole_stream_loaders):
+        return [
+            f"{key} = {workers}: torchtitan's text and chat datasets give every worker process the whole "
+            f"stream, so each batch would be trained on {workers} times; use 1 (one process loading batches "
+            "ahead of the step) or 0 (the training process loads each batch)"
+        ]
+    return []
 
 
 def tokenizer_vocabulary_errors(tokenizer_dir: Path, key: str, config) -> list[str]:

@@ -74,6 +74,12 @@ _field_alias("tensorboard.enable", "metrics.enable_tensorboard", bool, "log to T
 _field_alias("data.dataset", "dataloader.dataset", str, "dataset name registered with torchtitan")
 _field_alias("data.path", "dataloader.dataset_path", str | None, "dataset location")
 _field_alias("data.tokenizer", "hf_assets_path", str, "folder with tokenizer.json")
+_field_alias(
+    "data.workers",
+    "dataloader.num_workers",
+    int,
+    "processes loading batches ahead of the step (0: the training process loads each batch)",
+)
 
 
 @register_short_key("training.lr", float, "learning rate of every optimizer parameter group")

@@ -63,8 +63,10 @@ TINY_SHAPE = MoEShape(
 @dataclass(frozen=True, kw_only=True)
 class TrainingRun:
     """How a flavor trains by default: per-rank batch and sequence length, steps, peak learning rate
-    and its warm-up steps, metrics every ``log_freq`` steps, and whether torchtitan compiles the model
-    and the loss (``compile.enable`` with its default components)."""
+    and its warm-up steps, metrics every ``log_freq`` steps, whether torchtitan compiles the model
+    and the loss (``compile.enable`` with its default components), and how many processes load
+    batches ahead of the step (``data_workers``, ``dataloader.num_workers``; 0: the training process
+    loads each batch when its step starts, while the GPU waits)."""
 
     local_batch_size: int
     seq_len: int
@@ -73,11 +75,24 @@ class TrainingRun:
     warmup_steps: int
     log_freq: int
     compile: bool
+    data_workers: int
 
 
-TINY_RUN = TrainingRun(local_batch_size=8, seq_len=128, steps=50, lr=3e-3, warmup_steps=5, log_freq=1, compile=False)
+TINY_RUN = TrainingRun(
+    local_batch_size=8, seq_len=128, steps=50, lr=3e-3, warmup_steps=5, log_freq=1, compile=False, data_workers=0
+)
 FULL_SIZE_RUN = TrainingRun(
-    local_batch_size=4, seq_len=4096, steps=1000, lr=3e-4, warmup_steps=100, log_freq=10, compile=True
+    local_batch_size=4,
+    seq_len=4096,
+    steps=1000,
+    lr=3e-4,
+    warmup_steps=100,
+    log_freq=10,
+    compile=True,
+    # Tokenising a step's batch took 18-32 ms of an olmoe-1b-7b step (batch 4 x 2048 on 2x H200,
+    # docs/results/gpu_training.md), during which the GPU idled: a step replayed as a CUDA graph leaves
+    # the host nothing else to do, so one worker process loading the next batch meanwhile hides it.
+    data_workers=1,
 )
 DEEPSEEK_V3_16B_RUN = dataclasses.replace(FULL_SIZE_RUN, lr=2.2e-4)
 
@@ -90,7 +105,7 @@ def moe_trainer_config(model_spec: ModelSpec, run: TrainingRun, *, expert_parall
         # pyrefly: ignore[missing-attribute]  # ModelSpec types model as BaseModel.Config; a decoder's has vocab_size
         loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size)),
         metrics=MoEMetricsProcessor.Config(log_freq=run.log_freq),
-        dataloader=HuggingFaceTextDataLoader.Config(dataset=TINY_STORIES),
+        dataloader=HuggingFaceTextDataLoader.Config(dataset=TINY_STORIES, num_workers=run.data_workers),
         optimizer=default_adamw(lr=run.lr),
         lr_scheduler=LRSchedulersContainer.Config(
             warmup_steps=run.warmup_steps, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.1
