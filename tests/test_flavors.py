@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from helpers import model_config, nested_configs
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
 from torchtitan_ext import command_facts, flavors
 from torchtitan_ext.experiments.moe_backends import flavors as moe_backends_flavors
@@ -70,13 +71,15 @@ def test_fingerprint_changes_with_any_source_file(tmp_path):
 
 def test_show_is_concise_and_applies_toml(tmp_path, capsys):
     toml = tmp_path / "s.toml"
-    toml.write_text('[moe]\ncompute_backend = "batched_mm_padded"\n[training]\nsteps = 7\n')
+    toml.write_text('[moe]\ncompute_backend = "batched_mm_padded"\n[training]\nsteps = 7\n[data]\nworkers = 1\n')
     assert main(["--show", TINY, "--toml", str(toml)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"{TINY}  (TOML files: {toml})"
     assert len(lines) <= 12 and "0x" not in "\n".join(lines)
     assert any("2 x (8 experts, top-2" in line and "compute_backend batched_mm_padded" in line for line in lines)
     assert any(line.split()[:3] == ["training", "steps", "7,"] for line in lines)
+    (data,) = [line for line in lines if line.split()[0] == "data"]
+    assert data.endswith("; workers 1 (loading batches ahead of the step)")
     assert lines[-1] == f"every field: python -m torchtitan_ext.flavors --show {TINY} --toml {toml} --full"
 
 
@@ -163,7 +166,13 @@ def test_tiny_flavors_run_eager():
 def test_full_size_flavors_load_batches_in_one_worker_process_and_tiny_ones_in_the_training_process():
     """One worker loads the next batch while the GPU runs the step (torchtitan's text dataset gives
     every worker the whole stream, so more would repeat batches); the tiny CPU runs load their own."""
-    workers = {flavor.name: flavor.build().dataloader.num_workers for flavor in all_flavors()}
+    loaders = {flavor.name: flavor.build().dataloader for flavor in all_flavors()}
+    assert all(isinstance(loader, HuggingFaceTextDataLoader.Config) for loader in loaders.values())
+    workers = {
+        name: loader.num_workers
+        for name, loader in loaders.items()
+        if isinstance(loader, HuggingFaceTextDataLoader.Config)
+    }
     assert {workers[name] for name in FULL_SIZE_FLAVORS + STOCK_SIBLINGS} == {1}
     assert {count for name, count in workers.items() if name.startswith("tiny-")} == {0}
 
