@@ -698,11 +698,43 @@ def test_trace_summary_of_a_gpu_step(tmp_path, capsys):
     assert summary["kinds"] == {"communication": 0.3, "project Triton": 0.2, "matmul": 0.1, "copy/fill": 0.05}
     assert summary["host"] == {"sync_calls": 2, "sync_ms": 0.1, "kernel_launches": 3}
     assert [k["name"][:4] for k in summary["top_kernels"]] == ["nccl", "_per"]
+    assert summary["gpu_idle_gaps"] == []  # none of its idle spans reaches 1 ms
     printed = capsys.readouterr().out
     assert (
         "GPU busy 0.6 ms (55% of the time), 0.3 ms (35%) outside communication kernels" in printed
         and "2 syncs (0.1 ms waiting for the GPU)" in printed
     )
+
+
+def test_trace_names_the_gpus_idle_spans_and_what_the_host_ran_then(tmp_path, capsys):
+    """A 10 ms step whose GPU waits 4 ms for the host's data loader (a nested operator inside it,
+    overlapping less) and 1.5 ms at its end with no host event."""
+
+    def event(name, cat, ts, dur, tid=1):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+    loader = "enumerate(DataLoader)#_StatefulSingleProcessDataLoaderIter.__next__"
+    events = [
+        event("ProfilerStep#5", "user_annotation", 0, 10_000),
+        event("_gate_up_forward_kernel", "kernel", 0, 1_000, tid=7),
+        event("_permute_kernel", "kernel", 900, 100, tid=9),
+        event(loader, "user_annotation", 1_200, 3_600),
+        event("aten::copy_", "cpu_op", 2_000, 1_000),
+        event("_weight_gradient_kernel", "kernel", 5_000, 3_500, tid=7),
+        event("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 8_200, 300, tid=9),
+    ]
+    path = tmp_path / "rank0_trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = tmp_path / "summary.json"
+    assert main(["trace", str(path), "--json", str(out)]) == 0
+    (summary,) = json.loads(out.read_text())["traces"]
+    assert summary["gpu_idle_gaps"] == [
+        {"at_ms": 1.0, "ms": 4.0, "host": loader, "host_ms": 3.6},
+        {"at_ms": 8.5, "ms": 1.5},
+    ]
+    printed = capsys.readouterr().out
+    assert f"      1.0     4.0  {loader} (3.6 ms of it)" in printed
+    assert "      8.5     1.5  no host event" in printed
 
 
 def test_trace_kinds_name_every_kernel_module_of_the_project():

@@ -247,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     plot_command.add_argument("--only", nargs="+", metavar="NAME", help="plot only these series (backends)")
     trace_command = commands.add_parser(
         "trace",
-        help="where a profiled step's time went (GPU busy, kernels by kind, host syncs), from torch.profiler traces",
+        help="where a profiled step's time went (GPU busy, its idle spans and the host then, kernels by kind, "
+        "host syncs), from torch.profiler traces",
     )
     trace_command.add_argument(
         "traces",

@@ -18,6 +18,9 @@ first question of a slow run: is the GPU busy (then the kernels decide) or waiti
   different streams overlap, so the kinds can add up to more than ``gpu_busy_ms``.
 - ``host``: host syncs (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, blocking
   ``cudaMemcpy``: the host waits there for the GPU) and kernel launches.
+- ``gpu_idle_gaps``: the longest spans (``IDLE_GAP_MIN_MS`` or more) in which no stream of the GPU
+  ran anything, each with the host operator or annotation that overlapped it most (what the GPU
+  waited for: a data loader's ``__next__``, an optimizer's launches, ...).
 - ``top_kernels`` (GPU traces) or ``top_operators`` (CPU traces: operators by inclusive time).
 """
 
@@ -39,6 +42,9 @@ KINDS = (
     ("elementwise/reduce", ("elementwise", "reduce")),
 )
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function")
+IDLE_GAP_MIN_MS = 1.0
+IDLE_GAPS_LISTED = 5
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
@@ -72,6 +78,46 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
             total += end - max(start, covered_to)
             covered_to = end
     return total
+
+
+def uncovered_spans(intervals: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:
+    """The parts of ``(start, end)`` that no ``(start, end)`` interval covers, in time order."""
+    spans, covered_to = [], start
+    for interval_start, interval_end in sorted(intervals):
+        if interval_start > covered_to:
+            spans.append((covered_to, min(interval_start, end)))
+        covered_to = max(covered_to, interval_end)
+    if covered_to < end:
+        spans.append((covered_to, end))
+    return [(a, b) for a, b in spans if b > a]
+
+
+def longest_overlap(span: tuple[float, float], events: list[dict]) -> tuple[str, float] | None:
+    """``(name, overlap)`` of the event overlapping ``span`` most (the shorter one on a tie: the more
+    specific of nested ones); None when none overlaps it."""
+    best = None
+    for e in events:
+        overlap = min(span[1], e["ts"] + e["dur"]) - max(span[0], e["ts"])
+        if overlap > 0 and (best is None or (overlap, -e["dur"]) > (best[1], -best[2])):
+            best = (e["name"], overlap, e["dur"])
+    return None if best is None else (best[0], best[1])
+
+
+def idle_gaps(gpu: list[dict], host: list[dict], start: float, end: float) -> list[dict]:
+    """The ``IDLE_GAPS_LISTED`` longest spans of at least ``IDLE_GAP_MIN_MS`` with no GPU work, longest
+    first: where they start (ms from ``start``), how long, and the host event that overlapped each most."""
+    spans = uncovered_spans([(e["ts"], e["ts"] + e["dur"]) for e in gpu], start, end)
+    long_spans = sorted((s for s in spans if s[1] - s[0] >= IDLE_GAP_MIN_MS * 1e3), key=lambda s: s[0] - s[1])
+    gaps = []
+    for span in long_spans[:IDLE_GAPS_LISTED]:
+        gap: dict[str, float | str] = {
+            "at_ms": round((span[0] - start) / 1e3, 3),
+            "ms": round((span[1] - span[0]) / 1e3, 3),
+        }
+        if (busiest := longest_overlap(span, host)) is not None:
+            gap["host"], gap["host_ms"] = busiest[0], round(busiest[1] / 1e3, 3)
+        gaps.append(gap)
+    return gaps
 
 
 def load_events(path: str) -> list[dict]:
@@ -122,6 +168,12 @@ def summarize(path: str, top: int = 15) -> dict:
         },
     }
     if gpu:
+        host = [
+            e
+            for e in inside
+            if e.get("cat") in HOST_CATEGORIES and not str(e.get("name", "")).startswith("ProfilerStep#")
+        ]
+        summary["gpu_idle_gaps"] = idle_gaps(gpu, host, start, end)
         summary["top_kernels"] = [
             {"name": name, "ms": round(ms, 3), "calls": kernel_calls[name]} for name, ms in kernel_ms.most_common(top)
         ]
@@ -153,6 +205,7 @@ def print_summary(summary: dict) -> None:
             f"host: {host['sync_calls']} syncs ({host['sync_ms']:.1f} ms waiting for the GPU), "
             f"{host['kernel_launches']:,} kernel launches"
         )
+        print_idle_gaps(summary["gpu_idle_gaps"])
         rows, heading = summary["top_kernels"], "slowest kernels (total ms, calls)"
     else:
         print("no GPU kernels in this trace (a CPU run): operators by inclusive time instead")
@@ -160,3 +213,13 @@ def print_summary(summary: dict) -> None:
     print(f"{heading}:")
     for row in rows:
         print(f"  {row['ms']:9.2f} {row['calls']:6d}  {row['name'][:100]}")
+
+
+def print_idle_gaps(gaps: list[dict]) -> None:
+    if not gaps:
+        print(f"no span of {IDLE_GAP_MIN_MS:g} ms or more without GPU work")
+        return
+    print(f"longest spans without GPU work (from {IDLE_GAP_MIN_MS:g} ms; start ms, length ms, the host then):")
+    for gap in gaps:
+        host = f"{gap['host'][:90]} ({gap['host_ms']:.1f} ms of it)" if "host" in gap else "no host event"
+        print(f"  {gap['at_ms']:9.1f} {gap['ms']:7.1f}  {host}")
