@@ -149,16 +149,18 @@ run_task() {
       # of them, compiled, batch TRAIN_LOCAL_BATCH (4) x 2048; `triton` over symm_mem as the flavor trains (static
       # rows under CUDA graphs where moe.ep_receive_rows "auto" picks them), then with the options of each
       # PROFILE_VARIANTS entry (";"-separated; default "--moe.ep_receive_rows exact": the step that waits for
-      # the host); PROFILE_STOCK=1 first profiles the flavor's stock sibling (<flavor>-torchtitan-moe, compiled:
-      # profile_stock.*). PROFILE_STEPS (6) steps each, torch.profiler tracing the last; every rank's trace read
-      # by `bench trace` (kernel time by kind, top kernels, host syncs: a step paced by one rank's host shows
-      # that rank's GPU idle and the others waiting in communication kernels).
+      # the host; "none": no variant); PROFILE_STOCK=1 first profiles the flavor's stock sibling
+      # (<flavor>-torchtitan-moe, compiled: profile_stock.*). PROFILE_STEPS (6) steps each, torch.profiler
+      # tracing the last; every rank's trace read by `bench trace` (kernel time by kind, the GPU's idle spans and
+      # what the host ran then, top kernels, host syncs: a step paced by one rank's host shows that rank's GPU
+      # idle and the others waiting in communication kernels).
       # E.g. PROFILE_FLAVOR=deepseek-v3-16b PROFILE_GPUS=4 TRAIN_LOCAL_BATCH=1 PROFILE_STOCK=1.
       gpus_needed=${PROFILE_GPUS:-2}
       need_gpus "$gpus_needed" "$task"
       flavor=${PROFILE_FLAVOR:-olmoe-1b-7b}
       steps=${PROFILE_STEPS:-6}
-      IFS=';' read -ra variants <<< "${PROFILE_VARIANTS:---moe.ep_receive_rows exact}"
+      variants=()
+      [[ ${PROFILE_VARIANTS:-} == none ]] || IFS=';' read -ra variants <<< "${PROFILE_VARIANTS:---moe.ep_receive_rows exact}"
       profiled=()
       [[ ${PROFILE_STOCK:-0} == 1 ]] && profiled+=("stock")
       for index in "${!variants[@]}" "${#variants[@]}"; do profiled+=("$index"); done

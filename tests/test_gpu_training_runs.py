@@ -624,6 +624,21 @@ def test_profile_task_traces_the_flavor_and_each_variant(tmp_path, monkeypatch):
     assert all("rank*_trace.json.gz" in c for c in reads)  # every rank's trace (the glob, unexpanded here)
 
 
+def test_profile_task_without_variants_traces_stock_and_the_flavor_as_it_trains(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROFILE_VARIANTS", "none")
+    monkeypatch.setenv("PROFILE_STOCK", "1")
+    result, commands = measure_on_gpu(tmp_path, 2, "profile")
+    assert result.returncode == 0, result.stdout + result.stderr
+    trains = [c.split() for c in commands if "torchtitan_ext.train" in c]
+    assert [options[options.index("--flavor") + 1] for options in trains] == [
+        "olmoe-1b-7b-torchtitan-moe",
+        "olmoe-1b-7b",
+    ]
+    assert "--moe.ep_receive_rows" not in trains[1]
+    reads = [c for c in commands if "torchtitan_ext.bench trace" in c]
+    assert [c.split("--json ")[1] for c in reads] == [f"{tmp_path}/out/profile_{name}.json" for name in ("stock", "0")]
+
+
 def test_profile_task_takes_a_flavor_its_gpus_and_its_stock_sibling(tmp_path, monkeypatch):
     monkeypatch.setenv("PROFILE_FLAVOR", "deepseek-v3-16b")
     monkeypatch.setenv("PROFILE_GPUS", "4")
