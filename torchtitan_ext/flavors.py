@@ -102,11 +102,15 @@ def cuda_graphs_summary(config) -> str:
     return "off"
 
 
-def data_loading(workers: int) -> str:
-    """Who loads a step's batch (``dataloader.num_workers``), as ``--show`` says it."""
+def data_loading(dataloader) -> str:
+    """Who loads a step's batch (``dataloader.num_workers``), as ``--show`` says it ("" for a data loader
+    without worker processes)."""
+    workers = getattr(dataloader, "num_workers", None)
+    if workers is None:
+        return ""
     if workers == 0:
-        return "workers 0 (the training process loads each batch)"
-    return f"workers {workers} (loading batches ahead of the step)"
+        return "; workers 0 (the training process loads each batch)"
+    return f"; workers {workers} (loading batches ahead of the step)"
 
 
 def concise_view(name: str, tomls: list[str], config) -> list[str]:
@@ -151,7 +155,7 @@ def concise_view(name: str, tomls: list[str], config) -> list[str]:
             f"tp {parallelism.tensor_parallel_degree}, pp {parallelism.pipeline_parallel_degree}, "
             f"cp {parallelism.context_parallel_degree}, ep {parallelism.expert_parallel_degree}",
         ),
-        ("data", f"{dataset}; tokenizer {config.hf_assets_path}; {data_loading(config.dataloader.num_workers)}"),
+        ("data", f"{dataset}; tokenizer {config.hf_assets_path}{data_loading(config.dataloader)}"),
         (
             "metrics",
             f"log_freq {metrics.log_freq}; moe_metrics {moe_metrics}; "
