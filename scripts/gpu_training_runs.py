@@ -237,6 +237,8 @@ CUDA_GRAPHS_PRESET = ["--toml", "examples/cuda_graphs.toml"]
 RECOMPUTE_PREACTIVATIONS = ["--moe.recompute_preactivations", "true"]
 LOAD_IN_THE_STEP = ["--data.workers", "0"]
 """The batch loaded by the training process when its step starts, as before the full-size flavors' worker."""
+EXPERTS_IN_FSDP = ["--moe.experts_fsdp", "always"]
+"""The routed experts sharded by FSDP on their one-rank axis as torchtitan does, as before ``"auto"``."""
 EP_TRANSPORT_ARGS = {"all_to_all": ALL_TO_ALL, "symm_mem": SYMM_MEM}
 TINY_STEPS = ["--training.steps", "30"]
 TINY_LOSS_REL = 1e-4
@@ -423,6 +425,19 @@ def full_runs(local_batch_size: int) -> list[list[Run]]:
             "olmoe-1b-7b",
             2,
             [*args, *TRITON, *SYMM_MEM, *COMPILE, *LOAD_IN_THE_STEP],
+        ),
+        *(
+            Run(
+                f"olmoe {backend} compiled symm_mem defaults experts_fsdp_always",
+                "olmoe-1b-7b",
+                2,
+                [*args, *backend_args, *SYMM_MEM, *COMPILE, *EXPERTS_IN_FSDP],
+            )
+            for backend, backend_args in (
+                ("triton", TRITON),
+                ("grouped_mm", GROUPED_MM),
+                ("triton fp8", [*TRITON, *FP8]),
+            )
         ),
         Run("olmoe torchtitan-moe eager", "olmoe-1b-7b-torchtitan-moe", 2, [*args, *EAGER]),
         Run("olmoe triton eager symm_mem", "olmoe-1b-7b", 2, [*args, *TRITON, *SYMM_MEM, *EAGER]),

@@ -118,7 +118,7 @@ run_task() {
       python3 -m torchtitan_ext.bench layer --shapes qwen3-30b-a3b olmoe-1b-7b --skew balanced \
           --layers grouped_mm triton grouped_mm_fp8 triton_fp8 $stock_fp8 --compile compiled --json "$out/moe_layer_fp8.json" \
           2>&1 | tee "$out/moe_layer_fp8.log"
-      TRAIN_ONLY="torchtitan-moe.compiled$ grouped_mm.compiled$ grouped_mm.compiled.symm_mem$ grouped_mm.compiled.symm_mem.defaults$ triton.compiled.symm_mem$ triton.compiled.symm_mem.defaults$ fp8" \
+      TRAIN_ONLY="torchtitan-moe.compiled$ grouped_mm.compiled$ grouped_mm.compiled.symm_mem$ grouped_mm.compiled.symm_mem.defaults$ triton.compiled.symm_mem$ triton.compiled.symm_mem.defaults$ fp8.compiled$ fp8.compiled.symm_mem$ fp8.compiled.symm_mem.defaults$" \
           run_task train-full ;;
     memory)
       # Where the reserved memory of olmoe-1b-7b (FSDP 2 x EP 2, compiled, batch TRAIN_LOCAL_BATCH (4) x 2048)

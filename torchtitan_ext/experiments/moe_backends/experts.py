@@ -18,7 +18,7 @@ autocast's list and would otherwise compute in fp32.
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,10 @@ from .dispatcher import RoutingDispatcher
 from .fp8_experts import EXPERT_PRECISIONS, FP8_PRECISIONS, ExpertPrecision, fp8_grouped_experts
 from .grouped_matmul import grouped_mm, row_major, weight_rows
 from .validated_config import ValidatedConfig, choice_errors
+
+ExpertsFSDP = Literal["auto", "always"]
+"""Whether FSDP wraps the routed experts' weights (``parallelize``)."""
+EXPERTS_FSDP_CHOICES: tuple[str, ...] = get_args(ExpertsFSDP)
 
 ExpertCompute = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -386,10 +390,14 @@ class BackendGroupedExperts(GroupedExperts):
         recompute_preactivations: bool = False
         """Keep no gate/up pre-activations (R x 2F) from forward to backward, which computes them again
         (one more gate/up GEMM): less memory for more compute (backends with ``recomputes_preactivations``)."""
+        fsdp: ExpertsFSDP = "auto"
+        """Whether FSDP wraps these weights: "auto" (not where each expert lives on one rank, where FSDP
+        would only copy them; see ``parallelize``) or "always" (torchtitan's way)."""
 
         def validation_errors(self, key: Callable[[str], str] = str) -> list[str]:
             """Every invalid option, one message each; ``key(field)`` is how a message names a field."""
             errors = choice_errors(key, "expert_precision", self.expert_precision, EXPERT_PRECISIONS)
+            errors += choice_errors(key, "fsdp", self.fsdp, EXPERTS_FSDP_CHOICES)
             if (error := backend_name_error(self.compute_backend)) is not None:
                 errors.append(f"{key('compute_backend')} = {self.compute_backend!r}: {error}")
             elif (error := precision_error(self.compute_backend, self.expert_precision)) is not None:
@@ -405,6 +413,7 @@ class BackendGroupedExperts(GroupedExperts):
         self.compute_backend = config.compute_backend
         self.expert_precision = config.expert_precision
         self.recompute_preactivations = config.recompute_preactivations
+        self.fsdp = config.fsdp
         self.backend = get_backend(config.compute_backend)
         if (error := precision_error(config.compute_backend, config.expert_precision)) is not None:
             raise ValueError(f"expert_precision = {config.expert_precision!r}: {error}")

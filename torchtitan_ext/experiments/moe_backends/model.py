@@ -26,7 +26,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from .experts import ComputeBackend
 from .layer import stock_moe_config, use_backend_experts, use_routing
 from .model_shapes import MoEShape
-from .moe import with_router_loss_configuration
+from .parallelize import moe_parallelize
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def qwen3_style_moe(
         name="qwen3",
         flavor=name,
         model=model if compute_backend is None else use_routing(use_backend_experts(model, compute_backend)),
-        parallelize_fn=with_router_loss_configuration(parallelize_qwen3),
+        parallelize_fn=moe_parallelize(parallelize_qwen3),
         pipelining_fn=pipeline_llm,
         post_optimizer_build_fn=register_moe_load_balancing_hook,
         state_dict_adapter=Qwen3StateDictAdapter,

@@ -236,14 +236,3 @@ def configure_router_losses(model: torch.nn.Module, *, parallel_dims, training, 
         if isinstance(module, RoutedMoE):
             module.loss_scale = 1.0 / (data_ranks * accumulation_steps * pipeline_microbatches)
             module.loss_group = None if loss_mesh is None else loss_mesh.get_group()
-
-
-def with_router_loss_configuration(parallelize_fn):
-    """Wrap a torchtitan ``parallelize_fn`` so it calls ``configure_router_losses`` first."""
-
-    @functools.wraps(parallelize_fn)
-    def parallelize(model, *, parallel_dims, training, parallelism, **kwargs):
-        configure_router_losses(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism)
-        return parallelize_fn(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism, **kwargs)
-
-    return parallelize

@@ -16,7 +16,7 @@ from torchtitan_ext.config.short_keys import register_short_key
 
 from .activation_checkpoint import MoESelectiveAC
 from .dispatcher import EPReceiveRows, EPTransportChoice, PermuteBackend, RoutingDispatcher
-from .experts import BackendGroupedExperts, ComputeBackendChoice, fp8_backends
+from .experts import BackendGroupedExperts, ComputeBackendChoice, ExpertsFSDP, fp8_backends
 from .fp8_experts import ExpertPrecision
 from .model_shapes import ScoreFunc
 from .moe import AuxLossType, RoutedMoE
@@ -143,6 +143,17 @@ _option_key(
     "(one more gate/up GEMM): less memory, more compute (triton, native precision)",
     experts_configs,
 )
+
+
+@register_short_key(
+    "moe.experts_fsdp",
+    ExpertsFSDP,
+    "whether FSDP wraps the routed experts: auto (not where each expert lives on one rank, e.g. FSDP 2 x EP 2, "
+    "where FSDP would only copy and cast their weights and gradients every step) or always (torchtitan's way)",
+)
+def set_experts_fsdp(config, choice: ExpertsFSDP) -> None:
+    for experts in experts_configs(config, "moe.experts_fsdp"):
+        experts.fsdp = choice
 
 
 @register_short_key(

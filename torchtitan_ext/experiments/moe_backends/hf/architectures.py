@@ -58,7 +58,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from ..experts import ComputeBackend
 from ..layer import stock_moe_config, use_backend_experts, use_routing
 from ..model import ParamInits
-from ..moe import with_router_loss_configuration
+from ..parallelize import moe_parallelize
 from .attention import HeadsRMSNorm, ProjectionQKNormAttention
 from .state_dict_adapters import DeepSeekV3Adapter, HFConfigAdapter, MixtralAdapter, Qwen3StyleAdapter, with_hf_config
 
@@ -512,7 +512,7 @@ def model_spec_from_hf_config(
         name=architecture.titan_name,
         flavor=name,
         model=model,
-        parallelize_fn=with_router_loss_configuration(parallelize_fn),
+        parallelize_fn=moe_parallelize(parallelize_fn),
         pipelining_fn=pipeline_llm,
         post_optimizer_build_fn=register_moe_load_balancing_hook,
         state_dict_adapter=with_hf_config(architecture.adapter, hf_config),
