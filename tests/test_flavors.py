@@ -83,6 +83,27 @@ def test_show_is_concise_and_applies_toml(tmp_path, capsys):
     assert lines[-1] == f"every field: python -m torchtitan_ext.flavors --show {TINY} --toml {toml} --full"
 
 
+@pytest.mark.parametrize(
+    "flavor, toml_text, says",
+    [
+        ("olmoe-1b-7b", "", "; routed experts outside FSDP where each lives on one rank (moe.experts_fsdp auto)"),
+        (
+            "olmoe-1b-7b",
+            '[moe]\nexperts_fsdp = "always"\n',
+            "; routed experts in FSDP on every layout (torchtitan's way)",
+        ),
+        ("olmoe-1b-7b-torchtitan-moe", "", "; routed experts in FSDP on every layout (torchtitan's way)"),
+        ("tiny-deepseek-v3", "", "(moe.experts_fsdp auto acts on Qwen3-parallelized models)"),
+    ],
+)
+def test_show_says_where_fsdp_wraps_the_routed_experts(flavor, toml_text, says, tmp_path, capsys):
+    toml = tmp_path / "s.toml"
+    toml.write_text(toml_text)
+    assert main(["--show", flavor, "--toml", str(toml)]) == 0
+    (parallelism,) = [line for line in capsys.readouterr().out.splitlines() if line.split()[0] == "parallelism"]
+    assert parallelism.endswith(says), parallelism
+
+
 def test_show_full_is_json_with_readable_functions(capsys):
     assert main(["--show", TINY, "--full"]) == 0
     out = capsys.readouterr().out

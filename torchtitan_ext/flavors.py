@@ -102,6 +102,23 @@ def cuda_graphs_summary(config) -> str:
     return "off"
 
 
+def experts_fsdp_summary(model_spec) -> str:
+    """Where FSDP wraps the routed experts (``moe.experts_fsdp``), as ``--show`` says it on the parallelism
+    line ("" for a model without routed experts)."""
+    from torchtitan.models.common.moe import GroupedExperts
+
+    from torchtitan_ext.experiments.moe_backends.parallelize import has_known_fsdp_step
+
+    experts = [config for _, config, _, _ in model_spec.model.traverse(GroupedExperts.Config)]
+    if not experts:
+        return ""
+    if any(getattr(config, "fsdp", "always") != "auto" for config in experts):
+        return "; routed experts in FSDP on every layout (torchtitan's way)"
+    if not has_known_fsdp_step(model_spec.parallelize_fn):
+        return "; routed experts in FSDP on every layout (moe.experts_fsdp auto acts on Qwen3-parallelized models)"
+    return "; routed experts outside FSDP where each lives on one rank (moe.experts_fsdp auto)"
+
+
 def data_loading(dataloader) -> str:
     """Who loads a step's batch (``dataloader.num_workers``), as ``--show`` says it ("" for a data loader
     without worker processes)."""
@@ -153,7 +170,8 @@ def concise_view(name: str, tomls: list[str], config) -> list[str]:
             f"dp_shard {parallelism.data_parallel_shard_degree}, "
             f"dp_replicate {parallelism.data_parallel_replicate_degree}, "
             f"tp {parallelism.tensor_parallel_degree}, pp {parallelism.pipeline_parallel_degree}, "
-            f"cp {parallelism.context_parallel_degree}, ep {parallelism.expert_parallel_degree}",
+            f"cp {parallelism.context_parallel_degree}, ep {parallelism.expert_parallel_degree}"
+            f"{experts_fsdp_summary(config.model_spec)}",
         ),
         ("data", f"{dataset}; tokenizer {config.hf_assets_path}{data_loading(config.dataloader)}"),
         (

@@ -55,6 +55,12 @@ FSDP_STEPS: dict[Callable, Callable[..., None]] = {parallelize_qwen3: _fsdp_of_d
 with it, then this step with the experts hidden)."""
 
 
+def has_known_fsdp_step(parallelize_fn: Callable) -> bool:
+    """Whether ``parallelize_fn`` (or the torchtitan function ``moe_parallelize`` wrapped in it) is one whose
+    FSDP step ``FSDP_STEPS`` knows, so ``fsdp = "auto"`` can leave the experts out of FSDP."""
+    return getattr(parallelize_fn, "__wrapped__", parallelize_fn) in FSDP_STEPS
+
+
 def experts_outside_fsdp_reason(parallel_dims, training, parallelism) -> str | None:
     """Why this layout leaves the routed experts out of FSDP (``fsdp = "auto"``), None where it does not."""
     efsdp = parallel_dims.dp_shard * parallel_dims.cp * parallel_dims.tp // parallel_dims.ep
@@ -77,7 +83,7 @@ def experts_outside_fsdp(model: nn.Module, parallelize_fn: Callable, *, parallel
     return (
         bool(experts)
         and ours
-        and parallelize_fn in FSDP_STEPS
+        and has_known_fsdp_step(parallelize_fn)
         and experts_outside_fsdp_reason(parallel_dims, training, parallelism) is not None
     )
 
