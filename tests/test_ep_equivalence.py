@@ -29,7 +29,9 @@ from torchtitan_ext.experiments.moe_backends.activation_checkpoint import MoESel
 from torchtitan_ext.experiments.moe_backends.dispatcher import EPReceiveRows, EPTransport, RoutingDispatcher
 from torchtitan_ext.experiments.moe_backends.ep_check import compare_with_single_process, seeded_layer
 from torchtitan_ext.experiments.moe_backends.experts import row_weighting_unsupported_reason
+from torchtitan_ext.experiments.moe_backends.grouping import RowOps
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config
+from torchtitan_ext.experiments.moe_backends.transports import AllToAllTransport
 from torchtitan_ext.kernels.availability import interpreter_enabled
 
 NUM_EXPERTS, TOP_K, DIM, HIDDEN = 8, 2, 16, 24
@@ -205,6 +207,44 @@ def ep_worker(rank: int, world: int, port: int, ep_transport: EPTransport) -> No
         if ep_transport == "all_to_all":
             check_one_row_per_token_and_rank(ep_mesh)
             check_selective_checkpointing_saves_the_all_to_alls(ep_mesh)
+
+
+def check_counts_reach_the_host_in_one_copy(rank: int, world: int, port: int) -> None:
+    """The exact all_to_all dispatch's host sync: traced as torchtitan compiles a block, the counts the
+    host needs leave the device in one copy (``tolist()`` of a device tensor under compile reads each
+    element with a sync of its own: 68 a layer on olmoe-1b-7b at EP 2)."""
+    with gloo_ep_mesh(rank, world, port) as ep_mesh:
+        transport = AllToAllTransport(RowOps("torch"), 1, NUM_EXPERTS, TOP_K, ep_mesh)
+        local = NUM_EXPERTS // world
+        send_counts_Wc = torch.arange(world * (local + 1)).view(world, local + 1) + rank
+        graphs = []
+
+        def capture(graph_module, _):
+            graphs.append(graph_module.graph)
+            return graph_module.forward
+
+        def host_counts(counts):
+            return transport.exchange_counts(counts, transport.group())[1:]
+
+        torch._dynamo.reset()
+        with mock.patch.object(torch._dynamo.config, "capture_scalar_outputs", True):
+            compiled = torch.compile(host_counts, fullgraph=True, backend=capture)
+            assert compiled(send_counts_Wc) == host_counts(send_counts_Wc)
+        input_splits, output_splits, num_received_slots = host_counts(send_counts_Wc)
+        assert input_splits == send_counts_Wc[:, -1].tolist()
+        received = [[rank * (local + 1) + i + peer for i in range(local + 1)] for peer in range(world)]
+        assert output_splits == [row[-1] for row in received]
+        assert num_received_slots == sum(sum(row[:-1]) for row in received)
+        (graph,) = graphs
+        copies = [node for node in graph.nodes if node.op == "call_method" and node.target == "cpu"]
+        reads = [node for node in graph.nodes if node.op == "call_method" and node.target == "item"]
+        assert len(copies) == 1 and len(reads) == 2 * world + 1, graph
+        assert all(read.args[0].args[0] is copies[0] for read in reads), graph
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_exact_all_to_all_reads_its_counts_on_the_host_in_one_copy(world):
+    spawn_workers(check_counts_reach_the_host_in_one_copy, world, world, free_port())
 
 
 def test_moe_layer_ep1_local_dispatch_equals_reference():

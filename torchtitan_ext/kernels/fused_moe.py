@@ -117,10 +117,11 @@ def reference_grouped(x_RD, w1_EFD, w2_EDF, w3_EFD, num_tokens_per_expert_E) -> 
 
     Same contract as :func:`fused_moe_grouped`. Every compute backend is tested against it,
     and it is the ``for_loop`` backend (the fallback on any device). Reads the token counts on
-    the host (one sync).
+    the host (one sync: one copy, as ``tolist()`` of a device tensor under compile reads each element
+    with a sync of its own).
     """
     w1, w2, w3 = (w.to(x_RD.dtype) for w in (w1_EFD, w2_EDF, w3_EFD))
-    counts = num_tokens_per_expert_E.tolist()
+    counts = num_tokens_per_expert_E.cpu().tolist()
     for count in counts:
         torch._check(count >= 0)  # under compile the counts are unbacked sizes: tell the compiler their range
     rows_after_experts = x_RD.shape[0] - sum(counts)

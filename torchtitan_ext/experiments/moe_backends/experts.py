@@ -127,7 +127,7 @@ def batched_mm_padded_experts(
     # At least 2 rows per expert (zero rows change nothing): under compile the count is an unbacked
     # size, and the batched matmul's layout must not depend on whether it is 1.
     max_rows_per_expert, grouped_rows = (
-        torch.stack([counts_E.max().clamp(min=2), counts_E.sum()]).tolist() if num_experts else (2, 0)
+        torch.stack([counts_E.max().clamp(min=2), counts_E.sum()]).cpu().tolist() if num_experts else (2, 0)
     )
     torch._check(max_rows_per_expert >= 2)
     torch._check(max_rows_per_expert <= max(num_rows, 2))

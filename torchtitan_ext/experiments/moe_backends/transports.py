@@ -253,10 +253,9 @@ class AllToAllTransport(ExpertParallelTransport[AllToAllMetadata]):
         kept_per_expert_We = num_local_tokens_per_expert_E.long().view(ep_size, num_local)
         send_counts_Wc = torch.cat([kept_per_expert_We, sent_rows_W.unsqueeze(1)], dim=1)
         group = self.group()
-        received_counts_Wc, send_counts, received_counts = self.exchange_counts(send_counts_Wc, group)
-        input_splits = [row[-1] for row in send_counts]
-        output_splits = [row[-1] for row in received_counts]
-        num_received_slots = sum(sum(row[:-1]) for row in received_counts)
+        received_counts_Wc, input_splits, output_splits, num_received_slots = self.exchange_counts(
+            send_counts_Wc, group
+        )
         num_sent = sum(input_splits)
         received_UD, received_meta_UM = exchange_rows(
             (sent_rows_PD[:num_sent], sent_meta_PM[:num_sent]), input_splits, output_splits, group
@@ -305,15 +304,23 @@ class AllToAllTransport(ExpertParallelTransport[AllToAllMetadata]):
 
     def exchange_counts(
         self, send_counts_Wc: torch.Tensor, group: dist.ProcessGroup
-    ) -> tuple[torch.Tensor, list[list[int]], list[list[int]]]:
-        """All-to-all of one row of counts per rank, read on the host (the host sync).
+    ) -> tuple[torch.Tensor, list[int], list[int], int]:
+        """All-to-all of one row of counts per rank (``(W, local experts + 1)``: the rows kept for each local
+        expert of the receiver, then the rows sent), then what the host needs in one copy (the host sync).
 
-        Returns ``(received_counts_Wc, send_counts, received_counts)``: the received rows, and
-        both tensors as lists.
+        Returns ``(received_counts_Wc, input_splits, output_splits, num_received_slots)``: the received
+        rows; the rows sent to and received from each rank; the slots received for this rank's experts.
+        One copy, not ``tolist()`` on the device tensors: under compile that reads every element on its
+        own, a host sync each.
         """
         received_counts_Wc = all_to_all_rows(send_counts_Wc, [1] * self.ep_size, [1] * self.ep_size, group)
-        send_counts, received_counts = torch.stack([send_counts_Wc, received_counts_Wc]).tolist()
-        return received_counts_Wc, send_counts, received_counts
+        on_host = (
+            torch.cat([send_counts_Wc[:, -1], received_counts_Wc[:, -1], received_counts_Wc[:, :-1].sum().view(1)])
+            .cpu()
+            .tolist()
+        )
+        ep_size = self.ep_size
+        return received_counts_Wc, on_host[:ep_size], on_host[ep_size : 2 * ep_size], on_host[-1]
 
     def group_received_rows(self, received_UD: torch.Tensor, received_plan: SlotPlan) -> torch.Tensor:
         """The receiver's rows in local-expert order. Without padding (``align_size`` 1) every row of
