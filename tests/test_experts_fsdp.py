@@ -5,18 +5,23 @@ weights are EP's DTensors (mesh ``("ep",)``) with ``auto`` and FSDP's (``efsdp``
 ``always``; both train the same losses, and a checkpoint written with either resumes with the other.
 """
 
+import ast
+import inspect
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from types import SimpleNamespace
 
 import pytest
 from helpers import free_port, spawn_workers
 from torch.distributed.tensor import DTensor
+from torchtitan.models.qwen3 import parallelize_qwen3
 
+from torchtitan_ext.experiments.moe_backends import parallelize as parallelize_module
 from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExperts
 from torchtitan_ext.experiments.moe_backends.parallelize import experts_outside_fsdp_reason
 from torchtitan_ext.run_training import FlavorConfigManager
@@ -45,6 +50,28 @@ def test_the_experts_stay_out_of_fsdp_only_where_each_lives_on_one_rank(argument
     reason = experts_outside_fsdp_reason(**layout(**arguments))
     assert (reason is not None) == outside
     assert reason is None or ("efsdp" in reason and "= 1" in reason)
+
+
+def _keywords_of_call(function, callee: str) -> set[str]:
+    """The keyword names of the one call of ``callee`` in ``function``'s source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    (call,) = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == callee
+    ]
+    return {keyword.arg for keyword in call.keywords if keyword.arg is not None}
+
+
+def test_the_fsdp_step_is_torchtitans_own_call_but_the_layouts_it_refuses():
+    """``_fsdp_of_decoder`` repeats ``parallelize_qwen3``'s ``apply_fsdp_to_decoder`` call; a torchtitan
+    that passes something new there, or whose ``parallelize_qwen3`` stops taking ``skip_dp``, fails here."""
+    assert "skip_dp" in inspect.signature(parallelize_qwen3).parameters
+    torchtitans = _keywords_of_call(parallelize_qwen3, "apply_fsdp_to_decoder")
+    ours = _keywords_of_call(parallelize_module._fsdp_of_decoder, "apply_fsdp_to_decoder")
+    # CPU offload and the full_dtensor / spmd_types mesh dims: experts_outside_fsdp_reason refuses those layouts.
+    assert torchtitans - ours == {"cpu_offload", "dp_mesh_dims", "edp_mesh_dims"}
+    assert ours <= torchtitans
 
 
 def test_the_choice_is_checked_and_the_short_key_sets_every_layer():
