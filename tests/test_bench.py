@@ -679,7 +679,10 @@ def synthetic_gpu_trace(path: Path) -> None:
         event("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "kernel", 600, 100),
         event("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 800, 50),
         event("_permute_kernel", "kernel", 2000, 100),  # after the step: not counted
+        event("aten::item", "cpu_op", 440, 70, tid=1),
+        event("aten::_local_scalar_dense", "cpu_op", 445, 60, tid=1),
         event("cudaStreamSynchronize", "cuda_runtime", 450, 50, tid=1),
+        event("aten::_local_scalar_dense", "cpu_op", 440, 70, tid=2),  # another thread's: not this sync's
         event("cudaStreamSynchronize", "cuda_runtime", 900, 50, tid=1),
         *(event("cudaLaunchKernel", "cuda_runtime", 10 * i, 5, tid=1) for i in range(3)),
     ]
@@ -696,13 +699,22 @@ def test_trace_summary_of_a_gpu_step(tmp_path, capsys):
     assert summary["gpu_busy_ms"] == 0.55  # 100-500 (two streams), 600-700, 800-850
     assert summary["gpu_busy_outside_communication_ms"] == 0.35  # without the all-to-all: 300-500, 600-700, 800-850
     assert summary["kinds"] == {"communication": 0.3, "project Triton": 0.2, "matmul": 0.1, "copy/fill": 0.05}
-    assert summary["host"] == {"sync_calls": 2, "sync_ms": 0.1, "kernel_launches": 3}
+    assert summary["host"] == {
+        "sync_calls": 2,
+        "sync_ms": 0.1,
+        "kernel_launches": 3,
+        "syncs_by_operator": [
+            {"operator": "aten::_local_scalar_dense", "syncs": 1, "ms": 0.05},
+            {"operator": "no host operator", "syncs": 1, "ms": 0.05},
+        ],
+    }
     assert [k["name"][:4] for k in summary["top_kernels"]] == ["nccl", "_per"]
     assert summary["gpu_idle_gaps"] == []  # none of its idle spans reaches 1 ms
     printed = capsys.readouterr().out
     assert (
         "GPU busy 0.6 ms (55% of the time), 0.3 ms (35%) outside communication kernels" in printed
         and "2 syncs (0.1 ms waiting for the GPU)" in printed
+        and "host syncs by operator: aten::_local_scalar_dense 1, no host operator 1" in printed
     )
 
 

@@ -17,7 +17,9 @@ first question of a slow run: is the GPU busy (then the kernels decide) or waiti
   kernels, optimizer, index/sort/scatter, copy/fill, elementwise/reduce, other); kernels on
   different streams overlap, so the kinds can add up to more than ``gpu_busy_ms``.
 - ``host``: host syncs (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, blocking
-  ``cudaMemcpy``: the host waits there for the GPU) and kernel launches.
+  ``cudaMemcpy``: the host waits there for the GPU) and kernel launches; ``syncs_by_operator``: the
+  host operators the syncs ran in (the innermost one on the syncing thread: ``aten::_local_scalar_dense``
+  for ``item()`` and for ``tolist()`` under compile, which reads each element on its own), most first.
 - ``gpu_idle_gaps``: the longest spans (``IDLE_GAP_MIN_MS`` or more) in which no stream of the GPU
   ran anything, each with the host operator or annotation that overlapped it most (what the GPU
   waited for: a data loader's ``__next__``, an optimizer's launches, ...).
@@ -45,6 +47,7 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function")
 IDLE_GAP_MIN_MS = 1.0
 IDLE_GAPS_LISTED = 5
+SYNC_SOURCES_LISTED = 5
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
@@ -120,6 +123,31 @@ def idle_gaps(gpu: list[dict], host: list[dict], start: float, end: float) -> li
     return gaps
 
 
+def syncs_by_operator(syncs: list[dict], host: list[dict]) -> list[dict]:
+    """``[{"operator", "syncs", "ms"}]``, most syncs first (``SYNC_SOURCES_LISTED``): the innermost host
+    operator around each sync on its thread ("no host operator" where none encloses it). One sweep per
+    thread: its operators nest, and its syncs follow one another."""
+    counts, ms = Counter(), Counter()
+    for thread in {sync.get("tid") for sync in syncs}:
+        operators = sorted((e for e in host if e.get("tid") == thread), key=lambda e: (e["ts"], -e["dur"]))
+        open_operators: list[dict] = []
+        next_operator = 0
+        for sync in sorted((e for e in syncs if e.get("tid") == thread), key=lambda e: e["ts"]):
+            while next_operator < len(operators) and operators[next_operator]["ts"] <= sync["ts"]:
+                open_operators.append(operators[next_operator])
+                next_operator += 1
+            sync_end = sync["ts"] + sync["dur"]
+            enclosing = [e for e in open_operators if e["ts"] + e["dur"] >= sync_end]
+            open_operators = enclosing  # the rest ended before this sync did, so before every later one
+            name = min(enclosing, key=lambda e: e["dur"])["name"] if enclosing else "no host operator"
+            counts[name] += 1
+            ms[name] += sync["dur"] / 1e3
+    return [
+        {"operator": name, "syncs": count, "ms": round(ms[name], 3)}
+        for name, count in counts.most_common(SYNC_SOURCES_LISTED)
+    ]
+
+
 def load_events(path: str) -> list[dict]:
     """The complete ("X") events of a Chrome trace file (``.json`` or ``.json.gz``)."""
     opener = gzip.open if path.endswith(".gz") else open
@@ -154,6 +182,9 @@ def summarize(path: str, top: int = 15) -> dict:
         kernel_calls[e["name"]] += 1
     runtime = [e for e in inside if e.get("cat") in ("cuda_runtime", "cuda_driver")]
     syncs = [e for e in runtime if e["name"] in SYNC_CALLS]
+    host = [
+        e for e in inside if e.get("cat") in HOST_CATEGORIES and not str(e.get("name", "")).startswith("ProfilerStep#")
+    ]
     summary = {
         "trace": path,
         "steps": len(steps),
@@ -165,14 +196,10 @@ def summarize(path: str, top: int = 15) -> dict:
             "sync_calls": len(syncs),
             "sync_ms": round(sum(e["dur"] for e in syncs) / 1e3, 3),
             "kernel_launches": sum(e["name"] in LAUNCH_CALLS for e in runtime),
+            "syncs_by_operator": syncs_by_operator(syncs, [e for e in host if e.get("cat") == "cpu_op"]),
         },
     }
     if gpu:
-        host = [
-            e
-            for e in inside
-            if e.get("cat") in HOST_CATEGORIES and not str(e.get("name", "")).startswith("ProfilerStep#")
-        ]
         summary["gpu_idle_gaps"] = idle_gaps(gpu, host, start, end)
         summary["top_kernels"] = [
             {"name": name, "ms": round(ms, 3), "calls": kernel_calls[name]} for name, ms in kernel_ms.most_common(top)
@@ -205,6 +232,11 @@ def print_summary(summary: dict) -> None:
             f"host: {host['sync_calls']} syncs ({host['sync_ms']:.1f} ms waiting for the GPU), "
             f"{host['kernel_launches']:,} kernel launches"
         )
+        if host["syncs_by_operator"]:
+            print(
+                "host syncs by operator: "
+                + ", ".join(f"{row['operator'][:60]} {row['syncs']}" for row in host["syncs_by_operator"])
+            )
         print_idle_gaps(summary["gpu_idle_gaps"])
         rows, heading = summary["top_kernels"], "slowest kernels (total ms, calls)"
     else:
