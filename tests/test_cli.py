@@ -134,6 +134,10 @@ def test_command_line_beats_toml(tmp_path):
             ["moe.recompute_preactivations = true: compute_backend 'grouped_mm' with expert_precision 'native'"],
         ),
         (
+            ["--moe.experts_fsdp", "never"],
+            ["command line: moe.experts_fsdp = 'never' is not one of the valid choices"],
+        ),
+        (
             ["--moe.recompute_preactivations_layers", "3"],
             ["moe.recompute_preactivations_layers = 3: this flavor has 2 MoE layers (0 to 2;"],
         ),
@@ -182,6 +186,15 @@ def test_experts_that_recompute_their_preactivations_are_named_in_the_start_up_l
     assert "compute_backend=triton, expert_parallel_degree=1, recompute_preactivations=True," in caplog.text
     parse()
     assert "recompute_preactivations" not in run_metadata()
+
+
+def test_experts_in_fsdp_on_every_layout_are_named_in_the_start_up_line_and_the_metadata(caplog):
+    with caplog.at_level(logging.INFO):
+        parse("--moe.experts_fsdp", "always")
+    assert run_metadata()["experts_fsdp"] == "always"
+    assert "experts_fsdp=always," in caplog.text
+    parse()
+    assert "experts_fsdp" not in run_metadata()
 
 
 def test_recompute_preactivations_layers_recompute_in_the_first_moe_layers_only(monkeypatch, caplog):

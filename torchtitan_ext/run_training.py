@@ -147,7 +147,13 @@ class FlavorConfigManager(ConfigManager):
             metadata = run_metadata()
             transport = "".join(
                 f", {key}={metadata[key]}"
-                for key in ("ep_transport", "ep_receive_rows", "experts_apply_scores", "recompute_preactivations")
+                for key in (
+                    "ep_transport",
+                    "ep_receive_rows",
+                    "experts_apply_scores",
+                    "recompute_preactivations",
+                    "experts_fsdp",
+                )
                 if key in metadata
             )
             precision = metadata.get("expert_precision", "native")

@@ -1,9 +1,9 @@
 """What the MoE backends experiment says about a run: its run metadata and its start-up note.
 
 ``compute_backend``, ``expert_precision``, ``ep_transport``, static ``ep_receive_rows``,
-``experts_apply_scores`` and ``recompute_preactivations`` identify a run in the metrics' run metadata
-(``registry.register_run_description``); notes before training (``registry.register_startup_note``)
-suggest ``symm_mem`` where every EP group fits in this host.
+``experts_apply_scores``, ``recompute_preactivations`` and ``experts_fsdp = "always"`` identify a run in
+the metrics' run metadata (``registry.register_run_description``); notes before training
+(``registry.register_startup_note``) suggest ``symm_mem`` where every EP group fits in this host.
 """
 
 from torchtitan.models.common.moe import GroupedExperts
@@ -89,6 +89,14 @@ def recompute_preactivations_of_run(config) -> dict:
     if all(recomputing):
         return {"recompute_preactivations": True}
     return {"recompute_preactivations": f"{sum(recomputing)} of {len(recomputing)} MoE layers"}
+
+
+@register_run_description
+def experts_fsdp_of_run(config) -> dict:
+    """``experts_fsdp`` of the run metadata where FSDP wraps the project's routed experts on every layout
+    (``"always"``); nothing for the default, ``"auto"``."""
+    choice = experts_setting(config, "fsdp", "auto")
+    return {} if choice == "auto" else {"experts_fsdp": choice}
 
 
 @register_startup_note
