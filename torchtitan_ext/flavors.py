@@ -107,12 +107,12 @@ def experts_fsdp_summary(model_spec) -> str:
     line ("" for a model without routed experts)."""
     from torchtitan.models.common.moe import GroupedExperts
 
-    from torchtitan_ext.experiments.moe_backends.parallelize import has_known_fsdp_step
+    from torchtitan_ext.experiments.moe_backends.parallelize import all_experts_fsdp_auto, has_known_fsdp_step
 
     experts = [config for _, config, _, _ in model_spec.model.traverse(GroupedExperts.Config)]
     if not experts:
         return ""
-    if any(getattr(config, "fsdp", "always") != "auto" for config in experts):
+    if not all_experts_fsdp_auto(experts):
         return "; routed experts in FSDP on every layout (torchtitan's way)"
     if not has_known_fsdp_step(model_spec.parallelize_fn):
         return "; routed experts in FSDP on every layout (moe.experts_fsdp auto acts on Qwen3-parallelized models)"

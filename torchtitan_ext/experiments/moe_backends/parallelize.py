@@ -31,7 +31,6 @@ from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.qwen3 import parallelize_qwen3
 from torchtitan.tools.logging import logger
 
-from .experts import BackendGroupedExperts
 from .moe import configure_router_losses
 
 
@@ -75,17 +74,21 @@ def _routed_experts(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if isinstance(module, GroupedExperts)]
 
 
-def experts_outside_fsdp(model: nn.Module, parallelize_fn: Callable, *, parallel_dims, training, parallelism) -> bool:
-    """Whether ``moe_parallelize`` leaves ``model``'s routed experts out of FSDP: every one is ours with
-    ``fsdp = "auto"``, ``parallelize_fn`` has a known FSDP step, and the layout gives each expert one rank."""
-    experts = _routed_experts(model)
-    ours = all(isinstance(module, BackendGroupedExperts) and module.fsdp == "auto" for module in experts)
-    return (
-        bool(experts)
-        and ours
-        and has_known_fsdp_step(parallelize_fn)
-        and experts_outside_fsdp_reason(parallel_dims, training, parallelism) is not None
-    )
+def all_experts_fsdp_auto(experts: list) -> bool:
+    """Whether there are routed experts (modules or their configs) and every one is ours with
+    ``fsdp = "auto"`` (torchtitan's own have no such field: FSDP always wraps them)."""
+    return bool(experts) and all(getattr(expert, "fsdp", "always") == "auto" for expert in experts)
+
+
+def experts_outside_fsdp(
+    model: nn.Module, parallelize_fn: Callable, *, parallel_dims, training, parallelism
+) -> str | None:
+    """Why ``moe_parallelize`` leaves ``model``'s routed experts out of FSDP, None where it does not: every
+    one is ours with ``fsdp = "auto"``, ``parallelize_fn`` has a known FSDP step, and the layout gives each
+    expert one rank (``experts_outside_fsdp_reason``)."""
+    if not all_experts_fsdp_auto(_routed_experts(model)) or not has_known_fsdp_step(parallelize_fn):
+        return None
+    return experts_outside_fsdp_reason(parallel_dims, training, parallelism)
 
 
 @contextlib.contextmanager
@@ -109,10 +112,10 @@ def moe_parallelize(parallelize_fn: Callable) -> Callable:
     def parallelize(model, *, parallel_dims, training, parallelism, **kwargs):
         layout = dict(parallel_dims=parallel_dims, training=training, parallelism=parallelism)
         configure_router_losses(model, **layout)
-        if kwargs.get("skip_dp") or not experts_outside_fsdp(model, parallelize_fn, **layout):
+        reason = None if kwargs.get("skip_dp") else experts_outside_fsdp(model, parallelize_fn, **layout)
+        if reason is None:
             return parallelize_fn(model, **layout, **kwargs)
         model = parallelize_fn(model, **layout, **{**kwargs, "skip_dp": True})
-        reason = experts_outside_fsdp_reason(**layout)
         logger.info(f"Routed experts kept out of FSDP, which would only copy them: {reason} (moe.experts_fsdp)")
         with _parameters_hidden(_routed_experts(model)):
             FSDP_STEPS[parallelize_fn](model, **layout)
