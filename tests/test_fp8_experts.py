@@ -278,6 +278,47 @@ def test_compiled_triton_fp8_experts_save_what_the_native_experts_save():
     assert fp8 == native
 
 
+@interpreted_kernels
+def test_compiled_triton_fp8_experts_keep_fp32_weights_as_they_are():
+    """fp32 weights beside fp16 activations (master weights outside FSDP, or one device under autocast):
+    the compiled graph saves the weights themselves for the backward, no copy in the activations' dtype,
+    and the same tensors as when the weights come in the activations' dtype."""
+    counts = COUNT_CASES["mixed_with_an_empty_expert"]
+    x, *weights = exactly_quantisable_expert_inputs(counts, 32, 48)
+    x = x.detach().half().requires_grad_()
+    half_weights = [w.detach().half().requires_grad_() for w in weights]
+    fp32 = tensors_saved_for_backward(
+        fp8_grouped_experts, [x, *weights], torch.tensor(counts), emulated=False, gemm="triton"
+    )
+    half = tensors_saved_for_backward(
+        fp8_grouped_experts, [x, *half_weights], torch.tensor(counts), emulated=False, gemm="triton"
+    )
+    assert [("input 1", torch.float32), ("input 2", torch.float32), ("input 3", torch.float32)] == [
+        saved for saved in fp32 if saved[0] in ("input 1", "input 2", "input 3")
+    ]
+    assert [name for name, _ in fp32] == [name for name, _ in half]
+
+
+def test_fp8_experts_quantise_fp32_weights_from_their_own_values():
+    """Weights 1.0634765625 x 2^j: e4m3 rounds them to 1.125 x 2^j, but rounded to bf16 first (1.0625, a tie)
+    to 1.0 x 2^j. Beside bf16 activations the FP8 experts quantise the fp32 weights as the reference does
+    (bf16 rounding of the activations aside) and return fp32 weight gradients."""
+    counts = COUNT_CASES["mixed_with_an_empty_expert"]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(counts), 32, generator=generator).bfloat16().requires_grad_()
+
+    def weight(*shape: int) -> torch.Tensor:
+        sign = torch.randint(0, 2, shape, generator=generator) * 2 - 1
+        return (sign * (1 + 2**-4 + 2**-10) * 2.0 ** torch.randint(0, 3, shape, generator=generator)).requires_grad_()
+
+    inputs = [x, weight(4, 48, 32), weight(4, 32, 48), weight(4, 48, 32)]
+    fp8 = forward_and_gradients(fp8_grouped_experts, inputs, counts, emulated=True)
+    reference = forward_and_gradients(reference_fp8_experts, inputs, counts)
+    assert [t.dtype for t in fp8[2:]] == [torch.float32] * 3
+    for name, actual, expected in zip(["out", "x", "w1", "w2", "w3"], fp8, reference, strict=True):
+        assert relative_error(actual.float(), expected.float()) <= 0.05, name
+
+
 def test_fp8_experts_differ_from_native_by_e4m3_rounding():
     """FP8 is really on (not bf16 under another name): every output and gradient moves by a few percent."""
     counts = COUNT_CASES["mixed_with_an_empty_expert"]

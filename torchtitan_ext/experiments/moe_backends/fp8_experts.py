@@ -136,7 +136,12 @@ class Fp8GroupedLinear(torch.autograd.Function):
     weight ``w_ENK`` given as parts ``w_EPK`` stacked along N (``[w1; w3]``: one GEMM for the gate
     and up projections) -> one output [R, P] per part (column blocks of the one GEMM's output). The
     parts are saved, not their stack, and each part's weight gradient is its own GEMM, so no stacked
-    copy outlives a pass and no gradient is sliced out of a stacked one."""
+    copy outlives a pass and no gradient is sliced out of a stacked one.
+
+    The parts may have another dtype than ``a_RK`` (fp32 parameters beside bf16 activations): they are
+    quantised from their own values, with no cast to the activations' dtype before (a pass over the
+    weights in each direction, and a copy the backward would keep), and their gradients come in their
+    own dtype (the GEMM in ``a_RK``'s)."""
 
     @staticmethod
     def forward(ctx, a_RK, offsets_E, emulated: bool, gemm: str, *w_parts_EPK):
@@ -159,8 +164,8 @@ class Fp8GroupedLinear(torch.autograd.Function):
                 grad_RN, w_values, w_inverse, offsets_E, a_RK.dtype, emulated=ctx.emulated, gemm=ctx.gemm
             )
         grad_w_parts = [
-            grouped_mm(grad.transpose(0, 1), a_RK, offsets_E) if needed else None
-            for grad, needed in zip(grad_parts_RP, ctx.needs_input_grad[4:], strict=True)
+            grouped_mm(grad.transpose(0, 1), a_RK, offsets_E).to(w.dtype) if needed else None
+            for grad, w, needed in zip(grad_parts_RP, w_parts_EPK, ctx.needs_input_grad[4:], strict=True)
         ]
         return grad_a, None, None, None, *grad_w_parts
 
@@ -194,12 +199,11 @@ def fp8_grouped_experts(
     and F are zero-padded to multiples of 16 and the output cut back. With ``row_scores_R`` (``(R,)``)
     each output row is weighted by its score through the down projection's input (``weight_rows``),
     which is then quantised."""
-    dtype = x_RD.dtype
     dim = x_RD.shape[1]
     offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
 
     def linear(a_RK: torch.Tensor, *w_parts_EPK: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        padded = [_pad_last_dims(w.to(dtype), 2) for w in w_parts_EPK]
+        padded = [_pad_last_dims(w, 2) for w in w_parts_EPK]
         return Fp8GroupedLinear.apply(a_RK, offsets_E, emulated, gemm, *padded)
 
     x_RD = row_major(_pad_last_dims(x_RD, 1))
