@@ -310,6 +310,9 @@ def test_example_toml_files_apply(example):
     config = apply_toml_files(get_flavor(TINY).build(), [str(example)])
     read_back = {
         "moe.compute_backend": backends_of,
+        "moe.expert_precision": lambda c: {
+            e.expert_precision for _, e, _, _ in c.model_spec.model.traverse(BackendGroupedExperts.Config)
+        },
         "moe.ep_transport": transports_of,
         "moe.ep_receive_rows": lambda c: dispatcher_values(c, "ep_receive_rows"),
         "moe.experts_apply_scores": lambda c: dispatcher_values(c, "experts_apply_scores"),
