@@ -280,7 +280,7 @@ def test_compiled_triton_fp8_experts_save_what_the_native_experts_save():
 
 @interpreted_kernels
 def test_compiled_triton_fp8_experts_keep_fp32_weights_as_they_are():
-    """fp32 weights beside fp16 activations (master weights outside FSDP, or one device under autocast):
+    """fp32 weights beside fp16 activations (the routed experts outside FSDP, or fp32 parameters under autocast):
     the compiled graph saves the weights themselves for the backward, no copy in the activations' dtype,
     and the same tensors as when the weights come in the activations' dtype."""
     counts = COUNT_CASES["mixed_with_an_empty_expert"]
