@@ -27,9 +27,10 @@ from torchtitan_ext.experiments.moe_backends.fp8_experts import (
     reference_fp8_experts,
 )
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config, with_expert_precision
+from torchtitan_ext.kernels import fp8_quantize
 from torchtitan_ext.kernels.availability import interpreter_enabled
 from torchtitan_ext.kernels.fp8_grouped_gemm import fp8_grouped_gemm
-from torchtitan_ext.kernels.fp8_quantize import quantize_columns_transposed, quantize_rows
+from torchtitan_ext.kernels.fp8_quantize import quantize_activation_rows, quantize_columns_transposed, quantize_rows
 from torchtitan_ext.registry import Flavor, get_flavor
 from torchtitan_ext.run_training import FlavorConfigManager
 
@@ -80,21 +81,27 @@ def test_quantize_dequantize_rounds_to_three_mantissa_bits():
     assert (rounded - x).abs().max() > 0
 
 
-def exactly_quantisable(shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """Values (1 + m/8) * 2^j, j in [0, 4]: every column's scaled values are e4m3 normals, so
-    quantising rounds nothing (Triton's interpreter rounds e4m3 wrongly where rounding carries into
-    the exponent; the GPU test checks rounding)."""
+def rounding_cases(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Normal values times powers of two from 2^-12 to 2^3, so that scaled to a row's or column's range
+    they round every way e4m3 rounds: within a binade, up into the next exponent, to subnormals and to
+    zero (Triton's interpreter casts the carries and the subnormals wrongly; the kernels round in fp32
+    first)."""
     generator = torch.Generator().manual_seed(seed)
-    mantissa = 1 + torch.randint(0, 8, shape, generator=generator) / 8
-    sign = torch.randint(0, 2, shape, generator=generator) * 2 - 1
-    return sign * mantissa * 2.0 ** torch.randint(0, 5, shape, generator=generator)
+    return torch.randn(shape, generator=generator) * 2.0 ** torch.randint(-12, 4, shape, generator=generator)
 
 
-def exactly_quantisable_expert_inputs(counts: list[int], dim: int, hidden: int) -> list[torch.Tensor]:
-    """``expert_inputs`` with ``exactly_quantisable`` weights: the Triton path's input gradient quantises
-    the weights' columns in Triton's interpreter here."""
-    x, *weights = expert_inputs(counts, dim, hidden)
-    return [x, *(exactly_quantisable(w.shape, seed).div(8).requires_grad_() for seed, w in enumerate(weights))]
+def assert_rounds_into_the_next_exponent_and_to_subnormals(values: torch.Tensor, inverse: torch.Tensor, x) -> None:
+    """``x``'s e4m3 ``values`` include a value rounded up into the next power of two and subnormals, so
+    the test holding a kernel to the rule sees both roundings (``x`` scaled as ``values``)."""
+    scaled = x / inverse
+    rounded = values.float()
+    mantissa_carried = (
+        (rounded.abs() == 2.0 ** torch.floor(torch.log2(rounded.abs())))
+        & (rounded.abs() > scaled.abs())
+        & (rounded.abs() >= 2**-6)
+    )
+    assert mantissa_carried.any()
+    assert ((rounded.abs() < 2**-6) & (rounded != 0)).any()
 
 
 @interpreted_kernels
@@ -102,7 +109,7 @@ def exactly_quantisable_expert_inputs(counts: list[int], dim: int, hidden: int) 
     "part_shapes", [[(3, 40, 70)], [(2, 24, 33), (2, 72, 33)]], ids=["one_part_masked_tiles", "gate_and_up"]
 )
 def test_the_column_quantisation_kernel_is_the_plain_torch_rule_transposed(part_shapes):
-    parts = [exactly_quantisable(shape, seed) for seed, shape in enumerate(part_shapes)]
+    parts = [rounding_cases(shape, seed) for seed, shape in enumerate(part_shapes)]
     parts[0][1, :, 5] = 0  # a column of zeros: scaled as SMALLEST_AMAX, values zero
     values, inverse = quantize_columns_transposed(parts)
     expected_values, expected_inverse = quantize_stacked_columns(parts, emulated=True)
@@ -110,7 +117,7 @@ def test_the_column_quantisation_kernel_is_the_plain_torch_rule_transposed(part_
     assert values.shape == (part_shapes[0][0], part_shapes[0][2], stacked_rows) and values.is_contiguous()
     assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
     assert torch.equal(inverse, expected_inverse)
-    assert torch.equal(values.float() * inverse, torch.cat(parts, dim=1).transpose(-2, -1))  # nothing rounded
+    assert_rounds_into_the_next_exponent_and_to_subnormals(values, inverse, torch.cat(parts, dim=1).transpose(-2, -1))
 
 
 @interpreted_kernels
@@ -120,7 +127,7 @@ def test_the_column_quantisation_kernel_is_the_plain_torch_rule_transposed(part_
     ids=["one_part_masked_row", "gate_and_up_rows_of_both_in_one_program", "one_row_per_program"],
 )
 def test_the_row_quantisation_kernel_is_the_plain_torch_rule(part_shapes):
-    parts = [exactly_quantisable(shape, seed) for seed, shape in enumerate(part_shapes)]
+    parts = [rounding_cases(shape, seed) for seed, shape in enumerate(part_shapes)]
     parts[0][1, 2] = 0  # a row of zeros: scaled as SMALLEST_AMAX, values zero
     values, inverse = quantize_rows(parts)
     expected_values, expected_inverse = quantize_stacked_rows(parts, emulated=True)
@@ -128,7 +135,46 @@ def test_the_row_quantisation_kernel_is_the_plain_torch_rule(part_shapes):
     assert values.shape == (part_shapes[0][0], stacked_rows, part_shapes[0][2]) and values.is_contiguous()
     assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
     assert torch.equal(inverse, expected_inverse)
-    assert torch.equal(values.float() * inverse, torch.cat(parts, dim=1))  # nothing rounded
+    assert_rounds_into_the_next_exponent_and_to_subnormals(values, inverse, torch.cat(parts, dim=1))
+
+
+@interpreted_kernels
+@pytest.mark.parametrize(
+    "part_cols, block",
+    [((70,), None), ((24, 40), None), ((24, 40), 16), ((300,), 128)],
+    ids=["one_part", "gradients_of_gate_and_up", "two_parts_in_blocks", "one_part_in_blocks"],
+)
+def test_the_activation_quantisation_kernel_is_the_plain_torch_rule_on_the_experts_rows(part_cols, block, monkeypatch):
+    """The rows of the parts joined along K (``[d gate, d up]``), one part read through a row stride
+    wider than its columns; rows longer than the kernel's block (``block``) in two passes. The experts'
+    rows equal the plain-torch rule; the rows after them are not written (NaN from the fresh buffers:
+    e4m3 NaN is 0x7f or 0xff)."""
+    if block is not None:
+        monkeypatch.setattr(fp8_quantize, "ACTIVATION_BLOCK", block)
+    experts_rows, after = 37, 4
+    wide = rounding_cases((experts_rows + after, part_cols[0] + 8), 0)
+    parts = [wide[:, : part_cols[0]], *(rounding_cases((experts_rows + after, c), 1) for c in part_cols[1:])]
+    parts[0][3] = 0  # a row of zeros: scaled as SMALLEST_AMAX, values zero
+    group_end = torch.tensor([10, 10, experts_rows], dtype=torch.int32)
+    with fresh_buffers_hold_nan():
+        values, inverse = quantize_activation_rows(parts, group_end)
+    expected_values, expected_inverse = quantize_rowwise(torch.cat(parts, dim=1)[:experts_rows])
+    assert values.shape == (experts_rows + after, sum(part_cols)) and values.is_contiguous()
+    assert torch.equal(values[:experts_rows].view(torch.uint8), expected_values.view(torch.uint8))
+    assert torch.equal(inverse[:experts_rows], expected_inverse)
+    assert_rounds_into_the_next_exponent_and_to_subnormals(
+        values[:experts_rows], inverse[:experts_rows], torch.cat(parts, dim=1)[:experts_rows]
+    )
+    assert inverse[experts_rows:].isnan().all()
+    assert (values[experts_rows:].view(torch.uint8) & 0x7F == 0x7F).all()
+
+
+@pytest.mark.parametrize(
+    "parts", [[], [torch.zeros(4, 8), torch.zeros(5, 8)], [torch.zeros(4, 8), torch.zeros(4, 8).half()]]
+)
+def test_the_activation_quantisation_kernel_refuses_mismatched_parts(parts):
+    with pytest.raises(ValueError, match="activation"):
+        quantize_activation_rows([p.to(KERNEL_DEVICE) for p in parts], torch.tensor([4], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("quantize", [quantize_columns_transposed, quantize_rows])
@@ -179,7 +225,7 @@ def test_the_triton_fp8_gemm_is_the_gemm_of_the_dequantised_operands(case):
 @pytest.mark.parametrize("dim, hidden", [(32, 48), (40, 24)], ids=["aligned", "padded"])
 def test_triton_fp8_experts_equal_the_reference(case, dim, hidden):
     counts = COUNT_CASES[case]
-    inputs = exactly_quantisable_expert_inputs(counts, dim, hidden)
+    inputs = expert_inputs(counts, dim, hidden)
     triton_fp8 = forward_and_gradients(fp8_grouped_experts, inputs, counts, emulated=False, gemm="triton")
     reference = forward_and_gradients(reference_fp8_experts, inputs, counts)
     for name, actual, expected in zip(["out", "x", "w1", "w2", "w3"], triton_fp8, reference, strict=True):
@@ -194,9 +240,7 @@ def row_scores(num_rows: int, seed: int = 5) -> torch.Tensor:
 
 ROW_WEIGHTED_FP8_GEMMS = {
     "emulated": ({"emulated": True}, expert_inputs, 1e-6),
-    "triton": pytest.param(
-        ({"emulated": False, "gemm": "triton"}, exactly_quantisable_expert_inputs, 1e-5), marks=interpreted_kernels
-    ),
+    "triton": pytest.param(({"emulated": False, "gemm": "triton"}, expert_inputs, 1e-5), marks=interpreted_kernels),
 }
 
 
@@ -254,7 +298,7 @@ def test_row_weighted_fp8_experts_weight_each_row_by_its_score():
 @interpreted_kernels
 def test_compiled_triton_fp8_experts_equal_eager():
     counts = COUNT_CASES["mixed_with_an_empty_expert"]
-    inputs = exactly_quantisable_expert_inputs(counts, 40, 24)
+    inputs = expert_inputs(counts, 40, 24)
     eager = forward_and_gradients(fp8_grouped_experts, inputs, counts, emulated=False, gemm="triton")
     torch._dynamo.reset()
     compiled = torch.compile(fp8_grouped_experts, fullgraph=True, backend="aot_eager")
@@ -272,7 +316,7 @@ def test_compiled_triton_fp8_experts_save_what_the_native_experts_save():
     """No e4m3 weight copy is kept from the forward to the backward (FSDP frees the gathered weights
     after the forward, not copies of them): the compiled graph saves the tensors the bf16 experts save."""
     counts = COUNT_CASES["mixed_with_an_empty_expert"]
-    inputs = exactly_quantisable_expert_inputs(counts, 32, 48)
+    inputs = expert_inputs(counts, 32, 48)
     native = tensors_saved_for_backward(grouped_mm_experts, inputs, torch.tensor(counts))
     fp8 = tensors_saved_for_backward(fp8_grouped_experts, inputs, torch.tensor(counts), emulated=False, gemm="triton")
     assert fp8 == native
@@ -284,7 +328,7 @@ def test_compiled_triton_fp8_experts_keep_fp32_weights_as_they_are():
     the compiled graph saves the weights themselves for the backward, no copy in the activations' dtype,
     and the same tensors as when the weights come in the activations' dtype."""
     counts = COUNT_CASES["mixed_with_an_empty_expert"]
-    x, *weights = exactly_quantisable_expert_inputs(counts, 32, 48)
+    x, *weights = expert_inputs(counts, 32, 48)
     x = x.detach().half().requires_grad_()
     half_weights = [w.detach().half().requires_grad_() for w in weights]
     fp32 = tensors_saved_for_backward(
@@ -350,20 +394,14 @@ def test_compiled_fp8_experts_equal_eager():
     ids=["grouped_mm", "triton"],
 )
 def test_a_layer_built_with_fp8_computes_in_fp8(backend, precision):
-    """The layer's experts compute in FP8 (Triton's kernels in the interpreter here, on
-    ``exactly_quantisable`` weights): e4m3 rounding away from the native layer, and the same numbers
-    as the emulation."""
+    """The layer's experts compute in FP8 (Triton's kernels in the interpreter here): e4m3 rounding away
+    from the native layer, and the same numbers as the emulation."""
     shape = {"dim": 32, "hidden_dim": 48, "num_experts": 4, "top_k": 2}
     native = seeded_layer(moe_layer_config(compute_backend=backend, **shape))
     fp8 = seeded_layer(with_expert_precision(moe_layer_config(compute_backend=backend, **shape), precision))
     emulated = seeded_layer(
         with_expert_precision(moe_layer_config(compute_backend="grouped_mm", **shape), "fp8_rowwise_emulated")
     )
-    for layer in (native, fp8, emulated):
-        experts = layer.routed_experts.inner_experts
-        with torch.no_grad():
-            for seed, weight in enumerate((experts.w1_EFD, experts.w2_EDF, experts.w3_EFD)):
-                weight.copy_(exactly_quantisable(weight.shape, seed) / 8)
     x = torch.randn(2, 8, 32)
     assert f"compute_backend={backend}, expert_precision={precision}" in repr(fp8)
     assert 1e-3 < relative_error(fp8(x), native(x)) < 0.15

@@ -18,7 +18,7 @@ from torchtitan_ext.experiments.moe_backends.fp8_experts import (
     quantize_stacked_rows,
     reference_fp8_experts,
 )
-from torchtitan_ext.kernels.fp8_quantize import quantize_columns_transposed, quantize_rows
+from torchtitan_ext.kernels.fp8_quantize import quantize_activation_rows, quantize_columns_transposed, quantize_rows
 
 pytestmark = [
     pytest.mark.gpu,
@@ -113,6 +113,30 @@ def test_the_weight_quantisation_kernels_round_as_torch(kernel, rule, part_shape
     expected_values, expected_inverse = rule(parts, emulated=True)
     assert torch.equal(inverse, expected_inverse)
     assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "part_cols, dtype",
+    [
+        ((2048,), torch.bfloat16),
+        ((768, 768), torch.bfloat16),
+        ((14336,), torch.bfloat16),
+        ((1024, 1024), torch.float32),
+    ],
+    ids=["tokens", "gradients_of_gate_and_up", "long_rows_in_blocks", "fp32"],
+)
+def test_the_activation_quantisation_kernel_rounds_as_torch(part_cols, dtype):
+    """Bit-equal to the plain-torch rule on the experts' rows; the rows after them are not written."""
+    generator = torch.Generator().manual_seed(0)
+    rows, after = 3000, 100
+    parts = [(torch.randn(rows + after, cols, generator=generator) * 3).to("cuda", dtype) for cols in part_cols]
+    group_end = torch.tensor([1000, 1000, rows], device="cuda", dtype=torch.int32)
+    with fresh_buffers_hold_nan():
+        values, inverse = quantize_activation_rows(parts, group_end)
+    expected_values, expected_inverse = quantize_rowwise(torch.cat(parts, dim=1)[:rows])
+    assert torch.equal(inverse[:rows], expected_inverse)
+    assert torch.equal(values[:rows].view(torch.uint8), expected_values.view(torch.uint8))
+    assert inverse[rows:].isnan().all()
 
 
 def test_the_triton_fp8_gemm_equals_torchs_scaled_grouped_mm():

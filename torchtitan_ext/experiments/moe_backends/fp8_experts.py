@@ -31,7 +31,13 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan_ext.kernels.fp8_grouped_gemm import fp8_grouped_gemm
-from torchtitan_ext.kernels.fp8_quantize import E4M3_MAX, SMALLEST_AMAX, quantize_columns_transposed, quantize_rows
+from torchtitan_ext.kernels.fp8_quantize import (
+    E4M3_MAX,
+    SMALLEST_AMAX,
+    quantize_activation_rows,
+    quantize_columns_transposed,
+    quantize_rows,
+)
 
 from .grouped_matmul import grouped_mm, row_major, weight_rows
 
@@ -88,7 +94,7 @@ FP8_GEMMS: dict[str, Fp8Gemm] = {"torch": _torch_fp8_gemm, "triton": fp8_grouped
 
 
 def scaled_grouped_gemm(
-    a_RK: torch.Tensor,
+    a_parts_RP: Sequence[torch.Tensor],
     w_values_ENK: torch.Tensor,
     w_inverse_EN1: torch.Tensor,
     offsets_E: torch.Tensor,
@@ -97,14 +103,18 @@ def scaled_grouped_gemm(
     emulated: bool,
     gemm: str,
 ) -> torch.Tensor:
-    """``a_RK @ w[e].T`` over the row groups ending at ``offsets_E``: ``a_RK`` is quantised rowwise
-    along K here, ``w`` comes quantised (row-major e4m3 values [E, N, K] and inverse scales
-    [E, N, 1]) -> [R, N] in ``out_dtype``, computed by ``FP8_GEMMS[gemm]`` (``emulated``: in fp32 from
-    the dequantised operands). K and N must be multiples of ``FP8_ALIGN``."""
-    a_values, a_inverse = quantize_rowwise(a_RK)
+    """``a_RK @ w[e].T`` over the row groups ending at ``offsets_E``, ``a_RK`` the parts ``a_parts_RP``
+    joined along K (``[d gate, d up]``; one part as is): quantised rowwise along K here (on the GPU by
+    ``kernels.fp8_quantize``'s activation kernel, which reads the parts in place and skips the rows
+    past the groups; emulated, the same rule in plain torch), ``w`` comes quantised (row-major e4m3
+    values [E, N, K] and inverse scales [E, N, 1]) -> [R, N] in ``out_dtype``, computed by
+    ``FP8_GEMMS[gemm]`` (``emulated``: in fp32 from the dequantised operands). K and N must be
+    multiples of ``FP8_ALIGN``."""
     if emulated:
+        a_values, a_inverse = quantize_rowwise(_stacked(a_parts_RP))
         dequantized_w = (w_values_ENK.float() * w_inverse_EN1).transpose(-2, -1)
         return grouped_mm(a_values.float() * a_inverse, dequantized_w, offsets_E).to(out_dtype)
+    a_values, a_inverse = quantize_activation_rows(list(a_parts_RP), offsets_E)
     return FP8_GEMMS[gemm](a_values, a_inverse, w_values_ENK, w_inverse_EN1, offsets_E, out_dtype)
 
 
@@ -148,7 +158,7 @@ class Fp8GroupedLinear(torch.autograd.Function):
         ctx.save_for_backward(a_RK, offsets_E, *w_parts_EPK)
         ctx.emulated, ctx.gemm = emulated, gemm
         w_values, w_inverse = quantize_stacked_rows(w_parts_EPK, emulated=emulated)
-        y_RN = scaled_grouped_gemm(a_RK, w_values, w_inverse, offsets_E, a_RK.dtype, emulated=emulated, gemm=gemm)
+        y_RN = scaled_grouped_gemm([a_RK], w_values, w_inverse, offsets_E, a_RK.dtype, emulated=emulated, gemm=gemm)
         return y_RN.split([w.shape[1] for w in w_parts_EPK], dim=1)
 
     @staticmethod
@@ -158,10 +168,11 @@ class Fp8GroupedLinear(torch.autograd.Function):
         grad_parts_RP = [row_major(grad) for grad in grad_parts_RP]
         grad_a = None
         if ctx.needs_input_grad[0]:
-            grad_RN = _stacked(grad_parts_RP)
-            w_values, w_inverse = quantize_stacked_columns(w_parts_EPK, emulated=ctx.emulated, ordered_after=grad_RN)
+            w_values, w_inverse = quantize_stacked_columns(
+                w_parts_EPK, emulated=ctx.emulated, ordered_after=grad_parts_RP[0]
+            )
             grad_a = scaled_grouped_gemm(
-                grad_RN, w_values, w_inverse, offsets_E, a_RK.dtype, emulated=ctx.emulated, gemm=ctx.gemm
+                grad_parts_RP, w_values, w_inverse, offsets_E, a_RK.dtype, emulated=ctx.emulated, gemm=ctx.gemm
             )
         grad_w_parts = [
             grouped_mm(grad.transpose(0, 1), a_RK, offsets_E).to(w.dtype) if needed else None
