@@ -212,7 +212,9 @@ FP8_GEMM_CONFIGS = [
     (64, 64, 64, 4, 4),
 ]
 """The FP8 grouped GEMM (``fp8_grouped_gemm``), e4m3 operands: ``PLAIN_GEMM_CONFIGS``' tiles with twice
-the K step, the same bytes per pipeline stage. Not yet ordered by measurement."""
+the K step, the same bytes per pipeline stage. On an H200 the first was the fastest, or within 2% of it,
+at 9 of the 12 GEMMs of the Qwen3-30B-A3B, OLMoE-1B-7B and Mixtral-8x7B layers against 7 other configs
+(4 stages: up to 10% faster where K <= 1024, 17% slower at Mixtral's gate and up input gradient)."""
 GATE_UP_FORWARD_CONFIGS = [
     (128, 128, 64, 8, 4),
     (128, 128, 64, 8, 3),
