@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import fresh_buffers_hold_nan, model_config, nested_configs, tensors_saved_for_backward
 from torchtitan.components.quantization.float8 import Float8GroupedExpertsConverter
+from torchtitan.components.quantization.mx import MXFP8GroupedExpertsConverter
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
 from torchtitan_ext import registry
@@ -20,6 +21,7 @@ from torchtitan_ext.experiments.moe_backends.experts import BackendGroupedExpert
 from torchtitan_ext.experiments.moe_backends.fp8_experts import (
     E4M3_MAX,
     fp8_grouped_experts,
+    fp8_unavailable_reason,
     quantize_dequantize,
     quantize_rowwise,
     quantize_stacked_columns,
@@ -437,9 +439,29 @@ def test_fp8_on_cpu_is_refused_naming_the_emulation(monkeypatch):
 def test_backends_without_fp8_gemms_are_refused_naming_those_with(monkeypatch, backend):
     args = ["--flavor", "tiny-moe-grouped-mm", "--moe.compute_backend", backend]
     with pytest.raises(
-        ConfigError, match=r"expert_precision = 'fp8_rowwise_emulated'.*compute with grouped_mm or triton"
+        ConfigError,
+        match=r"^command line: moe\.expert_precision = 'fp8_rowwise_emulated'.*compute with grouped_mm or triton",
     ):
         parse(monkeypatch, *args, "--moe.expert_precision", "fp8_rowwise_emulated")
+
+
+def test_fp8_with_recomputed_preactivations_in_some_layers_is_refused_naming_that_key(monkeypatch):
+    args = ["--flavor", "tiny-moe-triton", "--moe.expert_precision", "fp8_rowwise_emulated"]
+    with pytest.raises(
+        ConfigError,
+        match=r"^command line: moe\.recompute_preactivations_layers sets moe\.recompute_preactivations = true: ",
+    ):
+        parse(monkeypatch, *args, "--moe.recompute_preactivations_layers", "1")
+
+
+def test_fp8_on_a_gpu_before_compute_capability_9_is_refused_naming_the_emulation(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: (8, 0))
+    reason = fp8_unavailable_reason("fp8_rowwise")
+    assert reason is not None
+    assert "compute capability 9.0 or newer (H100, H200); this GPU has 8.0" in reason
+    assert "moe.expert_precision = 'fp8_rowwise_emulated' computes the same numerics in fp32 here" in reason
+    assert fp8_unavailable_reason("fp8_rowwise_emulated") is None
 
 
 def test_the_triton_backend_takes_fp8_and_the_start_up_line_says_so(monkeypatch, caplog):
@@ -499,6 +521,44 @@ def test_the_converted_flavor_takes_the_moe_keys(monkeypatch):
     )
     assert precisions(config) == {"fp8_rowwise_emulated"}
     assert {d.permute_backend for d in nested_configs(config, RoutingDispatcher.Config)} == {"torch"}
+
+
+@pytest.mark.parametrize("base", ["tiny-moe-for-loop", "tiny-moe-batched-mm-padded"])
+def test_a_converted_flavor_whose_backend_has_no_fp8_gemms_takes_another_backend(monkeypatch, base):
+    """The converter asks for FP8 experts of a flavor whose backend has none: the command line can still
+    choose a backend that has them; left as it is, the refusal names the converter and the key."""
+    flavor = float8_converted_flavor(monkeypatch, base)
+    config = parse(
+        monkeypatch, "--flavor", flavor, "--moe.compute_backend", "grouped_mm", "--moe.expert_precision",
+        "fp8_rowwise_emulated",
+    )  # fmt: skip
+    assert precisions(config) == {"fp8_rowwise_emulated"}
+    assert {e.compute_backend for e in nested_configs(config, BackendGroupedExperts.Config)} == {"grouped_mm"}
+    with pytest.raises(
+        ConfigError,
+        match=r"^the flavor's model converters \(torchtitan's Float8GroupedExpertsConverter\): "
+        r"moe\.expert_precision = 'fp8_rowwise': compute_backend '\w+' has no FP8 expert GEMMs",
+    ):
+        parse(monkeypatch, "--flavor", flavor)
+
+
+def test_torchtitans_mxfp8_converter_is_refused_naming_its_experts_config(monkeypatch):
+    """The MXFP8 converter's experts would stay in bf16 here: refused, the class named as torchtitan names it."""
+    converter = object.__new__(MXFP8GroupedExpertsConverter)
+    converter.config = MXFP8GroupedExpertsConverter.Config()
+    base_flavor = get_flavor("tiny-moe-grouped-mm")
+
+    def tiny_moe_mxfp8_converted():
+        config = base_flavor.build()
+        assert config.model_spec is not None
+        config.model_spec.model = converter.convert(model_config(config))
+        return config
+
+    name = "tiny-moe-grouped-mm-mxfp8-converted"
+    monkeypatch.setitem(registry._FLAVORS, name, Flavor(name, "test", base_flavor.experiment, tiny_moe_mxfp8_converted))
+    with pytest.raises(ConfigError, match=r"experts config MXFP8GroupedExperts\.Config \(from a quantizing") as error:
+        parse(monkeypatch, "--flavor", name)
+    assert "<locals>" not in str(error.value)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of FP8 GEMMs without CUDA")

@@ -31,6 +31,7 @@ from torchtitan.models.common.moe import MoE
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.place_in_launch import is_rank_zero, world_size
+from torchtitan_ext.validation import named
 
 from .cache import CACHE_ENV, cache_dir
 from .expert_timing import BenchShape, TimedCall, expert_inputs, make_timer, seeded_generator
@@ -277,7 +278,8 @@ def resolve_auto_compute_backend(config, *, measure: Measure | None = None) -> A
         return None
     if fp8 := sorted({e.expert_precision for e in experts if e.expert_precision in FP8_PRECISIONS}):
         raise AutoBackendError(
-            f"moe.expert_precision = {fp8[0]!r}: moe.compute_backend = 'auto' measures the backends in the "
+            f"{named('moe.expert_precision')} = {fp8[0]!r}: {named('moe.compute_backend')} = 'auto' measures the "
+            "backends in the "
             f"activations' dtype, not in FP8; FP8 rowwise experts compute with {' or '.join(fp8_backends())}"
         )
     choice = resolve_for_config(config, measure=measure)

@@ -276,16 +276,15 @@ def fp8_gemms_unavailable_reason() -> str | None:
     major, minor = torch.cuda.get_device_capability()
     if major < 9:
         return (
-            f"FP8 expert GEMMs (torch._scaled_grouped_mm) need compute capability 9.0 or newer (H100, H200); "
-            f"this GPU has {major}.{minor}"
+            f"FP8 expert GEMMs need a GPU of compute capability 9.0 or newer (H100, H200); this GPU has {major}.{minor}"
         )
     return None
 
 
 def fp8_unavailable_reason(precision: str) -> str | None:
-    """Why ``moe.expert_precision = precision`` cannot compute on this machine (None: it can); without
-    CUDA it names the emulated precision that trains here."""
+    """Why ``moe.expert_precision = precision`` cannot compute on this machine (None: it can), naming the
+    emulated precision that trains here."""
     reason = fp8_gemms_unavailable_reason() if precision == "fp8_rowwise" else None
-    if reason is not None and not torch.cuda.is_available():
+    if reason is not None:
         reason += "; moe.expert_precision = 'fp8_rowwise_emulated' computes the same numerics in fp32 here"
     return reason

@@ -56,9 +56,20 @@ VALIDATED_CONFIGS = (
 their problems are listed."""
 
 
+KEYS_SETTING_OPTION = {"recompute_preactivations": ("moe.recompute_preactivations_layers",)}
+"""Short keys that set a MoE layer option under another name (``moe.recompute_preactivations_layers``
+sets ``recompute_preactivations`` in the first N layers)."""
+
+
 def option_key(field: str) -> str:
-    """How the start-up checks name an option of a MoE layer: its ``moe.*`` key and where its value came from."""
-    return named(f"moe.{field}")
+    """How the start-up checks name an option of a MoE layer: its ``moe.*`` key and where its value came
+    from, or the other key that set it (``KEYS_SETTING_OPTION``) and where that came from."""
+    key = f"moe.{field}"
+    if value_source(key) is None:
+        for other in KEYS_SETTING_OPTION.get(field, ()):
+            if (source := value_source(other)) is not None:
+                return f"{source}: {other} sets {key}"
+    return named(key)
 
 
 def validated_nodes(model_config):

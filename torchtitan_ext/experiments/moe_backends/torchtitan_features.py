@@ -30,6 +30,7 @@ from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.checks import register_config_check
+from torchtitan_ext.config.value_sources import record_value_sources
 from torchtitan_ext.registry import register_config_adapter
 
 from .cuda_graph_step import cuda_graph_blockers
@@ -39,6 +40,8 @@ from .experts import BackendGroupedExperts
 SUPPORTED_SPMD_BACKEND = "partial_dtensor"
 
 
+FLOAT8_CONVERTER_SOURCE = "the flavor's model converters (torchtitan's Float8GroupedExpertsConverter)"
+"""Where start-up errors say ``moe.expert_precision = "fp8_rowwise"`` came from when the converter set it."""
 TORCHTITAN_FLOAT8_MODULE = "torchtitan.components.quantization.float8"
 """Where torchtitan defines ``Float8GroupedExpertsConverter`` and the experts subclasses it builds."""
 
@@ -67,9 +70,12 @@ def adopt_torchtitan_float8_experts(config) -> None:
     for _, routed, _, _ in config.model_spec.model.traverse(RoutedExperts.Config):
         if not (isinstance(routed, RoutedExperts.Config) and is_torchtitan_float8_experts(routed.inner_experts)):
             continue
-        routed.inner_experts = derive(
-            routed.inner_experts, BackendGroupedExperts.Config, expert_precision="fp8_rowwise"
-        )
+        # Set after the copy, as an override is: the flavor's compute backend may have no FP8 GEMMs,
+        # which the TOML files and the command line can still change; the start-up check refuses what
+        # remains, naming the converter as where the precision came from.
+        routed.inner_experts = derive(routed.inner_experts, BackendGroupedExperts.Config)
+        routed.inner_experts.expert_precision = "fp8_rowwise"
+        record_value_sources({"moe.expert_precision": FLOAT8_CONVERTER_SOURCE})
         dispatcher = routed.token_dispatcher
         if not isinstance(dispatcher, RoutingDispatcher.Config):
             routed.token_dispatcher = RoutingDispatcher.Config(
@@ -97,8 +103,9 @@ def check_torchtitan_features(config) -> None:
         )
     for fqn, experts, _, _ in model_spec.model.traverse(GroupedExperts.Config):
         if type(experts) is not BackendGroupedExperts.Config:
+            name = type(experts).__qualname__.rpartition("<locals>.")[2]  # a class a function built
             errors.append(
-                f"{fqn or 'model'}: experts config {type(experts).__qualname__} (from a quantizing "
+                f"{fqn or 'model'}: experts config {name} (from a quantizing "
                 "converter such as MXFP8 grouped experts) is not supported: this experiment's experts compute "
                 "through their compute_backend and would silently stay in bf16 (FP8 rowwise experts: "
                 "moe.expert_precision = 'fp8_rowwise', or torchtitan's Float8GroupedExpertsConverter)"
