@@ -27,6 +27,7 @@ from helpers import free_port, model_config, nested_configs, spawn_workers
 from torch._functorch import partitioners
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor._random import is_rng_supported_mesh
 from torch.utils.checkpoint import checkpoint
@@ -533,3 +534,21 @@ def test_a_resumed_schedule_warns_nothing(monkeypatch):
         quiet_run_noise()
         scheduler.get_lr()
     assert len(recorded) == 1
+
+
+def test_torchtitans_pipeline_step_hands_torch_microbatches_its_schedule_does_not_take():
+    """torchtitan 0.3.0 passes ``PipelineSchedule.step`` its microbatches (``arg_mbs=``); torch 2.13's
+    ``step`` takes the whole batch. When a torch takes microbatches, the fix must go (this fails)."""
+    assert "arg_mbs=" in inspect.getsource(torch_versions.original_pp_forward_backward_step)
+    assert "arg_mbs" not in inspect.signature(PipelineScheduleSingle.step).parameters
+    assert torch_versions.needs_pipeline_step_fix()
+
+
+def test_the_pipeline_fix_joins_microbatch_inputs_the_schedule_splits_back():
+    first, second = torch.arange(6).view(2, 3), torch.arange(6, 12).view(2, 3)
+    joined = torch_versions._joined([first, second], "positions")
+    assert joined is not None and torch.equal(joined, torch.cat([first, second]))
+    assert [torch.equal(a, b) for a, b in zip(joined.tensor_split(2), (first, second), strict=True)] == [True, True]
+    assert torch_versions._joined([None, None], "mask") is None
+    with pytest.raises(NotImplementedError, match="'mask' differs between microbatches"):
+        torch_versions._joined([None, first], "mask")

@@ -97,6 +97,15 @@ def test_backends_give_the_same_first_step_loss(ep2_runs):
         assert losses[1] == pytest.approx(reference, rel=1e-4), backend
 
 
+def test_two_pipeline_stages_train_and_rank_0_shows_the_loss(tmp_path):
+    """``--parallelism.pp 2``: the loss, computed on the last stage, is in rank 0's log (torchtitan logs -1
+    there, which the step pattern would not match)."""
+    args = ["--flavor", "tiny-moe-grouped-mm", "--training.steps", "4", "--parallelism.pp", "2", *SMALL_BATCH]
+    losses = train(args, tmp_path, nproc=2)
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert losses[4] < losses[1] - 0.1, losses
+
+
 def test_triton_backend_trains_like_the_reference(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     losses = {

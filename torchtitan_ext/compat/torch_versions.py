@@ -1,6 +1,6 @@
 """Fixes torchtitan 0.3.0 needs on the torch it runs on, applied on every device.
 
-torchtitan 0.3.0 was written against a torch newer than 2.13 in two places, torch 2.13
+torchtitan 0.3.0 was written against a torch newer than 2.13 in three places, torch 2.13
 mis-orders one compiled graph's saved values, and torchtitan's expert-bias update miscounts
 compiled blocks. Each fix is applied only where the running torch or torchtitan has the gap
 or the defect, on CPU and GPU alike, names the torch or torchtitan code it answers, and is
@@ -10,6 +10,13 @@ makes a fix unneeded or wrong).
 - ``distributed/utils.py`` ``set_pg_timeouts`` calls ``torch.distributed.set_timeout``
   (torch >= 2.14) after the first step; on torch 2.13 every run died there. The fix sets
   each group's timeout through c10d's per-group setter, after the same barrier.
+- ``trainer.py`` ``Trainer.pp_forward_backward_step`` hands ``PipelineSchedule.step`` the
+  microbatches it fetched (``arg_mbs=``, ``kwarg_mbs=``, ``target_mbs=``); torch 2.13's ``step``
+  takes the whole batch and splits it, so every pipeline-parallel run died in its first step. The
+  fix joins the microbatches along the batch dimension (the schedule splits them back into the
+  same ones) and sums the loss over the pipeline's ranks, so rank 0 logs it too; torchtitan's
+  ``ensure_pp_loss_visible`` warning, which asks for the last stage's rank in ``LOG_RANK``, is then
+  moot and silenced.
 - ``models/common/token_dispatcher.py`` reads ``torch.compiler._is_non_strict_tracing``
   (torch >= 2.13); the benchmarks also run on older torch builds (2.11 on the GPU image).
 - ``torch/_functorch/partitioners.py`` ``functionalize_rng_ops``: a compiled block that
@@ -40,16 +47,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.tensor  # registers DeviceMesh and ProcessGroup as opaque types
 import torchtitan.distributed.utils as titan_dist_utils
+import torchtitan.trainer as titan_trainer
 from torch import fx
 from torch._functorch import partitioners
 from torch._functorch._aot_autograd import graph_compile
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import CheckpointPolicy
 from torchtitan.components.optimizer import OptimizersContainer, register_moe_load_balancing_hook
 
 original_set_pg_timeouts = titan_dist_utils.set_pg_timeouts
+original_pp_forward_backward_step = titan_trainer.Trainer.pp_forward_backward_step
 original_functionalize_rng_ops = partitioners.functionalize_rng_ops
 
 
@@ -184,9 +194,72 @@ def register_expert_bias_count_hook():
     return register_optimizer_step_pre_hook(double_counts_of_compiled_checkpointed_blocks)
 
 
+def pp_forward_backward_whole_batch(
+    self,
+    *,
+    input_dict_mbs: list[dict[str, torch.Tensor]],
+    label_mbs: list[torch.Tensor],
+    global_valid_tokens: torch.Tensor,
+) -> torch.Tensor:
+    """torchtitan's ``Trainer.pp_forward_backward_step`` for a torch whose ``PipelineSchedule.step`` takes
+    the whole batch: the microbatches torchtitan fetched, joined along the batch dimension, which the
+    schedule splits back into the same microbatches (each ``pipeline_parallel_microbatch_size`` rows).
+    The loss, which only the stage computing it holds, is summed over the pipeline's ranks, so every
+    stage returns it (torchtitan returns -1 elsewhere), and rank 0's log shows it."""
+    inputs_mbs, targets_mbs, kwargs_mbs = [], [], []
+    for input_dict, fetched_labels in zip(input_dict_mbs, label_mbs, strict=True):
+        inputs, labels, extra_kwargs = self.post_dataloading_process(input_dict, fetched_labels)
+        inputs_mbs.append(inputs)
+        targets_mbs.append(labels)
+        kwargs_mbs.append(extra_kwargs)
+    args = (torch.cat(inputs_mbs),) if self.pp_has_first_stage else ()
+    losses = [] if self.pp_has_last_stage else None
+    with self.train_context():
+        self.pp_schedule.step(
+            *args,
+            target=torch.cat(targets_mbs) if self.pp_has_last_stage else None,
+            losses=losses,
+            return_outputs=False,
+            loss_kwargs={"global_valid_tokens": global_valid_tokens},
+            **{key: _joined([kwargs[key] for kwargs in kwargs_mbs], key) for key in kwargs_mbs[0]},
+        )
+    if self.pp_has_last_stage:
+        assert losses is not None
+        loss = torch.sum(torch.stack(losses)).to(self.device)
+    else:
+        loss = torch.zeros((), device=self.device)
+    dist.all_reduce(loss, group=self.parallel_dims.get_mesh("pp").get_group())
+    return loss
+
+
+def _joined(values: list, key: str):
+    """One microbatch input ``key`` over the whole batch: tensors joined along the batch dimension (the
+    schedule splits them back), anything else the same in every microbatch and passed once."""
+    if all(isinstance(value, torch.Tensor) for value in values):
+        return torch.cat(values)
+    if all(value is None for value in values):
+        return None
+    raise NotImplementedError(
+        f"pipeline parallelism on this torch: the model input {key!r} differs between microbatches and is not a "
+        "tensor, so it cannot be joined into one batch for PipelineSchedule.step"
+    )
+
+
+def needs_pipeline_step_fix() -> bool:
+    return "arg_mbs" in inspect.getsource(original_pp_forward_backward_step) and (
+        "arg_mbs" not in inspect.signature(PipelineScheduleSingle.step).parameters
+    )
+
+
 def apply_torch_version_fixes() -> list[str]:
     """Apply the fixes this torch needs (idempotent); returns the names of those applied."""
     applied = []
+    if needs_pipeline_step_fix():
+        titan_trainer.Trainer.pp_forward_backward_step = pp_forward_backward_whole_batch
+        # The loss is on every stage now: torchtitan's warning that only the last stage's rank shows it
+        # (and its advice to list that rank in LOG_RANK) no longer applies.
+        titan_trainer.ensure_pp_loss_visible = lambda **_: None
+        applied.append("pp_forward_backward_step")
     if needs_set_timeout_fix():
         titan_dist_utils.set_pg_timeouts = set_pg_timeouts_per_group
         applied.append("set_pg_timeouts")
