@@ -51,6 +51,15 @@ def test_a_short_key_without_a_value_is_refused_unless_it_is_a_switch():
     )
 
 
+def test_a_short_key_and_the_field_it_names_set_apart_name_both_values():
+    with pytest.raises(
+        ConfigError,
+        match=r"^command line: --moe_metrics\.enable false and --metrics\.moe_metrics both set metrics\.moe_metrics "
+        r"\(to false and true\); keep one of them$",
+    ):
+        parse("--moe_metrics.enable", "false", "--metrics.moe_metrics", "true")
+
+
 def test_switches_given_a_value_are_spelled_as_the_parser_takes_them():
     keys = ["compile.enable", "training.disable_cuda_graphs"]
     args = ["--compile.enable", "false", "--training.disable-cuda-graphs=true", "--compile.no_enable", "false"]

@@ -338,3 +338,44 @@ def test_two_keys_of_one_toml_file_that_set_one_field_are_an_error_naming_both(t
     path = write_toml(tmp_path, "moe.toml", "[moe]\ntop_k = 1\n[model.layers.1.moe.router]\ntop_k = 2\n")
     with pytest.raises(ConfigError, match=r"moe\.top_k = 1 and .* model\.layers\.1\.moe\.router\.top_k = 2 both set"):
         apply_toml_files(get_flavor(TINY).build(), [path])
+
+
+def test_one_layers_top_k_sets_its_router_and_dispatcher(tmp_path):
+    """``[model.layers.1.moe.router] top_k = 1`` (the documented per-layer override) changes that layer's
+    router and dispatcher, and no other layer; one file setting the two apart is refused."""
+    path = write_toml(tmp_path, "layer.toml", "[model.layers.1.moe.router]\ntop_k = 1\n")
+    config = FlavorConfigManager().parse_args(["--flavor", TINY, "--toml", path])
+    layers = config.model_spec.model.layers
+    assert [layer.moe.router.top_k for layer in layers] == [2, 1]
+    assert [layer.moe.routed_experts.token_dispatcher.top_k for layer in layers] == [2, 1]
+    both = write_toml(
+        tmp_path,
+        "both.toml",
+        "[model.layers.1.moe.router]\ntop_k = 1\n[model.layers.1.moe.routed_experts.token_dispatcher]\ntop_k = 2\n",
+    )
+    with pytest.raises(ConfigError, match=r"model\.layers\.1\.moe\.router\.top_k = 1 and .* both set"):
+        FlavorConfigManager().parse_args(["--flavor", TINY, "--toml", both])
+
+
+def test_switching_checkpointing_off_selective_refuses_to_drop_a_selective_option(tmp_path):
+    path = write_toml(tmp_path, "sac.toml", '[activation_checkpoint]\nforce_recompute_mm_shapes_by_fqns = ["x"]\n')
+    with pytest.raises(
+        ConfigError,
+        match=r"^command line: activation_checkpoint\.mode = 'full' would drop .*sac\.toml:2: "
+        r"activation_checkpoint\.force_recompute_mm_shapes_by_fqns = \['x'\], an option of selective",
+    ):
+        FlavorConfigManager().parse_args(["--flavor", TINY, "--toml", path, "--activation_checkpoint.mode", "full"])
+    config = FlavorConfigManager().parse_args(["--flavor", TINY, "--activation_checkpoint.mode", "full"])
+    assert type(config.activation_checkpoint).__name__ == "Config"
+
+
+@pytest.mark.parametrize("where", ["toml", "command line"])
+def test_an_option_of_a_section_switched_off_says_so(tmp_path, where):
+    key = "activation_checkpoint.preserve_rng_state"
+    if where == "toml":
+        path = write_toml(tmp_path, "off.toml", '[activation_checkpoint]\nmode = "none"\npreserve_rng_state = false\n')
+        args = ["--toml", path]
+    else:
+        args = ["--activation_checkpoint.mode", "none", f"--{key}", "false"]
+    with pytest.raises(ConfigError, match=rf"{key} does not apply: activation_checkpoint is off \(None\)"):
+        FlavorConfigManager().parse_args(["--flavor", TINY, *args])

@@ -202,10 +202,27 @@ def test_show_tells_whether_a_flavor_compiles(capsys, tmp_path):
     assert main(["--show", "olmoe-1b-7b"]) == 0
     (training,) = [line for line in capsys.readouterr().out.splitlines() if line.split()[0] == "training"]
     assert training.endswith(
-        "params in bfloat16, compile on, cuda_graphs off (on under expert parallelism where "
-        "moe.ep_receive_rows = 'auto' picks static rows)"
+        "params in bfloat16, compile on, activation_checkpoint selective, cuda_graphs off (on under expert "
+        "parallelism where moe.ep_receive_rows = 'auto' picks static rows)"
     ), training
     exact_rows = tmp_path / "exact_rows.toml"
     exact_rows.write_text('[moe]\nep_receive_rows = "exact"\n')
-    assert main(["--show", TINY, "--toml", str(exact_rows)]) == 0
-    assert "compile off, cuda_graphs off\n" in capsys.readouterr().out
+    assert main(["--show", TINY, "--toml", str(exact_rows), "--toml", str(bf16(tmp_path))]) == 0
+    assert "compile off, activation_checkpoint selective, cuda_graphs off\n" in capsys.readouterr().out
+
+
+def bf16(tmp_path):
+    """A TOML file giving the parameters in bfloat16 (fp32 grouped_mm reads its offsets on the host)."""
+    path = tmp_path / "bf16.toml"
+    path.write_text('[training]\nmixed_precision_param = "bfloat16"\n')
+    return path
+
+
+def test_show_says_what_keeps_cuda_graphs_off_whatever_the_parallelism(capsys, tmp_path):
+    full_ac = tmp_path / "full_ac.toml"
+    full_ac.write_text('[activation_checkpoint]\nmode = "full"\n')
+    assert main(["--show", "tiny-moe-for-loop", "--toml", str(full_ac)]) == 0
+    (training,) = [line for line in capsys.readouterr().out.splitlines() if line.split()[0] == "training"]
+    assert "activation_checkpoint full, cuda_graphs off (compute_backend for_loop reads expert counts on the host" in (
+        training
+    )

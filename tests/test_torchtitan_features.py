@@ -140,6 +140,10 @@ def test_full_size_defaults_switch_off_and_the_start_up_line_says_so(monkeypatch
         )
     assert not config.compile.enable
     assert "compute_backend=grouped_mm, expert_parallel_degree=1, compile=off, cuda_graphs=off" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        parse(monkeypatch, "--flavor", "tiny-moe-grouped-mm", "--compile.enable", "--compile.components", "loss")
+    assert "expert_parallel_degree=1, compile=loss only, cuda_graphs=off" in caplog.text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA graphs asked for on a machine without CUDA")
@@ -168,3 +172,12 @@ def test_experts_apply_scores_needs_a_backend_and_transport_that_can(monkeypatch
     with caplog.at_level(logging.INFO):
         parse(monkeypatch, "--flavor", "tiny-moe-triton", "--moe.ep_transport", "all_to_all", *on, world=2)
     assert "ep_transport=all_to_all, experts_apply_scores=True" in caplog.text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA-graph refusal of fp32 grouped_mm on CPU")
+def test_the_cuda_graph_refusal_names_where_cuda_graphs_were_turned_on(monkeypatch):
+    args = ["--flavor", "tiny-moe-grouped-mm", "--parallelism.expert_parallel_degree", "2"]
+    with pytest.raises(
+        ConfigError, match=r"cuda_graphs\.toml:\d+: training\.disable_cuda_graphs = false: a CUDA graph cannot replay"
+    ):
+        parse(monkeypatch, *args, "--toml", "examples/cuda_graphs.toml", world=2)

@@ -159,11 +159,11 @@ def test_a_model_too_large_for_this_machine_is_refused_with_the_memory_it_needs(
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.count("error:") == 1 and "Traceback" not in err, err
-    assert "the model (qwen3, 30.53B parameters) needs at least 455.0 GiB on this host to train on CPU" in err
+    assert "the model (qwen3-30b-a3b, 30.53B parameters) needs at least 455.0 GiB on this host to train on CPU" in err
     assert "4 copies of every parameter in float32" in err and "this machine has 16.0 GiB of memory" in err
 
 
-MEMORY_ERROR = "the model (qwen3, 6.92B parameters) needs at least 103.1 GiB on this host to train on CPU"
+MEMORY_ERROR = "the model (olmoe-1b-7b, 6.92B parameters) needs at least 103.1 GiB on this host to train on CPU"
 TRITON_DEFAULT_ERROR = (
     "moe.compute_backend = 'triton' (the flavor's default): the Triton MoE kernels need a CUDA GPU, and CUDA is "
     "not available"

@@ -90,13 +90,31 @@ def moe_layer_summary(model_config) -> str:
     return "; ".join(f"{count} x ({kind})" for kind, count in kinds.items()) or "none"
 
 
+def activation_checkpoint_mode(config) -> str:
+    """The ``activation_checkpoint.mode`` the config's checkpointing section amounts to: "none",
+    "selective", "full", or the section's class where it is another one."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    section = config.activation_checkpoint
+    if section is None:
+        return "none"
+    if isinstance(section, SelectiveAC.Config):
+        return "selective"
+    if isinstance(section, FullAC.Config):
+        return "full"
+    return type(section).__qualname__
+
+
 def cuda_graphs_summary(config) -> str:
     """``on``, ``off``, or where the MoE dispatchers' ``ep_receive_rows`` is ``"auto"``, off with the rule
     that may turn them on at start-up."""
     if not config.training.disable_cuda_graphs:
         return "on"
+    from torchtitan_ext.experiments.moe_backends.cuda_graph_step import experts_graph_blockers
     from torchtitan_ext.experiments.moe_backends.layer import routing_dispatchers
 
+    if blockers := experts_graph_blockers(config):
+        return f"off ({'; '.join(blockers)})"
     if any(dispatcher.ep_receive_rows == "auto" for dispatcher in routing_dispatchers(config)):
         return "off (on under expert parallelism where moe.ep_receive_rows = 'auto' picks static rows)"
     return "off"
@@ -163,7 +181,7 @@ def concise_view(name: str, tomls: list[str], config) -> list[str]:
             f"steps {training.steps}, batch_size {training.local_batch_size}, seq_len {training.seq_len}, "
             f"lr {lr} (warmup {lr_scheduler.warmup_steps} steps, {lr_scheduler.decay_type} decay), "
             f"params in {training.mixed_precision_param}, compile {'on' if config.compile.enable else 'off'}, "
-            f"cuda_graphs {cuda_graphs_summary(config)}",
+            f"activation_checkpoint {activation_checkpoint_mode(config)}, cuda_graphs {cuda_graphs_summary(config)}",
         ),
         (
             "parallelism",

@@ -39,7 +39,7 @@ from torchtitan_ext.config.command_line import (
     subcommands_as_short_keys,
     switches_for_parser,
 )
-from torchtitan_ext.config.config_tree import leaf_items
+from torchtitan_ext.config.config_tree import leaf_items, section_that_is_off
 from torchtitan_ext.config.toml_files import toml_value
 from torchtitan_ext.config.value_sources import forget_value_sources, record_resolved_from, record_value_sources
 from torchtitan_ext.launch import (
@@ -86,13 +86,19 @@ def parser_options(args: list[str], known: set[str]) -> dict[str, tuple[str, Any
     return options
 
 
+def _as_typed(value: Any) -> str:
+    """A command-line value as it is typed: ``true``/``false`` for switches, other values as Python shows them."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
 def parser_conflict_errors(config, overrides: dict, parser_keys: dict[str, tuple[str, Any]]) -> list[str]:
     """Command-line ``overrides`` (the project's) that set a field to another value than an option
     torchtitan's parser takes (``parser_options``), each an error naming both."""
     errors = []
     for key, fields in written_fields(config, overrides).items():
         errors += [
-            f"{COMMAND_LINE}: --{key} {overrides[key]!r} and {parser_keys[field][0]} both set {field}; keep one of them"
+            f"{COMMAND_LINE}: --{key} {_as_typed(overrides[key])} and {parser_keys[field][0]} both set {field} "
+            f"(to {_as_typed(value)} and {_as_typed(parser_keys[field][1])}); keep one of them"
             for field, value in fields.items()
             if field in parser_keys and parser_keys[field][1] != value
         ]
@@ -117,7 +123,9 @@ class FlavorConfigManager(ConfigManager):
         known = set(valid_keys(config))
         rest = switches_for_parser(rest, [key for key, value in leaf_items(config).items() if isinstance(value, bool)])
         parser_keys = parser_options(rest, known)
-        errors = command_line_errors(list(known), args, torchrun_options())
+        errors = command_line_errors(
+            list(known), args, torchrun_options(), lambda key: section_that_is_off(config, key)
+        )
         errors += parser_conflict_errors(from_files, cli_overrides, parser_keys)
         if errors:
             raise ConfigError("\n".join(errors))
@@ -161,7 +169,7 @@ class FlavorConfigManager(ConfigManager):
             logger.info(
                 f"flavor {flavor}: compute_backend={metadata['compute_backend']}{precision}, "
                 f"expert_parallel_degree={metadata['expert_parallel_degree']}{transport}, "
-                f"compile={'on' if compiles_model(config) else 'off'}, "
+                f"compile={compile_state(config)}, "
                 f"cuda_graphs={cuda_graphs_state(config)}, "
                 f"toml files: {', '.join(tomls) or 'none'}; torch {torch.__version__}, "
                 f"torchtitan {torchtitan.__version__}"
@@ -195,6 +203,16 @@ def cuda_graphs_state(config) -> str:
 def compiles_model(config) -> bool:
     """Whether torchtitan compiles the model's blocks (``compile.enable`` with the ``model`` component)."""
     return config.compile.enable and "model" in config.compile.components
+
+
+def compile_state(config) -> str:
+    """The start-up line's ``compile=``: "on" (the model's blocks, and whatever else is named), "off", or
+    the components compiled without the model (e.g. "loss only")."""
+    if compiles_model(config):
+        return "on"
+    if config.compile.enable and config.compile.components:
+        return f"{' and '.join(config.compile.components)} only"
+    return "off"
 
 
 def parse_with_tyro(parse):

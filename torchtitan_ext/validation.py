@@ -16,7 +16,7 @@ from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.checks import register_config_check
 from torchtitan_ext.config.config_tree import child, resolve_parent
 from torchtitan_ext.config.names import close_matches_hint
-from torchtitan_ext.config.value_sources import value_source
+from torchtitan_ext.config.value_sources import resolved_from, value_source
 from torchtitan_ext.parallel_layout import data_parallel_shard_degree
 from torchtitan_ext.place_in_launch import local_world_size, world_size
 
@@ -327,7 +327,8 @@ def memory_errors(config) -> list[str]:
     if needed <= available:
         return []
     return [
-        f"the model ({config.model_spec.name}, {human_count(parameters)} parameters) needs at least "
+        f"the model ({resolved_from()[0] or config.model_spec.name}, {human_count(parameters)} parameters) needs "
+        "at least "
         f"{gibibytes(needed)} on this host to train on CPU ({TRAINING_COPIES_PER_PARAMETER} copies of every "
         f"parameter in {config.training.dtype}: weights, gradients and AdamW's two moments), but this machine has "
         f"{gibibytes(available)} of memory; train it on GPUs, or pick a smaller flavor "

@@ -21,6 +21,7 @@ from torchtitan_ext.config.config_tree import (
     leaf_items,
     leaf_keys,
     resolve_parent,
+    section_that_is_off,
     set_child,
 )
 from torchtitan_ext.config.names import unknown_key_message
@@ -51,6 +52,26 @@ FLAVOR_FIXED_FIELDS: dict[str, str] = {
 }
 """Model-shape fields a flavor derives into other fields when it is built: an override of one
 copy would leave the others unchanged (or build a model whose shapes disagree), so it is refused."""
+
+
+_LINKED_FIELDS: list[tuple[str, str]] = []
+"""Pairs of dotted key endings that name one setting held in two fields of the same config node (e.g.
+a layer's router and dispatcher ``top_k``): setting one through its field path sets the other."""
+
+
+def register_linked_fields(first: str, second: str) -> None:
+    """Fields ``PREFIX.first`` and ``PREFIX.second`` hold one setting: an override of either sets both."""
+    _LINKED_FIELDS.append((first, second))
+
+
+def _linked_keys(key: str) -> list[str]:
+    """The other fields of the setting ``key`` names (``register_linked_fields``)."""
+    linked = []
+    for first, second in _LINKED_FIELDS:
+        for own, other in ((first, second), (second, first)):
+            if key == own or key.endswith("." + own):
+                linked.append(key[: len(key) - len(own)] + other)
+    return linked
 
 
 def fixed_field_error(key: str) -> str | None:
@@ -110,10 +131,18 @@ def _apply_one(config, key: str, value: Any) -> str | None:
     try:
         parent, name = resolve_parent(config, key.split("."))
     except KeyError:
+        if (off := section_that_is_off(config, key)) is not None:
+            return f"{key} does not apply: {off} is off (None) in this config"
         return unknown_key_message(key, valid_keys(config))
     if children(child(parent, name)):
         return _section_message(key)
-    set_child(parent, name, check_value(key, value, field_annotation(parent, name)))
+    checked = check_value(key, value, field_annotation(parent, name))
+    set_child(parent, name, checked)
+    for linked in _linked_keys(key):
+        try:
+            set_child(*resolve_parent(config, linked.split(".")), checked)
+        except KeyError:
+            continue
     return None
 
 

@@ -183,16 +183,22 @@ def switches_for_parser(args: list[str], switch_keys: Collection[str]) -> list[s
     return spelled
 
 
-def command_line_errors(keys: list[str], args: list[str], torchrun_options: dict[str, bool]) -> list[str]:
+def command_line_errors(
+    keys: list[str],
+    args: list[str],
+    torchrun_options: dict[str, bool],
+    section_off: Callable[[str], str | None] = lambda key: None,
+) -> list[str]:
     """The options of the training arguments ``args`` that cannot be: torchrun options placed among them
-    (``misplaced_torchrun_options``), options that name none of the settable ``keys``, then keys given
-    more than once (``repeated_option_errors``; a key of the TOML files set once here is no repeat)."""
+    (``misplaced_torchrun_options``), options that name none of the settable ``keys`` (``section_off(key)``:
+    the section of the key that is switched off, if any), then keys given more than once
+    (``repeated_option_errors``; a key of the TOML files set once here is no repeat)."""
     flavor_and_files_out = split_project_args(args)[2]
     misplaced = misplaced_torchrun_options(args, torchrun_options)
     known = set(keys)
     return [
         *([misplaced] if misplaced else []),
-        *unknown_option_errors(keys, flavor_and_files_out, torchrun_options),
+        *unknown_option_errors(keys, flavor_and_files_out, torchrun_options, section_off),
         *repeated_option_errors(
             flavor_and_files_out, lambda arg: override_key(arg.partition("=")[0]) or option_key(arg, known)
         ),
@@ -208,7 +214,12 @@ def launcher_option_errors(launcher_args: list[str], torchrun_options: dict[str,
     )
 
 
-def unknown_option_errors(keys: list[str], args: list[str], torchrun_options: Collection[str]) -> list[str]:
+def unknown_option_errors(
+    keys: list[str],
+    args: list[str],
+    torchrun_options: Collection[str],
+    section_off: Callable[[str], str | None] = lambda key: None,
+) -> list[str]:
     """``--a.b`` options of ``args`` that name none of the settable ``keys``, with close matches;
     torchrun's options are left to ``misplaced_torchrun_options``, the overrides' keys (``override_key``)
     to the overrides' own check."""
@@ -222,6 +233,9 @@ def unknown_option_errors(keys: list[str], args: list[str], torchrun_options: Co
             continue
         name = option[2:].replace("-", "_")
         if option_key(arg, known) is not None or any(k.startswith(name + ".") for k in keys):
+            continue
+        if (off := section_off(name)) is not None:
+            errors.append(f"{COMMAND_LINE}: {option} does not apply: {off} is off (None) in this config")
             continue
         errors.append(f"{COMMAND_LINE}: unknown option {option}{close_matches_hint(name, keys, prefix='--')}")
     return errors

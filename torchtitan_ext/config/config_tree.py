@@ -48,6 +48,20 @@ def resolve_parent(config, parts: Sequence[str]) -> tuple[Any, str]:
     return node, parts[-1]
 
 
+def section_that_is_off(config, key: str) -> str | None:
+    """The dotted prefix of ``key`` naming a config field that is None (a section switched off, such as
+    ``activation_checkpoint`` with mode "none"), or None when there is none."""
+    parts = key.split(".")
+    node_children = root_children(config)
+    for depth, part in enumerate(parts[:-1]):
+        if part not in node_children:
+            return None
+        if node_children[part] is None:
+            return ".".join(parts[: depth + 1])
+        node_children = children(node_children[part])
+    return None
+
+
 def child(parent: Any, name: str) -> Any:
     """The field ``name`` of a config node, or its item ``int(name)`` when it is a list."""
     return parent[int(name)] if isinstance(parent, list) else getattr(parent, name)

@@ -198,19 +198,20 @@ def row_scores_unsupported_reason(ep_transport: EPTransport, align_size: int) ->
     return None
 
 
-def symm_mem_errors(expert_parallel_degree: int) -> list[str]:
-    """Why ``ep_transport = "symm_mem"`` cannot run here (empty list: it can). torchtitan's EP groups
-    are blocks of ``expert_parallel_degree`` consecutive ranks, so each host must run whole groups."""
+def symm_mem_errors(expert_parallel_degree: int, key: str = "moe.ep_transport") -> list[str]:
+    """Why ``ep_transport = "symm_mem"`` cannot run here (empty list: it can), the option named as ``key``
+    (where its value came from, in the start-up checks). torchtitan's EP groups are blocks of
+    ``expert_parallel_degree`` consecutive ranks, so each host must run whole groups."""
     if expert_parallel_degree <= 1:
         return []
     errors = []
     reason = triton_available_reason()
     if reason is not None:
-        errors.append(f"moe.ep_transport = 'symm_mem': {reason}")
+        errors.append(f"{key} = 'symm_mem': {reason}")
     local_world = local_world_size()
     if local_world % expert_parallel_degree:
         errors.append(
-            f"moe.ep_transport = 'symm_mem' needs every rank of an EP group on one host, but the processes "
+            f"{key} = 'symm_mem' needs every rank of an EP group on one host, but the processes "
             f"per host ({local_world}) are not a multiple of expert_parallel_degree ({expert_parallel_degree}); "
             "use moe.ep_transport = 'all_to_all' across hosts"
         )

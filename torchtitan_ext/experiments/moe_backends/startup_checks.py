@@ -91,18 +91,21 @@ def check_moe_config(config) -> None:
         return
     model = config.model_spec.model
     errors = [error for node in validated_nodes(model) for error in node.validation_errors(option_key)]
-    moes = [moe for _, moe, _, _ in model.traverse(RoutedMoE.Config)]
-    for moe in moes:
+    located = [(fqn, moe) for fqn, moe, _, _ in model.traverse(RoutedMoE.Config)]
+    moes = [moe for _, moe in located]
+    for fqn, moe in located:
         router, dispatcher = moe.router, moe.routed_experts.token_dispatcher
         if isinstance(dispatcher, RoutingDispatcher.Config):
             reason = triton_available_reason()
             if dispatcher.permute_backend == "triton" and reason is not None:
-                errors.append(f"moe.permute_backend = 'triton': {reason}")
+                errors.append(f"{option_key('permute_backend')} = 'triton': {reason}")
             if dispatcher.ep_transport == "symm_mem":
-                errors.extend(symm_mem_errors(config.parallelism.expert_parallel_degree))
+                errors.extend(symm_mem_errors(config.parallelism.expert_parallel_degree, option_key("ep_transport")))
         if router.top_k != dispatcher.top_k:
+            layer = f"model.{fqn}" if fqn else "model"
             errors.append(
-                f"moe: router top_k ({router.top_k}) differs from the dispatcher's ({dispatcher.top_k}); set moe.top_k"
+                f"{layer}: router top_k ({router.top_k}) differs from the dispatcher's ({dispatcher.top_k}); set "
+                f"{layer}.router.top_k (which sets both) or moe.top_k (every layer)"
             )
     errors.extend(parallelism_errors(config, moes))
     errors.extend(align_size_errors(config))

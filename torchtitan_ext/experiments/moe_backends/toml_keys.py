@@ -12,7 +12,9 @@ from typing import Literal
 from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing, FullAC, SelectiveAC
 
 from torchtitan_ext.config import ConfigError
+from torchtitan_ext.config.apply import register_linked_fields
 from torchtitan_ext.config.short_keys import register_short_key
+from torchtitan_ext.validation import named
 
 from .activation_checkpoint import MoESelectiveAC
 from .dispatcher import EPReceiveRows, EPTransportChoice, PermuteBackend, RoutingDispatcher
@@ -183,6 +185,9 @@ _option_key(
 )
 
 
+register_linked_fields("moe.router.top_k", "moe.routed_experts.token_dispatcher.top_k")
+
+
 @register_short_key("moe.top_k", int, "experts per token (router and dispatcher)")
 def set_top_k(config, top_k: int) -> None:
     for moe in moe_configs(config, "moe.top_k"):
@@ -206,6 +211,14 @@ def set_activation_checkpoint_mode(config, mode: ActivationCheckpointMode) -> No
     shared = {}
     if isinstance(current, ActivationCheckpointing.Config):
         shared = {name: getattr(current, name) for name in ("preserve_rng_state", "determinism_check", "debug")}
+    if mode != "selective" and isinstance(current, SelectiveAC.Config):
+        option = "force_recompute_mm_shapes_by_fqns"
+        value, default = getattr(current, option), getattr(type(current)(), option)
+        if value != default:
+            raise ConfigError(
+                f"activation_checkpoint.mode = {mode!r} would drop {named(f'activation_checkpoint.{option}')} = "
+                f"{value!r}, an option of selective checkpointing only: remove it, or keep mode 'selective'"
+            )
     if mode == "none":
         config.activation_checkpoint = None
     elif mode == "full" and type(current) is not FullAC.Config:

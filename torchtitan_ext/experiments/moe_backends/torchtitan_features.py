@@ -32,6 +32,7 @@ from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.checks import register_config_check
 from torchtitan_ext.config.value_sources import record_value_sources
 from torchtitan_ext.registry import register_config_adapter
+from torchtitan_ext.validation import named
 
 from .cuda_graph_step import cuda_graph_blockers
 from .dispatcher import RoutingDispatcher
@@ -97,7 +98,7 @@ def check_torchtitan_features(config) -> None:
         )
     if not config.training.disable_cuda_graphs and (blockers := cuda_graph_blockers(config)):
         errors.append(
-            "training.disable_cuda_graphs = false: a CUDA graph cannot replay this MoE step ("
+            f"{named('training.disable_cuda_graphs')} = false: a CUDA graph cannot replay this MoE step ("
             + "; ".join(blockers)
             + ")"
         )
