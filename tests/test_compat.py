@@ -539,7 +539,7 @@ def test_a_resumed_schedule_warns_nothing(monkeypatch):
 def test_torchtitans_pipeline_step_hands_torch_microbatches_its_schedule_does_not_take():
     """torchtitan 0.3.0 passes ``PipelineSchedule.step`` its microbatches (``arg_mbs=``); torch 2.13's
     ``step`` takes the whole batch. When a torch takes microbatches, the fix must go (this fails)."""
-    assert "arg_mbs=" in inspect.getsource(torch_versions.original_pp_forward_backward_step)
+    assert "arg_mbs=" in inspect.getsource(torch_versions.original_pp_forward_backward_step())
     assert "arg_mbs" not in inspect.signature(PipelineScheduleSingle.step).parameters
     assert torch_versions.needs_pipeline_step_fix()
 

@@ -25,7 +25,7 @@ from torchtitan_ext.command_facts import torchrun_options
 from torchtitan_ext.compat.cpu import adapt_config_for_cpu, cpu_training, patch_torchtitan_for_cpu
 from torchtitan_ext.compat.quiet_cpu import quiet_cpu_warnings
 from torchtitan_ext.compat.run_noise import quiet_run_noise
-from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes
+from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes, apply_trainer_fixes
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.apply import apply_overrides, apply_toml_files, valid_keys, written_fields
 from torchtitan_ext.config.checks import run_config_checks
@@ -183,7 +183,7 @@ class FlavorConfigManager(ConfigManager):
                 logger.info(f"CUDA caching allocator: {allocator_description()}")
             for note in startup_notes(config):
                 logger.info(note)
-        fixes = apply_torch_version_fixes()
+        fixes = apply_trainer_fixes() + apply_torch_version_fixes()
         if fixes and is_rank_zero():
             logger.info(f"torch {torch.__version__}: torchtitan compatibility fixes applied: {', '.join(fixes)}")
         if cpu_training():

@@ -47,7 +47,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.tensor  # registers DeviceMesh and ProcessGroup as opaque types
 import torchtitan.distributed.utils as titan_dist_utils
-import torchtitan.trainer as titan_trainer
 from torch import fx
 from torch._functorch import partitioners
 from torch._functorch._aot_autograd import graph_compile
@@ -59,7 +58,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torchtitan.components.optimizer import OptimizersContainer, register_moe_load_balancing_hook
 
 original_set_pg_timeouts = titan_dist_utils.set_pg_timeouts
-original_pp_forward_backward_step = titan_trainer.Trainer.pp_forward_backward_step
 original_functionalize_rng_ops = partitioners.functionalize_rng_ops
 
 
@@ -245,21 +243,38 @@ def _joined(values: list, key: str):
     )
 
 
+@functools.cache
+def original_pp_forward_backward_step():
+    """torchtitan's own ``Trainer.pp_forward_backward_step``. Its module, the Trainer stack, is imported
+    here only, so that the benchmarks, which apply ``apply_torch_version_fixes``, never load it."""
+    from torchtitan.trainer import Trainer
+
+    return Trainer.pp_forward_backward_step
+
+
 def needs_pipeline_step_fix() -> bool:
-    return "arg_mbs" in inspect.getsource(original_pp_forward_backward_step) and (
+    return "arg_mbs" in inspect.getsource(original_pp_forward_backward_step()) and (
         "arg_mbs" not in inspect.signature(PipelineScheduleSingle.step).parameters
     )
+
+
+def apply_trainer_fixes() -> list[str]:
+    """Apply the fixes of torchtitan's Trainer this torch needs (idempotent; the training entry's, beside
+    ``apply_torch_version_fixes``); returns the names of those applied."""
+    import torchtitan.trainer as titan_trainer
+
+    if not needs_pipeline_step_fix():
+        return []
+    titan_trainer.Trainer.pp_forward_backward_step = pp_forward_backward_whole_batch
+    # The loss is on every stage now: torchtitan's warning that only the last stage's rank shows it
+    # (and its advice to list that rank in LOG_RANK) no longer applies.
+    titan_trainer.ensure_pp_loss_visible = lambda **_: None
+    return ["pp_forward_backward_step"]
 
 
 def apply_torch_version_fixes() -> list[str]:
     """Apply the fixes this torch needs (idempotent); returns the names of those applied."""
     applied = []
-    if needs_pipeline_step_fix():
-        titan_trainer.Trainer.pp_forward_backward_step = pp_forward_backward_whole_batch
-        # The loss is on every stage now: torchtitan's warning that only the last stage's rank shows it
-        # (and its advice to list that rank in LOG_RANK) no longer applies.
-        titan_trainer.ensure_pp_loss_visible = lambda **_: None
-        applied.append("pp_forward_backward_step")
     if needs_set_timeout_fix():
         titan_dist_utils.set_pg_timeouts = set_pg_timeouts_per_group
         applied.append("set_pg_timeouts")

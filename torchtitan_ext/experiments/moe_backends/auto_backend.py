@@ -31,7 +31,6 @@ from torchtitan.models.common.moe import MoE
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.place_in_launch import is_rank_zero, world_size
-from torchtitan_ext.validation import named
 
 from .cache import CACHE_ENV, cache_dir
 from .expert_timing import BenchShape, TimedCall, expert_inputs, make_timer, seeded_generator
@@ -264,6 +263,26 @@ def resolve_for_config(config, *, remeasure: bool = False, measure: Measure | No
     )
 
 
+def auto_fp8_precisions(config) -> list[str]:
+    """The FP8 precisions of the experts whose backend is "auto" (sorted; none: "auto" can measure them)."""
+    return sorted(
+        {
+            experts.expert_precision
+            for _, experts, _, _ in config.model_spec.model.traverse(BackendGroupedExperts.Config)
+            if resolved_at_startup(experts.compute_backend) and experts.expert_precision in FP8_PRECISIONS
+        }
+    )
+
+
+def auto_fp8_refusal(precision: str, key: Callable[[str], str] = str) -> str:
+    """Why "auto" cannot choose the backend of FP8 experts, naming an option ``field`` as ``key(field)``."""
+    return (
+        f"{key('moe.expert_precision')} = {precision!r}: {key('moe.compute_backend')} = 'auto' measures the "
+        "backends in the activations' dtype, not in FP8; FP8 rowwise experts compute with "
+        + " or ".join(fp8_backends())
+    )
+
+
 def resolve_auto_compute_backend(config, *, measure: Measure | None = None) -> AutoChoice | None:
     """Replace ``"auto"`` in every ``BackendGroupedExperts.Config`` by the chosen backend; log it.
 
@@ -276,12 +295,8 @@ def resolve_auto_compute_backend(config, *, measure: Measure | None = None) -> A
     ]
     if not experts:
         return None
-    if fp8 := sorted({e.expert_precision for e in experts if e.expert_precision in FP8_PRECISIONS}):
-        raise AutoBackendError(
-            f"{named('moe.expert_precision')} = {fp8[0]!r}: {named('moe.compute_backend')} = 'auto' measures the "
-            "backends in the "
-            f"activations' dtype, not in FP8; FP8 rowwise experts compute with {' or '.join(fp8_backends())}"
-        )
+    if fp8 := auto_fp8_precisions(config):
+        raise AutoBackendError(auto_fp8_refusal(fp8[0]))
     choice = resolve_for_config(config, measure=measure)
     for experts_config in experts:
         experts_config.compute_backend = choice.backend

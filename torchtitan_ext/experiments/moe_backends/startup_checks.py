@@ -27,7 +27,14 @@ from torchtitan_ext.place_in_launch import is_rank_zero
 from torchtitan_ext.place_in_launch import world_size as launch_world_size
 from torchtitan_ext.validation import named
 
-from .auto_backend import AUTO_COMMAND_OUTLINE, AutoBackendError, UncachedAutoChoice, resolve_auto_compute_backend
+from .auto_backend import (
+    AUTO_COMMAND_OUTLINE,
+    AutoBackendError,
+    UncachedAutoChoice,
+    auto_fp8_precisions,
+    auto_fp8_refusal,
+    resolve_auto_compute_backend,
+)
 from .cuda_graph_step import SetBy, auto_receive_rows, experts_apply_scores_errors
 from .dispatcher import (
     RoutingDispatcher,
@@ -141,6 +148,8 @@ def resolve_auto_backend(config) -> None:
     """Before training: ``moe.compute_backend = "auto"`` becomes the fastest backend here."""
     if config.model_spec is None:
         return
+    if fp8 := auto_fp8_precisions(config):
+        raise ConfigError(auto_fp8_refusal(fp8[0], named))
     try:
         resolve_auto_compute_backend(config)
     except UncachedAutoChoice as e:
