@@ -99,7 +99,7 @@ def test_routing_and_row_ops():
     for op, args in (
         (torch.ops.torchtitan_ext.permute_rows.default, (x, dest_row, TOP_K, num_rows, True)),
         (torch.ops.torchtitan_ext.sum_rows.default, (rows, dest_row, TOP_K)),
-        (torch.ops.torchtitan_ext.weighted_sum_rows.default, (rows, dest_row, scores.reshape(-1), TOP_K)),
+        (torch.ops.torchtitan_ext.weighted_sum_rows.default, (rows, dest_row, scores.reshape(-1), TOP_K, True)),
     ):
         torch.library.opcheck(op, args, test_utils=OPCHECK_TESTS)
 

@@ -243,9 +243,10 @@ def permute_tokens_reference(
 
 
 def unpermute_tokens_reference(
-    rows_RD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
+    rows_RD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int, zero_padding: bool = True
 ) -> torch.Tensor:
-    """Gather each slot's row, weight by its score in fp32 (0 for dropped slots), sum over top_k."""
+    """Gather each slot's row, weight by its score in fp32 (0 for dropped slots), sum over top_k. The rows
+    no slot maps to get a zero gradient (also with ``zero_padding=False``, which allows any)."""
     dim = rows_RD.shape[1]
     kept_S = dest_row_S >= 0
     weights_S = torch.where(kept_S, scores_S.float(), 0.0)
@@ -454,26 +455,32 @@ _sum_rows_op.register_autograd(_sum_rows_backward, setup_context=_save_index)
 
 @torch.library.custom_op("torchtitan_ext::weighted_sum_rows", mutates_args=())
 def _weighted_sum_rows_op(
-    rows_RD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
+    rows_RD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int, zero_padding: bool
 ) -> torch.Tensor:
     check_runnable(rows_RD, dest_row_S, scores_S)
     return weighted_sum_slots(rows_RD, dest_row_S, scores_S, top_k)
 
 
 @_weighted_sum_rows_op.register_fake
-def _(rows_RD, dest_row_S, scores_S, top_k):
+def _(rows_RD, dest_row_S, scores_S, top_k, zero_padding):
     return rows_RD.new_empty(dest_row_S.shape[0] // top_k, rows_RD.shape[1])
 
 
 @torch.library.custom_op("torchtitan_ext::weighted_sum_rows_backward", mutates_args=())
 def _weighted_sum_rows_backward_op(
-    rows_RD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, grad_y_TD: torch.Tensor, top_k: int
+    rows_RD: torch.Tensor,
+    dest_row_S: torch.Tensor,
+    scores_S: torch.Tensor,
+    grad_y_TD: torch.Tensor,
+    top_k: int,
+    zero_padding: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(grad_rows_RD, grad_scores_S)``: each slot's row gets score * grad_y of its token (padding rows
-    zero), each score the dot product of its row with that gradient."""
+    """``(grad_rows_RD, grad_scores_S)``: each slot's row gets score * grad_y of its token, each score the
+    dot product of its row with that gradient. The rows no slot maps to get zeros with ``zero_padding``,
+    else are left unwritten."""
     rows_RD, scores_S, grad_y_TD = rows_RD.contiguous(), scores_S.contiguous(), grad_y_TD.contiguous()
     dim = rows_RD.shape[1]
-    grad_rows_RD = torch.zeros_like(rows_RD)
+    grad_rows_RD = torch.zeros_like(rows_RD) if zero_padding else torch.empty_like(rows_RD)
     grad_scores_S = torch.empty_like(scores_S)
     if dest_row_S.numel():
         _unpermute_backward_kernel[(dest_row_S.shape[0],)](
@@ -491,20 +498,22 @@ def _weighted_sum_rows_backward_op(
 
 
 @_weighted_sum_rows_backward_op.register_fake
-def _(rows_RD, dest_row_S, scores_S, grad_y_TD, top_k):
+def _(rows_RD, dest_row_S, scores_S, grad_y_TD, top_k, zero_padding):
     return torch.empty_like(rows_RD), torch.empty_like(scores_S)
 
 
 def _weighted_sum_rows_setup(ctx, inputs, output) -> None:
-    rows_RD, dest_row_S, scores_S, top_k = inputs
+    rows_RD, dest_row_S, scores_S, top_k, zero_padding = inputs
     ctx.save_for_backward(rows_RD, dest_row_S, scores_S)
-    ctx.top_k = top_k
+    ctx.top_k, ctx.zero_padding = top_k, zero_padding
 
 
 def _weighted_sum_rows_backward(ctx, grad_y_TD):
     rows_RD, dest_row_S, scores_S = ctx.saved_tensors
-    grad_rows_RD, grad_scores_S = _weighted_sum_rows_backward_op(rows_RD, dest_row_S, scores_S, grad_y_TD, ctx.top_k)
-    return grad_rows_RD, None, grad_scores_S, None
+    grad_rows_RD, grad_scores_S = _weighted_sum_rows_backward_op(
+        rows_RD, dest_row_S, scores_S, grad_y_TD, ctx.top_k, ctx.zero_padding
+    )
+    return grad_rows_RD, None, grad_scores_S, None, None
 
 
 _weighted_sum_rows_op.register_autograd(_weighted_sum_rows_backward, setup_context=_weighted_sum_rows_setup)
@@ -520,10 +529,12 @@ def permute_tokens(
 
 
 def unpermute_tokens(
-    rows_RD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
+    rows_RD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int, zero_padding: bool = True
 ) -> torch.Tensor:
-    """Triton version of :func:`unpermute_tokens_reference` (the ``torchtitan_ext::weighted_sum_rows`` op)."""
-    return _weighted_sum_rows_op(rows_RD, dest_row_S, scores_S, top_k)
+    """Triton version of :func:`unpermute_tokens_reference` (the ``torchtitan_ext::weighted_sum_rows`` op); with
+    ``zero_padding=False`` the gradient rows no slot maps to are left unwritten (for rows whose gradient
+    is never read)."""
+    return _weighted_sum_rows_op(rows_RD, dest_row_S, scores_S, top_k, zero_padding)
 
 
 def sum_token_rows(rows_RD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ Options (``Config``):
   A dispatcher built without the start-up checks counts ``"auto"`` as ``"exact"``.
 
 After each dispatch, ``last_num_padding_rows`` (a 0-d int64 tensor on the tokens' device) holds
-the zero rows the experts computed on top of the real routed rows.
+the zero rows the experts computed on top of the real routed rows (``align_size`` padding).
 
 No host sync on the local path; each EP transport has one (split sizes / received row count),
 except with ``ep_receive_rows = "static"``.

@@ -6,10 +6,11 @@ Slots are the routed (token, k) pairs in token-major order (``s = t * top_k + k`
 contributes nothing to the output.
 
 Padding (``align_size``): each expert's group of rows is padded with zero rows to a multiple of
-it (block-aligned kernels). The padded buffer has a static size, the sum of the real rows plus
-``E * (align_size - 1)`` rounded up to ``align_size``; the slack beyond the padded groups is
-counted in the last expert's group. Padding rows are zeros, are never read back into the
-output, and get no gradient.
+it (block-aligned kernels). Padding rows are zeros, are never read back into the output, and get
+no gradient. The buffer has a static size, the slots plus ``E * (align_size - 1)`` rounded up to
+``align_size``; the rows after the groups (that bound's slack, the rows of dropped slots) belong
+to no expert: no expert computes them, and they and their gradients are left unwritten (the
+contract of ``experts.ExpertCompute``), so with ``align_size`` 1 no buffer is zero-filled.
 
 Nothing here syncs with the host.
 """
@@ -50,10 +51,16 @@ class RowOps:
         return self.ops_for(x_TD)["permute_tokens"](x_TD, dest_row_S, top_k, num_rows, zero_padding)
 
     def unpermute_rows(
-        self, rows_RD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int
+        self,
+        rows_RD: torch.Tensor,
+        dest_row_S: torch.Tensor,
+        scores_S: torch.Tensor,
+        top_k: int,
+        zero_padding: bool = True,
     ) -> torch.Tensor:
-        """``(T, D)``: each token's rows weighted by its slots' scores and summed (fp32 accumulation)."""
-        return self.ops_for(rows_RD)["unpermute_tokens"](rows_RD, dest_row_S, scores_S, top_k)
+        """``(T, D)``: each token's rows weighted by its slots' scores and summed (fp32 accumulation); the
+        gradient of rows no slot maps to is zero (or, without ``zero_padding``, may be unset)."""
+        return self.ops_for(rows_RD)["unpermute_tokens"](rows_RD, dest_row_S, scores_S, top_k, zero_padding)
 
     def sum_token_rows(self, rows_RD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int) -> torch.Tensor:
         """``(T, D)``: each token's rows summed; with ``top_k`` 1 and no repeated index, a gather."""
@@ -78,15 +85,12 @@ def padded_num_rows(num_real_rows: int, num_groups: int, align_size: int) -> int
     return -(-bound // align_size) * align_size
 
 
-def padded_groups(counts_G: torch.Tensor, num_rows: int, align_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Start row and row count of each group in a padded buffer of ``num_rows`` rows.
-
-    Every group is rounded up to ``align_size`` rows; the rows left over at the end are added
-    to the last group so that the counts sum to ``num_rows``. Returns ``(starts_G, counts_G)``.
-    """
+def padded_groups(counts_G: torch.Tensor, align_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Start row and row count of each group, every group rounded up to ``align_size`` rows (in a
+    buffer of ``padded_num_rows`` rows, the rows after the groups belong to none). Returns
+    ``(starts_G, counts_G)``."""
     padded_G = (counts_G + align_size - 1) // align_size * align_size
     starts_G = torch.cumsum(padded_G, 0) - padded_G
-    padded_G[-1] += num_rows - padded_G.sum()
     return starts_G, padded_G
 
 
@@ -101,7 +105,7 @@ def padded_group_rows(
     count.
     """
     num_rows = padded_num_rows(num_real_rows, counts_e.shape[0], align_size)
-    starts_e, padded_counts_e = padded_groups(counts_e, num_rows, align_size)
+    starts_e, padded_counts_e = padded_groups(counts_e, align_size)
     real_starts_e = torch.cumsum(counts_e, 0) - counts_e
     group_N = torch.repeat_interleave(
         torch.arange(counts_e.shape[0], device=counts_e.device), counts_e, output_size=num_real_rows
@@ -145,9 +149,10 @@ class SlotPlan:
     num_rows: int
     """rows of the grouped buffer (static)"""
     rows_per_expert_E: torch.Tensor
-    """``(E,)`` rows of each expert's group in the buffer, padding included"""
+    """``(E,)`` rows of each expert's group in the buffer, padding included (their sum may be less
+    than ``num_rows``: the rows after the groups belong to no expert)"""
     num_padding_rows: torch.Tensor
-    """0-d int64: rows of the buffer that hold no slot"""
+    """0-d int64: the groups' padding rows (zeros the experts compute)"""
 
 
 def plan_slots(
@@ -164,16 +169,14 @@ def plan_slots(
     num_experts = kept_counts_E.shape[0]
     kept_counts_E = kept_counts_E.long()
     num_rows = padded_num_rows(num_slots if num_kept is None else num_kept, num_experts, align_size)
-    num_padding_rows = num_rows - kept_counts_E.sum()
 
     # A kept slot's row is its place in the stable expert order (dropped slots, id num_experts,
     # sort last), moved down by the padding of the groups before its own.
     _, place_S, _ = moe_permute.routing_metadata(expert_of_slot_S, num_experts)
     if align_size == 1:
-        rows_per_expert_E = kept_counts_E.clone()
-        rows_per_expert_E[-1] += num_padding_rows
+        rows_per_expert_E = kept_counts_E
     else:
-        group_starts_E, rows_per_expert_E = padded_groups(kept_counts_E, num_rows, align_size)
+        group_starts_E, rows_per_expert_E = padded_groups(kept_counts_E, align_size)
         padding_before_E = group_starts_E - (torch.cumsum(kept_counts_E, 0) - kept_counts_E)
         place_S = place_S + padding_before_E[expert_of_slot_S.clamp(max=num_experts - 1)]
     dest_row_S = torch.where(expert_of_slot_S < num_experts, place_S, -1)
@@ -181,5 +184,5 @@ def plan_slots(
         dest_row_S=dest_row_S,
         num_rows=num_rows,
         rows_per_expert_E=rows_per_expert_E,
-        num_padding_rows=num_padding_rows,
+        num_padding_rows=(rows_per_expert_E - kept_counts_E).sum(),
     )

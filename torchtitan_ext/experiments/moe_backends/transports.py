@@ -91,6 +91,13 @@ class TokenTransport(ABC, Generic[MetadataT]):
         self.num_experts = num_experts
         self.top_k = top_k
 
+    @property
+    def has_padding_rows(self) -> bool:
+        """Whether the experts' groups hold rows of no slot (``align_size`` padding), which are zeros and
+        get zero gradients; without them, every row no slot maps to lies after the groups and is left
+        unwritten, as is its gradient."""
+        return self.align_size > 1
+
     @abstractmethod
     def dispatch(
         self,
@@ -138,11 +145,19 @@ class LocalTransport(TokenTransport[LocalMetadata]):
 
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         plan = plan_slots(topk_expert_ids_TK, num_local_tokens_per_expert_E, self.align_size)
-        rows_RD = self.row_ops.permute_rows(x_TD, plan.dest_row_S, self.top_k, plan.num_rows)
+        rows_RD = self.row_ops.permute_rows(
+            x_TD, plan.dest_row_S, self.top_k, plan.num_rows, zero_padding=self.has_padding_rows
+        )
         return rows_RD, plan.rows_per_expert_E, LocalMetadata(plan=plan, scores_S=topk_scores_TK.reshape(-1))
 
     def combine(self, routed_output_RD, metadata):
-        return self.row_ops.unpermute_rows(routed_output_RD, metadata.plan.dest_row_S, metadata.scores_S, self.top_k)
+        return self.row_ops.unpermute_rows(
+            routed_output_RD,
+            metadata.plan.dest_row_S,
+            metadata.scores_S,
+            self.top_k,
+            zero_padding=self.has_padding_rows,
+        )
 
 
 class ExpertParallelTransport(TokenTransport[MetadataT]):
@@ -330,14 +345,18 @@ class AllToAllTransport(ExpertParallelTransport[AllToAllMetadata]):
             received_plan.dest_row_S,
             self.top_k,
             received_plan.num_rows,
-            zero_padding=self.align_size > 1,
+            zero_padding=self.has_padding_rows,
         )
 
     def weight_received_rows(self, routed_output_RD: torch.Tensor, metadata: AllToAllMetadata) -> torch.Tensor:
         """``(U, D)``: per received row, its slots' expert outputs weighted by their scores and summed."""
         received_plan = metadata.received_plan
         return self.row_ops.unpermute_rows(
-            routed_output_RD, received_plan.dest_row_S, metadata.received_scores_S, self.top_k
+            routed_output_RD,
+            received_plan.dest_row_S,
+            metadata.received_scores_S,
+            self.top_k,
+            zero_padding=self.has_padding_rows,
         )
 
     def sum_returned_rows(self, returned_UD: torch.Tensor, metadata: AllToAllMetadata) -> torch.Tensor:
@@ -473,7 +492,7 @@ class PaddedSymmMemMetadata:
     received_dest_row_R: torch.Tensor
     """``(R,)`` the padded row of each received row (received rows in arrival order)"""
     num_padding_rows: torch.Tensor
-    """0-d int64: rows of the padded buffer that hold no received row"""
+    """0-d int64: the padding rows of the groups (zeros the experts compute)"""
 
 
 class PaddedSymmMemTransport(ExpertParallelTransport[PaddedSymmMemMetadata]):
@@ -496,7 +515,7 @@ class PaddedSymmMemTransport(ExpertParallelTransport[PaddedSymmMemMetadata]):
             route=route,
             scores_S=scores_S,
             received_dest_row_R=dest_row_R,
-            num_padding_rows=padded_counts_e.new_full((), num_rows - num_received, dtype=torch.int64),
+            num_padding_rows=padded_counts_e.sum() - num_received,
         )
         return self.row_ops.permute_rows(pairs_PD, padded_row_S, self.top_k, num_rows), padded_counts_e, metadata
 
