@@ -172,16 +172,23 @@ def test_the_activation_quantisation_kernel_is_the_plain_torch_rule_on_the_exper
 
 
 @pytest.mark.parametrize(
-    "parts", [[], [torch.zeros(4, 8), torch.zeros(5, 8)], [torch.zeros(4, 8), torch.zeros(4, 8).half()]]
+    "parts, message",
+    [
+        ([], "1 to 2 activation parts"),
+        ([torch.zeros(4, 8)] * 3, "1 to 2 activation parts"),
+        ([torch.zeros(4, 8), torch.zeros(5, 8)], r"must be \[R, P\] tensors of one R and dtype"),
+        ([torch.zeros(4, 8), torch.zeros(4, 8).half()], r"must be \[R, P\] tensors of one R and dtype"),
+        ([torch.zeros(4, 2, 8)], r"must be \[R, P\] tensors of one R and dtype"),
+    ],
 )
-def test_the_activation_quantisation_kernel_refuses_mismatched_parts(parts):
-    with pytest.raises(ValueError, match="activation"):
+def test_the_activation_quantisation_kernel_refuses_mismatched_parts(parts, message):
+    with pytest.raises(ValueError, match=message):
         quantize_activation_rows([p.to(KERNEL_DEVICE) for p in parts], torch.tensor([4], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("quantize", [quantize_columns_transposed, quantize_rows])
 def test_the_weight_quantisation_kernels_refuse_mismatched_parts(quantize):
-    with pytest.raises(ValueError, match="differ in E, K or dtype"):
+    with pytest.raises(ValueError, match=r"must be \[E, P, K\] tensors of one E, K and dtype"):
         quantize([torch.ones(2, 4, 8, device=KERNEL_DEVICE), torch.ones(2, 4, 16, device=KERNEL_DEVICE)])
     with pytest.raises(ValueError, match="1 to 2 weight parts"):
         quantize([torch.ones(2, 4, 8, device=KERNEL_DEVICE)] * 3)

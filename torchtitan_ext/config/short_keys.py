@@ -23,19 +23,23 @@ class ShortKey:
     apply: Callable[[Any, Any], None]
     fields: tuple[str, ...] = ()
     """The config fields (dotted keys) this key is another name for, when it names fixed ones."""
+    sets: tuple[str, ...] = ()
+    """Other short keys whose option this key sets too, in part (``moe.recompute_preactivations_layers``
+    sets ``moe.recompute_preactivations`` in some layers): errors about that option can name this key."""
 
 
 _SHORT_KEYS: dict[str, ShortKey] = {}
 
 
-def register_short_key(key: str, annotation: Any, help: str, fields: tuple[str, ...] = ()):
+def register_short_key(key: str, annotation: Any, help: str, fields: tuple[str, ...] = (), sets: tuple[str, ...] = ()):
     """Decorator registering ``apply(config, value)`` as the handler of TOML ``key``; ``fields``: the
-    config fields it is another name for (``ShortKey.fields``)."""
+    config fields it is another name for (``ShortKey.fields``); ``sets``: the other short keys whose
+    option it sets too (``ShortKey.sets``)."""
 
     def decorator(apply: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
         if key in _SHORT_KEYS:
             raise ValueError(f"short TOML key {key!r} is registered twice")
-        _SHORT_KEYS[key] = ShortKey(key, annotation, help, apply, fields)
+        _SHORT_KEYS[key] = ShortKey(key, annotation, help, apply, fields, sets)
         return apply
 
     return decorator
@@ -49,6 +53,11 @@ def short_key(key: str) -> ShortKey | None:
 def short_keys() -> list[ShortKey]:
     """Every registered short key, by name."""
     return sorted(_SHORT_KEYS.values(), key=lambda k: k.key)
+
+
+def keys_setting(key: str) -> list[str]:
+    """The short keys that set ``key``'s option too (``ShortKey.sets``), by name."""
+    return [registered.key for registered in short_keys() if key in registered.sets]
 
 
 def _field_alias(key: str, path: str, annotation: Any, help: str) -> None:

@@ -41,6 +41,8 @@ tests see torch's values. Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -280,26 +282,38 @@ def _quantize_activation_rows_kernel(
             tl.store(out_rows + (start + cols)[None, :], quantized, mask=mask)
 
 
-def _kernel_parts(w_parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """The kernels' first four arguments, ``(first, second, FIRST_ROWS, SECOND_ROWS)``, once ``w_parts``
-    are 1 to ``MAX_PARTS`` [E, P, K] tensors of one E, K and dtype that the kernels can run on (one
-    part: passed twice, with no second rows)."""
-    if not 1 <= len(w_parts) <= MAX_PARTS:
-        raise ValueError(f"FP8 weight quantisation takes 1 to {MAX_PARTS} weight parts, got {len(w_parts)}")
-    check_runnable(*w_parts)
-    parts = [w.contiguous() for w in w_parts]
-    experts, _, dim = parts[0].shape
-    if any(w.shape[0] != experts or w.shape[2] != dim or w.dtype != parts[0].dtype for w in parts):
-        raise ValueError(f"weight parts differ in E, K or dtype: {[(tuple(w.shape), w.dtype) for w in parts]}")
-    if len(parts) == 1:
-        return parts[0], parts[0], parts[0].shape[1], 0
-    return parts[0], parts[1], parts[0].shape[1], parts[1].shape[1]
+def _kernel_parts(
+    parts: list[torch.Tensor], what: str, shape: str, layout: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The kernels' part arguments ``(first, second, FIRST, SECOND)``, ``FIRST`` and ``SECOND`` the parts'
+    sizes in dimension 1 (where they join), once ``parts`` are 1 to ``MAX_PARTS`` tensors of ``shape``
+    (``"[E, P, K]"``: dimension 1 is named P) that agree in every other dimension and in dtype, and
+    the kernels can run on; each as ``layout`` returns it. One part: passed twice, ``SECOND`` 0."""
+    if not 1 <= len(parts) <= MAX_PARTS:
+        raise ValueError(f"FP8 {what} quantisation takes 1 to {MAX_PARTS} {what} parts, got {len(parts)}")
+    check_runnable(*parts)
+    dims = shape.strip("[]").split(", ")
+
+    def others(t: torch.Tensor) -> tuple:
+        return (t.dim(), t.shape[:1], t.shape[2:], t.dtype)
+
+    if len(parts[0].shape) != len(dims) or any(others(t) != others(parts[0]) for t in parts):
+        kept = ", ".join(dims[:1] + dims[2:])
+        given = [(tuple(t.shape), t.dtype) for t in parts]
+        raise ValueError(f"{what} parts must be {shape} tensors of one {kept} and dtype: {given}")
+    parts = [layout(t) for t in parts]
+    first, second = parts[0], parts[-1]
+    return first, second, first.shape[1], second.shape[1] if len(parts) > 1 else 0
+
+
+def _unit_column_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(1) == 1 else t.contiguous()
 
 
 @torch.library.custom_op("torchtitan_ext::quantize_rows", mutates_args=())
 def quantize_rows(w_parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(module docstring) ``w_parts``: one or two [E, P, K] tensors of one dtype and E, K."""
-    first, second, first_rows, second_rows = _kernel_parts(w_parts)
+    first, second, first_rows, second_rows = _kernel_parts(w_parts, "weight", "[E, P, K]", torch.Tensor.contiguous)
     experts, _, dim = first.shape
     rows = first_rows + second_rows
     values_ENK = first.new_empty(experts, rows, dim, dtype=torch.float8_e4m3fn)
@@ -341,7 +355,7 @@ def quantize_columns_transposed(
     ``ordered_after`` is never read: a compiled graph runs the op only once that tensor exists. The
     backward passes the gradient the weight multiplies, so the partitioner cannot quantise in the
     forward and keep the e4m3 copy until the backward (memory FSDP cannot free, unlike the weight)."""
-    first, second, first_rows, second_rows = _kernel_parts(w_parts)
+    first, second, first_rows, second_rows = _kernel_parts(w_parts, "weight", "[E, P, K]", torch.Tensor.contiguous)
     experts, _, dim = first.shape
     values_EKN = first.new_empty(experts, dim, first_rows + second_rows, dtype=torch.float8_e4m3fn)
     inverse_EK1 = first.new_empty(experts, dim, 1, dtype=torch.float32)
@@ -370,26 +384,12 @@ def _(w_parts, ordered_after=None):
     return values, w_parts[0].new_empty(experts, dim, 1, dtype=torch.float32)
 
 
-def _activation_parts(parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``parts`` as the activation kernel reads them: 1 to ``MAX_PARTS`` [R, P] tensors of one R and
-    dtype, each with unit column stride."""
-    if not 1 <= len(parts) <= MAX_PARTS:
-        raise ValueError(f"FP8 activation quantisation takes 1 to {MAX_PARTS} parts, got {len(parts)}")
-    check_runnable(*parts)
-    if any(p.dim() != 2 or p.shape[0] != parts[0].shape[0] or p.dtype != parts[0].dtype for p in parts):
-        raise ValueError(f"activation parts differ in rows or dtype: {[(tuple(p.shape), p.dtype) for p in parts]}")
-    return [p if p.stride(1) == 1 else p.contiguous() for p in parts]
-
-
 @torch.library.custom_op("torchtitan_ext::quantize_activation_rows", mutates_args=())
 def quantize_activation_rows(parts: list[torch.Tensor], group_end_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(module docstring) ``parts``: one or two [R, P] tensors of one dtype and R; ``group_end_E`` int32,
     an inclusive cumsum of the experts' row counts -> e4m3 ``values_RK`` and fp32 ``inverse_R1``, K the
     parts' summed columns, rows from ``group_end_E[-1]`` on unset."""
-    parts = _activation_parts(parts)
-    first = parts[0]
-    second = parts[-1] if len(parts) > 1 else first
-    first_cols, second_cols = first.shape[1], second.shape[1] if len(parts) > 1 else 0
+    first, second, first_cols, second_cols = _kernel_parts(parts, "activation", "[R, P]", _unit_column_stride)
     num_rows, total_cols = first.shape[0], first_cols + second_cols
     values_RK = first.new_empty(num_rows, total_cols, dtype=torch.float8_e4m3fn)
     inverse_R1 = first.new_empty(num_rows, 1, dtype=torch.float32)

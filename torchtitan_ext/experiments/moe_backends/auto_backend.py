@@ -283,10 +283,13 @@ def auto_fp8_refusal(precision: str, key: Callable[[str], str] = str) -> str:
     )
 
 
-def resolve_auto_compute_backend(config, *, measure: Measure | None = None) -> AutoChoice | None:
+def resolve_auto_compute_backend(
+    config, *, measure: Measure | None = None, key: Callable[[str], str] = str
+) -> AutoChoice | None:
     """Replace ``"auto"`` in every ``BackendGroupedExperts.Config`` by the chosen backend; log it.
 
-    Returns the choice, or None when no layer asks for "auto".
+    Returns the choice, or None when no layer asks for "auto". FP8 experts raise ``AutoBackendError``
+    (``auto_fp8_refusal``, naming an option ``field`` as ``key(field)``).
     """
     experts = [
         experts
@@ -296,7 +299,7 @@ def resolve_auto_compute_backend(config, *, measure: Measure | None = None) -> A
     if not experts:
         return None
     if fp8 := auto_fp8_precisions(config):
-        raise AutoBackendError(auto_fp8_refusal(fp8[0]))
+        raise AutoBackendError(auto_fp8_refusal(fp8[0], key))
     choice = resolve_for_config(config, measure=measure)
     for experts_config in experts:
         experts_config.compute_backend = choice.backend

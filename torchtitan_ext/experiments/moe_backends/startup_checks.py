@@ -20,6 +20,7 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.checks import register_config_check
+from torchtitan_ext.config.short_keys import keys_setting
 from torchtitan_ext.config.value_sources import resolved_from, value_source
 from torchtitan_ext.kernels.availability import triton_available_reason
 from torchtitan_ext.parallel_layout import degree_errors, expert_share_errors, layout_errors
@@ -31,8 +32,6 @@ from .auto_backend import (
     AUTO_COMMAND_OUTLINE,
     AutoBackendError,
     UncachedAutoChoice,
-    auto_fp8_precisions,
-    auto_fp8_refusal,
     resolve_auto_compute_backend,
 )
 from .cuda_graph_step import SetBy, auto_receive_rows, experts_apply_scores_errors
@@ -63,17 +62,13 @@ VALIDATED_CONFIGS = (
 their problems are listed."""
 
 
-KEYS_SETTING_OPTION = {"recompute_preactivations": ("moe.recompute_preactivations_layers",)}
-"""Short keys that set a MoE layer option under another name (``moe.recompute_preactivations_layers``
-sets ``recompute_preactivations`` in the first N layers)."""
-
-
 def option_key(field: str) -> str:
     """How the start-up checks name an option of a MoE layer: its ``moe.*`` key and where its value came
-    from, or the other key that set it (``KEYS_SETTING_OPTION``) and where that came from."""
+    from, or another short key that set it (``keys_setting``: ``moe.recompute_preactivations_layers``
+    sets ``moe.recompute_preactivations`` in the first N layers) and where that came from."""
     key = f"moe.{field}"
     if value_source(key) is None:
-        for other in KEYS_SETTING_OPTION.get(field, ()):
+        for other in keys_setting(key):
             if (source := value_source(other)) is not None:
                 return f"{source}: {other} sets {key}"
     return named(key)
@@ -148,10 +143,8 @@ def resolve_auto_backend(config) -> None:
     """Before training: ``moe.compute_backend = "auto"`` becomes the fastest backend here."""
     if config.model_spec is None:
         return
-    if fp8 := auto_fp8_precisions(config):
-        raise ConfigError(auto_fp8_refusal(fp8[0], named))
     try:
-        resolve_auto_compute_backend(config)
+        resolve_auto_compute_backend(config, key=named)
     except UncachedAutoChoice as e:
         raise ConfigError(e.message(auto_choice_command(config))) from None
     except AutoBackendError as e:

@@ -163,6 +163,7 @@ def set_experts_fsdp(config, choice: ExpertsFSDP) -> None:
     int,
     "moe.recompute_preactivations in the first N MoE layers only (their activations are kept longest, "
     "through the whole backward), off in the rest: part of the memory for part of the compute",
+    sets=("moe.recompute_preactivations",),
 )
 def set_recompute_preactivations_layers(config, layers: int) -> None:
     experts = experts_configs(config, "moe.recompute_preactivations_layers")
