@@ -245,6 +245,32 @@ def test_ep_options_set_for_a_run_without_ep_are_warned_of_with_where_they_were_
     assert "applies only with parallelism.expert_parallel_degree" not in caplog.text
 
 
+def test_a_heatmap_period_set_where_no_heatmap_is_drawn_is_warned_of(tmp_path, caplog):
+    toml = tmp_path / "metrics.toml"
+    toml.write_text("[moe_metrics]\nheatmap_every = 10\n")
+
+    def warnings(*args: str) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            parse("--toml", str(toml), *args)
+        return [record.getMessage() for record in caplog.records if "heatmap_every" in record.getMessage()]
+
+    setting = f"{toml}:2: moe_metrics.heatmap_every = 10 has no effect"
+    assert warnings("--moe_metrics.enable", "false") == [
+        f"{setting}: the MoE metrics are off (command line: moe_metrics.enable = false)"
+    ]
+    assert warnings() == [
+        f"{setting}: the heatmap is an image for Weights & Biases or TensorBoard, and neither is on "
+        "(wandb.enable, tensorboard.enable)"
+    ]
+    assert warnings("--tensorboard.enable", "true") == []
+    assert warnings("--moe_metrics.enable", "false", "--moe_metrics.heatmap_every", "0") == []
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        parse("--moe_metrics.enable", "false")  # the flavor's default period is no one's choice
+    assert "heatmap_every" not in caplog.text
+
+
 @pytest.mark.parametrize(
     "cuda, interpreter, processes_per_host, chosen, why",
     [
