@@ -245,6 +245,21 @@ def test_ep_options_set_for_a_run_without_ep_are_warned_of_with_where_they_were_
     assert "applies only with parallelism.expert_parallel_degree" not in caplog.text
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--training.steps", "abc"], "training.steps = 'abc': expected int (How many train steps to run"),
+        (["--training.steps=1.5"], "training.steps = '1.5': expected int (How many train steps to run"),
+        (["--lr_scheduler.warmup_steps", "x"], "lr_scheduler.warmup_steps = 'x': expected int (Steps for lr"),
+    ],
+)
+def test_a_torchtitan_option_given_a_value_of_another_type_is_refused_as_a_short_key_is(args, message):
+    with pytest.raises(ConfigError) as refusal:
+        parse(*args)
+    assert str(refusal.value).startswith(f"command line: {message}")
+    assert "\n" not in str(refusal.value)
+
+
 def test_a_heatmap_period_set_where_no_heatmap_is_drawn_is_warned_of(tmp_path, caplog):
     toml = tmp_path / "metrics.toml"
     toml.write_text("[moe_metrics]\nheatmap_every = 10\n")
@@ -400,6 +415,21 @@ def test_set_options_win_over_the_auto_receive_rows(monkeypatch, caplog):
     config = parse_on_a_gpu_host(monkeypatch, caplog, "2", *args)
     assert {(d.ep_receive_rows, d.experts_apply_scores) for d in routing_dispatchers(config)} == {("static", False)}
     assert "-> 'static' (CUDA graphs are on" in auto_rows_line(caplog)
+
+
+def test_cuda_graphs_asked_for_on_cpu_take_the_rows_a_gpu_run_captures_and_say_none_is_captured(monkeypatch, caplog):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    args = ["--parallelism.expert_parallel_degree", "2", "--moe.compute_backend", "triton"]
+    with caplog.at_level(logging.INFO):
+        config = parse(*args, "--training.disable_cuda_graphs", "false")
+    assert {d.ep_receive_rows for d in routing_dispatchers(config)} == {"static"}
+    assert (
+        "-> 'static' (CUDA graphs are asked for, and a captured EP step reads nothing on the host; without a "
+        "CUDA device no graph is captured, and these are the rows a GPU run would capture)" in auto_rows_line(caplog)
+    )
+    assert "cuda_graphs=off (no CUDA device; training.disable_cuda_graphs = false applies on GPUs)" in caplog.text
 
 
 def test_auto_receive_rows_name_the_toml_line_that_keeps_them_exact(monkeypatch, caplog, tmp_path):

@@ -11,8 +11,10 @@ process group or model is built; Ctrl-C ends a run with one line and its summary
 """
 
 import os
+import re
 import socket
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -141,7 +143,8 @@ class FlavorConfigManager(ConfigManager):
         apply_cuda_graph_dispatcher_fix()  # before tyro builds the config: torchtitan checks CUDA graphs there
         self.resolved_config = None
         try:
-            config = parse_with_tyro(lambda: super(FlavorConfigManager, self).parse_args(args))
+            command_line = sys.argv[1:] if args is None else args
+            config = parse_with_tyro(lambda: super(FlavorConfigManager, self).parse_args(args), command_line)
         except ConfigError:
             if self.resolved_config is not None:
                 # torchtitan's own checks refused a value; a TOML file's is named with its line.
@@ -215,11 +218,43 @@ def compile_state(config) -> str:
     return "off"
 
 
-def parse_with_tyro(parse):
-    """Run torchtitan's tyro parsing; its usage errors and ``ValueError``s become ``ConfigError``."""
+def given_option(args: Sequence[str], option: str) -> tuple[str, str] | None:
+    """``(option as typed, its last value)`` for ``--option`` in ``args`` (``--option value`` or
+    ``--option=value``; ``-`` and ``_`` alike, as tyro takes them), or None."""
+
+    def spelled(name: str) -> str:
+        return name.replace("_", "-")
+
+    found = None
+    for index, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if not name.startswith("--") or spelled(name[2:]) != spelled(option):
+            continue
+        if equals:
+            found = (name[2:], value)
+        elif index + 1 < len(args):
+            found = (name[2:], args[index + 1])
+    return found
+
+
+def value_error_line(lines: list[str], args: Sequence[str]) -> str | None:
+    """tyro's report of a value it could not convert (``Error parsing --training.steps: invalid literal
+    ...``, then the option's type and help) as the short keys word theirs: ``training.steps = 'abc':
+    expected int (How many train steps to run (default: 50))``; None for other reports."""
+    report = re.search(r"Error parsing --(\S+?): .*? Argument helptext: --(\S+) (\S+) ?(.*)$", " ".join(lines))
+    if report is None or report[1] != report[2] or (given := given_option(args, report[1])) is None:
+        return None
+    option, value = given
+    kind, help_text = report[3], report[4]
+    expected = f"one of {kind}" if kind.startswith("{") else kind.lower()
+    return f"{option} = {value!r}: expected {expected}" + (f" ({help_text})" if help_text else "")
+
+
+def parse_with_tyro(parse, args: Sequence[str] = ()):
+    """Run torchtitan's tyro parsing of ``args``; its usage errors and ``ValueError``s become
+    ``ConfigError`` (a value tyro could not convert worded as ``value_error_line`` does)."""
     import contextlib
     import io
-    import re
 
     captured = io.StringIO()
     try:
@@ -235,7 +270,8 @@ def parse_with_tyro(parse):
             for line in text.splitlines()
             if line.strip().strip("-") and "For full helptext" not in line and not line.rstrip().endswith(" --help")
         ]
-        raise ConfigError(f"{COMMAND_LINE}: " + "\n".join(lines or [f"invalid arguments (exit {e.code})"])) from None
+        message = value_error_line(lines, args) or "\n".join(lines or [f"invalid arguments (exit {e.code})"])
+        raise ConfigError(f"{COMMAND_LINE}: {message}") from None
     except ConfigError:
         raise
     except ValueError as e:

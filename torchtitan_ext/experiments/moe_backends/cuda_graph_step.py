@@ -92,13 +92,20 @@ class SetBy:
 
 def auto_receive_rows(config, on_nvidia_gpu: bool, set_by: SetBy) -> ReceiveRowsChoice:
     """The choice for a config under expert parallelism whose transports are resolved: ``"static"``
-    where CUDA graphs are on (a captured EP step needs it); ``"exact"`` where a TOML file or the command
+    where CUDA graphs are on (a captured EP step needs it; without a CUDA device, where they are asked
+    for, the rows a GPU run would capture); ``"exact"`` where a TOML file or the command
     line turned them off; else, CUDA graphs being only the flavor's default off, ``"static"`` with CUDA
     graphs turned on where a compiled step over ``symm_mem`` on NVIDIA GPUs replays as a CUDA graph, with
     experts that can apply the router scores (and are not told not to), and
     static receive buffers at most ``STATIC_ROWS_AUTO_UP_TO`` times a balanced step's rows; ``"exact"``
     with the first reason against it otherwise."""
     if not config.training.disable_cuda_graphs:
+        if not torch.cuda.is_available():
+            return ReceiveRowsChoice(
+                "static",
+                "CUDA graphs are asked for, and a captured EP step reads nothing on the host; without a CUDA "
+                "device no graph is captured, and these are the rows a GPU run would capture",
+            )
         return ReceiveRowsChoice("static", "CUDA graphs are on, and a captured EP step reads nothing on the host")
     if set_by.disable_cuda_graphs:
         return ReceiveRowsChoice("exact", f"CUDA graphs are off ({set_by.disable_cuda_graphs})")
