@@ -126,7 +126,7 @@ def test_command_line_beats_toml(tmp_path):
         ),
         (["--training.lr", "nan"], ["training.lr = nan: must be a finite number > 0"]),
         (["--parallelism.epp", "2"], ["unknown option --parallelism.epp; did you mean", "--parallelism.ep"]),
-        (["--training.steps", "x"], ["--training.steps", "invalid literal for int()"]),
+        (["--training.steps", "x"], ["command line: training.steps = 'x': expected int (How many train steps"]),
         (["--training.steps", "0"], ["training.steps = 0: must be >= 1"]),
         (["--metrics.log_freq", "0"], ["metrics.log_freq = 0: must be >= 1 (every N steps)"]),
         (["--training.lr"], ["--training.lr needs a value"]),
