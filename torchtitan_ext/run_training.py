@@ -40,6 +40,7 @@ from torchtitan_ext.config.command_line import (
     split_project_args,
     subcommands_as_short_keys,
     switches_for_parser,
+    take_options,
 )
 from torchtitan_ext.config.config_tree import leaf_items, section_that_is_off
 from torchtitan_ext.config.toml_files import toml_value
@@ -218,33 +219,18 @@ def compile_state(config) -> str:
     return "off"
 
 
-def given_option(args: Sequence[str], option: str) -> tuple[str, str] | None:
-    """``(option as typed, its last value)`` for ``--option`` in ``args`` (``--option value`` or
-    ``--option=value``; ``-`` and ``_`` alike, as tyro takes them), or None."""
-
-    def spelled(name: str) -> str:
-        return name.replace("_", "-")
-
-    found = None
-    for index, arg in enumerate(args):
-        name, equals, value = arg.partition("=")
-        if not name.startswith("--") or spelled(name[2:]) != spelled(option):
-            continue
-        if equals:
-            found = (name[2:], value)
-        elif index + 1 < len(args):
-            found = (name[2:], args[index + 1])
-    return found
-
-
 def value_error_line(lines: list[str], args: Sequence[str]) -> str | None:
     """tyro's report of a value it could not convert (``Error parsing --training.steps: invalid literal
     ...``, then the option's type and help) as the short keys word theirs: ``training.steps = 'abc':
     expected int (How many train steps to run (default: 50))``; None for other reports."""
     report = re.search(r"Error parsing --(\S+?): .*? Argument helptext: --(\S+) (\S+) ?(.*)$", " ".join(lines))
-    if report is None or report[1] != report[2] or (given := given_option(args, report[1])) is None:
+    if report is None or report[1] != report[2]:
         return None
-    option, value = given
+    spelled = report[1].replace("_", "-")
+    taken, _ = take_options(list(args), lambda name: name[2:] if name[2:].replace("_", "-") == spelled else None)
+    if not taken or (value := taken[-1][1]) is None:
+        return None
+    option = taken[-1][0]
     kind, help_text = report[3], report[4]
     expected = f"one of {kind}" if kind.startswith("{") else kind.lower()
     return f"{option} = {value!r}: expected {expected}" + (f" ({help_text})" if help_text else "")
