@@ -27,6 +27,7 @@ from torchtitan_ext.kernels.launch_configs import (
     gemm_configs,
     tensor_descriptors,
 )
+from torchtitan_ext.kernels.library_ops import kernel_op
 from torchtitan_ext.kernels.swiglu_kernels import WEIGHT_BLOCK, program_tile_of_rows_times_weight_transposed
 from torchtitan_ext.kernels.swiglu_passes import row_tile_grid, row_tile_meta
 
@@ -94,7 +95,7 @@ def _scaled_grouped_gemm_kernel(
     )
 
 
-@torch.library.custom_op("torchtitan_ext::fp8_grouped_gemm", mutates_args=())
+@kernel_op("fp8_grouped_gemm")
 def fp8_grouped_gemm(
     a_values_RK: torch.Tensor,
     a_inverse_R1: torch.Tensor,
@@ -133,6 +134,6 @@ def fp8_grouped_gemm(
     return out_RN
 
 
-@fp8_grouped_gemm.register_fake
+@torch.library.register_fake(fp8_grouped_gemm)
 def _(a_values_RK, a_inverse_R1, w_values_ENK, w_inverse_EN1, group_end_E, out_dtype):
     return a_values_RK.new_empty(a_values_RK.shape[0], w_values_ENK.shape[1], dtype=out_dtype)

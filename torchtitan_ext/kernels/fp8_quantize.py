@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from torchtitan_ext.kernels.availability import check_runnable, interpreter_enabled
+from torchtitan_ext.kernels.library_ops import kernel_op
 
 E4M3_MAX = 448.0
 """The largest finite e4m3 (``torch.float8_e4m3fn``) value."""
@@ -310,7 +311,7 @@ def _unit_column_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
-@torch.library.custom_op("torchtitan_ext::quantize_rows", mutates_args=())
+@kernel_op("quantize_rows")
 def quantize_rows(w_parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(module docstring) ``w_parts``: one or two [E, P, K] tensors of one dtype and E, K."""
     first, second, first_rows, second_rows = _kernel_parts(w_parts, "weight", "[E, P, K]", torch.Tensor.contiguous)
@@ -338,7 +339,7 @@ def quantize_rows(w_parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tens
     return values_ENK, inverse_EN1
 
 
-@quantize_rows.register_fake
+@torch.library.register_fake(quantize_rows)
 def _(w_parts):
     experts, _, dim = w_parts[0].shape
     rows = sum(w.shape[1] for w in w_parts)
@@ -346,7 +347,7 @@ def _(w_parts):
     return values, w_parts[0].new_empty(experts, rows, 1, dtype=torch.float32)
 
 
-@torch.library.custom_op("torchtitan_ext::quantize_columns_transposed", mutates_args=())
+@kernel_op("quantize_columns_transposed")
 def quantize_columns_transposed(
     w_parts: list[torch.Tensor], ordered_after: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,7 +377,7 @@ def quantize_columns_transposed(
     return values_EKN, inverse_EK1
 
 
-@quantize_columns_transposed.register_fake
+@torch.library.register_fake(quantize_columns_transposed)
 def _(w_parts, ordered_after=None):
     experts, _, dim = w_parts[0].shape
     rows = sum(w.shape[1] for w in w_parts)
@@ -384,7 +385,7 @@ def _(w_parts, ordered_after=None):
     return values, w_parts[0].new_empty(experts, dim, 1, dtype=torch.float32)
 
 
-@torch.library.custom_op("torchtitan_ext::quantize_activation_rows", mutates_args=())
+@kernel_op("quantize_activation_rows")
 def quantize_activation_rows(parts: list[torch.Tensor], group_end_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(module docstring) ``parts``: one or two [R, P] tensors of one dtype and R; ``group_end_E`` int32,
     an inclusive cumsum of the experts' row counts -> e4m3 ``values_RK`` and fp32 ``inverse_R1``, K the
@@ -419,7 +420,7 @@ def quantize_activation_rows(parts: list[torch.Tensor], group_end_E: torch.Tenso
     return values_RK, inverse_R1
 
 
-@quantize_activation_rows.register_fake
+@torch.library.register_fake(quantize_activation_rows)
 def _(parts, group_end_E):
     num_rows, total_cols = parts[0].shape[0], sum(p.shape[1] for p in parts)
     values = parts[0].new_empty(num_rows, total_cols, dtype=torch.float8_e4m3fn)

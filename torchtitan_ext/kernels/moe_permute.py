@@ -44,6 +44,7 @@ import triton.language as tl
 
 from torchtitan_ext.kernels.availability import check_runnable, interpreter_enabled
 from torchtitan_ext.kernels.launch_configs import permute_block_d, row_block_d
+from torchtitan_ext.kernels.library_ops import kernel_op
 
 # ---------------------------------------------------------------- routing metadata
 
@@ -97,7 +98,7 @@ def routing_metadata(
     return _routing_metadata_op(topk_expert_ids_TK.reshape(-1), num_experts, slots_per_program)
 
 
-@torch.library.custom_op("torchtitan_ext::routing_metadata", mutates_args=())
+@kernel_op("routing_metadata")
 def _routing_metadata_op(
     expert_of_slot_S: torch.Tensor, num_experts: int, slots_per_program: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,7 +112,7 @@ def _routing_metadata_op(
     return row_slot_S, slot_rows(row_slot_S), group_end_E.to(torch.int32)
 
 
-@_routing_metadata_op.register_fake
+@torch.library.register_fake(_routing_metadata_op)
 def _(expert_of_slot_S, num_experts, slots_per_program):
     as_index = {"dtype": torch.int32, "device": expert_of_slot_S.device}
     num_slots = expert_of_slot_S.shape[0]
@@ -406,7 +407,7 @@ def weighted_sum_slots(
     return y_TD
 
 
-@torch.library.custom_op("torchtitan_ext::permute_rows", mutates_args=())
+@kernel_op("permute_rows")
 def _permute_rows_op(
     x_TD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int, num_rows: int, zero_padding: bool
 ) -> torch.Tensor:
@@ -417,18 +418,18 @@ def _permute_rows_op(
     return scatter_token_rows(x_TD, dest_row_S, top_k, rows_RD)
 
 
-@_permute_rows_op.register_fake
+@torch.library.register_fake(_permute_rows_op)
 def _(x_TD, dest_row_S, top_k, num_rows, zero_padding):
     return x_TD.new_empty(num_rows, x_TD.shape[1])
 
 
-@torch.library.custom_op("torchtitan_ext::sum_rows", mutates_args=())
+@kernel_op("sum_rows")
 def _sum_rows_op(rows_RD: torch.Tensor, dest_row_S: torch.Tensor, top_k: int) -> torch.Tensor:
     check_runnable(rows_RD, dest_row_S)
     return sum_slots(rows_RD, dest_row_S, top_k, dest_row_S.shape[0] // top_k)
 
 
-@_sum_rows_op.register_fake
+@torch.library.register_fake(_sum_rows_op)
 def _(rows_RD, dest_row_S, top_k):
     return rows_RD.new_empty(dest_row_S.shape[0] // top_k, rows_RD.shape[1])
 
@@ -449,11 +450,11 @@ def _sum_rows_backward(ctx, grad_y_TD):
     return _permute_rows_op(grad_y_TD, dest_row_S, ctx.top_k, ctx.num_source_rows, True), None, None
 
 
-_permute_rows_op.register_autograd(_permute_rows_backward, setup_context=_save_index)
-_sum_rows_op.register_autograd(_sum_rows_backward, setup_context=_save_index)
+torch.library.register_autograd(_permute_rows_op, _permute_rows_backward, setup_context=_save_index)
+torch.library.register_autograd(_sum_rows_op, _sum_rows_backward, setup_context=_save_index)
 
 
-@torch.library.custom_op("torchtitan_ext::weighted_sum_rows", mutates_args=())
+@kernel_op("weighted_sum_rows")
 def _weighted_sum_rows_op(
     rows_RD: torch.Tensor, dest_row_S: torch.Tensor, scores_S: torch.Tensor, top_k: int, zero_padding: bool
 ) -> torch.Tensor:
@@ -461,12 +462,12 @@ def _weighted_sum_rows_op(
     return weighted_sum_slots(rows_RD, dest_row_S, scores_S, top_k)
 
 
-@_weighted_sum_rows_op.register_fake
+@torch.library.register_fake(_weighted_sum_rows_op)
 def _(rows_RD, dest_row_S, scores_S, top_k, zero_padding):
     return rows_RD.new_empty(dest_row_S.shape[0] // top_k, rows_RD.shape[1])
 
 
-@torch.library.custom_op("torchtitan_ext::weighted_sum_rows_backward", mutates_args=())
+@kernel_op("weighted_sum_rows_backward")
 def _weighted_sum_rows_backward_op(
     rows_RD: torch.Tensor,
     dest_row_S: torch.Tensor,
@@ -497,7 +498,7 @@ def _weighted_sum_rows_backward_op(
     return grad_rows_RD, grad_scores_S
 
 
-@_weighted_sum_rows_backward_op.register_fake
+@torch.library.register_fake(_weighted_sum_rows_backward_op)
 def _(rows_RD, dest_row_S, scores_S, grad_y_TD, top_k, zero_padding):
     return torch.empty_like(rows_RD), torch.empty_like(scores_S)
 
@@ -516,7 +517,9 @@ def _weighted_sum_rows_backward(ctx, grad_y_TD):
     return grad_rows_RD, None, grad_scores_S, None, None
 
 
-_weighted_sum_rows_op.register_autograd(_weighted_sum_rows_backward, setup_context=_weighted_sum_rows_setup)
+torch.library.register_autograd(
+    _weighted_sum_rows_op, _weighted_sum_rows_backward, setup_context=_weighted_sum_rows_setup
+)
 
 
 def permute_tokens(

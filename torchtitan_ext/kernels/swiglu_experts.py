@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from torchtitan_ext.kernels.availability import check_runnable
+from torchtitan_ext.kernels.library_ops import kernel_op
 from torchtitan_ext.kernels.swiglu_passes import swiglu_backward, swiglu_forward, swiglu_preactivations
 
 _GRADIENT_INPUTS = (0, 1, 2, 3, 7)
@@ -45,7 +46,7 @@ def _absent(like: torch.Tensor, dim: int) -> torch.Tensor:
     return like.new_empty(0, dim)
 
 
-@torch.library.custom_op("torchtitan_ext::swiglu_experts_forward", mutates_args=())
+@kernel_op("swiglu_experts_forward")
 def swiglu_experts_forward(
     x_XD: torch.Tensor,
     w1_EFD: torch.Tensor,
@@ -74,7 +75,7 @@ def swiglu_experts_forward(
     )
 
 
-@swiglu_experts_forward.register_fake
+@torch.library.register_fake(swiglu_experts_forward)
 def _(x_XD, w1_EFD, w2_EDF, w3_EFD, group_end_E, row_slot_S, slot_row_S, scores_S, top_k, keep_for_backward):
     routed = row_slot_S is not None
     num_rows = row_slot_S.shape[0] if routed else x_XD.shape[0]
@@ -88,7 +89,7 @@ def _(x_XD, w1_EFD, w2_EDF, w3_EFD, group_end_E, row_slot_S, slot_row_S, scores_
     )
 
 
-@torch.library.custom_op("torchtitan_ext::swiglu_experts_backward", mutates_args=())
+@kernel_op("swiglu_experts_backward")
 def swiglu_experts_backward(
     dout: torch.Tensor,
     x_RD: torch.Tensor | None,
@@ -113,7 +114,7 @@ def swiglu_experts_backward(
     return dx, dw1, dw2, dw3, dscores
 
 
-@swiglu_experts_backward.register_fake
+@torch.library.register_fake(swiglu_experts_backward)
 def _(dout, x_RD, w1_EFD, w2_EDF, w3_EFD, group_end_E, row_slot_S, slot_row_S, scores_S, gate_RF, up_RF, top_k,
       needs_grad):  # fmt: skip
     needs_dx, needs_dw1, needs_dw2, needs_dw3, needs_dscores = needs_grad
@@ -128,7 +129,7 @@ def _(dout, x_RD, w1_EFD, w2_EDF, w3_EFD, group_end_E, row_slot_S, slot_row_S, s
     )
 
 
-@torch.library.custom_op("torchtitan_ext::swiglu_experts_preactivations", mutates_args=())
+@kernel_op("swiglu_experts_preactivations")
 def swiglu_experts_preactivations(
     x_RD: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, group_end_E: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +138,7 @@ def swiglu_experts_preactivations(
     return swiglu_preactivations(x_RD, w1_EFD, w3_EFD, group_end_E)
 
 
-@swiglu_experts_preactivations.register_fake
+@torch.library.register_fake(swiglu_experts_preactivations)
 def _(x_RD, w1_EFD, w3_EFD, group_end_E):
     hidden = w1_EFD.shape[1]
     return x_RD.new_empty(x_RD.shape[0], hidden), x_RD.new_empty(x_RD.shape[0], hidden)
@@ -173,7 +174,7 @@ def _backward(ctx, dout, _dx_RD, _dgate_RF, _dup_RF):
     return dx, dw1, dw2, dw3, None, None, None, dscores, None, None
 
 
-swiglu_experts_forward.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd(swiglu_experts_forward, _backward, setup_context=_setup_context)
 
 
 def swiglu_experts(

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from torchtitan_ext.kernels.availability import check_runnable
+from torchtitan_ext.kernels.library_ops import kernel_op
 from torchtitan_ext.kernels.moe_permute import slot_counts
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -171,7 +172,7 @@ def _topk_routing_backward_kernel(
     tl.store(grad_logits_ptr + offsets, grad_logits, mask=tile_mask)
 
 
-@torch.library.custom_op("torchtitan_ext::topk_routing", mutates_args=())
+@kernel_op("topk_routing")
 def _topk_routing_op(
     logits_TE: torch.Tensor,
     expert_bias_E: torch.Tensor | None,
@@ -210,7 +211,7 @@ def _topk_routing_op(
     return topk_scores_TK, topk_ids_TK, scores_TE, counts_E
 
 
-@_topk_routing_op.register_fake
+@torch.library.register_fake(_topk_routing_op)
 def _(logits_TE, expert_bias_E, top_k, score_func, route_norm, route_scale):
     num_tokens, num_experts = logits_TE.shape
     index = {"dtype": torch.int64, "device": logits_TE.device}
@@ -222,7 +223,7 @@ def _(logits_TE, expert_bias_E, top_k, score_func, route_norm, route_scale):
     )
 
 
-@torch.library.custom_op("torchtitan_ext::topk_routing_backward", mutates_args=())
+@kernel_op("topk_routing_backward")
 def _topk_routing_backward_op(
     scores_TE: torch.Tensor,
     topk_ids_TK: torch.Tensor,
@@ -257,7 +258,7 @@ def _topk_routing_backward_op(
     return grad_logits_TE
 
 
-@_topk_routing_backward_op.register_fake
+@torch.library.register_fake(_topk_routing_backward_op)
 def _(scores_TE, topk_ids_TK, grad_topk_scores_TK, grad_scores_TE, score_func, route_norm, route_scale):
     return torch.empty_like(scores_TE)
 
@@ -281,7 +282,7 @@ def _backward(ctx, grad_topk_scores_TK, _grad_ids, grad_scores_TE, _grad_counts)
     return grad_logits_TE, None, None, None, None, None
 
 
-_topk_routing_op.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd(_topk_routing_op, _backward, setup_context=_setup_context)
 
 
 def topk_routing_unsupported_reason(num_experts: int, top_k: int, score_func: str, dtype: torch.dtype) -> str | None:

@@ -51,6 +51,7 @@ from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
 from torchtitan_ext.experiments.moe_backends.grouping import row_scores_of_slots
 from torchtitan_ext.kernels import symm_mem_rows as kernels
+from torchtitan_ext.kernels.library_ops import kernel_op
 from torchtitan_ext.kernels.moe_permute import stable_expert_order
 
 _ALIGN_BYTES = 256
@@ -448,7 +449,7 @@ class EPExchange:
         return self._received_score_grads(route)
 
 
-@torch.library.custom_op("torchtitan_ext::symm_mem_dispatch", mutates_args=())
+@kernel_op("symm_mem_dispatch")
 def _dispatch_op(
     x_TD: torch.Tensor,
     scores_S: torch.Tensor,
@@ -480,7 +481,7 @@ def _dispatch_op(
     )
 
 
-@_dispatch_op.register_fake
+@torch.library.register_fake(_dispatch_op)
 def _(x_TD, scores_S, expert_S, group_name, num_experts, top_k, static_rows):
     world = dist.get_world_size(_resolve_process_group(group_name))
     num_pairs = world * x_TD.shape[0]
@@ -511,7 +512,7 @@ def _route_of(expert_S: torch.Tensor, tables: tuple, group_name: str, num_expert
     )
 
 
-@torch.library.custom_op("torchtitan_ext::symm_mem_combine", mutates_args=())
+@kernel_op("symm_mem_combine")
 def _combine_op(
     rows_RD: torch.Tensor,
     scores_S: torch.Tensor,
@@ -530,12 +531,12 @@ def _combine_op(
     return route.exchange.push_and_sum(rows_RD.contiguous(), route, weighted)
 
 
-@_combine_op.register_fake
+@torch.library.register_fake(_combine_op)
 def _(rows_RD, scores_S, expert_S, recv_row_PK, recv_score_PK, ordinal_P, group_name, num_experts, top_k, weighted):
     return rows_RD.new_empty(expert_S.shape[0] // top_k, rows_RD.shape[1])
 
 
-@torch.library.custom_op("torchtitan_ext::symm_mem_combine_backward", mutates_args=())
+@kernel_op("symm_mem_combine_backward")
 def _combine_backward_op(
     grad_out_TD: torch.Tensor,
     rows_RD: torch.Tensor,
@@ -552,7 +553,7 @@ def _combine_backward_op(
     return route.exchange.combine_backward(grad_out_TD.to(rows_RD.dtype).contiguous(), rows_RD, route)
 
 
-@_combine_backward_op.register_fake
+@torch.library.register_fake(_combine_backward_op)
 def _(grad_out_TD, rows_RD, expert_S, recv_row_PK, recv_score_PK, ordinal_P, group_name, num_experts, top_k):
     return torch.empty_like(rows_RD), expert_S.new_empty(expert_S.shape[0], dtype=torch.float32)
 
@@ -575,7 +576,7 @@ def _dispatch_backward(ctx, grad_pairs_PD, *_):
     return grad_x_TD, None, None, None, None, None, None
 
 
-@torch.library.custom_op("torchtitan_ext::symm_mem_sum_rows_backward", mutates_args=())
+@kernel_op("symm_mem_sum_rows_backward")
 def _sum_rows_backward_op(
     grad_out_TD: torch.Tensor,
     row_count_R0: torch.Tensor,
@@ -592,7 +593,7 @@ def _sum_rows_backward_op(
     return route.exchange.sum_rows_backward(grad_out_TD.contiguous(), route, row_count_R0.shape[0])
 
 
-@_sum_rows_backward_op.register_fake
+@torch.library.register_fake(_sum_rows_backward_op)
 def _(grad_out_TD, row_count_R0, expert_S, recv_row_PK, recv_score_PK, ordinal_P, group_name, num_experts, top_k):
     return grad_out_TD.new_empty(row_count_R0.shape[0], grad_out_TD.shape[1])
 
@@ -620,7 +621,7 @@ def _combine_backward(ctx, grad_out_TD):
     return grad_rows_RD, grad_scores_S.to(ctx.scores_dtype), *unused
 
 
-@torch.library.custom_op("torchtitan_ext::symm_mem_row_scores", mutates_args=())
+@kernel_op("symm_mem_row_scores")
 def _row_scores_op(
     row_count_R0: torch.Tensor,
     scores_S: torch.Tensor,
@@ -637,12 +638,12 @@ def _row_scores_op(
     return row_scores_of_slots(recv_row_PK.reshape(-1), recv_score_PK, row_count_R0.shape[0])
 
 
-@_row_scores_op.register_fake
+@torch.library.register_fake(_row_scores_op)
 def _(row_count_R0, scores_S, expert_S, recv_row_PK, recv_score_PK, ordinal_P, group_name, num_experts, top_k):
     return recv_score_PK.new_empty(row_count_R0.shape[0])
 
 
-@torch.library.custom_op("torchtitan_ext::symm_mem_row_scores_backward", mutates_args=())
+@kernel_op("symm_mem_row_scores_backward")
 def _row_scores_backward_op(
     grad_scores_R: torch.Tensor,
     expert_S: torch.Tensor,
@@ -658,7 +659,7 @@ def _row_scores_backward_op(
     return route.exchange.push_score_grads(grad_scores_R, route)
 
 
-@_row_scores_backward_op.register_fake
+@torch.library.register_fake(_row_scores_backward_op)
 def _(grad_scores_R, expert_S, recv_row_PK, recv_score_PK, ordinal_P, group_name, num_experts, top_k):
     return expert_S.new_empty(expert_S.shape[0], dtype=torch.float32)
 
@@ -677,9 +678,9 @@ def _row_scores_backward(ctx, grad_scores_R):
     return None, grad_scores_S.to(ctx.scores_dtype), None, None, None, None, None, None, None
 
 
-_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
-_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
-_row_scores_op.register_autograd(_row_scores_backward, setup_context=_row_scores_setup)
+torch.library.register_autograd(_dispatch_op, _dispatch_backward, setup_context=_dispatch_setup)
+torch.library.register_autograd(_combine_op, _combine_backward, setup_context=_combine_setup)
+torch.library.register_autograd(_row_scores_op, _row_scores_backward, setup_context=_row_scores_setup)
 
 
 def dispatch(

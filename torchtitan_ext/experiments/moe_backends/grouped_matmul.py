@@ -17,6 +17,8 @@ projection reads by the router scores (the ``grouped_mm`` and FP8 experts' row w
 
 import torch
 
+from torchtitan_ext.kernels.library_ops import kernel_op
+
 GROUPED_KERNEL_CAPABILITIES = (9, 10)
 """Compute capability majors (Hopper, Blackwell) where ``torch._grouped_mm`` has one grouped kernel."""
 
@@ -30,13 +32,13 @@ def reads_offsets_on_host(dtype: torch.dtype, capability: tuple[int, int] | None
     return dtype != torch.bfloat16 or on_other_gpu
 
 
-@torch.library.custom_op("torchtitan_ext::grouped_mm", mutates_args=())
+@kernel_op("grouped_mm")
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm(a, b, offs=offs)`` (module docstring)."""
     return torch._grouped_mm(a, b, offs=offs)
 
 
-@grouped_mm.register_fake
+@torch.library.register_fake(grouped_mm)
 def _(a, b, offs):
     if b.dim() == 3:
         return a.new_empty(a.shape[0], b.shape[-1])
@@ -91,7 +93,7 @@ def _weight_gradient(a: torch.Tensor, b: torch.Tensor, grad_y: torch.Tensor, off
     return grouped_mm(a.transpose(0, 1), grad_y, offs)
 
 
-grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd(grouped_mm, _backward, setup_context=_setup_context)
 
 
 def weight_rows(h_RF: torch.Tensor, row_scores_R: torch.Tensor | None) -> torch.Tensor:
