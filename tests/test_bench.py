@@ -386,14 +386,14 @@ def test_a_sequence_length_the_model_cannot_take_is_refused(command, capsys):
 def test_auto_refuses_an_expert_parallel_degree_that_does_not_divide_the_experts(tmp_path, monkeypatch, capsys):
     """As the train entry does, before measuring: by the flag (an argument error) or the TOML files."""
     monkeypatch.setattr(auto_backend, "resolve_for_config", lambda *a, **k: pytest.fail("measured an unusable layout"))
-    undivided = "parallelism.expert_parallel_degree (3) does not divide the number of experts (8)"
+    undivided = "= 3: does not divide the number of experts (8)"
     with pytest.raises(SystemExit) as exit_info:
         main(["auto", "--flavor", "tiny-moe-for-loop", "--expert-parallel-degree", "3"])
-    assert exit_info.value.code == 2 and f"error: --expert-parallel-degree: {undivided}\n" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"error: --expert-parallel-degree {undivided}\n" in capsys.readouterr().err
     toml = tmp_path / "ep3.toml"
     toml.write_text("[parallelism]\nexpert_parallel_degree = 3\n")
     assert main(["auto", "--flavor", "tiny-moe-for-loop", "--toml", str(toml)]) == 2
-    assert capsys.readouterr().err == f"error: {undivided}\n"
+    assert capsys.readouterr().err == f"error: {toml}:2: parallelism.expert_parallel_degree {undivided}\n"
 
 
 # --- compute_backend = "auto" ------------------------------------------------------------

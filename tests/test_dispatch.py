@@ -275,7 +275,10 @@ def test_ep_misconfiguration_exits_before_training():
         timeout=120,
     )
     assert result.returncode == 2
-    assert "expert_parallel_degree (3) does not divide the number of experts (8)" in result.stderr
+    assert (
+        "command line: parallelism.expert_parallel_degree = 3: does not divide the number of experts (8)"
+        in result.stderr
+    )
 
 
 def triton_checks(device: torch.device) -> None:

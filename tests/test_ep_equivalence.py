@@ -276,6 +276,7 @@ def train_losses(
     toml: Path | None = None,
     processes: int = 2,
     flavor: str = "tiny-moe-for-loop",
+    tensor_parallel_degree: int = 1,
 ) -> list[float]:
     """Losses of the first steps of a torchrun training run of ``flavor`` on ``processes`` processes on CPU
     (rank 0's log); CUDA is hidden from it, so it runs over gloo on any machine."""
@@ -298,8 +299,13 @@ def train_losses(
         "32",
         "--parallelism.expert_parallel_degree",
         str(expert_parallel_degree),
+        "--parallelism.tensor_parallel_degree",
+        str(tensor_parallel_degree),
         "--dump_folder",
-        str(tmp_path / f"{flavor}-{processes}x-ep{expert_parallel_degree}-{toml.stem if toml else 'default'}"),
+        str(
+            tmp_path / f"{flavor}-{processes}x-ep{expert_parallel_degree}-tp{tensor_parallel_degree}-"
+            f"{toml.stem if toml else 'default'}"
+        ),
         "--metrics.disable_color_printing",
     ] + (["--toml", str(toml)] if toml else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -357,3 +363,23 @@ def test_training_loss_curve_ep4_equals_ep1(tmp_path):
     if interpreter_enabled():  # the CPU stand-in of symm_mem runs its kernels on CPU tensors
         ep4_symm_mem = train_losses(tmp_path, 4, EXAMPLES / "ep_symm_mem.toml", processes=4)
         assert ep1 == pytest.approx(ep4_symm_mem, rel=1e-4), (ep1, ep4_symm_mem)
+
+
+@pytest.mark.slow
+def test_training_loss_curve_tp2_equals_one_process(tmp_path):
+    """Tensor parallelism: every TP rank routes the same tokens (the router's DTensors replicated), the
+    experts' hidden dimension sharded; with the capacity limit, whose counts are the local tokens'."""
+    toml = tmp_path / "capacity.toml"
+    toml.write_text("[moe]\ncapacity_factor = 1.0\n")
+    for flavor in ("tiny-moe-for-loop", "tiny-deepseek-v3"):
+        one = train_losses(tmp_path, 1, toml, processes=1, flavor=flavor)
+        tp2 = train_losses(tmp_path, 1, toml, processes=2, flavor=flavor, tensor_parallel_degree=2)
+        assert one == pytest.approx(tp2, rel=1e-4), (flavor, one, tp2)
+
+
+@pytest.mark.slow
+def test_training_loss_curve_ep2_tp2_equals_ep1(tmp_path, ep1_losses):
+    """EP 2 x TP 2 on 4 ranks (dp_shard 2): expert parallelism shards the sequence over the TP ranks, so
+    each routes a part of the tokens and the counts are Partial over TP."""
+    ep2_tp2 = train_losses(tmp_path, 2, processes=4, tensor_parallel_degree=2)
+    assert ep1_losses == pytest.approx(ep2_tp2, rel=1e-4), (ep1_losses, ep2_tp2)

@@ -4,6 +4,7 @@ import textwrap
 
 import pytest
 import torch
+from helpers import model_config
 
 from torchtitan_ext.train import main
 
@@ -233,19 +234,62 @@ def test_the_parallel_layout_of_the_ranks():
     assert (
         layout_errors(layout, 3)
         == degree_errors(layout, 3)
-        == ["parallelism: world size 3 is not divisible by dp_replicate*cp*tp*pp = 2"]
+        == [
+            "parallelism: world size 3 is not divisible by dp_replicate*cp*tp*pp = 2 "
+            "(parallelism.tensor_parallel_degree = 2)"
+        ]
     )
     layout = ParallelismConfig(data_parallel_shard_degree=2, expert_parallel_degree=4)
     (too_few,) = layout_errors(layout, 2)
-    assert too_few.startswith("parallelism.expert_parallel_degree (4) needs at least 4 processes but this run has 2")
+    assert too_few.startswith("parallelism.expert_parallel_degree = 4: needs at least 4 processes but this run has 2")
     assert "launch one process per rank: python -m torchtitan_ext.train --nproc_per_node=4" in too_few
+    assert "launch" not in layout_errors(layout, 2, suggest_launch=False)[0]
     assert layout_errors(layout, 4) == [
-        "parallelism: dp_replicate(1) * dp_shard(2) * cp(1) * tp(1) * pp(1) != world size 4",
-        "parallelism.expert_parallel_degree (4) must divide dp_shard*cp*tp = 2 "
+        "parallelism: dp_replicate(1) * dp_shard(2) * cp(1) * tp(1) * pp(1) != world size 4 "
+        "(parallelism.data_parallel_shard_degree = 2)",
+        "parallelism.expert_parallel_degree = 4: must divide dp_shard*cp*tp = 2 "
         "(EP borrows ranks from data-shard, context and tensor parallelism)",
     ]
     layout.pipeline_parallel_degree = 0
-    assert degree_errors(layout, 4)[0].startswith("parallelism: degrees must be >= 1")
+    layout.data_parallel_shard_degree = -2
+    assert degree_errors(layout, 4) == [
+        "parallelism.pipeline_parallel_degree = 0: must be >= 1",
+        "parallelism.data_parallel_shard_degree = -2: must be >= 1 (or -1: the ranks the other degrees leave)",
+    ]
+
+
+def test_parallelism_refusals_name_where_each_degree_was_set(tmp_path, capsys):
+    """A degree set in a TOML file is named with its file and line, one set by a short key on the command
+    line by that key; a degree the experts refuse gets no launch command that would fail again."""
+    toml = write_toml(tmp_path, "[parallelism]\nexpert_parallel_degree = 3\n")
+    code, err = run_train(capsys, "--toml", toml)
+    assert code == 2, err
+    assert "bad.toml:2: parallelism.expert_parallel_degree = 3: needs at least 3 processes" in err
+    assert "bad.toml:2: parallelism.expert_parallel_degree = 3: does not divide the number of experts (8)" in err
+    assert "--nproc_per_node" not in err
+    assert_refused(capsys, ["--parallelism.ep", "0"], "command line: parallelism.ep = 0: must be >= 1")
+    assert_refused(
+        capsys,
+        ["--parallelism.tp", "3"],
+        "world size 1 is not divisible by dp_replicate*cp*tp*pp = 3 (command line: parallelism.tp = 3)",
+    )
+
+
+def test_tensor_parallelism_is_refused_for_whole_projection_qk_norm():
+    """OLMoE normalises the whole query/key projection, which a rank holding some of the heads cannot."""
+    from torchtitan_ext.config.value_sources import forget_value_sources
+    from torchtitan_ext.experiments.moe_backends.startup_checks import parallelism_errors
+    from torchtitan_ext.registry import get_flavor
+
+    forget_value_sources()  # a config built here, not resolved from a command line
+    config = get_flavor("tiny-olmoe").build()
+    moes = [layer.moe for layer in model_config(config).layers]
+    assert parallelism_errors(config, moes, world_size=2) == []
+    config.parallelism.tensor_parallel_degree = 2
+    assert parallelism_errors(config, moes, world_size=2) == [
+        "parallelism.tensor_parallel_degree = 2: this model normalises the whole query/key projection (OLMoE), "
+        "which a rank holding some of the heads cannot; use data or expert parallelism"
+    ]
 
 
 def test_memory_snapshots_on_cpu_are_refused_with_where_to_take_them(tmp_path, capsys, monkeypatch):

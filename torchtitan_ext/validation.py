@@ -16,6 +16,7 @@ from torchtitan_ext.config import ConfigError
 from torchtitan_ext.config.checks import register_config_check
 from torchtitan_ext.config.config_tree import child, resolve_parent
 from torchtitan_ext.config.names import close_matches_hint
+from torchtitan_ext.config.short_keys import short_keys
 from torchtitan_ext.config.value_sources import resolved_from, value_source
 from torchtitan_ext.parallel_layout import data_parallel_shard_degree
 from torchtitan_ext.place_in_launch import local_world_size, world_size
@@ -24,9 +25,16 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model
 
 
 def named(key: str, *aliases: str) -> str:
-    """``key``, prefixed with the file/line or "command line" its value came from (how errors name a key)."""
-    source = value_source(key, *aliases)
-    return f"{source}: {key}" if source else key
+    """``key``, prefixed with the file/line or "command line" its value came from (how errors name a key).
+
+    Where the value was set through a short key naming the same field (``parallelism.ep`` for
+    ``parallelism.expert_parallel_degree``), that key is named as it was written."""
+    if source := value_source(key, *aliases):
+        return f"{source}: {key}"
+    for other in short_keys():
+        if {key, *aliases} & set(other.fields) and (source := value_source(other.key)):
+            return f"{source}: {other.key}"
+    return key
 
 
 def _walk_floats(node: Any, path: str):

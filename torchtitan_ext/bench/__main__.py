@@ -50,6 +50,7 @@ from torchtitan_ext.experiments.moe_backends.expert_timing import BenchShape
 from torchtitan_ext.experiments.moe_backends.experts import AUTO_BACKEND, BACKENDS, runnable_backends
 from torchtitan_ext.parallel_layout import expert_share_errors
 from torchtitan_ext.place_in_launch import world_size
+from torchtitan_ext.validation import named
 
 PROG = "python -m torchtitan_ext.bench"
 
@@ -485,10 +486,12 @@ def run_auto(parser, args, device, command) -> None:
     if args.expert_parallel_degree is not None:
         config.parallelism.expert_parallel_degree = args.expert_parallel_degree
     num_experts = (moe.num_experts for _, moe, _, _ in config.model_spec.model.traverse(MoE.Config))
-    if errors := expert_share_errors(config.parallelism.expert_parallel_degree, num_experts):
-        if args.expert_parallel_degree is None:
+    from_option = args.expert_parallel_degree is not None
+    degree_key = (lambda _: "--expert-parallel-degree") if from_option else named
+    if errors := expert_share_errors(config.parallelism.expert_parallel_degree, num_experts, degree_key):
+        if not from_option:
             raise ConfigError("\n".join(errors))
-        parser.error(f"--expert-parallel-degree: {'; '.join(errors)}")
+        parser.error("; ".join(errors))
     refuse_full_size_on_cpu(
         "auto", {f"flavor {args.flavor}": config.model_spec.model.dim}, device, hint=TINY_FLAVORS_HINT
     )

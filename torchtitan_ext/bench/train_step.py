@@ -103,11 +103,11 @@ def step_config(
 ):
     """The flavor's ``Trainer.Config`` with the TOML files, ``backend`` (``STOCK_MOE``: as built) and the
     size overrides applied."""
+    forget_value_sources()
     config = resolve_config(flavor, tomls)
     overrides: dict[str, object] = {} if backend == STOCK_MOE else {"moe.compute_backend": backend}
     if batch_size:
         overrides["training.local_batch_size"] = batch_size
-    forget_value_sources()
     config = apply_overrides(config, overrides, source="train-step")
     if seq_len:
         config = apply_overrides(config, {"training.seq_len": seq_len}, source="--seq-len")

@@ -165,15 +165,13 @@ class RoutedMoE(MoE):
         """``(B, L, D)`` -> ``(B, L, D)``."""
         routed: RouterOutput = self.router.route(x_BLD, self.expert_bias_E)
         num_routed_per_expert_E = routed.num_routed_per_expert_E
-        num_kept_per_expert_E = num_routed_per_expert_E
-        capacity = self.router.capacity(x_BLD.shape[0] * x_BLD.shape[1])
-        if capacity is not None:
-            num_kept_per_expert_E = num_routed_per_expert_E.clamp(max=capacity)
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert_E.add_(num_routed_per_expert_E)
 
-        out_BLD = self.routed_experts(x_BLD, routed.topk_scores_BLK, routed.topk_expert_ids_BLK, num_kept_per_expert_E)
+        out_BLD = self.routed_experts(
+            x_BLD, routed.topk_scores_BLK, routed.topk_expert_ids_BLK, routed.num_kept_per_expert_E
+        )
         if self.shared_experts is not None:
             out_BLD = out_BLD + self.shared_experts(x_BLD)
 

@@ -12,6 +12,10 @@ route_norm, route_scale, group-limited routing, aux-loss-free expert bias) and a
   the normalized scores the MoE layer needs for its auxiliary and z losses, and the slot count
   of every expert.
 
+Under tensor parallelism the tokens and the routing are DTensors (replicated over TP, or split
+over it by the sequence under EP): the counts and the capacity limit are computed on this rank's
+tokens and handed on as DTensors again, the counts Partial where the tokens are split.
+
 On CPU, with every extra option off, ``forward`` returns exactly what torchtitan's router
 returns. On CUDA the gate runs on bf16 tensor cores (see ``RouterGate``), and the score
 function, expert bias, top-k, normalisation and counts run in one Triton kernel each way
@@ -31,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Shard
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import TokenChoiceTopKRouter
 
@@ -59,6 +63,8 @@ class RouterOutput:
     """scalar int64: routed slots dropped by the capacity limit"""
     num_routed_per_expert_E: torch.Tensor
     """(E,) int64: slots routed to each expert, before capacity dropping"""
+    num_kept_per_expert_E: torch.Tensor
+    """(E,) int64: slots each expert computes (``num_routed_per_expert_E`` capped at the capacity)"""
 
 
 def bf16_parts(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,6 +149,30 @@ class RouterGate(Linear):
             and torch.is_autocast_enabled("cuda")
             and torch.get_autocast_dtype("cuda") == torch.float32
         )
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (a DTensor under tensor parallelism), ``tensor`` itself otherwise."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def laid_out_like(local: torch.Tensor, reference: torch.Tensor, *, sum_over_tokens: bool = False) -> torch.Tensor:
+    """``local`` as this rank's part of a tensor laid out like ``reference`` (itself where ``reference`` is no
+    DTensor). ``sum_over_tokens``: ``local`` sums over ``reference``'s tokens, so it is Partial on every mesh
+    axis that shards them (and keeps no token dims)."""
+    if not isinstance(reference, DTensor):
+        return local
+    if sum_over_tokens:
+        placements = [Partial() if isinstance(p, Shard) else p for p in reference.placements]
+        return DTensor.from_local(local, reference.device_mesh, placements, run_check=False)
+    return DTensor.from_local(
+        local,
+        reference.device_mesh,
+        reference.placements,
+        run_check=False,
+        shape=reference.shape,
+        stride=reference.stride(),
+    )
 
 
 def capacity_keep_mask(expert_ids_S: torch.Tensor, counts_E: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -250,23 +280,32 @@ class BalancedTopKRouter(TokenChoiceTopKRouter):
         )
 
     def route(self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None) -> RouterOutput:
-        """Route ``x_BLD``; torchtitan's routing, then the capacity limit."""
+        """Route ``x_BLD``; torchtitan's routing, then the capacity limit.
+
+        Under tensor parallelism ``x_BLD`` and the routing are DTensors: counts and capacity are
+        this rank's tokens' (the counts Partial where the tokens are sharded), as without it.
+        """
         if self._kernel_routes(x_BLD):
             topk_scores_BLK, topk_expert_ids_BLK, scores_BLE, counts_E = self._route_with_kernels(x_BLD, expert_bias_E)
         else:
             topk_scores_BLK, topk_expert_ids_BLK, scores_BLE = super().forward(x_BLD, expert_bias_E)
-            counts_E = slot_counts(topk_expert_ids_BLK.reshape(-1), self.num_experts)
+            counts_E = laid_out_like(
+                slot_counts(local_part(topk_expert_ids_BLK).reshape(-1), self.num_experts),
+                topk_expert_ids_BLK,
+                sum_over_tokens=True,
+            )
         logits_BLE, self._last_logits_BLE = self._last_logits_BLE, None
         assert logits_BLE is not None, "the gate's forward hook keeps the logits of every route"
         routed_expert_ids_BLK = topk_expert_ids_BLK
+        num_kept_E = counts_E
         num_dropped_slots = torch.zeros((), dtype=torch.int64, device=topk_expert_ids_BLK.device)
-        capacity = self.capacity(x_BLD.shape[0] * x_BLD.shape[1])
+        ids_BLK = local_part(topk_expert_ids_BLK)
+        capacity = self.capacity(ids_BLK.shape[0] * ids_BLK.shape[1])
         if capacity is not None:
-            keep_BLK = capacity_keep_mask(topk_expert_ids_BLK.reshape(-1), counts_E, capacity).view_as(
-                topk_expert_ids_BLK
-            )
-            topk_expert_ids_BLK = torch.where(keep_BLK, topk_expert_ids_BLK, self.num_experts)
-            topk_scores_BLK = topk_scores_BLK * keep_BLK
+            keep_BLK = capacity_keep_mask(ids_BLK.reshape(-1), local_part(counts_E), capacity).view_as(ids_BLK)
+            topk_expert_ids_BLK = laid_out_like(torch.where(keep_BLK, ids_BLK, self.num_experts), topk_expert_ids_BLK)
+            topk_scores_BLK = topk_scores_BLK * laid_out_like(keep_BLK, topk_scores_BLK)
+            num_kept_E = laid_out_like(local_part(counts_E).clamp(max=capacity), counts_E)
             num_dropped_slots = (~keep_BLK).sum()
         return RouterOutput(
             topk_scores_BLK=topk_scores_BLK,
@@ -276,6 +315,7 @@ class BalancedTopKRouter(TokenChoiceTopKRouter):
             logits_BLE=logits_BLE,
             num_dropped_slots=num_dropped_slots,
             num_routed_per_expert_E=counts_E,
+            num_kept_per_expert_E=num_kept_E,
         )
 
     def forward(

@@ -48,6 +48,7 @@ from .experts import (
     runnable_backends,
 )
 from .fp8_experts import fp8_unavailable_reason
+from .hf.attention import ProjectionQKNormAttention
 from .layer import routing_dispatchers
 from .moe import RoutedMoE
 from .router import BalancedTopKRouter
@@ -279,14 +280,21 @@ def align_size_errors(config) -> list[str]:
 
 
 def parallelism_errors(config, moes: list[RoutedMoE.Config], world_size: int | None = None) -> list[str]:
-    """Why this parallel layout cannot run the MoE layers (empty list: it can): the layout of the
-    ranks (``parallel_layout``), then the experts each EP rank holds and the router losses under TP."""
+    """Why this parallel layout cannot run the model's MoE layers (empty list: it can): the layout of the
+    ranks (``parallel_layout``), then the experts each EP rank holds, the router losses and OLMoE's
+    whole-projection QK-norm under TP."""
     p = config.parallelism
     world = launch_world_size() if world_size is None else world_size
-    if errors := degree_errors(p, world):
+    if errors := degree_errors(p, world, named):
         return errors
-    errors = layout_errors(p, world)
-    errors += expert_share_errors(p.expert_parallel_degree, (moe.num_experts for moe in moes))
+    share_errors = expert_share_errors(p.expert_parallel_degree, (moe.num_experts for moe in moes), named)
+    errors = layout_errors(p, world, named, suggest_launch=not share_errors) + share_errors
     if p.tensor_parallel_degree > 1 and any(moe.aux_loss_coeff > 0 or moe.z_loss_coeff > 0 for moe in moes):
         errors.append("moe.aux_loss_coeff / moe.z_loss_coeff are not supported with tensor parallelism (tp > 1)")
+    if p.tensor_parallel_degree > 1 and any(config.model_spec.model.traverse(ProjectionQKNormAttention.Config)):
+        errors.append(
+            f"{named('parallelism.tensor_parallel_degree')} = {p.tensor_parallel_degree}: this model normalises "
+            "the whole query/key projection (OLMoE), which a rank holding some of the heads cannot; "
+            "use data or expert parallelism"
+        )
     return errors

@@ -32,7 +32,7 @@ class ProjectionQKNormAttention(GQAttention):
 
     With ``HeadsRMSNorm`` configs of widths ``n_heads * head_dim`` and ``n_kv_heads * head_dim``
     this is OLMoE's attention. Under tensor parallelism a rank would normalise only its own
-    heads, so these models are refused there (see ``hf.torchtitan_features``).
+    heads, so these models are refused there (``startup_checks.parallelism_errors``).
     """
 
     @dataclass(kw_only=True, slots=True)

@@ -14,8 +14,7 @@ before any process group or model is built, and refuses in one message (exit 2):
   whose flags differ (RoPE base, norm epsilon, router normalisation, ...) is named too;
 - a router bias that the saved Hugging Face model could not hold (Qwen3-MoE, OLMoE and Mixtral
   routers have none; DeepSeek-V3's ``e_score_correction_bias`` needs torchtitan's
-  ``expert_bias_E``, i.e. ``moe.load_balance_coeff`` > 0);
-- tensor parallelism with OLMoE's whole-projection QK-norm (a rank holds only some heads).
+  ``expert_bias_E``, i.e. ``moe.load_balance_coeff`` > 0).
 
 A tokenizer whose vocabulary exceeds the model's is refused by the framework's data checks.
 When ``checkpoint.folder`` already holds step folders, torchtitan resumes from them and ignores
@@ -45,7 +44,6 @@ from torchtitan_ext.config.checks import register_config_check
 from torchtitan_ext.validation import named
 
 from .architectures import ConfigReader, UnsupportedArchitecture, architecture_of, reader
-from .attention import ProjectionQKNormAttention
 from .checkpoint_files import CONFIG_FILE, CheckpointFolderError, checkpoint_tensors, first_mismatch
 from .state_dict_adapters import HFConfigAdapter, expected_hf_tensors
 
@@ -206,13 +204,6 @@ def check_hf_checkpoints(config) -> None:
         if errors:
             raise ConfigError("\n".join(errors))
         return
-    if config.parallelism.tensor_parallel_degree > 1 and any(
-        config.model_spec.model.traverse(ProjectionQKNormAttention.Config)
-    ):
-        errors.append(
-            f"{named('parallelism.tensor_parallel_degree')} = {config.parallelism.tensor_parallel_degree}: "
-            "this model normalises the whole query/key projection (OLMoE), which a rank holding some heads cannot"
-        )
     errors += router_bias_errors(config, hf_config)
     if loads and checkpoint.enable and not _resuming(config):
         errors += checkpoint_folder_errors(config, hf_config)
