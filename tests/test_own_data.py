@@ -74,6 +74,21 @@ def test_jsonl_dataset_without_a_path_is_refused(tmp_path):
     assert "'jsonl' needs" in result.stderr and "a folder of *.jsonl files" in result.stderr
 
 
+def test_the_example_as_shipped_names_its_placeholders_as_written(tmp_path):
+    """Its placeholder folders do not exist: one error, naming the short keys the file writes with their
+    lines, and no log line before it (torchtitan's own warning of a missing tokenizer folder)."""
+    lines = EXAMPLE.read_text().splitlines()
+    path_line, tokenizer_line = (
+        lines.index(line) + 1 for line in ('path = "/data/my_corpus"', 'tokenizer = "/models/my_tokenizer"')
+    )
+    result = train(EXAMPLE, tmp_path / "out")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith(
+        f"error: {EXAMPLE}:{path_line}: data.path = '/data/my_corpus': no such file or folder\n"
+        f"{EXAMPLE}:{tokenizer_line}: data.tokenizer = '/models/my_tokenizer': no such folder"
+    ), result.stderr
+
+
 def test_tokenizer_larger_than_the_model_vocabulary_is_refused():
     small_model = SimpleNamespace(model_spec=SimpleNamespace(model=SimpleNamespace(vocab_size=10)))
     errors = tokenizer_vocabulary_errors(TOKENIZER_DIR, "data.tokenizer", small_model)

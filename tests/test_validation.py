@@ -62,7 +62,7 @@ def assert_refused(capsys, args, *fragments):
             "[moe]\nalign_size = 4096\n[training]\nbatch_size = 1\nseq_len = 64\n",
             ["moe.align_size = 4096: must be in [1, 128]"],
         ),
-        ("[training]\nbatch_size = 0\n", ["training.local_batch_size = 0: must be >= 1"]),
+        ("[training]\nbatch_size = 0\n", ["training.batch_size = 0: must be >= 1"]),
         ("[metrics]\nlog_freq = 0\n", ["bad.toml:2: metrics.log_freq = 0: must be >= 1 (every N steps)"]),
         ("[training]\ngc_freq = -1\n", ["training.gc_freq = -1: must be >= 1"]),
         ("[checkpoint]\ninterval = 0\n", ["checkpoint.interval = 0: must be >= 1"]),
@@ -79,11 +79,11 @@ def assert_refused(capsys, args, *fragments):
             '[compile]\nenable = true\ncomponents = ["modell"]\n',
             ["bad.toml:3: compile.components = ['modell']: 'modell' is not a component", "did you mean model?"],
         ),
-        ('[data]\ndataset = "c5"\n', ["dataloader.dataset = 'c5': unknown dataset", "tiny_stories"]),
+        ('[data]\ndataset = "c5"\n', ["data.dataset = 'c5': unknown dataset", "tiny_stories"]),
         (
             "[data]\nworkers = 2\n",
             [
-                "bad.toml:2: dataloader.num_workers = 2: torchtitan's text and chat datasets give every worker process "
+                "bad.toml:2: data.workers = 2: torchtitan's text and chat datasets give every worker process "
                 "the whole stream, so each batch would be trained on 2 times; use 1"
             ],
         ),
@@ -111,9 +111,9 @@ def test_paths_without_data_or_tokenizer_and_a_file_as_dump_folder(tmp_path, cap
     assert_refused(
         capsys,
         ["--toml", toml],
-        "bad.toml:3: dataloader.dataset_path",
+        "bad.toml:3: data.path",
         "the folder holds no data files",
-        "bad.toml:4: hf_assets_path",
+        "bad.toml:4: data.tokenizer",
         "the folder has none of tokenizer.json",
         "bad.toml:1: dump_folder",
         "is a file; dump_folder must be a folder",
@@ -137,7 +137,7 @@ def test_every_problem_of_a_run_is_reported_together(tmp_path, capsys):
         "training.steps = 0",
         "training.seq_len = 100",
         "route_scale = nan",
-        "command line: training.local_batch_size = 0",
+        "command line: training.batch_size = 0",
     )
 
 

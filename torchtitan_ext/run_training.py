@@ -136,6 +136,11 @@ class FlavorConfigManager(ConfigManager):
         self.resolved_config = config
         return config, rest
 
+    def _validate_config(self) -> None:
+        """Nothing: torchtitan's ``ConfigManager._validate_config`` warns of a missing ``hf_assets_path`` and
+        may switch it to a legacy tokenizer path; ``check_config_values`` refuses a missing or tokenizer-less
+        folder instead, named as it was set (``data.tokenizer``), in the run's one error message."""
+
     def parse_args(self, args: list[str] | None = None) -> Any:
         """The run's config, a ``torchtitan_ext.trainer.Trainer.Config`` (typed ``Any``: the flavors'
         configs carry sections of their own, such as ``moe_metrics``, that the class does not declare)."""

@@ -27,10 +27,11 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model
 def named(key: str, *aliases: str) -> str:
     """``key``, prefixed with the file/line or "command line" its value came from (how errors name a key).
 
-    Where the value was set through a short key naming the same field (``parallelism.ep`` for
-    ``parallelism.expert_parallel_degree``), that key is named as it was written."""
-    if source := value_source(key, *aliases):
-        return f"{source}: {key}"
+    Where the value was set under one of ``aliases`` or a short key naming the same field
+    (``parallelism.ep`` for ``parallelism.expert_parallel_degree``), that key is named, as it was written."""
+    for written in (key, *aliases):
+        if source := value_source(written):
+            return f"{source}: {written}"
     for other in short_keys():
         if {key, *aliases} & set(other.fields) and (source := value_source(other.key)):
             return f"{source}: {other.key}"
