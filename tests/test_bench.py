@@ -482,6 +482,7 @@ def test_auto_in_toml_resolves_at_startup_and_is_recorded(tmp_path, monkeypatch)
         FlavorConfigManager().parse_args(ep2)
     exact = f"--flavor tiny-moe-grouped-mm --toml {toml} --batch-size 8 --seq-len 128 --expert-parallel-degree 2"
     assert f"run the single-process `python -m torchtitan_ext.bench auto {exact}` first" in str(error.value)
+    assert str(error.value).endswith(f"or set a backend: {', '.join(runnable_backends())} (those that run here)")
     monkeypatch.setenv("WORLD_SIZE", "1")  # the documented single-process step measures it
     assert main(["auto", "--flavor", "tiny-moe-grouped-mm", "--toml", str(toml), "--expert-parallel-degree", "2"]) == 0
     monkeypatch.setenv("WORLD_SIZE", "2")  # every rank now reads the same cached choice

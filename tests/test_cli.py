@@ -613,6 +613,10 @@ def test_a_flavor_that_does_not_build_leaves_the_others_and_its_run_to_say_why(m
     assert facts.flavor_keys["broken"] is None and tiny_keys is not None and "training.steps" in tiny_keys
     assert argument_errors(["--flavor", "broken", "--anything", "1"], facts) == []  # the run reports the build
     assert argument_errors([*FLAVOR_ARGS, "--anything", "1"], facts) == ["command line: unknown option --anything"]
+    assert argument_errors([*FLAVOR_ARGS, "--show", "tiny-moe-grouped-mm"], facts) == [
+        "command line: --show is an option of the flavors command, not of training: "
+        "python -m torchtitan_ext.flavors --show NAME [--toml FILE] prints a flavor's settings"
+    ]
 
 
 def test_the_checks_before_torch_name_every_unknown_key_of_every_file_and_the_command_line(tmp_path):

@@ -298,7 +298,9 @@ def test_symm_mem_start_up_errors(monkeypatch):
     if not torch.cuda.is_available():
         monkeypatch.delenv("TRITON_INTERPRET")
         (error,) = symm_mem_errors(2)
-        assert error.startswith("moe.ep_transport = 'symm_mem': the Triton MoE kernels need a CUDA GPU")
+        assert error.startswith("moe.ep_transport = 'symm_mem': its exchange runs Triton kernels"), error
+        assert "needs CUDA GPUs (not available here), or CPU processes with TRITON_INTERPRET=1" in error
+        assert error.endswith("on CPU use moe.ep_transport = 'all_to_all'")
 
 
 def test_unknown_ep_transport_is_rejected():

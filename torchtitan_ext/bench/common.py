@@ -45,6 +45,15 @@ SHAPES = {
 TINY_SHAPE = BenchShape("tiny", 32, 48, 40, 6, 2)
 SKEWS = (0.0, 2.0)
 """0: balanced; 2: logits + linspace(2, 0, E), max/mean load about 3.5 at the shapes above."""
+SKEW_NAMES = {"balanced": 0.0, "skewed": 2.0}
+"""How tables, progress lines and ``--skew`` name the skews of ``SKEWS``."""
+
+
+def skew_name(skew: float) -> str:
+    """``"balanced"`` or ``"skewed"`` for a skew of ``SKEWS``; another one as ``"skew X"``."""
+    return next((name for name, value in SKEW_NAMES.items() if value == skew), f"skew {skew}")
+
+
 FULL_SIZE_MIN_DIM = 1024
 """Shapes and flavors with a model dim at least this large need CUDA (CPU runs are for small ones)."""
 
@@ -362,6 +371,11 @@ def write_json(path: str | None, results: dict) -> None:
             )
 
 
+def _cell(key: str, value) -> str:
+    """A table cell: a skew by its name (``skew_name``), anything else as ``str`` gives it."""
+    return skew_name(value) if key == "skew" else str(value)
+
+
 def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
     """Rows of dicts as an aligned text table; ``columns`` is [(key, header)].
 
@@ -370,7 +384,7 @@ def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
     columns = [(key, header) for key, header in columns if any(row.get(key) is not None for row in rows)]
     cells = [[header for _, header in columns]]
     for row in rows:
-        cells.append(["" if row.get(key) is None else str(row.get(key)) for key, _ in columns])
+        cells.append(["" if row.get(key) is None else _cell(key, row[key]) for key, _ in columns])
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     for line in cells:
         print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))

@@ -30,6 +30,7 @@ from torchtitan_ext.bench.common import (
     memory_mb,
     relative_error,
     runnable,
+    skew_name,
     time_in_rounds,
     timed_row,
 )
@@ -108,7 +109,7 @@ def bench_shape(shape: BenchShape, skew: float, impls, timer, device, dtype, rou
         return lambda: torch.autograd.backward(forward(), grad_outs[kind_of(name)])
 
     calls: TimedCalls = {name: (forwards[name][0], forward_backward(name), forwards[name][1]) for name in impls}
-    times = time_in_rounds(calls, timer, rounds, label=f"  expert block  {shape.name:18s} skew {skew}")
+    times = time_in_rounds(calls, timer, rounds, label=f"  expert block  {shape.name:18s} {skew_name(skew)}")
 
     rows = []
     for name in impls:

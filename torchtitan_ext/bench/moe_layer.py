@@ -155,7 +155,7 @@ def bench_shape(
     def forward_backward(layer: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
         return lambda: torch.autograd.backward(layer(x_BLD), grad_BLD)
 
-    label = f"  MoE layer     {shape.name:18s} skew {skew}"
+    label = f"  MoE layer     {shape.name:18s} {common.skew_name(skew)}"
     first_call, failed = {}, {}
     for variant, layer in runs.items():
         if variant.compiled:

@@ -214,6 +214,14 @@ def launcher_option_errors(launcher_args: list[str], torchrun_options: dict[str,
     )
 
 
+FLAVORS_COMMAND_OPTIONS = {
+    "--show": "python -m torchtitan_ext.flavors --show NAME [--toml FILE] prints a flavor's settings",
+    "--full": "python -m torchtitan_ext.flavors --show NAME --full prints every config field of a flavor, as JSON",
+    "--keys": "python -m torchtitan_ext.flavors --keys lists the short keys",
+}
+"""Options of the flavors command that a user may give the train entry, with the command that takes each."""
+
+
 def unknown_option_errors(
     keys: list[str],
     args: list[str],
@@ -236,6 +244,12 @@ def unknown_option_errors(
             continue
         if (off := section_off(name)) is not None:
             errors.append(f"{COMMAND_LINE}: {option} does not apply: {off} is off (None) in this config")
+            continue
+        if option in FLAVORS_COMMAND_OPTIONS:
+            errors.append(
+                f"{COMMAND_LINE}: {option} is an option of the flavors command, not of training: "
+                f"{FLAVORS_COMMAND_OPTIONS[option]}"
+            )
             continue
         errors.append(f"{COMMAND_LINE}: unknown option {option}{close_matches_hint(name, keys, prefix='--')}")
     return errors

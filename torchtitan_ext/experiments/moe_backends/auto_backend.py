@@ -36,7 +36,6 @@ from .cache import CACHE_ENV, cache_dir
 from .expert_timing import BenchShape, TimedCall, expert_inputs, make_timer, seeded_generator
 from .experts import (
     BackendGroupedExperts,
-    backend_names,
     fp8_backends,
     get_backend,
     resolved_at_startup,
@@ -68,7 +67,7 @@ class UncachedAutoChoice(AutoBackendError):
         return (
             f"moe.compute_backend = 'auto': no cached choice for {self.key} in {self.path}, and several "
             f"processes would measure apart; run the single-process `{command}` {settings}first "
-            f"(same {CACHE_ENV}), or set a backend: {', '.join(backend_names())}"
+            f"(same {CACHE_ENV}), or set a backend: {', '.join(runnable_backends())} (those that run here)"
         )
 
 

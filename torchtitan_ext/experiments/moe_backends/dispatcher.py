@@ -205,9 +205,12 @@ def symm_mem_errors(expert_parallel_degree: int, key: str = "moe.ep_transport") 
     if expert_parallel_degree <= 1:
         return []
     errors = []
-    reason = triton_available_reason()
-    if reason is not None:
-        errors.append(f"{key} = 'symm_mem': {reason}")
+    if triton_available_reason() is not None:
+        errors.append(
+            f"{key} = 'symm_mem': its exchange runs Triton kernels on memory the ranks of a host share, which "
+            "needs CUDA GPUs (not available here), or CPU processes with TRITON_INTERPRET=1 (Triton's "
+            "interpreter: slow, for checking the transport); on CPU use moe.ep_transport = 'all_to_all'"
+        )
     local_world = local_world_size()
     if local_world % expert_parallel_degree:
         errors.append(
@@ -224,7 +227,7 @@ def symm_mem_unfit_reason(expert_parallel_degree: int) -> str | None:
     if expert_parallel_degree <= 1:
         return "no expert parallelism"
     if not torch.cuda.is_available():
-        return "no CUDA GPU; on CPU symm_mem serves tests only"
+        return "no CUDA GPU; on CPU symm_mem runs only through Triton's interpreter (TRITON_INTERPRET=1), slowly"
     if interpreter_enabled():
         return "Triton's interpreter is on"
     return "; ".join(symm_mem_errors(expert_parallel_degree)) or None
