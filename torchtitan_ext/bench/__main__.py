@@ -3,7 +3,7 @@
     python -m torchtitan_ext.bench expert --flavor qwen3-30b-a3b           # expert block per backend
     python -m torchtitan_ext.bench layer --shapes mixtral-8x7b              # MoE layer vs stock, eager and compiled
     torchrun --nproc_per_node=4 -m torchtitan_ext.bench ep --json ep.json   # EP dispatch/combine (GPUs)
-    python -m torchtitan_ext.bench train-step --flavor tiny-moe-for-loop    # training step per backend (compiled too on a GPU)
+    python -m torchtitan_ext.bench train-step --flavor tiny-moe-for-loop    # training step per backend (GPU: +compiled)
     python -m torchtitan_ext.bench auto --flavor tiny-moe-for-loop          # fill the "auto" backend cache
     python -m torchtitan_ext.bench plot --from result.json --out result.png
     python -m torchtitan_ext.bench trace rank0_trace.json.gz                # where a profiled step's time went
