@@ -141,6 +141,42 @@ def test_every_problem_of_a_run_is_reported_together(tmp_path, capsys):
     )
 
 
+def test_refused_types_and_choices_come_with_every_other_value_problem(tmp_path, capsys):
+    """A value of the wrong type or no valid choice, in a file, in a short key or in an option torchtitan's
+    parser takes, does not hide the range and cross-field problems of the other values: one message."""
+    toml = write_toml(
+        tmp_path,
+        """\
+        [training]
+        lr = -1
+        steps = "x"
+        [moe]
+        top_k = 9
+        compute_backend = "nope"
+        [metrics]
+        log_freq = 0
+        """,
+    )
+    code, err = run_train(
+        capsys, "--toml", toml, "--training.batch_size", "x", "--training.seq_len", "0", "--training.max_norm", "y"
+    )
+    assert code == 2, err
+    assert err.count("error:") == 1, err
+    for fragment in (
+        "bad.toml:3: training.steps = 'x': expected int, got str",
+        "bad.toml:6: moe.compute_backend = 'nope' is not one of the valid choices",
+        "command line: training.batch_size = 'x': expected int, got str",
+        "command line: training.max_norm = 'y': expected float|int, got str",
+        "bad.toml:2: training.lr = -1.0: must be a finite number > 0",
+        "command line: training.seq_len = 0: must be >= 1",
+        "bad.toml:8: metrics.log_freq = 0: must be >= 1",
+        "bad.toml:5: moe.top_k = 9: must be in [1, 8]",
+    ):
+        assert fragment in err, err
+    code, err = run_train(capsys, "--training.steps", "x", "--moe.top_k", "9")  # both on the command line
+    assert code == 2 and "training.steps = 'x': expected int" in err and "moe.top_k = 9: must be in [1, 8]" in err
+
+
 def test_toml_that_is_not_utf8(tmp_path, capsys):
     toml = write_toml(tmp_path, "[training]\n# caf\u00e9\nsteps = 3\n", encoding="latin-1")
     assert_refused(capsys, ["--toml", toml], "bad.toml:2: not a UTF-8 text file", "TOML files must be UTF-8")

@@ -29,8 +29,8 @@ from torchtitan_ext.compat.quiet_cpu import quiet_cpu_warnings
 from torchtitan_ext.compat.run_noise import quiet_run_noise
 from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes, apply_trainer_fixes
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.config.apply import apply_overrides, apply_toml_files, valid_keys, written_fields
-from torchtitan_ext.config.checks import run_config_checks
+from torchtitan_ext.config.apply import RefusedValues, apply_overrides, apply_toml_files, valid_keys, written_fields
+from torchtitan_ext.config.checks import run_config_checks, value_check_errors
 from torchtitan_ext.config.command_line import (
     COMMAND_LINE,
     FLAVOR_REQUIRED,
@@ -56,7 +56,6 @@ from torchtitan_ext.metrics.processor import close_interrupted_runs
 from torchtitan_ext.place_in_launch import in_launch, is_rank_zero
 from torchtitan_ext.registry import UnknownFlavorError, all_flavors, get_flavor, startup_notes
 from torchtitan_ext.trainer import with_gradient_owning_trainer
-from torchtitan_ext.validation import check_config_values
 
 
 def resolve_config(flavor_name: str, toml_paths: list[str]):
@@ -108,6 +107,21 @@ def parser_conflict_errors(config, overrides: dict, parser_keys: dict[str, tuple
     return errors
 
 
+def parser_option_problems(config, parser_keys: dict[str, tuple[str, Any]]) -> tuple[list[str], list[str]]:
+    """(the values refused one by one among the options torchtitan's parser takes (``parser_options``), what
+    the value checks find in ``config`` with every other of those values applied): where a value was refused,
+    the rest of the run's one message."""
+    refused = []
+    try:
+        config = apply_overrides(config, {key: value for key, (_, value) in parser_keys.items()}, COMMAND_LINE)
+    except RefusedValues as e:
+        refused.append(str(e))
+        config = e.applied
+    except ConfigError:
+        pass  # options that set one field twice: the command-line checks name them once the values are fixed
+    return refused, value_check_errors(config)
+
+
 class FlavorConfigManager(ConfigManager):
     """torchtitan's ConfigManager, loading ``--flavor``/``--toml`` instead of ``--module``/``--config``."""
 
@@ -121,11 +135,24 @@ class FlavorConfigManager(ConfigManager):
         args, rest = subcommands_as_short_keys(args), subcommands_as_short_keys(rest)
         self.run_arguments = (flavor, tomls, rest)
         cli_overrides, rest = split_override_args(rest)
-        from_files = resolve_config(flavor, tomls)
-        config = apply_overrides(from_files, cli_overrides, source=COMMAND_LINE)
+        refused = []
+        try:
+            from_files = resolve_config(flavor, tomls)
+        except RefusedValues as e:
+            refused.append(str(e))
+            from_files = e.applied
+        try:
+            config = apply_overrides(from_files, cli_overrides, source=COMMAND_LINE)
+        except RefusedValues as e:
+            refused.append(str(e))
+            config = e.applied
         known = set(valid_keys(config))
         rest = switches_for_parser(rest, [key for key, value in leaf_items(config).items() if isinstance(value, bool)])
         parser_keys = parser_options(rest, known)
+        self.parser_keys = parser_keys
+        if refused:
+            refused_options, problems = parser_option_problems(config, parser_keys)
+            raise ConfigError("\n".join(dict.fromkeys([*refused, *refused_options, *problems])))
         errors = command_line_errors(
             list(known), args, torchrun_options(), lambda key: section_that_is_off(config, key)
         )
@@ -138,7 +165,7 @@ class FlavorConfigManager(ConfigManager):
 
     def _validate_config(self) -> None:
         """Nothing: torchtitan's ``ConfigManager._validate_config`` warns of a missing ``hf_assets_path`` and
-        may switch it to a legacy tokenizer path; ``check_config_values`` refuses a missing or tokenizer-less
+        may switch it to a legacy tokenizer path; ``validation.check_config_values`` refuses a missing or tokenizer-less
         folder instead, named as it was set (``data.tokenizer``), in the run's one error message."""
 
     def parse_args(self, args: list[str] | None = None) -> Any:
@@ -148,13 +175,25 @@ class FlavorConfigManager(ConfigManager):
 
         apply_cuda_graph_dispatcher_fix()  # before tyro builds the config: torchtitan checks CUDA graphs there
         self.resolved_config = None
+        self.parser_keys: dict[str, tuple[str, Any]] = {}
         try:
             command_line = sys.argv[1:] if args is None else args
             config = parse_with_tyro(lambda: super(FlavorConfigManager, self).parse_args(args), command_line)
-        except ConfigError:
+        except ConfigError as refusal:
             if self.resolved_config is not None:
-                # torchtitan's own checks refused a value; a TOML file's is named with its line.
-                check_config_values(self.resolved_config)
+                # tyro refused a value (the first only: the others come from parser_option_problems), or
+                # torchtitan's own checks did (the value checks name a TOML file's with its line).
+                refused_options, problems = parser_option_problems(self.resolved_config, self.parser_keys)
+                if refused_options or problems:
+                    named_key = re.match(rf"{COMMAND_LINE}: (\S+) = ", str(refusal))
+                    others = [
+                        line
+                        for message in refused_options
+                        for line in message.splitlines()
+                        if not (named_key and line.startswith(named_key.group(0)))
+                    ]
+                    lines = [str(refusal), *others] if refused_options else []
+                    raise ConfigError("\n".join(dict.fromkeys([*lines, *problems]))) from None
             raise
         flavor, tomls, cli_args = self.run_arguments
         run_config_checks(config)  # cross-field checks (and "auto" resolution), before any process group exists

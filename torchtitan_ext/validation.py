@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.config.checks import register_config_check
+from torchtitan_ext.config.checks import register_value_check
 from torchtitan_ext.config.config_tree import child, resolve_parent
 from torchtitan_ext.config.names import close_matches_hint
 from torchtitan_ext.config.short_keys import short_keys
@@ -359,7 +359,7 @@ def memory_snapshot_errors(config) -> list[str]:
     ]
 
 
-@register_config_check
+@register_value_check
 def check_config_values(config) -> None:
     """Every value and cross-field rule of the framework; one ``ConfigError`` lists all problems."""
     world = world_size()

@@ -213,6 +213,16 @@ def conflict_errors(config, overrides: dict[str, Any], where: dict[str, str]) ->
     return errors
 
 
+class RefusedValues(ConfigError):
+    """Overrides refused one by one (type, choice, a key the flavor fixed); ``applied``: a copy of the config
+    with every other override applied, where the start-up value checks can still find their problems
+    (``checks.value_check_errors``), so that one message lists them all. The caller's config is untouched."""
+
+    def __init__(self, message: str, applied):
+        super().__init__(message)
+        self.applied = applied
+
+
 def apply_overrides(config, overrides: dict[str, Any], source: str = "TOML", lines: dict[str, int] | None = None):
     """Return a copy of ``config`` with ``{dotted_key: value}`` applied, or raise.
 
@@ -224,11 +234,14 @@ def apply_overrides(config, overrides: dict[str, Any], source: str = "TOML", lin
     result = copy.deepcopy(config)
     errors: list[str] = []
     where = {key: _where(key, source, lines) for key in overrides}
+    refused = set()
     for key, value in overrides.items():
         if (problem := _try_apply(result, key, value)) is not None:
             errors.append(f"{where[key]}: {problem}")
+            refused.add(key)
     if errors:
-        raise ConfigError("\n".join(errors))
+        record_value_sources({key: place for key, place in where.items() if key not in refused})
+        raise RefusedValues("\n".join(errors), result)
     if errors := conflict_errors(config, overrides, where):
         raise ConfigError("\n".join(errors))
     record_value_sources(where)
@@ -237,14 +250,20 @@ def apply_overrides(config, overrides: dict[str, Any], source: str = "TOML", lin
 
 def apply_toml_files(config, paths: list[str]):
     """Apply TOML files in order (later files win); all-or-nothing: ``ConfigError`` lists the problems
-    of every file (a file with problems is skipped while the later ones are checked)."""
+    of every file (a file with problems is skipped while the later ones are checked). Where every problem
+    is a refused value, it is a ``RefusedValues`` holding the config with every other value applied."""
     errors = []
+    only_refused_values = True
     for path in paths:
         try:
             overrides, lines = read_toml(Path(path))
             config = apply_overrides(config, overrides, source=str(path), lines=lines)
+        except RefusedValues as e:
+            errors.append(str(e))
+            config = e.applied
         except ConfigError as e:
             errors.append(str(e))
+            only_refused_values = False
     if errors:
-        raise ConfigError("\n".join(errors))
+        raise RefusedValues("\n".join(errors), config) if only_refused_values else ConfigError("\n".join(errors))
     return config

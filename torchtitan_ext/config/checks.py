@@ -2,6 +2,8 @@
 
 ``register_config_check`` adds ``check(config)``; ``run_config_checks`` runs every check once,
 after the TOML files and the command line, before any process group or model is built.
+``register_value_check`` adds one that only reads the config, which also runs where some overrides
+were refused (``value_check_errors``), so that one message lists every problem.
 """
 
 from collections.abc import Callable
@@ -10,6 +12,7 @@ from typing import Any
 from torchtitan_ext.config import ConfigError
 
 _CONFIG_CHECKS: list[Callable[[Any], None]] = []
+_VALUE_CHECKS: list[Callable[[Any], None]] = []
 
 
 def register_config_check(check: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -20,6 +23,28 @@ def register_config_check(check: Callable[[Any], None]) -> Callable[[Any], None]
     """
     _CONFIG_CHECKS.append(check)
     return check
+
+
+def register_value_check(check: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``register_config_check`` for a check that only reads the config (resolves, logs and writes nothing):
+    it also runs, through ``value_check_errors``, on a config some of whose overrides were refused one by
+    one, so that the run's message lists its problems with theirs."""
+    _VALUE_CHECKS.append(check)
+    return register_config_check(check)
+
+
+def value_check_errors(config) -> list[str]:
+    """The problems the value checks (``register_value_check``) find in ``config``, one message each; a
+    check that fails otherwise is taken as a consequence of the overrides refused before it ran."""
+    errors: list[str] = []
+    for check in _VALUE_CHECKS:
+        try:
+            check(config)
+        except ConfigError as e:
+            errors.append(str(e))
+        except Exception:
+            continue
+    return errors
 
 
 def run_config_checks(config) -> None:

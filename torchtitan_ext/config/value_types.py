@@ -30,7 +30,9 @@ def check_value(key: str, value: Any, annotation: Any) -> Any:
                 return check_value(key, value, arm)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{key} = {value!r} has the wrong type")
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        raise ConfigError(f"{key} = {value!r}: expected {annotation_name(annotation)}, got {type(value).__name__}")
     expected = origin or annotation
     if expected is bool:
         if isinstance(value, bool):

@@ -19,7 +19,7 @@ import torch
 from torchtitan.tools.logging import logger
 
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.config.checks import register_config_check
+from torchtitan_ext.config.checks import register_config_check, register_value_check
 from torchtitan_ext.config.short_keys import keys_setting
 from torchtitan_ext.config.value_sources import resolved_from, value_source
 from torchtitan_ext.kernels.availability import triton_available_reason
@@ -84,7 +84,7 @@ def validated_nodes(model_config):
                 yield node
 
 
-@register_config_check
+@register_value_check
 def check_moe_config(config) -> None:
     """The options of every MoE layer, checked once on the final config, then what they need together:
     top_k shared by router and dispatcher, Triton or one host where chosen, EP degree vs experts,
