@@ -311,6 +311,16 @@ def test_parallelism_refusals_name_where_each_degree_was_set(tmp_path, capsys):
     )
 
 
+def test_context_parallelism_on_cpu_is_refused_with_the_reason(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert_refused(
+        capsys,
+        ["--parallelism.cp", "2"],
+        "command line: parallelism.cp = 2: context parallelism shards CUDA's attention kernels, and this run "
+        "trains on CPU",
+    )
+
+
 def test_tensor_parallelism_is_refused_for_whole_projection_qk_norm():
     """OLMoE normalises the whole query/key projection, which a rank holding some of the heads cannot."""
     from torchtitan_ext.config.value_sources import forget_value_sources

@@ -359,6 +359,21 @@ def memory_snapshot_errors(config) -> list[str]:
     ]
 
 
+def context_parallel_errors(config) -> list[str]:
+    """On CPU: no context parallelism (torch's context-parallel attention shards the attention kernels of
+    CUDA; its CPU one has no sharding rule, so the first step would fail)."""
+    from torchtitan_ext.compat import cpu_training
+
+    degree = config.parallelism.context_parallel_degree
+    if degree <= 1 or not cpu_training():
+        return []
+    return [
+        f"{named('parallelism.context_parallel_degree')} = {degree}: context parallelism shards CUDA's "
+        "attention kernels, and this run trains on CPU (torch has no context-parallel CPU attention); "
+        "use data, tensor or expert parallelism here, or train on GPUs"
+    ]
+
+
 @register_value_check
 def check_config_values(config) -> None:
     """Every value and cross-field rule of the framework; one ``ConfigError`` lists all problems."""
@@ -372,6 +387,7 @@ def check_config_values(config) -> None:
         *resume_errors(config),
         *memory_errors(config),
         *memory_snapshot_errors(config),
+        *context_parallel_errors(config),
     ]
     if errors:
         raise ConfigError("\n".join(dict.fromkeys(errors)))

@@ -77,6 +77,7 @@ _field_alias(
 )
 _field_alias("parallelism.dp_replicate", "parallelism.data_parallel_replicate_degree", int, "DDP/HSDP replicate degree")
 _field_alias("parallelism.tp", "parallelism.tensor_parallel_degree", int, "tensor parallel degree")
+_field_alias("parallelism.cp", "parallelism.context_parallel_degree", int, "context parallel degree")
 _field_alias("parallelism.pp", "parallelism.pipeline_parallel_degree", int, "pipeline parallel degree")
 _field_alias("wandb.enable", "metrics.enable_wandb", bool, "log to Weights & Biases")
 _field_alias("tensorboard.enable", "metrics.enable_tensorboard", bool, "log to TensorBoard")
