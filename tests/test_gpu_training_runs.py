@@ -125,8 +125,10 @@ def test_scale_suite_compares_tiny_losses_at_every_ep_degree_with_ep1(suite, gpu
 
 @pytest.mark.parametrize("suite", SCALE_SUITES)
 def test_every_scale_run_parses_and_trains_the_named_backend_and_transport(suite, monkeypatch):
-    """As the runs parse on a host without CUDA (where "auto" keeps exact rows), on any host."""
+    """As the runs parse on a host without CUDA (where "auto" keeps exact rows) with Triton's interpreter on,
+    as the CPU tests run, on any host."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     for run in all_runs(suite):
         config = parsed(run, monkeypatch)
         backends = {experts.compute_backend for experts in nested_configs(config, BackendGroupedExperts.Config)}
