@@ -33,18 +33,26 @@ def register_value_check(check: Callable[[Any], None]) -> Callable[[Any], None]:
     return register_config_check(check)
 
 
-def value_check_errors(config) -> list[str]:
-    """The problems the value checks (``register_value_check``) find in ``config``, one message each; a
-    check that fails otherwise is taken as a consequence of the overrides refused before it ran."""
+def _check_errors(checks: list[Callable[[Any], None]], config, *, problems_before: bool) -> list[str]:
+    """What ``checks`` find in ``config``, one message each. A check that fails with another exception is
+    taken as a consequence of problems already found (``problems_before``: some were, before these
+    checks ran); where none were, the exception propagates."""
     errors: list[str] = []
-    for check in _VALUE_CHECKS:
+    for check in checks:
         try:
             check(config)
         except ConfigError as e:
             errors.append(str(e))
         except Exception:
-            continue
+            if not (errors or problems_before):
+                raise
     return errors
+
+
+def value_check_errors(config) -> list[str]:
+    """The problems the value checks (``register_value_check``) find in ``config``, whose overrides were
+    refused in part, one message each."""
+    return _check_errors(_VALUE_CHECKS, config, problems_before=True)
 
 
 def run_config_checks(config) -> None:
@@ -53,14 +61,5 @@ def run_config_checks(config) -> None:
     A check that fails with another exception after earlier checks reported problems is
     taken as a consequence of those problems; on a clean config it propagates.
     """
-    errors: list[str] = []
-    for check in _CONFIG_CHECKS:
-        try:
-            check(config)
-        except ConfigError as e:
-            errors.append(str(e))
-        except Exception:
-            if not errors:
-                raise
-    if errors:
+    if errors := _check_errors(_CONFIG_CHECKS, config, problems_before=False):
         raise ConfigError("\n".join(dict.fromkeys(errors)))
