@@ -418,6 +418,7 @@ def test_set_options_win_over_the_auto_receive_rows(monkeypatch, caplog):
 
 
 def test_cuda_graphs_asked_for_on_cpu_take_the_rows_a_gpu_run_captures_and_say_none_is_captured(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU host, also where the tests run on GPUs
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -133,7 +133,7 @@ def assert_one_startup_error(result: subprocess.CompletedProcess, message: str) 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_startup_error_of_the_workers_is_the_last_line_and_exit_code_2(tmp_path, nproc):
     result = launched(tmp_path, nproc, "--parallelism.expert_parallel_degree", "4")
-    assert_one_startup_error(result, "parallelism.expert_parallel_degree (4)")
+    assert_one_startup_error(result, "command line: parallelism.expert_parallel_degree = 4: needs at least 4 processes")
     assert "--nproc_per_node=4" in result.stderr
 
 
