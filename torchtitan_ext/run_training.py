@@ -10,6 +10,7 @@ torchtitan's NCCL path. On every device the fixes the running torch needs
 process group or model is built; Ctrl-C ends a run with one line and its summary (exit code 130).
 """
 
+import contextlib
 import os
 import re
 import socket
@@ -29,7 +30,13 @@ from torchtitan_ext.compat.quiet_cpu import quiet_cpu_warnings
 from torchtitan_ext.compat.run_noise import quiet_run_noise
 from torchtitan_ext.compat.torch_versions import apply_torch_version_fixes, apply_trainer_fixes
 from torchtitan_ext.config import ConfigError
-from torchtitan_ext.config.apply import RefusedValues, apply_overrides, apply_toml_files, valid_keys, written_fields
+from torchtitan_ext.config.apply import (
+    applied_noting_refusals,
+    apply_overrides,
+    apply_toml_files,
+    valid_keys,
+    written_fields,
+)
 from torchtitan_ext.config.checks import run_config_checks, value_check_errors
 from torchtitan_ext.config.command_line import (
     COMMAND_LINE,
@@ -111,14 +118,11 @@ def parser_option_problems(config, parser_keys: dict[str, tuple[str, Any]]) -> t
     """(the values refused one by one among the options torchtitan's parser takes (``parser_options``), what
     the value checks find in ``config`` with every other of those values applied): where a value was refused,
     the rest of the run's one message."""
-    refused = []
-    try:
-        config = apply_overrides(config, {key: value for key, (_, value) in parser_keys.items()}, COMMAND_LINE)
-    except RefusedValues as e:
-        refused.append(str(e))
-        config = e.applied
-    except ConfigError:
-        pass  # options that set one field twice: the command-line checks name them once the values are fixed
+    refused: list[str] = []
+    values = {key: value for key, (_, value) in parser_keys.items()}
+    # options that set one field twice: the command-line checks name them once the values are fixed
+    with contextlib.suppress(ConfigError):
+        config = applied_noting_refusals(refused, apply_overrides, config, values, COMMAND_LINE)
     return refused, value_check_errors(config)
 
 
@@ -135,17 +139,9 @@ class FlavorConfigManager(ConfigManager):
         args, rest = subcommands_as_short_keys(args), subcommands_as_short_keys(rest)
         self.run_arguments = (flavor, tomls, rest)
         cli_overrides, rest = split_override_args(rest)
-        refused = []
-        try:
-            from_files = resolve_config(flavor, tomls)
-        except RefusedValues as e:
-            refused.append(str(e))
-            from_files = e.applied
-        try:
-            config = apply_overrides(from_files, cli_overrides, source=COMMAND_LINE)
-        except RefusedValues as e:
-            refused.append(str(e))
-            config = e.applied
+        refused: list[str] = []
+        from_files = applied_noting_refusals(refused, resolve_config, flavor, tomls)
+        config = applied_noting_refusals(refused, apply_overrides, from_files, cli_overrides, COMMAND_LINE)
         known = set(valid_keys(config))
         rest = switches_for_parser(rest, [key for key, value in leaf_items(config).items() if isinstance(value, bool)])
         parser_keys = parser_options(rest, known)
@@ -283,7 +279,6 @@ def value_error_line(lines: list[str], args: Sequence[str]) -> str | None:
 def parse_with_tyro(parse, args: Sequence[str] = ()):
     """Run torchtitan's tyro parsing of ``args``; its usage errors and ``ValueError``s become
     ``ConfigError`` (a value tyro could not convert worded as ``value_error_line`` does)."""
-    import contextlib
     import io
 
     captured = io.StringIO()

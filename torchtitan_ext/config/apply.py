@@ -9,7 +9,7 @@ final config.
 
 import copy
 import itertools
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +223,16 @@ class RefusedValues(ConfigError):
         self.applied = applied
 
 
+def applied_noting_refusals(refusals: list[str], apply: Callable[..., Any], *args: Any, **kwargs: Any):
+    """``apply(*args, **kwargs)``'s config; where it refuses values one by one (``RefusedValues``), its
+    message is added to ``refusals`` and the config with every other override applied is returned instead."""
+    try:
+        return apply(*args, **kwargs)
+    except RefusedValues as e:
+        refusals.append(str(e))
+        return e.applied
+
+
 def apply_overrides(config, overrides: dict[str, Any], source: str = "TOML", lines: dict[str, int] | None = None):
     """Return a copy of ``config`` with ``{dotted_key: value}`` applied, or raise.
 
@@ -257,10 +267,7 @@ def apply_toml_files(config, paths: list[str]):
     for path in paths:
         try:
             overrides, lines = read_toml(Path(path))
-            config = apply_overrides(config, overrides, source=str(path), lines=lines)
-        except RefusedValues as e:
-            errors.append(str(e))
-            config = e.applied
+            config = applied_noting_refusals(errors, apply_overrides, config, overrides, str(path), lines)
         except ConfigError as e:
             errors.append(str(e))
             only_refused_values = False

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torchtitan.distributed.spmd_types import maybe_set_sparse_mesh
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 
@@ -35,6 +34,7 @@ from torchtitan_ext.kernels.fused_moe import (
 )
 
 from .dispatcher import RoutingDispatcher
+from .dtensor_parts import local_part
 from .fp8_experts import EXPERT_PRECISIONS, FP8_PRECISIONS, ExpertPrecision, fp8_grouped_experts
 from .grouped_matmul import grouped_mm, row_major, weight_rows
 from .validated_config import ValidatedConfig, choice_errors
@@ -366,10 +366,6 @@ def host_sync_backends() -> frozenset[str]:
     return frozenset(name for name, spec in BACKENDS.items() if spec.syncs_with_host)
 
 
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    return weight.to_local() if isinstance(weight, DTensor) else weight
-
-
 def _in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
     """``x`` in the autocast dtype when autocast is on for its device, else ``x`` unchanged."""
     device_type = x.device.type
@@ -440,7 +436,7 @@ class BackendGroupedExperts(GroupedExperts):
     ) -> torch.Tensor:
         """``x_RD`` grouped by expert, ``num_tokens_per_expert_E`` its segment sizes -> ``(R, D)``; with
         ``row_scores_R`` (``(R,)``) each output row times its score (backends with ``row_weighted``)."""
-        weights = (_local(self.w1_EFD), _local(self.w2_EDF), _local(self.w3_EFD))
+        weights = (local_part(self.w1_EFD), local_part(self.w2_EDF), local_part(self.w3_EFD))
         recompute = {"recompute_preactivations": True} if self.recompute_preactivations else {}
         if row_scores_R is None:
             compute = expert_compute(self.backend, self.expert_precision)
@@ -524,9 +520,9 @@ class FusedRoutedExperts(RoutedExperts):
         experts = self.inner_experts
         out_TD = routed(
             x_BLD.reshape(batch * seq_len, dim),
-            _local(experts.w1_EFD),
-            _local(experts.w2_EDF),
-            _local(experts.w3_EFD),
+            local_part(experts.w1_EFD),
+            local_part(experts.w2_EDF),
+            local_part(experts.w3_EFD),
             topk_expert_ids_BLK.reshape(batch * seq_len, top_k),
             topk_scores_BLK.reshape(batch * seq_len, top_k),
         )

@@ -35,13 +35,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import TokenChoiceTopKRouter
 
 from torchtitan_ext.kernels.moe_permute import slot_counts, stable_expert_order
 from torchtitan_ext.kernels.topk_routing import topk_routing, topk_routing_unsupported_reason
 
+from .dtensor_parts import laid_out_like, local_part
 from .validated_config import ValidatedConfig, positive_or_off_errors
 
 
@@ -149,30 +150,6 @@ class RouterGate(Linear):
             and torch.is_autocast_enabled("cuda")
             and torch.get_autocast_dtype("cuda") == torch.float32
         )
-
-
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor`` (a DTensor under tensor parallelism), ``tensor`` itself otherwise."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def laid_out_like(local: torch.Tensor, reference: torch.Tensor, *, sum_over_tokens: bool = False) -> torch.Tensor:
-    """``local`` as this rank's part of a tensor laid out like ``reference`` (itself where ``reference`` is no
-    DTensor). ``sum_over_tokens``: ``local`` sums over ``reference``'s tokens, so it is Partial on every mesh
-    axis that shards them (and keeps no token dims)."""
-    if not isinstance(reference, DTensor):
-        return local
-    if sum_over_tokens:
-        placements = [Partial() if isinstance(p, Shard) else p for p in reference.placements]
-        return DTensor.from_local(local, reference.device_mesh, placements, run_check=False)
-    return DTensor.from_local(
-        local,
-        reference.device_mesh,
-        reference.placements,
-        run_check=False,
-        shape=reference.shape,
-        stride=reference.stride(),
-    )
 
 
 def capacity_keep_mask(expert_ids_S: torch.Tensor, counts_E: torch.Tensor, capacity: int) -> torch.Tensor:
