@@ -7,7 +7,13 @@ import logging
 
 import pytest
 import torch
-from helpers import fresh_buffers_hold_nan, model_config, nested_configs, tensors_saved_for_backward
+from helpers import (
+    fresh_buffers_hold_nan,
+    model_config,
+    nested_configs,
+    tensors_saved_for_backward,
+    with_fp8_weight_scales,
+)
 from torchtitan.components.quantization.float8 import Float8GroupedExpertsConverter
 from torchtitan.components.quantization.mx import MXFP8GroupedExpertsConverter
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
@@ -24,15 +30,15 @@ from torchtitan_ext.experiments.moe_backends.fp8_experts import (
     fp8_unavailable_reason,
     quantize_dequantize,
     quantize_rowwise,
-    quantize_stacked_columns,
     quantize_stacked_rows,
+    quantize_stacked_rows_transposed,
     reference_fp8_experts,
 )
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config, with_expert_precision
 from torchtitan_ext.kernels import fp8_quantize
 from torchtitan_ext.kernels.availability import interpreter_enabled
 from torchtitan_ext.kernels.fp8_grouped_gemm import fp8_grouped_gemm
-from torchtitan_ext.kernels.fp8_quantize import quantize_activation_rows, quantize_columns_transposed, quantize_rows
+from torchtitan_ext.kernels.fp8_quantize import quantize_activation_rows, quantize_rows, quantize_rows_transposed
 from torchtitan_ext.registry import Flavor, get_flavor
 from torchtitan_ext.run_training import FlavorConfigManager
 
@@ -108,18 +114,32 @@ def assert_rounds_into_the_next_exponent_and_to_subnormals(values: torch.Tensor,
 
 @interpreted_kernels
 @pytest.mark.parametrize(
-    "part_shapes", [[(3, 40, 70)], [(2, 24, 33), (2, 72, 33)]], ids=["one_part_masked_tiles", "gate_and_up"]
+    "part_shapes",
+    [[(3, 140, 70)], [(2, 24, 33), (2, 72, 33)]],
+    ids=["one_part_masked_tiles", "gate_and_up_in_one_tile"],
 )
-def test_the_column_quantisation_kernel_is_the_plain_torch_rule_transposed(part_shapes):
+def test_the_transposing_kernel_stores_the_row_kernels_values_transposed(part_shapes):
+    """The forward's e4m3 values from the row scales it returned, laid out [E, K, N]: bit-equal to the
+    plain-torch rule transposed, every rounding included, and to the row kernel's own values."""
     parts = [rounding_cases(shape, seed) for seed, shape in enumerate(part_shapes)]
-    parts[0][1, :, 5] = 0  # a column of zeros: scaled as SMALLEST_AMAX, values zero
-    values, inverse = quantize_columns_transposed(parts)
-    expected_values, expected_inverse = quantize_stacked_columns(parts, emulated=True)
+    parts[0][1, 2] = 0  # a row of zeros: scaled as SMALLEST_AMAX, values zero
+    row_values, inverse = quantize_rows(parts)
+    values = quantize_rows_transposed(parts, inverse)
+    expected = quantize_stacked_rows_transposed(parts, inverse, emulated=True)
     stacked_rows = sum(shape[1] for shape in part_shapes)
     assert values.shape == (part_shapes[0][0], part_shapes[0][2], stacked_rows) and values.is_contiguous()
-    assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
-    assert torch.equal(inverse, expected_inverse)
-    assert_rounds_into_the_next_exponent_and_to_subnormals(values, inverse, torch.cat(parts, dim=1).transpose(-2, -1))
+    assert torch.equal(values.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(values.transpose(-2, -1).view(torch.uint8), row_values.view(torch.uint8))
+    assert_rounds_into_the_next_exponent_and_to_subnormals(values, inverse.transpose(-2, -1), torch.cat(parts, 1).mT)
+
+
+@pytest.mark.parametrize(
+    "inverse_shape, dtype", [((2, 4, 1), torch.float32), ((2, 8), torch.float32), ((2, 8, 1), torch.float16)]
+)
+def test_the_transposing_kernel_refuses_scales_of_another_shape_or_dtype(inverse_shape, dtype):
+    parts = [torch.ones(2, 4, 8, device=KERNEL_DEVICE)] * 2
+    with pytest.raises(ValueError, match=r"inverse row scales must be fp32 \[E, N, 1\] = \[2, 8, 1\]"):
+        quantize_rows_transposed(parts, torch.ones(inverse_shape, dtype=dtype, device=KERNEL_DEVICE))
 
 
 @interpreted_kernels
@@ -146,11 +166,15 @@ def test_the_row_quantisation_kernel_is_the_plain_torch_rule(part_shapes):
     [((70,), None), ((24, 40), None), ((24, 40), 16), ((300,), 128)],
     ids=["one_part", "gradients_of_gate_and_up", "two_parts_in_blocks", "one_part_in_blocks"],
 )
-def test_the_activation_quantisation_kernel_is_the_plain_torch_rule_on_the_experts_rows(part_cols, block, monkeypatch):
+@pytest.mark.parametrize("with_factors", [False, True], ids=["plain", "times_the_experts_factors"])
+def test_the_activation_quantisation_kernel_is_the_plain_torch_rule_on_the_experts_rows(
+    part_cols, block, with_factors, monkeypatch
+):
     """The rows of the parts joined along K (``[d gate, d up]``), one part read through a row stride
-    wider than its columns; rows longer than the kernel's block (``block``) in two passes. The experts'
-    rows equal the plain-torch rule; the rows after them are not written (NaN from the fresh buffers:
-    e4m3 NaN is 0x7f or 0xff)."""
+    wider than its columns; rows longer than the kernel's block (``block``) in two passes; with factors,
+    each row times its expert's (an empty expert between two others). The experts' rows equal the
+    plain-torch rule; the rows after them are not written (NaN from the fresh buffers: e4m3 NaN is 0x7f
+    or 0xff)."""
     if block is not None:
         monkeypatch.setattr(fp8_quantize, "ACTIVATION_BLOCK", block)
     experts_rows, after = 37, 4
@@ -158,15 +182,19 @@ def test_the_activation_quantisation_kernel_is_the_plain_torch_rule_on_the_exper
     parts = [wide[:, : part_cols[0]], *(rounding_cases((experts_rows + after, c), 1) for c in part_cols[1:])]
     parts[0][3] = 0  # a row of zeros: scaled as SMALLEST_AMAX, values zero
     group_end = torch.tensor([10, 10, experts_rows], dtype=torch.int32)
+    joined = torch.cat(parts, dim=1)[:experts_rows]
+    factors = None
+    if with_factors:
+        exponents = torch.randint(-9, 4, (3, sum(part_cols)), generator=torch.Generator().manual_seed(2))
+        factors = torch.exp2(exponents.float())
+        joined = joined * factors[torch.tensor([0] * 10 + [2] * (experts_rows - 10))]
     with fresh_buffers_hold_nan():
-        values, inverse = quantize_activation_rows(parts, group_end)
-    expected_values, expected_inverse = quantize_rowwise(torch.cat(parts, dim=1)[:experts_rows])
+        values, inverse = quantize_activation_rows(parts, group_end, factors)
+    expected_values, expected_inverse = quantize_rowwise(joined)
     assert values.shape == (experts_rows + after, sum(part_cols)) and values.is_contiguous()
     assert torch.equal(values[:experts_rows].view(torch.uint8), expected_values.view(torch.uint8))
     assert torch.equal(inverse[:experts_rows], expected_inverse)
-    assert_rounds_into_the_next_exponent_and_to_subnormals(
-        values[:experts_rows], inverse[:experts_rows], torch.cat(parts, dim=1)[:experts_rows]
-    )
+    assert_rounds_into_the_next_exponent_and_to_subnormals(values[:experts_rows], inverse[:experts_rows], joined)
     assert inverse[experts_rows:].isnan().all()
     assert (values[experts_rows:].view(torch.uint8) & 0x7F == 0x7F).all()
 
@@ -186,7 +214,22 @@ def test_the_activation_quantisation_kernel_refuses_mismatched_parts(parts, mess
         quantize_activation_rows([p.to(KERNEL_DEVICE) for p in parts], torch.tensor([4], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("quantize", [quantize_columns_transposed, quantize_rows])
+@pytest.mark.parametrize(
+    "factors_shape, dtype", [((2, 8), torch.float32), ((1, 6), torch.float32), ((1, 8), torch.half)]
+)
+def test_the_activation_quantisation_kernel_refuses_factors_of_another_shape_or_dtype(factors_shape, dtype):
+    parts = [torch.zeros(4, 8, device=KERNEL_DEVICE)]
+    with pytest.raises(ValueError, match=r"factors must be fp32 \[E, K\] = \[1, 8\]"):
+        quantize_activation_rows(
+            parts, torch.tensor([4], dtype=torch.int32), torch.ones(factors_shape, dtype=dtype, device=KERNEL_DEVICE)
+        )
+
+
+@pytest.mark.parametrize(
+    "quantize",
+    [quantize_rows, lambda parts: quantize_rows_transposed(parts, torch.ones(2, 8, 1, device=KERNEL_DEVICE))],
+    ids=["rows", "rows_transposed"],
+)
 def test_the_weight_quantisation_kernels_refuse_mismatched_parts(quantize):
     with pytest.raises(ValueError, match=r"must be \[E, P, K\] tensors of one E, K and dtype"):
         quantize([torch.ones(2, 4, 8, device=KERNEL_DEVICE), torch.ones(2, 4, 16, device=KERNEL_DEVICE)])
@@ -323,12 +366,13 @@ def test_compiled_triton_fp8_experts_equal_eager():
 @interpreted_kernels
 def test_compiled_triton_fp8_experts_save_what_the_native_experts_save():
     """No e4m3 weight copy is kept from the forward to the backward (FSDP frees the gathered weights
-    after the forward, not copies of them): the compiled graph saves the tensors the bf16 experts save."""
+    after the forward, not copies of them): the compiled graph saves the tensors the bf16 experts save,
+    and the weights' inverse row scales."""
     counts = COUNT_CASES["mixed_with_an_empty_expert"]
     inputs = expert_inputs(counts, 32, 48)
     native = tensors_saved_for_backward(grouped_mm_experts, inputs, torch.tensor(counts))
     fp8 = tensors_saved_for_backward(fp8_grouped_experts, inputs, torch.tensor(counts), emulated=False, gemm="triton")
-    assert fp8 == native
+    assert fp8 == with_fp8_weight_scales(native)
 
 
 @interpreted_kernels

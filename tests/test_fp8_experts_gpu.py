@@ -5,7 +5,7 @@ router scores with rows after the experts' (static received rows)."""
 
 import pytest
 import torch
-from helpers import fresh_buffers_hold_nan, tensors_saved_for_backward
+from helpers import fresh_buffers_hold_nan, tensors_saved_for_backward, with_fp8_weight_scales
 
 from torchtitan_ext.bench.common import relative_error
 from torchtitan_ext.experiments.moe_backends.experts import grouped_mm_experts
@@ -14,11 +14,10 @@ from torchtitan_ext.experiments.moe_backends.fp8_experts import (
     fp8_grouped_experts,
     fp8_unavailable_reason,
     quantize_rowwise,
-    quantize_stacked_columns,
     quantize_stacked_rows,
     reference_fp8_experts,
 )
-from torchtitan_ext.kernels.fp8_quantize import quantize_activation_rows, quantize_columns_transposed, quantize_rows
+from torchtitan_ext.kernels.fp8_quantize import quantize_activation_rows, quantize_rows, quantize_rows_transposed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -101,18 +100,17 @@ def test_compiled_fp8_experts_equal_eager(gemm):
     [[(8, 200, 72)], [(16, 768, 2048), (16, 768, 2048)], [(4, 40, 14336)]],
     ids=["masked", "gate_up", "long_rows"],
 )
-@pytest.mark.parametrize(
-    "kernel, rule",
-    [(quantize_rows, quantize_stacked_rows), (quantize_columns_transposed, quantize_stacked_columns)],
-    ids=["rows", "columns"],
-)
-def test_the_weight_quantisation_kernels_round_as_torch(kernel, rule, part_shapes):
+def test_the_weight_quantisation_kernels_round_as_torch(part_shapes):
+    """Both layouts bit-equal to the plain-torch rule: the row kernel's values and scales, and its values
+    transposed by the transposing kernel from those scales."""
     generator = torch.Generator().manual_seed(0)
     parts = [torch.randn(*shape, generator=generator).to("cuda", torch.bfloat16) for shape in part_shapes]
-    values, inverse = kernel(parts)
-    expected_values, expected_inverse = rule(parts, emulated=True)
+    values, inverse = quantize_rows(parts)
+    expected_values, expected_inverse = quantize_stacked_rows(parts, emulated=True)
     assert torch.equal(inverse, expected_inverse)
     assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
+    transposed = quantize_rows_transposed(parts, inverse)
+    assert torch.equal(transposed.view(torch.uint8), expected_values.mT.contiguous().view(torch.uint8))
 
 
 @pytest.mark.parametrize(
@@ -125,15 +123,22 @@ def test_the_weight_quantisation_kernels_round_as_torch(kernel, rule, part_shape
     ],
     ids=["tokens", "gradients_of_gate_and_up", "long_rows_in_blocks", "fp32"],
 )
-def test_the_activation_quantisation_kernel_rounds_as_torch(part_cols, dtype):
-    """Bit-equal to the plain-torch rule on the experts' rows; the rows after them are not written."""
+@pytest.mark.parametrize("with_factors", [False, True], ids=["plain", "times_the_experts_factors"])
+def test_the_activation_quantisation_kernel_rounds_as_torch(part_cols, dtype, with_factors):
+    """Bit-equal to the plain-torch rule on the experts' rows (with factors: each row times its expert's
+    first); the rows after them are not written."""
     generator = torch.Generator().manual_seed(0)
     rows, after = 3000, 100
     parts = [(torch.randn(rows + after, cols, generator=generator) * 3).to("cuda", dtype) for cols in part_cols]
     group_end = torch.tensor([1000, 1000, rows], device="cuda", dtype=torch.int32)
+    joined = torch.cat(parts, dim=1)[:rows].float()
+    factors = None
+    if with_factors:
+        factors = torch.exp2(torch.randint(-9, 4, (3, sum(part_cols)), generator=generator).float()).to("cuda")
+        joined = joined * factors[torch.tensor([0] * 1000 + [2] * (rows - 1000), device="cuda")]
     with fresh_buffers_hold_nan():
-        values, inverse = quantize_activation_rows(parts, group_end)
-    expected_values, expected_inverse = quantize_rowwise(torch.cat(parts, dim=1)[:rows])
+        values, inverse = quantize_activation_rows(parts, group_end, factors)
+    expected_values, expected_inverse = quantize_rowwise(joined)
     assert torch.equal(inverse[:rows], expected_inverse)
     assert torch.equal(values[:rows].view(torch.uint8), expected_values.view(torch.uint8))
     assert inverse[rows:].isnan().all()
@@ -162,8 +167,10 @@ def test_the_triton_fp8_gemm_equals_torchs_scaled_grouped_mm():
 @pytest.mark.parametrize("gemm", FP8_GEMMS)
 def test_compiled_fp8_experts_save_what_the_native_experts_save(gemm):
     """No e4m3 weight copy is kept from the forward to the backward (FSDP frees the gathered weights
-    after the forward, not copies of them)."""
+    after the forward, not copies of them), only the weights' inverse row scales besides what the bf16
+    experts keep."""
     inputs = expert_inputs(256, 128)
     counts = torch.tensor(COUNTS, device="cuda")
     native = tensors_saved_for_backward(grouped_mm_experts, inputs, counts)
-    assert tensors_saved_for_backward(fp8_grouped_experts, inputs, counts, emulated=False, gemm=gemm) == native
+    fp8 = tensors_saved_for_backward(fp8_grouped_experts, inputs, counts, emulated=False, gemm=gemm)
+    assert fp8 == with_fp8_weight_scales(native)

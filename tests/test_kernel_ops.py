@@ -16,7 +16,7 @@ from torchtitan_ext.experiments.moe_backends.grouped_matmul import grouped_mm
 from torchtitan_ext.kernels import moe_permute
 from torchtitan_ext.kernels.availability import interpreter_enabled
 from torchtitan_ext.kernels.fp8_grouped_gemm import fp8_grouped_gemm
-from torchtitan_ext.kernels.fp8_quantize import quantize_activation_rows, quantize_columns_transposed, quantize_rows
+from torchtitan_ext.kernels.fp8_quantize import quantize_activation_rows, quantize_rows, quantize_rows_transposed
 from torchtitan_ext.kernels.fused_moe import fused_moe_grouped, fused_moe_routed
 from torchtitan_ext.kernels.library_ops import NAMESPACE, kernel_op
 from torchtitan_ext.kernels.swiglu_experts import (
@@ -158,8 +158,9 @@ def test_fp8_ops():
     w_values, w_inverse = quantize_rows(w_parts)
     for op, args in (
         (quantize_rows, (w_parts,)),
-        (quantize_columns_transposed, (w_parts, parts[0])),
+        (quantize_rows_transposed, (w_parts, w_inverse, parts[0])),
         (quantize_activation_rows, (parts, group_end)),
+        (quantize_activation_rows, (parts, group_end, w_inverse.squeeze(-1))),
         (fp8_grouped_gemm, (a_values, a_inverse, w_values, w_inverse, group_end, torch.float32)),
     ):
         torch.library.opcheck(op, args, test_utils=FP8_OPCHECK_TESTS)
@@ -189,7 +190,7 @@ def test_grouped_mm_op():
 OPCHECKED_HERE = {
     "swiglu_experts_forward", "swiglu_experts_backward", "swiglu_experts_preactivations", "routing_metadata",
     "permute_rows", "sum_rows", "weighted_sum_rows", "weighted_sum_rows_backward", "topk_routing",
-    "topk_routing_backward", "quantize_rows", "quantize_columns_transposed", "quantize_activation_rows",
+    "topk_routing_backward", "quantize_rows", "quantize_rows_transposed", "quantize_activation_rows",
     "fp8_grouped_gemm", "grouped_mm",
 }  # fmt: skip
 """The ops the tests above hold to ``opcheck``."""

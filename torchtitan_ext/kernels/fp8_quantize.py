@@ -1,6 +1,7 @@
-"""FP8 (e4m3) quantisation of expert weights, one Triton kernel per layout.
+"""FP8 (e4m3) quantisation of the expert GEMMs' operands: the weights, one Triton kernel per layout,
+and the activations' rows.
 
-Both take expert weights ``w_EPK`` as parts stacked along P (e.g. the gate and up projections
+The weight kernels take expert weights ``w_EPK`` as parts stacked along P (e.g. the gate and up projections
 ``[w1; w3]``), without stacking them in memory, and apply the rule of ``quantize_rowwise``
 (``experiments.moe_backends.fp8_experts``): a power-of-two scale ``2^floor(log2(448 / amax))`` per
 row of the operand, ``amax`` its absolute maximum (at least ``SMALLEST_AMAX``).
@@ -10,28 +11,23 @@ along K: ``values_ENK`` e4m3 [E, N, K], ``inverse_EN1`` fp32 [E, N, 1]. Compiled
 Inductor's kernel loops over each row twice (absolute maximum, then scale and cast); this one holds
 each row whole and reads it once.
 
-``quantize_columns_transposed(w_parts)`` returns the stack's columns quantised and laid out
-transposed, the input gradient's weight operand:
+``quantize_rows_transposed(w_parts, inverse_EN1)`` returns the same e4m3 values laid out transposed,
+the input gradient's weight operand (e4m3 operands must be K-major on Hopper, and ``d x = d y @ w[e]``
+contracts over N): ``values_EKN`` row-major [E, K, N], ``values[e, k, n] = e4m3(w[e, n, k] /
+inverse[e, n])`` with the inverse scales ``quantize_rows`` returned, so no maximum is taken again and
+the values are the forward's. The row scales run along the input gradient's contraction, so they
+multiply the output gradient's columns instead (``quantize_activation_rows``' ``factors``). Each tile
+is read once and stored transposed.
 
-- ``values_EKN`` e4m3, row-major [E, K, N] with N the parts' summed rows:
-  ``values[e, k, n] = clamp(w[e, n, k] * scale[e, k], -448, 448)`` rounded to e4m3;
-- ``inverse_EK1`` fp32 [E, K, 1]: ``1 / scale``, ``scale = 2^floor(log2(448 / amax))`` with ``amax``
-  the column's absolute maximum over N (at least ``SMALLEST_AMAX``).
-
-That is ``quantize_rowwise`` (``experiments.moe_backends.fp8_experts``) of the stack's transpose,
-made row-major: the operand ``torch._scaled_grouped_mm`` needs for ``d x = d y @ w[e]``. Compiled as
-plain torch, Inductor reduces over the strided dimension and writes the transpose in separate
-passes; the kernel reads each column block twice (absolute maximum, then scale and cast) and writes
-the transposed e4m3 tile once.
-
-``quantize_activation_rows(parts, group_end)`` quantises the rows of activations, the left operand of
-the FP8 GEMMs (the tokens, the SwiGLU output, the output gradients): the rows of the parts joined
-along their last dimension (e.g. ``[d gate, d up]``, never joined in memory), ``values_RK`` e4m3 and
-``inverse_R1`` fp32, with the rule of ``quantize_rowwise``, for the rows of the experts only (rows
-from ``group_end[E-1]`` on, which no GEMM reads, stay unset). One program reads its rows once
-(rows longer than ``ACTIVATION_BLOCK`` twice, in blocks). Compiled as plain torch, Inductor's kernel
-took 2-5x longer on an H200 (0.21 against 0.10 ms for 65536 x 2048 bf16 rows, 0.39 against 0.08 for
-65536 x 1536) and quantised every row of a static receive buffer.
+``quantize_activation_rows(parts, group_end, factors)`` quantises the rows of activations, the left
+operand of the FP8 GEMMs (the tokens, the SwiGLU output, the output gradients): the rows of the parts
+joined along their last dimension (e.g. ``[d gate, d up]``, never joined in memory), each times its
+expert's row of ``factors`` [E, K] where given (the weight's inverse row scales, for the input
+gradient), ``values_RK`` e4m3 and ``inverse_R1`` fp32, with the rule of ``quantize_rowwise``, for the
+rows of the experts only (rows from ``group_end[E-1]`` on, which no GEMM reads, stay unset). One
+program reads its rows once (rows longer than ``ACTIVATION_BLOCK`` twice, in blocks). Compiled as
+plain torch, Inductor's kernel took 2-5x longer on an H200 (0.21 against 0.10 ms for 65536 x 2048
+bf16 rows, 0.39 against 0.08 for 65536 x 1536) and quantised every row of a static receive buffer.
 
 Each scaled value is cast to e4m3 rounding to nearest, ties to even, as torch's cast does. Under
 Triton's interpreter, whose cast rounds wrongly where the rounding carries into the exponent or
@@ -54,11 +50,9 @@ E4M3_MAX = 448.0
 """The largest finite e4m3 (``torch.float8_e4m3fn``) value."""
 SMALLEST_AMAX = 1e-12
 """The amax a row or column of zeros is scaled as (any positive value: its e4m3 values are zeros)."""
-BLOCK_N = 128
-BLOCK_K = 64
-"""The column kernel's tile: ``BLOCK_N`` rows of ``BLOCK_K`` columns per load. On an H200, at Qwen3-30B-A3B's
-gate and up weights, 128 x 64 took 0.54 ms from bf16 and 0.89 from fp32, against 0.66 and 1.01 for 64 x 64,
-the fastest or within 2% of it over 24 tile and warp counts (docs/results/fp8_experts.md)."""
+BLOCK_N = 64
+BLOCK_K = 128
+"""The transposing kernel's tile: ``BLOCK_N`` rows of ``BLOCK_K`` columns (``BLOCK_N`` e4m3 bytes per stored row)."""
 MAX_PARTS = 2
 ROW_KERNEL_ELEMENTS = 8192
 """Elements one program of the row kernel holds: as many rows (K padded to a power of 2) as fit, at
@@ -88,91 +82,37 @@ def _to_e4m3(scaled, E4M3_MAX: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
 
 
 @triton.jit
-def _part_amax(part_ptr, expert, rows, k, k_ok, amax, K, BLOCK_N: tl.constexpr):
-    """``amax`` [BLOCK_K] updated with the absolute maxima of columns ``k`` of one part's expert."""
-    base = part_ptr + expert * rows * K
-    for start in range(0, rows, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        mask = (n[:, None] < rows) & k_ok[None, :]
-        tile = tl.load(base + n[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(tile), axis=0))
-    return amax
-
-
-@triton.jit
-def _part_store_transposed(
-    part_ptr,
-    values_ptr,
-    expert,
-    rows,
-    first_row,
-    total_rows,
-    k,
-    k_ok,
-    scale,
-    K,
-    E4M3_MAX: tl.constexpr,
-    ROUND_IN_FP32: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Scale, cast and store one part's rows as columns ``first_row + n`` of ``values[expert, k, :]``."""
-    base = part_ptr + expert * rows * K
-    out = values_ptr + expert * K * total_rows
-    for start in range(0, rows, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        mask = (n[:, None] < rows) & k_ok[None, :]
-        tile = tl.load(base + n[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        quantized = _to_e4m3(tile * scale[None, :], E4M3_MAX, ROUND_IN_FP32)
-        tl.store(
-            out + k[:, None] * total_rows + (first_row + n)[None, :],
-            tl.trans(quantized),
-            mask=tl.trans(mask),
-        )
-
-
-@triton.jit
-def _quantize_columns_transposed_kernel(
+def _quantize_rows_transposed_kernel(
     first_ptr,
     second_ptr,
     FIRST_ROWS,
     SECOND_ROWS,
-    values_ptr,
     inverse_ptr,
+    values_ptr,
     K,
     E4M3_MAX: tl.constexpr,
-    SMALLEST_AMAX: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One program per (expert, block of BLOCK_K columns); ``SECOND_ROWS`` 0: one part."""
+    """One program per (expert, ``BLOCK_N`` rows of the stack, ``BLOCK_K`` columns): each tile read
+    once, scaled by its rows' given scales, cast and stored transposed; ``SECOND_ROWS`` 0: one part."""
     expert = tl.program_id(0).to(tl.int64)
-    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    k_ok = k < K
     total_rows = FIRST_ROWS + SECOND_ROWS
-    amax = tl.full([BLOCK_K], SMALLEST_AMAX, tl.float32)
-    amax = _part_amax(first_ptr, expert, FIRST_ROWS, k, k_ok, amax, K, BLOCK_N)
-    amax = _part_amax(second_ptr, expert, SECOND_ROWS, k, k_ok, amax, K, BLOCK_N)
-    scale = tl.exp2(tl.floor(tl.log2(tl.math.div_rn(E4M3_MAX, amax))))
-    tl.store(inverse_ptr + expert * K + k, 1.0 / scale, mask=k_ok)
-    _part_store_transposed(
-        first_ptr, values_ptr, expert, FIRST_ROWS, 0, total_rows, k, k_ok, scale, K, E4M3_MAX, ROUND_IN_FP32, BLOCK_N
-    )
-    _part_store_transposed(
-        second_ptr,
-        values_ptr,
-        expert,
-        SECOND_ROWS,
-        FIRST_ROWS,
-        total_rows,
-        k,
-        k_ok,
-        scale,
-        K,
-        E4M3_MAX,
-        ROUND_IN_FP32,
-        BLOCK_N,
-    )
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = (k < K)[None, :]
+    in_first = n < FIRST_ROWS
+    in_second = (n >= FIRST_ROWS) & (n < total_rows)
+    first_rows = first_ptr + (expert * FIRST_ROWS + n) * K
+    second_rows = second_ptr + (expert * SECOND_ROWS + n - FIRST_ROWS) * K
+    tile = tl.load(first_rows[:, None] + k[None, :], mask=in_first[:, None] & k_ok, other=0.0).to(tl.float32)
+    tile += tl.load(second_rows[:, None] + k[None, :], mask=in_second[:, None] & k_ok, other=0.0).to(tl.float32)
+    row_ok = n < total_rows
+    inverse = tl.load(inverse_ptr + expert * total_rows + n, mask=row_ok, other=1.0)
+    quantized = _to_e4m3(tile * (1.0 / inverse)[:, None], E4M3_MAX, ROUND_IN_FP32)
+    out = values_ptr + expert * K * total_rows + k[:, None] * total_rows + n[None, :]
+    tl.store(out, tl.trans(quantized), mask=tl.trans(row_ok[:, None] & k_ok))
 
 
 @triton.jit
@@ -213,14 +153,37 @@ def _quantize_rows_kernel(
 
 
 @triton.jit
-def _activation_block(first_ptr, second_ptr, rows, first_stride, second_stride, cols, row_ok, FIRST_COLS, SECOND_COLS):
-    """[ROWS, BLOCK] fp32 block of the joined rows at columns ``cols`` (zeros outside the rows and parts)."""
+def _activation_block(
+    first_ptr,
+    second_ptr,
+    rows,
+    first_stride,
+    second_stride,
+    cols,
+    row_ok,
+    FIRST_COLS,
+    SECOND_COLS,
+    factor_rows,
+    first_factors,
+    one_expert,
+    HAS_FACTORS: tl.constexpr,
+):
+    """[ROWS, BLOCK] fp32 block of the joined rows at columns ``cols`` (zeros outside the rows and parts),
+    times the rows' factors there when ``HAS_FACTORS`` (``factor_rows``: each row's first factor; when
+    ``one_expert``, the rows share the first row's, ``first_factors``, and one row of factors is read)."""
     in_first = cols < FIRST_COLS
     in_second = (cols >= FIRST_COLS) & (cols < FIRST_COLS + SECOND_COLS)
     first = first_ptr + rows.to(tl.int64)[:, None] * first_stride + cols[None, :]
     second = second_ptr + rows.to(tl.int64)[:, None] * second_stride + (cols - FIRST_COLS)[None, :]
     block = tl.load(first, mask=row_ok[:, None] & in_first[None, :], other=0.0).to(tl.float32)
-    return block + tl.load(second, mask=row_ok[:, None] & in_second[None, :], other=0.0).to(tl.float32)
+    block += tl.load(second, mask=row_ok[:, None] & in_second[None, :], other=0.0).to(tl.float32)
+    if HAS_FACTORS:
+        in_row = cols < FIRST_COLS + SECOND_COLS
+        if one_expert:
+            block *= tl.load(first_factors + cols, mask=in_row, other=0.0)[None, :]
+        else:
+            block *= tl.load(factor_rows[:, None] + cols[None, :], mask=row_ok[:, None] & in_row[None, :], other=0.0)
+    return block
 
 
 @triton.jit
@@ -231,6 +194,7 @@ def _quantize_activation_rows_kernel(
     second_stride,
     FIRST_COLS,
     SECOND_COLS,
+    factors_ptr,
     values_ptr,
     inverse_ptr,
     group_end_ptr,
@@ -238,12 +202,15 @@ def _quantize_activation_rows_kernel(
     E4M3_MAX: tl.constexpr,
     SMALLEST_AMAX: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
+    HAS_FACTORS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     ONE_BLOCK: tl.constexpr,
 ):
     """One program per ``ROWS`` rows; rows from ``group_end[E-1]`` on are skipped. ``ONE_BLOCK``: a row
-    fits in ``BLOCK`` columns and is read once; otherwise twice (absolute maximum, then scale and cast)."""
+    fits in ``BLOCK`` columns and is read once; otherwise twice (absolute maximum, then scale and cast).
+    ``HAS_FACTORS``: each row times its expert's row of ``factors`` [E, K] first."""
     num_assigned = tl.load(group_end_ptr + num_experts - 1)
     first_row = tl.program_id(0) * ROWS
     if first_row >= num_assigned:
@@ -252,18 +219,30 @@ def _quantize_activation_rows_kernel(
     row_ok = rows < num_assigned
     total_cols = FIRST_COLS + SECOND_COLS
     out_rows = values_ptr + rows.to(tl.int64)[:, None] * total_cols
+    factor_rows = factors_ptr
+    first_factors = factors_ptr
+    one_expert = False
+    if HAS_FACTORS:
+        experts = tl.arange(0, BLOCK_E)
+        ends = tl.load(group_end_ptr + experts, mask=experts < num_experts, other=num_assigned + 1)
+        expert_of_row = tl.sum((ends[None, :] <= tl.minimum(rows, num_assigned - 1)[:, None]).to(tl.int64), axis=1)
+        factor_rows = factors_ptr + expert_of_row * total_cols
+        first_expert = tl.min(expert_of_row, axis=0)
+        first_factors = factors_ptr + first_expert * total_cols
+        one_expert = first_expert == tl.max(expert_of_row, axis=0)
     cols = tl.arange(0, BLOCK)
     if ONE_BLOCK:
         block = _activation_block(
-            first_ptr, second_ptr, rows, first_stride, second_stride, cols, row_ok, FIRST_COLS, SECOND_COLS
-        )
+            first_ptr, second_ptr, rows, first_stride, second_stride, cols, row_ok, FIRST_COLS, SECOND_COLS,
+            factor_rows, first_factors, one_expert, HAS_FACTORS,
+        )  # fmt: skip
         amax = tl.max(tl.abs(block), axis=1)
     else:
         amax = tl.zeros([ROWS], tl.float32)
         for start in range(0, total_cols, BLOCK):
             block = _activation_block(
                 first_ptr, second_ptr, rows, first_stride, second_stride, start + cols, row_ok, FIRST_COLS,
-                SECOND_COLS,
+                SECOND_COLS, factor_rows, first_factors, one_expert, HAS_FACTORS,
             )  # fmt: skip
             amax = tl.maximum(amax, tl.max(tl.abs(block), axis=1))
     scale = tl.exp2(tl.floor(tl.log2(tl.math.div_rn(E4M3_MAX, tl.maximum(amax, SMALLEST_AMAX)))))
@@ -276,7 +255,7 @@ def _quantize_activation_rows_kernel(
         for start in range(0, total_cols, BLOCK):
             block = _activation_block(
                 first_ptr, second_ptr, rows, first_stride, second_stride, start + cols, row_ok, FIRST_COLS,
-                SECOND_COLS,
+                SECOND_COLS, factor_rows, first_factors, one_expert, HAS_FACTORS,
             )  # fmt: skip
             quantized = _to_e4m3(block * scale[:, None], E4M3_MAX, ROUND_IN_FP32)
             mask = row_ok[:, None] & (start + cols < total_cols)[None, :]
@@ -347,51 +326,64 @@ def _(w_parts):
     return values, w_parts[0].new_empty(experts, rows, 1, dtype=torch.float32)
 
 
-@kernel_op("quantize_columns_transposed")
-def quantize_columns_transposed(
-    w_parts: list[torch.Tensor], ordered_after: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(module docstring) ``w_parts``: one or two [E, P, K] tensors of one dtype and E, K.
+@kernel_op("quantize_rows_transposed")
+def quantize_rows_transposed(
+    w_parts: list[torch.Tensor], inverse_EN1: torch.Tensor, ordered_after: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(module docstring) ``w_parts``: one or two [E, P, K] tensors of one dtype and E, K; ``inverse_EN1``
+    the stack's fp32 inverse row scales, as ``quantize_rows`` returns them.
 
     ``ordered_after`` is never read: a compiled graph runs the op only once that tensor exists. The
     backward passes the gradient the weight multiplies, so the partitioner cannot quantise in the
     forward and keep the e4m3 copy until the backward (memory FSDP cannot free, unlike the weight)."""
     first, second, first_rows, second_rows = _kernel_parts(w_parts, "weight", "[E, P, K]", torch.Tensor.contiguous)
     experts, _, dim = first.shape
-    values_EKN = first.new_empty(experts, dim, first_rows + second_rows, dtype=torch.float8_e4m3fn)
-    inverse_EK1 = first.new_empty(experts, dim, 1, dtype=torch.float32)
-    _quantize_columns_transposed_kernel[(experts, triton.cdiv(dim, BLOCK_K))](
+    rows = first_rows + second_rows
+    if inverse_EN1.shape != (experts, rows, 1) or inverse_EN1.dtype != torch.float32:
+        raise ValueError(
+            f"the inverse row scales must be fp32 [E, N, 1] = {[experts, rows, 1]} for these weight parts, "
+            f"got {inverse_EN1.dtype} {list(inverse_EN1.shape)}"
+        )
+    values_EKN = first.new_empty(experts, dim, rows, dtype=torch.float8_e4m3fn)
+    _quantize_rows_transposed_kernel[(experts, triton.cdiv(rows, BLOCK_N), triton.cdiv(dim, BLOCK_K))](
         first,
         second,
         first_rows,
         second_rows,
+        inverse_EN1.contiguous(),
         values_EKN,
-        inverse_EK1,
         dim,
         E4M3_MAX=E4M3_MAX,
-        SMALLEST_AMAX=SMALLEST_AMAX,
         ROUND_IN_FP32=interpreter_enabled(),
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
     )
-    return values_EKN, inverse_EK1
+    return values_EKN
 
 
-@torch.library.register_fake(quantize_columns_transposed)
-def _(w_parts, ordered_after=None):
+@torch.library.register_fake(quantize_rows_transposed)
+def _(w_parts, inverse_EN1, ordered_after=None):
     experts, _, dim = w_parts[0].shape
     rows = sum(w.shape[1] for w in w_parts)
-    values = w_parts[0].new_empty(experts, dim, rows, dtype=torch.float8_e4m3fn)
-    return values, w_parts[0].new_empty(experts, dim, 1, dtype=torch.float32)
+    return w_parts[0].new_empty(experts, dim, rows, dtype=torch.float8_e4m3fn)
 
 
 @kernel_op("quantize_activation_rows")
-def quantize_activation_rows(parts: list[torch.Tensor], group_end_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation_rows(
+    parts: list[torch.Tensor], group_end_E: torch.Tensor, factors_EK: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(module docstring) ``parts``: one or two [R, P] tensors of one dtype and R; ``group_end_E`` int32,
-    an inclusive cumsum of the experts' row counts -> e4m3 ``values_RK`` and fp32 ``inverse_R1``, K the
-    parts' summed columns, rows from ``group_end_E[-1]`` on unset."""
+    an inclusive cumsum of the experts' row counts; ``factors_EK`` (fp32 [E, K], optional): each row
+    times its expert's factors before it is quantised -> e4m3 ``values_RK`` and fp32 ``inverse_R1``, K
+    the parts' summed columns, rows from ``group_end_E[-1]`` on unset."""
     first, second, first_cols, second_cols = _kernel_parts(parts, "activation", "[R, P]", _unit_column_stride)
     num_rows, total_cols = first.shape[0], first_cols + second_cols
+    experts = group_end_E.numel()
+    if factors_EK is not None and (factors_EK.shape != (experts, total_cols) or factors_EK.dtype != torch.float32):
+        raise ValueError(
+            f"the activations' factors must be fp32 [E, K] = {[experts, total_cols]}, "
+            f"got {factors_EK.dtype} {list(factors_EK.shape)}"
+        )
     values_RK = first.new_empty(num_rows, total_cols, dtype=torch.float8_e4m3fn)
     inverse_R1 = first.new_empty(num_rows, 1, dtype=torch.float32)
     if num_rows == 0 or group_end_E.numel() == 0:
@@ -405,13 +397,16 @@ def quantize_activation_rows(parts: list[torch.Tensor], group_end_E: torch.Tenso
         second.stride(0),
         first_cols,
         second_cols,
+        first if factors_EK is None else factors_EK.contiguous(),
         values_RK,
         inverse_R1,
         group_end_E,
-        group_end_E.numel(),
+        experts,
         E4M3_MAX=E4M3_MAX,
         SMALLEST_AMAX=SMALLEST_AMAX,
         ROUND_IN_FP32=interpreter_enabled(),
+        HAS_FACTORS=factors_EK is not None,
+        BLOCK_E=triton.next_power_of_2(experts),
         ROWS=rows_per_program,
         BLOCK=block,
         ONE_BLOCK=block >= total_cols,
@@ -421,7 +416,7 @@ def quantize_activation_rows(parts: list[torch.Tensor], group_end_E: torch.Tenso
 
 
 @torch.library.register_fake(quantize_activation_rows)
-def _(parts, group_end_E):
+def _(parts, group_end_E, factors_EK=None):
     num_rows, total_cols = parts[0].shape[0], sum(p.shape[1] for p in parts)
     values = parts[0].new_empty(num_rows, total_cols, dtype=torch.float8_e4m3fn)
     return values, parts[0].new_empty(num_rows, 1, dtype=torch.float32)

@@ -8,8 +8,11 @@ GEMM of twice the width):
   e4m3 operands, output in the activations' dtype (bf16 under FSDP); the GPU GEMMs accumulate with
   Hopper's fast FP8 accumulation (``use_fast_accum``, as torchao's FP8 MoE recipe does: without it
   ``torch._scaled_grouped_mm`` took twice bf16 ``torch._grouped_mm``'s time on an H200);
-- input gradient ``d a = d y @ w[e]``: ``d y`` [R, N] per row, ``w`` per (expert, column), both
-  along N, in e4m3 as the forward;
+- input gradient ``d a = d y @ w[e]``: ``w``'s e4m3 values are the forward's, transposed; its
+  inverse row scales run along this GEMM's contraction (N), so they multiply ``d y``'s columns
+  (exactly: they are powers of two), and ``d y`` times them is scaled per row along N. The GEMM is
+  then the exact input gradient of the forward's quantised weight, and the weights are quantised
+  once a pass, not once per layout;
 - weight gradient ``d w[e] = d y[rows of e].T @ a[rows of e]`` in the activations' dtype (high
   precision, torchao's ``rowwise_with_gw_hp`` recipe for linear layers): its contraction runs over
   each expert's tokens, whose per-expert scales would need 16-row aligned groups.
@@ -35,8 +38,8 @@ from torchtitan_ext.kernels.fp8_quantize import (
     E4M3_MAX,
     SMALLEST_AMAX,
     quantize_activation_rows,
-    quantize_columns_transposed,
     quantize_rows,
+    quantize_rows_transposed,
 )
 
 from .grouped_matmul import grouped_mm, row_major, weight_rows
@@ -96,26 +99,40 @@ FP8_GEMMS: dict[str, Fp8Gemm] = {"torch": _torch_fp8_gemm, "triton": fp8_grouped
 def scaled_grouped_gemm(
     a_parts_RP: Sequence[torch.Tensor],
     w_values_ENK: torch.Tensor,
-    w_inverse_EN1: torch.Tensor,
+    w_inverse_EN1: torch.Tensor | None,
     offsets_E: torch.Tensor,
     out_dtype: torch.dtype,
     *,
     emulated: bool,
     gemm: str,
+    a_factors_EK1: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``a_RK @ w[e].T`` over the row groups ending at ``offsets_E``, ``a_RK`` the parts ``a_parts_RP``
-    joined along K (``[d gate, d up]``; one part as is): quantised rowwise along K here (on the GPU by
-    ``kernels.fp8_quantize``'s activation kernel, which reads the parts in place and skips the rows
-    past the groups; emulated, the same rule in plain torch), ``w`` comes quantised (row-major e4m3
-    values [E, N, K] and inverse scales [E, N, 1]) -> [R, N] in ``out_dtype``, computed by
-    ``FP8_GEMMS[gemm]`` (``emulated``: in fp32 from the dequantised operands). K and N must be
-    multiples of ``FP8_ALIGN``."""
+    joined along K (``[d gate, d up]``; one part as is), each row times its expert's ``a_factors_EK1``
+    [E, K, 1] where given: quantised rowwise along K here (on the GPU by ``kernels.fp8_quantize``'s
+    activation kernel, which reads the parts in place and skips the rows past the groups; emulated, the
+    same rule in plain torch), ``w`` comes quantised (row-major e4m3 values [E, N, K] and inverse scales
+    [E, N, 1], None: ones) -> [R, N] in ``out_dtype``, computed by ``FP8_GEMMS[gemm]`` (``emulated``: in
+    fp32 from the dequantised operands). K and N must be multiples of ``FP8_ALIGN``."""
+    a_factors_EK = None if a_factors_EK1 is None else a_factors_EK1.squeeze(-1)
     if emulated:
-        a_values, a_inverse = quantize_rowwise(_stacked(a_parts_RP))
-        dequantized_w = (w_values_ENK.float() * w_inverse_EN1).transpose(-2, -1)
-        return grouped_mm(a_values.float() * a_inverse, dequantized_w, offsets_E).to(out_dtype)
-    a_values, a_inverse = quantize_activation_rows(list(a_parts_RP), offsets_E)
+        a_RK = _stacked(a_parts_RP).float()
+        if a_factors_EK is not None:
+            a_RK = a_RK * a_factors_EK[_expert_of_rows(offsets_E, a_RK.shape[0])]
+        a_values, a_inverse = quantize_rowwise(a_RK)
+        dequantized_w = w_values_ENK.float() if w_inverse_EN1 is None else w_values_ENK.float() * w_inverse_EN1
+        return grouped_mm(a_values.float() * a_inverse, dequantized_w.transpose(-2, -1), offsets_E).to(out_dtype)
+    a_values, a_inverse = quantize_activation_rows(list(a_parts_RP), offsets_E, a_factors_EK)
+    if w_inverse_EN1 is None:
+        w_inverse_EN1 = w_values_ENK.new_ones(*w_values_ENK.shape[:2], 1, dtype=torch.float32)
     return FP8_GEMMS[gemm](a_values, a_inverse, w_values_ENK, w_inverse_EN1, offsets_E, out_dtype)
+
+
+def _expert_of_rows(offsets_E: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[R] int64: the expert each row belongs to (the last expert for the rows past the groups, which no
+    GEMM reads), from the groups' inclusive ends, with no host sync."""
+    rows = torch.arange(num_rows, device=offsets_E.device, dtype=offsets_E.dtype)
+    return torch.searchsorted(offsets_E, rows, right=True).clamp(max=offsets_E.numel() - 1)
 
 
 def quantize_stacked_rows(w_parts_EPK: Sequence[torch.Tensor], *, emulated: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,18 +144,22 @@ def quantize_stacked_rows(w_parts_EPK: Sequence[torch.Tensor], *, emulated: bool
     return quantize_rows(list(w_parts_EPK))
 
 
-def quantize_stacked_columns(
-    w_parts_EPK: list[torch.Tensor], *, emulated: bool, ordered_after: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stack ``[w_parts]`` [E, N, K] quantised per (expert, column) along N, transposed: row-major
-    e4m3 values [E, K, N] and inverse scales [E, K, 1] (the input gradient's weight operand). On the
-    GPU one Triton kernel (``kernels.fp8_quantize``), computed after ``ordered_after`` exists (its
-    docstring); emulated, the same rule in plain torch, which a compiled graph may compute in the
-    forward and keep until the backward."""
+def quantize_stacked_rows_transposed(
+    w_parts_EPK: list[torch.Tensor],
+    inverse_EN1: torch.Tensor,
+    *,
+    emulated: bool,
+    ordered_after: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The e4m3 values of ``quantize_stacked_rows`` (``inverse_EN1`` its inverse scales) transposed, row-major
+    [E, K, N] (the input gradient's weight operand). On the GPU one Triton kernel (``kernels.fp8_quantize``)
+    that scales by the given inverse scales, computed after ``ordered_after`` exists (its docstring);
+    emulated, the same values from plain torch, which a compiled graph may compute in the forward and
+    keep until the backward."""
     if emulated:
-        values, inverse = quantize_rowwise(_stacked(w_parts_EPK).transpose(-2, -1))
-        return row_major(values), inverse
-    return quantize_columns_transposed(w_parts_EPK, ordered_after)
+        values, _ = quantize_rowwise(_stacked(w_parts_EPK))
+        return row_major(values.transpose(-2, -1))
+    return quantize_rows_transposed(w_parts_EPK, inverse_EN1, ordered_after)
 
 
 class Fp8GroupedLinear(torch.autograd.Function):
@@ -155,24 +176,31 @@ class Fp8GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a_RK, offsets_E, emulated: bool, gemm: str, *w_parts_EPK):
-        ctx.save_for_backward(a_RK, offsets_E, *w_parts_EPK)
         ctx.emulated, ctx.gemm = emulated, gemm
         w_values, w_inverse = quantize_stacked_rows(w_parts_EPK, emulated=emulated)
+        ctx.save_for_backward(a_RK, offsets_E, w_inverse, *w_parts_EPK)
         y_RN = scaled_grouped_gemm([a_RK], w_values, w_inverse, offsets_E, a_RK.dtype, emulated=emulated, gemm=gemm)
         return y_RN.split([w.shape[1] for w in w_parts_EPK], dim=1)
 
     @staticmethod
     # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); torch documents one argument per output
     def backward(ctx, *grad_parts_RP):
-        a_RK, offsets_E, *w_parts_EPK = ctx.saved_tensors
+        a_RK, offsets_E, w_inverse, *w_parts_EPK = ctx.saved_tensors
         grad_parts_RP = [row_major(grad) for grad in grad_parts_RP]
         grad_a = None
         if ctx.needs_input_grad[0]:
-            w_values, w_inverse = quantize_stacked_columns(
-                w_parts_EPK, emulated=ctx.emulated, ordered_after=grad_parts_RP[0]
+            w_values_T = quantize_stacked_rows_transposed(
+                w_parts_EPK, w_inverse, emulated=ctx.emulated, ordered_after=grad_parts_RP[0]
             )
             grad_a = scaled_grouped_gemm(
-                grad_parts_RP, w_values, w_inverse, offsets_E, a_RK.dtype, emulated=ctx.emulated, gemm=ctx.gemm
+                grad_parts_RP,
+                w_values_T,
+                None,
+                offsets_E,
+                a_RK.dtype,
+                emulated=ctx.emulated,
+                gemm=ctx.gemm,
+                a_factors_EK1=w_inverse,
             )
         grad_w_parts = [
             grouped_mm(grad.transpose(0, 1), a_RK, offsets_E).to(w.dtype) if needed else None
@@ -224,7 +252,8 @@ def fp8_grouped_experts(
 
 
 class _ReferenceFp8Linear(torch.autograd.Function):
-    """``a @ w.T`` of one expert in fp32 from e4m3-rounded operands; gradients per the recipe."""
+    """``a @ w.T`` of one expert in fp32 from e4m3-rounded operands; gradients per the recipe: the input
+    gradient from ``w``'s e4m3 values, its inverse row scales folded into ``d y``'s columns."""
 
     @staticmethod
     def forward(ctx, a_MK, w_NK):
@@ -235,7 +264,8 @@ class _ReferenceFp8Linear(torch.autograd.Function):
     # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); torch documents one argument per output
     def backward(ctx, grad_MN):
         a_MK, w_NK = ctx.saved_tensors
-        grad_a = quantize_dequantize(grad_MN) @ quantize_dequantize(w_NK.T).T
+        w_values, w_inverse = quantize_rowwise(w_NK)
+        grad_a = quantize_dequantize(grad_MN * w_inverse.T) @ w_values.float()
         return grad_a, grad_MN.T @ a_MK
 
 
