@@ -82,6 +82,19 @@ def _to_e4m3(scaled, E4M3_MAX: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
 
 
 @triton.jit
+def _stack_tile(first_ptr, second_ptr, FIRST_ROWS, SECOND_ROWS, expert, n, k_ok, k, K):
+    """[len(n), len(k)] fp32 tile of one expert's stack ``[first; second]`` (zeros outside it): rows
+    ``n`` of the stack, columns ``k`` (``k_ok`` [1, len(k)]: inside K)."""
+    total_rows = FIRST_ROWS + SECOND_ROWS
+    in_first = n < FIRST_ROWS
+    in_second = (n >= FIRST_ROWS) & (n < total_rows)
+    first_rows = first_ptr + (expert * FIRST_ROWS + n) * K
+    second_rows = second_ptr + (expert * SECOND_ROWS + n - FIRST_ROWS) * K
+    tile = tl.load(first_rows[:, None] + k[None, :], mask=in_first[:, None] & k_ok, other=0.0).to(tl.float32)
+    return tile + tl.load(second_rows[:, None] + k[None, :], mask=in_second[:, None] & k_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _quantize_rows_transposed_kernel(
     first_ptr,
     second_ptr,
@@ -102,12 +115,7 @@ def _quantize_rows_transposed_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = (k < K)[None, :]
-    in_first = n < FIRST_ROWS
-    in_second = (n >= FIRST_ROWS) & (n < total_rows)
-    first_rows = first_ptr + (expert * FIRST_ROWS + n) * K
-    second_rows = second_ptr + (expert * SECOND_ROWS + n - FIRST_ROWS) * K
-    tile = tl.load(first_rows[:, None] + k[None, :], mask=in_first[:, None] & k_ok, other=0.0).to(tl.float32)
-    tile += tl.load(second_rows[:, None] + k[None, :], mask=in_second[:, None] & k_ok, other=0.0).to(tl.float32)
+    tile = _stack_tile(first_ptr, second_ptr, FIRST_ROWS, SECOND_ROWS, expert, n, k_ok, k, K)
     row_ok = n < total_rows
     inverse = tl.load(inverse_ptr + expert * total_rows + n, mask=row_ok, other=1.0)
     quantized = _to_e4m3(tile * (1.0 / inverse)[:, None], E4M3_MAX, ROUND_IN_FP32)
@@ -137,12 +145,7 @@ def _quantize_rows_kernel(
     n = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     k = tl.arange(0, BLOCK_K)
     k_ok = (k < K)[None, :]
-    in_first = n < FIRST_ROWS
-    in_second = (n >= FIRST_ROWS) & (n < total_rows)
-    first_rows = first_ptr + (expert * FIRST_ROWS + n) * K
-    second_rows = second_ptr + (expert * SECOND_ROWS + n - FIRST_ROWS) * K
-    tile = tl.load(first_rows[:, None] + k[None, :], mask=in_first[:, None] & k_ok, other=0.0).to(tl.float32)
-    tile += tl.load(second_rows[:, None] + k[None, :], mask=in_second[:, None] & k_ok, other=0.0).to(tl.float32)
+    tile = _stack_tile(first_ptr, second_ptr, FIRST_ROWS, SECOND_ROWS, expert, n, k_ok, k, K)
     amax = tl.maximum(tl.max(tl.abs(tile), axis=1), SMALLEST_AMAX)
     scale = tl.exp2(tl.floor(tl.log2(tl.math.div_rn(E4M3_MAX, amax))))
     row_ok = n < total_rows
