@@ -167,13 +167,10 @@ def _activation_block(
     FIRST_COLS,
     SECOND_COLS,
     factor_rows,
-    first_factors,
-    one_expert,
     HAS_FACTORS: tl.constexpr,
 ):
     """[ROWS, BLOCK] fp32 block of the joined rows at columns ``cols`` (zeros outside the rows and parts),
-    times the rows' factors there when ``HAS_FACTORS`` (``factor_rows``: each row's first factor; when
-    ``one_expert``, the rows share the first row's, ``first_factors``, and one row of factors is read)."""
+    times the rows' factors there when ``HAS_FACTORS`` (``factor_rows``: each row's first factor)."""
     in_first = cols < FIRST_COLS
     in_second = (cols >= FIRST_COLS) & (cols < FIRST_COLS + SECOND_COLS)
     first = first_ptr + rows.to(tl.int64)[:, None] * first_stride + cols[None, :]
@@ -181,11 +178,8 @@ def _activation_block(
     block = tl.load(first, mask=row_ok[:, None] & in_first[None, :], other=0.0).to(tl.float32)
     block += tl.load(second, mask=row_ok[:, None] & in_second[None, :], other=0.0).to(tl.float32)
     if HAS_FACTORS:
-        in_row = cols < FIRST_COLS + SECOND_COLS
-        if one_expert:
-            block *= tl.load(first_factors + cols, mask=in_row, other=0.0)[None, :]
-        else:
-            block *= tl.load(factor_rows[:, None] + cols[None, :], mask=row_ok[:, None] & in_row[None, :], other=0.0)
+        in_row = row_ok[:, None] & (cols < FIRST_COLS + SECOND_COLS)[None, :]
+        block *= tl.load(factor_rows[:, None] + cols[None, :], mask=in_row, other=0.0)
     return block
 
 
@@ -223,21 +217,16 @@ def _quantize_activation_rows_kernel(
     total_cols = FIRST_COLS + SECOND_COLS
     out_rows = values_ptr + rows.to(tl.int64)[:, None] * total_cols
     factor_rows = factors_ptr
-    first_factors = factors_ptr
-    one_expert = False
     if HAS_FACTORS:
         experts = tl.arange(0, BLOCK_E)
         ends = tl.load(group_end_ptr + experts, mask=experts < num_experts, other=num_assigned + 1)
-        expert_of_row = tl.sum((ends[None, :] <= tl.minimum(rows, num_assigned - 1)[:, None]).to(tl.int64), axis=1)
+        expert_of_row = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int64), axis=1)
         factor_rows = factors_ptr + expert_of_row * total_cols
-        first_expert = tl.min(expert_of_row, axis=0)
-        first_factors = factors_ptr + first_expert * total_cols
-        one_expert = first_expert == tl.max(expert_of_row, axis=0)
     cols = tl.arange(0, BLOCK)
     if ONE_BLOCK:
         block = _activation_block(
             first_ptr, second_ptr, rows, first_stride, second_stride, cols, row_ok, FIRST_COLS, SECOND_COLS,
-            factor_rows, first_factors, one_expert, HAS_FACTORS,
+            factor_rows, HAS_FACTORS,
         )  # fmt: skip
         amax = tl.max(tl.abs(block), axis=1)
     else:
@@ -245,7 +234,7 @@ def _quantize_activation_rows_kernel(
         for start in range(0, total_cols, BLOCK):
             block = _activation_block(
                 first_ptr, second_ptr, rows, first_stride, second_stride, start + cols, row_ok, FIRST_COLS,
-                SECOND_COLS, factor_rows, first_factors, one_expert, HAS_FACTORS,
+                SECOND_COLS, factor_rows, HAS_FACTORS,
             )  # fmt: skip
             amax = tl.maximum(amax, tl.max(tl.abs(block), axis=1))
     scale = tl.exp2(tl.floor(tl.log2(tl.math.div_rn(E4M3_MAX, tl.maximum(amax, SMALLEST_AMAX)))))
@@ -258,7 +247,7 @@ def _quantize_activation_rows_kernel(
         for start in range(0, total_cols, BLOCK):
             block = _activation_block(
                 first_ptr, second_ptr, rows, first_stride, second_stride, start + cols, row_ok, FIRST_COLS,
-                SECOND_COLS, factor_rows, first_factors, one_expert, HAS_FACTORS,
+                SECOND_COLS, factor_rows, HAS_FACTORS,
             )  # fmt: skip
             quantized = _to_e4m3(block * scale[:, None], E4M3_MAX, ROUND_IN_FP32)
             mask = row_ok[:, None] & (start + cols < total_cols)[None, :]
