@@ -164,7 +164,7 @@ def tensors_saved_for_backward(compute, inputs: list[torch.Tensor], *args, **kwa
 
 
 def with_fp8_weight_scales(saved: list[tuple[str, torch.dtype]]) -> list[tuple[str, torch.dtype]]:
-    """``saved`` (as ``tensors_saved_for_backward`` lists them) and what the FP8 experts keep besides: the
-    fp32 inverse row scales of their two weight stacks ([E, 2F, 1] and [E, D, 1]), which the input
-    gradients reuse."""
+    """``saved`` (as ``tensors_saved_for_backward`` lists them) and what the FP8 experts keep besides: one
+    fp32 inverse scale per expert for each of their two weight stacks ([E, 1, 1]), which the input
+    gradients quantise the weights with."""
     return sorted([*saved, ("computed", torch.float32), ("computed", torch.float32)], key=str)

@@ -118,27 +118,33 @@ def assert_rounds_into_the_next_exponent_and_to_subnormals(values: torch.Tensor,
     [[(3, 140, 70)], [(2, 24, 33), (2, 72, 33)]],
     ids=["one_part_masked_tiles", "gate_and_up_in_one_tile"],
 )
-def test_the_transposing_kernel_stores_the_row_kernels_values_transposed(part_shapes):
-    """The forward's e4m3 values from the row scales it returned, laid out [E, K, N]: bit-equal to the
-    plain-torch rule transposed, every rounding included, and to the row kernel's own values."""
+def test_the_transposing_kernel_stores_each_expert_quantised_whole_transposed(part_shapes):
+    """Each expert's stack scaled by the largest of its inverse row scales from the row kernel, laid out
+    [E, K, N]: bit-equal to the plain-torch rule transposed, every rounding included, and to the rule
+    applied to the whole expert (its scale the row kernel's largest inverse)."""
     parts = [rounding_cases(shape, seed) for seed, shape in enumerate(part_shapes)]
-    parts[0][1, 2] = 0  # a row of zeros: scaled as SMALLEST_AMAX, values zero
-    row_values, inverse = quantize_rows(parts)
+    for part in parts:
+        part[1] = 0  # an expert of zeros: scaled as SMALLEST_AMAX, values zero
+    _, row_inverse = quantize_rows(parts)
+    inverse = row_inverse.amax(1, keepdim=True)
     values = quantize_rows_transposed(parts, inverse)
     expected = quantize_stacked_rows_transposed(parts, inverse, emulated=True)
-    stacked_rows = sum(shape[1] for shape in part_shapes)
-    assert values.shape == (part_shapes[0][0], part_shapes[0][2], stacked_rows) and values.is_contiguous()
+    stacked = torch.cat(parts, dim=1)
+    assert values.shape == (part_shapes[0][0], part_shapes[0][2], stacked.shape[1]) and values.is_contiguous()
     assert torch.equal(values.view(torch.uint8), expected.view(torch.uint8))
-    assert torch.equal(values.transpose(-2, -1).view(torch.uint8), row_values.view(torch.uint8))
-    assert_rounds_into_the_next_exponent_and_to_subnormals(values, inverse.transpose(-2, -1), torch.cat(parts, 1).mT)
+    whole_experts, whole_inverse = quantize_rowwise(stacked.flatten(1))
+    assert torch.equal(whole_inverse[:, :, None], inverse)
+    assert torch.equal(values.mT.flatten(1).view(torch.uint8), whole_experts.view(torch.uint8))
+    assert (values[1].view(torch.uint8) == 0).all()
+    assert_rounds_into_the_next_exponent_and_to_subnormals(values, inverse, stacked.mT)
 
 
 @pytest.mark.parametrize(
-    "inverse_shape, dtype", [((2, 4, 1), torch.float32), ((2, 8), torch.float32), ((2, 8, 1), torch.float16)]
+    "inverse_shape, dtype", [((2, 8, 1), torch.float32), ((2, 1), torch.float32), ((2, 1, 1), torch.float16)]
 )
 def test_the_transposing_kernel_refuses_scales_of_another_shape_or_dtype(inverse_shape, dtype):
     parts = [torch.ones(2, 4, 8, device=KERNEL_DEVICE)] * 2
-    with pytest.raises(ValueError, match=r"inverse row scales must be fp32 \[E, N, 1\] = \[2, 8, 1\]"):
+    with pytest.raises(ValueError, match=r"experts' inverse scales must be fp32 \[E, 1, 1\] = \[2, 1, 1\]"):
         quantize_rows_transposed(parts, torch.ones(inverse_shape, dtype=dtype, device=KERNEL_DEVICE))
 
 
@@ -166,13 +172,10 @@ def test_the_row_quantisation_kernel_is_the_plain_torch_rule(part_shapes):
     [((70,), None), ((24, 40), None), ((24, 40), 16), ((300,), 128)],
     ids=["one_part", "gradients_of_gate_and_up", "two_parts_in_blocks", "one_part_in_blocks"],
 )
-@pytest.mark.parametrize("with_factors", [False, True], ids=["plain", "times_the_experts_factors"])
-def test_the_activation_quantisation_kernel_is_the_plain_torch_rule_on_the_experts_rows(
-    part_cols, block, with_factors, monkeypatch
-):
+def test_the_activation_quantisation_kernel_is_the_plain_torch_rule_on_the_experts_rows(part_cols, block, monkeypatch):
     """The rows of the parts joined along K (``[d gate, d up]``), one part read through a row stride
-    wider than its columns; rows longer than the kernel's block (``block``) in two passes; with factors,
-    each row times its expert's (an empty expert between two others). The experts' rows equal the
+    wider than its columns; rows longer than the kernel's block (``block``) in two passes; an empty
+    expert between two others. The experts' rows equal the
     plain-torch rule; the rows after them are not written (NaN from the fresh buffers: e4m3 NaN is 0x7f
     or 0xff)."""
     if block is not None:
@@ -183,13 +186,8 @@ def test_the_activation_quantisation_kernel_is_the_plain_torch_rule_on_the_exper
     parts[0][3] = 0  # a row of zeros: scaled as SMALLEST_AMAX, values zero
     group_end = torch.tensor([10, 10, experts_rows], dtype=torch.int32)
     joined = torch.cat(parts, dim=1)[:experts_rows]
-    factors = None
-    if with_factors:
-        exponents = torch.randint(-9, 4, (3, sum(part_cols)), generator=torch.Generator().manual_seed(2))
-        factors = torch.exp2(exponents.float())
-        joined = joined * factors[torch.tensor([0] * 10 + [2] * (experts_rows - 10))]
     with fresh_buffers_hold_nan():
-        values, inverse = quantize_activation_rows(parts, group_end, factors)
+        values, inverse = quantize_activation_rows(parts, group_end)
     expected_values, expected_inverse = quantize_rowwise(joined)
     assert values.shape == (experts_rows + after, sum(part_cols)) and values.is_contiguous()
     assert torch.equal(values[:experts_rows].view(torch.uint8), expected_values.view(torch.uint8))
@@ -215,19 +213,8 @@ def test_the_activation_quantisation_kernel_refuses_mismatched_parts(parts, mess
 
 
 @pytest.mark.parametrize(
-    "factors_shape, dtype", [((2, 8), torch.float32), ((1, 6), torch.float32), ((1, 8), torch.half)]
-)
-def test_the_activation_quantisation_kernel_refuses_factors_of_another_shape_or_dtype(factors_shape, dtype):
-    parts = [torch.zeros(4, 8, device=KERNEL_DEVICE)]
-    with pytest.raises(ValueError, match=r"factors must be fp32 \[E, K\] = \[1, 8\]"):
-        quantize_activation_rows(
-            parts, torch.tensor([4], dtype=torch.int32), torch.ones(factors_shape, dtype=dtype, device=KERNEL_DEVICE)
-        )
-
-
-@pytest.mark.parametrize(
     "quantize",
-    [quantize_rows, lambda parts: quantize_rows_transposed(parts, torch.ones(2, 8, 1, device=KERNEL_DEVICE))],
+    [quantize_rows, lambda parts: quantize_rows_transposed(parts, torch.ones(2, 1, 1, device=KERNEL_DEVICE))],
     ids=["rows", "rows_transposed"],
 )
 def test_the_weight_quantisation_kernels_refuse_mismatched_parts(quantize):

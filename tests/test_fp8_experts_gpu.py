@@ -15,6 +15,7 @@ from torchtitan_ext.experiments.moe_backends.fp8_experts import (
     fp8_unavailable_reason,
     quantize_rowwise,
     quantize_stacked_rows,
+    quantize_stacked_rows_transposed,
     reference_fp8_experts,
 )
 from torchtitan_ext.kernels.fp8_quantize import quantize_activation_rows, quantize_rows, quantize_rows_transposed
@@ -101,16 +102,22 @@ def test_compiled_fp8_experts_equal_eager(gemm):
     ids=["masked", "gate_up", "long_rows"],
 )
 def test_the_weight_quantisation_kernels_round_as_torch(part_shapes):
-    """Both layouts bit-equal to the plain-torch rule: the row kernel's values and scales, and its values
-    transposed by the transposing kernel from those scales."""
+    """Both layouts bit-equal to the plain-torch rule: the row kernel's values and scales, and the
+    transposing kernel's values from the largest of each expert's inverse row scales (the rule applied
+    to the whole expert)."""
     generator = torch.Generator().manual_seed(0)
     parts = [torch.randn(*shape, generator=generator).to("cuda", torch.bfloat16) for shape in part_shapes]
     values, inverse = quantize_rows(parts)
     expected_values, expected_inverse = quantize_stacked_rows(parts, emulated=True)
     assert torch.equal(inverse, expected_inverse)
     assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
-    transposed = quantize_rows_transposed(parts, inverse)
-    assert torch.equal(transposed.view(torch.uint8), expected_values.mT.contiguous().view(torch.uint8))
+    expert_inverse = inverse.amax(1, keepdim=True)
+    transposed = quantize_rows_transposed(parts, expert_inverse)
+    expected_transposed = quantize_stacked_rows_transposed(parts, expert_inverse, emulated=True)
+    assert torch.equal(transposed.view(torch.uint8), expected_transposed.view(torch.uint8))
+    whole_experts, whole_inverse = quantize_rowwise(torch.cat(parts, dim=1).flatten(1))
+    assert torch.equal(whole_inverse[:, :, None], expert_inverse)
+    assert torch.equal(transposed.mT.flatten(1).view(torch.uint8), whole_experts.view(torch.uint8))
 
 
 @pytest.mark.parametrize(
@@ -123,21 +130,15 @@ def test_the_weight_quantisation_kernels_round_as_torch(part_shapes):
     ],
     ids=["tokens", "gradients_of_gate_and_up", "long_rows_in_blocks", "fp32"],
 )
-@pytest.mark.parametrize("with_factors", [False, True], ids=["plain", "times_the_experts_factors"])
-def test_the_activation_quantisation_kernel_rounds_as_torch(part_cols, dtype, with_factors):
-    """Bit-equal to the plain-torch rule on the experts' rows (with factors: each row times its expert's
-    first); the rows after them are not written."""
+def test_the_activation_quantisation_kernel_rounds_as_torch(part_cols, dtype):
+    """Bit-equal to the plain-torch rule on the experts' rows; the rows after them are not written."""
     generator = torch.Generator().manual_seed(0)
     rows, after = 3000, 100
     parts = [(torch.randn(rows + after, cols, generator=generator) * 3).to("cuda", dtype) for cols in part_cols]
     group_end = torch.tensor([1000, 1000, rows], device="cuda", dtype=torch.int32)
     joined = torch.cat(parts, dim=1)[:rows].float()
-    factors = None
-    if with_factors:
-        factors = torch.exp2(torch.randint(-9, 4, (3, sum(part_cols)), generator=generator).float()).to("cuda")
-        joined = joined * factors[torch.tensor([0] * 1000 + [2] * (rows - 1000), device="cuda")]
     with fresh_buffers_hold_nan():
-        values, inverse = quantize_activation_rows(parts, group_end, factors)
+        values, inverse = quantize_activation_rows(parts, group_end)
     expected_values, expected_inverse = quantize_rowwise(joined)
     assert torch.equal(inverse[:rows], expected_inverse)
     assert torch.equal(values[:rows].view(torch.uint8), expected_values.view(torch.uint8))

@@ -11,20 +11,18 @@ along K: ``values_ENK`` e4m3 [E, N, K], ``inverse_EN1`` fp32 [E, N, 1]. Compiled
 Inductor's kernel loops over each row twice (absolute maximum, then scale and cast); this one holds
 each row whole and reads it once.
 
-``quantize_rows_transposed(w_parts, inverse_EN1)`` returns the same e4m3 values laid out transposed,
-the input gradient's weight operand (e4m3 operands must be K-major on Hopper, and ``d x = d y @ w[e]``
-contracts over N): ``values_EKN`` row-major [E, K, N], ``values[e, k, n] = e4m3(w[e, n, k] /
-inverse[e, n])`` with the inverse scales ``quantize_rows`` returned, so no maximum is taken again and
-the values are the forward's. The row scales run along the input gradient's contraction, so they
-multiply the output gradient's columns instead (``quantize_activation_rows``' ``factors``). Each tile
-is read once and stored transposed.
+``quantize_rows_transposed(w_parts, inverse_E11)`` is the input gradient's weight operand (e4m3
+operands must be K-major on Hopper, and ``d x = d y @ w[e]`` contracts over N): ``values_EKN``
+row-major [E, K, N], ``values[e, k, n] = e4m3(w[e, n, k] / inverse[e])``, one power-of-two scale per
+expert (the forward's row scales run along this GEMM's contraction; the largest of an expert's inverse
+row scales, which ``quantize_rows`` returned, is the rule's scale of the whole expert), so no maximum
+is taken again. Each tile is read once and stored transposed.
 
-``quantize_activation_rows(parts, group_end, factors)`` quantises the rows of activations, the left
-operand of the FP8 GEMMs (the tokens, the SwiGLU output, the output gradients): the rows of the parts
-joined along their last dimension (e.g. ``[d gate, d up]``, never joined in memory), each times its
-expert's row of ``factors`` [E, K] where given (the weight's inverse row scales, for the input
-gradient), ``values_RK`` e4m3 and ``inverse_R1`` fp32, with the rule of ``quantize_rowwise``, for the
-rows of the experts only (rows from ``group_end[E-1]`` on, which no GEMM reads, stay unset). One
+``quantize_activation_rows(parts, group_end)`` quantises the rows of activations, the left operand of
+the FP8 GEMMs (the tokens, the SwiGLU output, the output gradients): the rows of the parts joined
+along their last dimension (e.g. ``[d gate, d up]``, never joined in memory), ``values_RK`` e4m3 and
+``inverse_R1`` fp32, with the rule of ``quantize_rowwise``, for the rows of the experts only (rows
+from ``group_end[E-1]`` on, which no GEMM reads, stay unset). One
 program reads its rows once (rows longer than ``ACTIVATION_BLOCK`` twice, in blocks). Compiled as
 plain torch, Inductor's kernel took 2-5x longer on an H200 (0.21 against 0.10 ms for 65536 x 2048
 bf16 rows, 0.39 against 0.08 for 65536 x 1536) and quantised every row of a static receive buffer.
@@ -109,7 +107,7 @@ def _quantize_rows_transposed_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """One program per (expert, ``BLOCK_N`` rows of the stack, ``BLOCK_K`` columns): each tile read
-    once, scaled by its rows' given scales, cast and stored transposed; ``SECOND_ROWS`` 0: one part."""
+    once, scaled by its expert's given scale, cast and stored transposed; ``SECOND_ROWS`` 0: one part."""
     expert = tl.program_id(0).to(tl.int64)
     total_rows = FIRST_ROWS + SECOND_ROWS
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -117,8 +115,7 @@ def _quantize_rows_transposed_kernel(
     k_ok = (k < K)[None, :]
     tile = _stack_tile(first_ptr, second_ptr, FIRST_ROWS, SECOND_ROWS, expert, n, k_ok, k, K)
     row_ok = n < total_rows
-    inverse = tl.load(inverse_ptr + expert * total_rows + n, mask=row_ok, other=1.0)
-    quantized = _to_e4m3(tile * (1.0 / inverse)[:, None], E4M3_MAX, ROUND_IN_FP32)
+    quantized = _to_e4m3(tile * (1.0 / tl.load(inverse_ptr + expert)), E4M3_MAX, ROUND_IN_FP32)
     out = values_ptr + expert * K * total_rows + k[:, None] * total_rows + n[None, :]
     tl.store(out, tl.trans(quantized), mask=tl.trans(row_ok[:, None] & k_ok))
 
@@ -156,31 +153,14 @@ def _quantize_rows_kernel(
 
 
 @triton.jit
-def _activation_block(
-    first_ptr,
-    second_ptr,
-    rows,
-    first_stride,
-    second_stride,
-    cols,
-    row_ok,
-    FIRST_COLS,
-    SECOND_COLS,
-    factor_rows,
-    HAS_FACTORS: tl.constexpr,
-):
-    """[ROWS, BLOCK] fp32 block of the joined rows at columns ``cols`` (zeros outside the rows and parts),
-    times the rows' factors there when ``HAS_FACTORS`` (``factor_rows``: each row's first factor)."""
+def _activation_block(first_ptr, second_ptr, rows, first_stride, second_stride, cols, row_ok, FIRST_COLS, SECOND_COLS):
+    """[ROWS, BLOCK] fp32 block of the joined rows at columns ``cols`` (zeros outside the rows and parts)."""
     in_first = cols < FIRST_COLS
     in_second = (cols >= FIRST_COLS) & (cols < FIRST_COLS + SECOND_COLS)
     first = first_ptr + rows.to(tl.int64)[:, None] * first_stride + cols[None, :]
     second = second_ptr + rows.to(tl.int64)[:, None] * second_stride + (cols - FIRST_COLS)[None, :]
     block = tl.load(first, mask=row_ok[:, None] & in_first[None, :], other=0.0).to(tl.float32)
-    block += tl.load(second, mask=row_ok[:, None] & in_second[None, :], other=0.0).to(tl.float32)
-    if HAS_FACTORS:
-        in_row = row_ok[:, None] & (cols < FIRST_COLS + SECOND_COLS)[None, :]
-        block *= tl.load(factor_rows[:, None] + cols[None, :], mask=in_row, other=0.0)
-    return block
+    return block + tl.load(second, mask=row_ok[:, None] & in_second[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -191,7 +171,6 @@ def _quantize_activation_rows_kernel(
     second_stride,
     FIRST_COLS,
     SECOND_COLS,
-    factors_ptr,
     values_ptr,
     inverse_ptr,
     group_end_ptr,
@@ -199,15 +178,12 @@ def _quantize_activation_rows_kernel(
     E4M3_MAX: tl.constexpr,
     SMALLEST_AMAX: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
-    HAS_FACTORS: tl.constexpr,
-    BLOCK_E: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     ONE_BLOCK: tl.constexpr,
 ):
     """One program per ``ROWS`` rows; rows from ``group_end[E-1]`` on are skipped. ``ONE_BLOCK``: a row
-    fits in ``BLOCK`` columns and is read once; otherwise twice (absolute maximum, then scale and cast).
-    ``HAS_FACTORS``: each row times its expert's row of ``factors`` [E, K] first."""
+    fits in ``BLOCK`` columns and is read once; otherwise twice (absolute maximum, then scale and cast)."""
     num_assigned = tl.load(group_end_ptr + num_experts - 1)
     first_row = tl.program_id(0) * ROWS
     if first_row >= num_assigned:
@@ -216,25 +192,18 @@ def _quantize_activation_rows_kernel(
     row_ok = rows < num_assigned
     total_cols = FIRST_COLS + SECOND_COLS
     out_rows = values_ptr + rows.to(tl.int64)[:, None] * total_cols
-    factor_rows = factors_ptr
-    if HAS_FACTORS:
-        experts = tl.arange(0, BLOCK_E)
-        ends = tl.load(group_end_ptr + experts, mask=experts < num_experts, other=num_assigned + 1)
-        expert_of_row = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int64), axis=1)
-        factor_rows = factors_ptr + expert_of_row * total_cols
     cols = tl.arange(0, BLOCK)
     if ONE_BLOCK:
         block = _activation_block(
-            first_ptr, second_ptr, rows, first_stride, second_stride, cols, row_ok, FIRST_COLS, SECOND_COLS,
-            factor_rows, HAS_FACTORS,
-        )  # fmt: skip
+            first_ptr, second_ptr, rows, first_stride, second_stride, cols, row_ok, FIRST_COLS, SECOND_COLS
+        )
         amax = tl.max(tl.abs(block), axis=1)
     else:
         amax = tl.zeros([ROWS], tl.float32)
         for start in range(0, total_cols, BLOCK):
             block = _activation_block(
                 first_ptr, second_ptr, rows, first_stride, second_stride, start + cols, row_ok, FIRST_COLS,
-                SECOND_COLS, factor_rows, HAS_FACTORS,
+                SECOND_COLS,
             )  # fmt: skip
             amax = tl.maximum(amax, tl.max(tl.abs(block), axis=1))
     scale = tl.exp2(tl.floor(tl.log2(tl.math.div_rn(E4M3_MAX, tl.maximum(amax, SMALLEST_AMAX)))))
@@ -247,7 +216,7 @@ def _quantize_activation_rows_kernel(
         for start in range(0, total_cols, BLOCK):
             block = _activation_block(
                 first_ptr, second_ptr, rows, first_stride, second_stride, start + cols, row_ok, FIRST_COLS,
-                SECOND_COLS, factor_rows, HAS_FACTORS,
+                SECOND_COLS,
             )  # fmt: skip
             quantized = _to_e4m3(block * scale[:, None], E4M3_MAX, ROUND_IN_FP32)
             mask = row_ok[:, None] & (start + cols < total_cols)[None, :]
@@ -320,10 +289,10 @@ def _(w_parts):
 
 @kernel_op("quantize_rows_transposed")
 def quantize_rows_transposed(
-    w_parts: list[torch.Tensor], inverse_EN1: torch.Tensor, ordered_after: torch.Tensor | None = None
+    w_parts: list[torch.Tensor], inverse_E11: torch.Tensor, ordered_after: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """(module docstring) ``w_parts``: one or two [E, P, K] tensors of one dtype and E, K; ``inverse_EN1``
-    the stack's fp32 inverse row scales, as ``quantize_rows`` returns them.
+    """(module docstring) ``w_parts``: one or two [E, P, K] tensors of one dtype and E, K; ``inverse_E11``
+    fp32, each expert's inverse scale (a power of two).
 
     ``ordered_after`` is never read: a compiled graph runs the op only once that tensor exists. The
     backward passes the gradient the weight multiplies, so the partitioner cannot quantise in the
@@ -331,10 +300,10 @@ def quantize_rows_transposed(
     first, second, first_rows, second_rows = _kernel_parts(w_parts, "weight", "[E, P, K]", torch.Tensor.contiguous)
     experts, _, dim = first.shape
     rows = first_rows + second_rows
-    if inverse_EN1.shape != (experts, rows, 1) or inverse_EN1.dtype != torch.float32:
+    if inverse_E11.shape != (experts, 1, 1) or inverse_E11.dtype != torch.float32:
         raise ValueError(
-            f"the inverse row scales must be fp32 [E, N, 1] = {[experts, rows, 1]} for these weight parts, "
-            f"got {inverse_EN1.dtype} {list(inverse_EN1.shape)}"
+            f"the experts' inverse scales must be fp32 [E, 1, 1] = {[experts, 1, 1]} for these weight parts, "
+            f"got {inverse_E11.dtype} {list(inverse_E11.shape)}"
         )
     values_EKN = first.new_empty(experts, dim, rows, dtype=torch.float8_e4m3fn)
     _quantize_rows_transposed_kernel[(experts, triton.cdiv(rows, BLOCK_N), triton.cdiv(dim, BLOCK_K))](
@@ -342,7 +311,7 @@ def quantize_rows_transposed(
         second,
         first_rows,
         second_rows,
-        inverse_EN1.contiguous(),
+        inverse_E11.contiguous(),
         values_EKN,
         dim,
         E4M3_MAX=E4M3_MAX,
@@ -354,28 +323,19 @@ def quantize_rows_transposed(
 
 
 @torch.library.register_fake(quantize_rows_transposed)
-def _(w_parts, inverse_EN1, ordered_after=None):
+def _(w_parts, inverse_E11, ordered_after=None):
     experts, _, dim = w_parts[0].shape
     rows = sum(w.shape[1] for w in w_parts)
     return w_parts[0].new_empty(experts, dim, rows, dtype=torch.float8_e4m3fn)
 
 
 @kernel_op("quantize_activation_rows")
-def quantize_activation_rows(
-    parts: list[torch.Tensor], group_end_E: torch.Tensor, factors_EK: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation_rows(parts: list[torch.Tensor], group_end_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(module docstring) ``parts``: one or two [R, P] tensors of one dtype and R; ``group_end_E`` int32,
-    an inclusive cumsum of the experts' row counts; ``factors_EK`` (fp32 [E, K], optional): each row
-    times its expert's factors before it is quantised -> e4m3 ``values_RK`` and fp32 ``inverse_R1``, K
-    the parts' summed columns, rows from ``group_end_E[-1]`` on unset."""
+    an inclusive cumsum of the experts' row counts -> e4m3 ``values_RK`` and fp32 ``inverse_R1``, K the
+    parts' summed columns, rows from ``group_end_E[-1]`` on unset."""
     first, second, first_cols, second_cols = _kernel_parts(parts, "activation", "[R, P]", _unit_column_stride)
     num_rows, total_cols = first.shape[0], first_cols + second_cols
-    experts = group_end_E.numel()
-    if factors_EK is not None and (factors_EK.shape != (experts, total_cols) or factors_EK.dtype != torch.float32):
-        raise ValueError(
-            f"the activations' factors must be fp32 [E, K] = {[experts, total_cols]}, "
-            f"got {factors_EK.dtype} {list(factors_EK.shape)}"
-        )
     values_RK = first.new_empty(num_rows, total_cols, dtype=torch.float8_e4m3fn)
     inverse_R1 = first.new_empty(num_rows, 1, dtype=torch.float32)
     if num_rows == 0 or group_end_E.numel() == 0:
@@ -389,16 +349,13 @@ def quantize_activation_rows(
         second.stride(0),
         first_cols,
         second_cols,
-        first if factors_EK is None else factors_EK.contiguous(),
         values_RK,
         inverse_R1,
         group_end_E,
-        experts,
+        group_end_E.numel(),
         E4M3_MAX=E4M3_MAX,
         SMALLEST_AMAX=SMALLEST_AMAX,
         ROUND_IN_FP32=interpreter_enabled(),
-        HAS_FACTORS=factors_EK is not None,
-        BLOCK_E=triton.next_power_of_2(experts),
         ROWS=rows_per_program,
         BLOCK=block,
         ONE_BLOCK=block >= total_cols,
@@ -408,7 +365,7 @@ def quantize_activation_rows(
 
 
 @torch.library.register_fake(quantize_activation_rows)
-def _(parts, group_end_E, factors_EK=None):
+def _(parts, group_end_E):
     num_rows, total_cols = parts[0].shape[0], sum(p.shape[1] for p in parts)
     values = parts[0].new_empty(num_rows, total_cols, dtype=torch.float8_e4m3fn)
     return values, parts[0].new_empty(num_rows, 1, dtype=torch.float32)

@@ -8,11 +8,10 @@ GEMM of twice the width):
   e4m3 operands, output in the activations' dtype (bf16 under FSDP); the GPU GEMMs accumulate with
   Hopper's fast FP8 accumulation (``use_fast_accum``, as torchao's FP8 MoE recipe does: without it
   ``torch._scaled_grouped_mm`` took twice bf16 ``torch._grouped_mm``'s time on an H200);
-- input gradient ``d a = d y @ w[e]``: ``w``'s e4m3 values are the forward's, transposed; its
-  inverse row scales run along this GEMM's contraction (N), so they multiply ``d y``'s columns
-  (exactly: they are powers of two), and ``d y`` times them is scaled per row along N. The GEMM is
-  then the exact input gradient of the forward's quantised weight, and the weights are quantised
-  once a pass, not once per layout;
+- input gradient ``d a = d y @ w[e]``: ``d y`` [R, N] scaled per row along N, ``w[e]`` transposed
+  [K, N] with one scale per expert (the forward's row scales would run along this GEMM's contraction),
+  the largest of the expert's inverse row scales from the forward (the rule's scale of the whole
+  expert), so no maximum over the weights is taken again;
 - weight gradient ``d w[e] = d y[rows of e].T @ a[rows of e]`` in the activations' dtype (high
   precision, torchao's ``rowwise_with_gw_hp`` recipe for linear layers): its contraction runs over
   each expert's tokens, whose per-expert scales would need 16-row aligned groups.
@@ -62,8 +61,12 @@ def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x32 = x.float()
     amax = x32.abs().amax(dim=-1, keepdim=True).clamp(min=SMALLEST_AMAX)
     scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
-    values = (x32 * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return values, scale.reciprocal()
+    return to_e4m3(x32 * scale), scale.reciprocal()
+
+
+def to_e4m3(scaled: torch.Tensor) -> torch.Tensor:
+    """fp32 ``scaled`` clamped to +-448 and cast to e4m3 (round to nearest, ties to even)."""
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 def quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
@@ -99,40 +102,25 @@ FP8_GEMMS: dict[str, Fp8Gemm] = {"torch": _torch_fp8_gemm, "triton": fp8_grouped
 def scaled_grouped_gemm(
     a_parts_RP: Sequence[torch.Tensor],
     w_values_ENK: torch.Tensor,
-    w_inverse_EN1: torch.Tensor | None,
+    w_inverse_EN1: torch.Tensor,
     offsets_E: torch.Tensor,
     out_dtype: torch.dtype,
     *,
     emulated: bool,
     gemm: str,
-    a_factors_EK1: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``a_RK @ w[e].T`` over the row groups ending at ``offsets_E``, ``a_RK`` the parts ``a_parts_RP``
-    joined along K (``[d gate, d up]``; one part as is), each row times its expert's ``a_factors_EK1``
-    [E, K, 1] where given: quantised rowwise along K here (on the GPU by ``kernels.fp8_quantize``'s
-    activation kernel, which reads the parts in place and skips the rows past the groups; emulated, the
-    same rule in plain torch), ``w`` comes quantised (row-major e4m3 values [E, N, K] and inverse scales
-    [E, N, 1], None: ones) -> [R, N] in ``out_dtype``, computed by ``FP8_GEMMS[gemm]`` (``emulated``: in
-    fp32 from the dequantised operands). K and N must be multiples of ``FP8_ALIGN``."""
-    a_factors_EK = None if a_factors_EK1 is None else a_factors_EK1.squeeze(-1)
+    joined along K (``[d gate, d up]``; one part as is): quantised rowwise along K here (on the GPU by
+    ``kernels.fp8_quantize``'s activation kernel, which reads the parts in place and skips the rows past
+    the groups; emulated, the same rule in plain torch), ``w`` comes quantised (row-major e4m3 values
+    [E, N, K] and inverse scales [E, N, 1]) -> [R, N] in ``out_dtype``, computed by ``FP8_GEMMS[gemm]``
+    (``emulated``: in fp32 from the dequantised operands). K and N must be multiples of ``FP8_ALIGN``."""
     if emulated:
-        a_RK = _stacked(a_parts_RP).float()
-        if a_factors_EK is not None:
-            a_RK = a_RK * a_factors_EK[_expert_of_rows(offsets_E, a_RK.shape[0])]
-        a_values, a_inverse = quantize_rowwise(a_RK)
-        dequantized_w = w_values_ENK.float() if w_inverse_EN1 is None else w_values_ENK.float() * w_inverse_EN1
+        a_values, a_inverse = quantize_rowwise(_stacked(a_parts_RP))
+        dequantized_w = w_values_ENK.float() * w_inverse_EN1
         return grouped_mm(a_values.float() * a_inverse, dequantized_w.transpose(-2, -1), offsets_E).to(out_dtype)
-    a_values, a_inverse = quantize_activation_rows(list(a_parts_RP), offsets_E, a_factors_EK)
-    if w_inverse_EN1 is None:
-        w_inverse_EN1 = w_values_ENK.new_ones(*w_values_ENK.shape[:2], 1, dtype=torch.float32)
+    a_values, a_inverse = quantize_activation_rows(list(a_parts_RP), offsets_E)
     return FP8_GEMMS[gemm](a_values, a_inverse, w_values_ENK, w_inverse_EN1, offsets_E, out_dtype)
-
-
-def _expert_of_rows(offsets_E: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """[R] int64: the expert each row belongs to (the last expert for the rows past the groups, which no
-    GEMM reads), from the groups' inclusive ends, with no host sync."""
-    rows = torch.arange(num_rows, device=offsets_E.device, dtype=offsets_E.dtype)
-    return torch.searchsorted(offsets_E, rows, right=True).clamp(max=offsets_E.numel() - 1)
 
 
 def quantize_stacked_rows(w_parts_EPK: Sequence[torch.Tensor], *, emulated: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,20 +134,19 @@ def quantize_stacked_rows(w_parts_EPK: Sequence[torch.Tensor], *, emulated: bool
 
 def quantize_stacked_rows_transposed(
     w_parts_EPK: list[torch.Tensor],
-    inverse_EN1: torch.Tensor,
+    inverse_E11: torch.Tensor,
     *,
     emulated: bool,
     ordered_after: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The e4m3 values of ``quantize_stacked_rows`` (``inverse_EN1`` its inverse scales) transposed, row-major
-    [E, K, N] (the input gradient's weight operand). On the GPU one Triton kernel (``kernels.fp8_quantize``)
-    that scales by the given inverse scales, computed after ``ordered_after`` exists (its docstring);
-    emulated, the same values from plain torch, which a compiled graph may compute in the forward and
-    keep until the backward."""
+    """The stack ``[w_parts]`` [E, N, K] scaled by one inverse scale per expert, ``inverse_E11`` (fp32
+    powers of two), in e4m3, transposed row-major [E, K, N] (the input gradient's weight operand). On the
+    GPU one Triton kernel (``kernels.fp8_quantize``), computed after ``ordered_after`` exists (its
+    docstring); emulated, the same values from plain torch, which a compiled graph may compute in the
+    forward and keep until the backward."""
     if emulated:
-        values, _ = quantize_rowwise(_stacked(w_parts_EPK))
-        return row_major(values.transpose(-2, -1))
-    return quantize_rows_transposed(w_parts_EPK, inverse_EN1, ordered_after)
+        return row_major(to_e4m3(_stacked(w_parts_EPK).float() / inverse_E11).transpose(-2, -1))
+    return quantize_rows_transposed(w_parts_EPK, inverse_E11, ordered_after)
 
 
 class Fp8GroupedLinear(torch.autograd.Function):
@@ -178,29 +165,28 @@ class Fp8GroupedLinear(torch.autograd.Function):
     def forward(ctx, a_RK, offsets_E, emulated: bool, gemm: str, *w_parts_EPK):
         ctx.emulated, ctx.gemm = emulated, gemm
         w_values, w_inverse = quantize_stacked_rows(w_parts_EPK, emulated=emulated)
-        ctx.save_for_backward(a_RK, offsets_E, w_inverse, *w_parts_EPK)
+        ctx.save_for_backward(a_RK, offsets_E, w_inverse.amax(dim=1, keepdim=True), *w_parts_EPK)
         y_RN = scaled_grouped_gemm([a_RK], w_values, w_inverse, offsets_E, a_RK.dtype, emulated=emulated, gemm=gemm)
         return y_RN.split([w.shape[1] for w in w_parts_EPK], dim=1)
 
     @staticmethod
     # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); torch documents one argument per output
     def backward(ctx, *grad_parts_RP):
-        a_RK, offsets_E, w_inverse, *w_parts_EPK = ctx.saved_tensors
+        a_RK, offsets_E, expert_inverse_E11, *w_parts_EPK = ctx.saved_tensors
         grad_parts_RP = [row_major(grad) for grad in grad_parts_RP]
         grad_a = None
         if ctx.needs_input_grad[0]:
             w_values_T = quantize_stacked_rows_transposed(
-                w_parts_EPK, w_inverse, emulated=ctx.emulated, ordered_after=grad_parts_RP[0]
+                w_parts_EPK, expert_inverse_E11, emulated=ctx.emulated, ordered_after=grad_parts_RP[0]
             )
             grad_a = scaled_grouped_gemm(
                 grad_parts_RP,
                 w_values_T,
-                None,
+                expert_inverse_E11.expand(-1, a_RK.shape[1], -1).contiguous(),
                 offsets_E,
                 a_RK.dtype,
                 emulated=ctx.emulated,
                 gemm=ctx.gemm,
-                a_factors_EK1=w_inverse,
             )
         grad_w_parts = [
             grouped_mm(grad.transpose(0, 1), a_RK, offsets_E).to(w.dtype) if needed else None
@@ -253,7 +239,7 @@ def fp8_grouped_experts(
 
 class _ReferenceFp8Linear(torch.autograd.Function):
     """``a @ w.T`` of one expert in fp32 from e4m3-rounded operands; gradients per the recipe: the input
-    gradient from ``w``'s e4m3 values, its inverse row scales folded into ``d y``'s columns."""
+    gradient from ``w`` rounded to e4m3 with one scale for the whole expert."""
 
     @staticmethod
     def forward(ctx, a_MK, w_NK):
@@ -264,8 +250,7 @@ class _ReferenceFp8Linear(torch.autograd.Function):
     # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); torch documents one argument per output
     def backward(ctx, grad_MN):
         a_MK, w_NK = ctx.saved_tensors
-        w_values, w_inverse = quantize_rowwise(w_NK)
-        grad_a = quantize_dequantize(grad_MN * w_inverse.T) @ w_values.float()
+        grad_a = quantize_dequantize(grad_MN) @ quantize_dequantize(w_NK.reshape(1, -1)).reshape(w_NK.shape)
         return grad_a, grad_MN.T @ a_MK
 
 
