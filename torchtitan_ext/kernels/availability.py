@@ -29,11 +29,15 @@ def triton_available_reason() -> str | None:
 
 
 def check_runnable(*tensors: torch.Tensor) -> None:
-    """Raise RuntimeError when the kernels cannot run on these tensors."""
+    """Raise RuntimeError when the kernels cannot run on these tensors. Tensors on one CUDA device pass
+    with no further check: every kernel launch calls this, and reading the environment each time cost
+    host time."""
+    devices = {t.device for t in tensors}
+    if len(devices) == 1 and next(iter(devices)).type == "cuda":
+        return
     reason = triton_available_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise RuntimeError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
     device = devices.pop()
