@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import socket
 from collections.abc import Callable, Iterator
@@ -21,7 +22,9 @@ from torchtitan.models.common.decoder import Decoder
 from torchtitan_ext.bench.common import relative_error
 from torchtitan_ext.compat.cpu import exit_skipping_finalization
 from torchtitan_ext.experiments.moe_backends.experts import BACKENDS, runnable_backends
+from torchtitan_ext.experiments.moe_backends.fp8_experts import quantize_rowwise
 from torchtitan_ext.kernels.availability import interpreter_enabled
+from torchtitan_ext.kernels.fp8_swiglu import swiglu_backward_quantize_rows, swiglu_quantize_rows
 
 if TYPE_CHECKING:
     from torchtitan.trainer import Trainer
@@ -144,16 +147,20 @@ def nested_configs(config: Trainer.Config, config_class: type[NestedConfig]) -> 
     return [c for _, c, _, _ in model_config(config).traverse(config_class) if isinstance(c, config_class)]
 
 
-def tensors_saved_for_backward(compute, inputs: list[torch.Tensor], *args, **kwargs) -> list[tuple[str, torch.dtype]]:
+SavedTensor = tuple[str, torch.dtype, tuple[int, ...]]
+"""A tensor a graph saves for the backward: which input it is (or "computed"), its dtype and shape."""
+
+
+def tensors_saved_for_backward(compute, inputs: list[torch.Tensor], *args, **kwargs) -> list[SavedTensor]:
     """``compute(*inputs, *args, **kwargs)`` compiled (``aot_eager``, whole graph) and run forward once:
-    each tensor its graph saves for the backward as (which input it is, or "computed", and its dtype),
-    in a sorted list. The inputs are plain tensors, not parameters the partitioner may save for free,
-    as FSDP's gathered weights are."""
+    each tensor its graph saves for the backward as (which input it is, or "computed", its dtype and
+    shape), in a sorted list. The inputs are plain tensors, not parameters the partitioner may save for
+    free, as FSDP's gathered weights are."""
     names = {t.untyped_storage().data_ptr(): f"input {i}" for i, t in enumerate(inputs)}
-    saved: list[tuple[str, torch.dtype]] = []
+    saved: list[SavedTensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append((names.get(t.untyped_storage().data_ptr(), "computed"), t.dtype))
+        saved.append((names.get(t.untyped_storage().data_ptr(), "computed"), t.dtype, tuple(t.shape)))
         return t
 
     torch._dynamo.reset()
@@ -163,8 +170,69 @@ def tensors_saved_for_backward(compute, inputs: list[torch.Tensor], *args, **kwa
     return sorted(saved, key=str)
 
 
-def with_fp8_weight_scales(saved: list[tuple[str, torch.dtype]]) -> list[tuple[str, torch.dtype]]:
-    """``saved`` (as ``tensors_saved_for_backward`` lists them) and what the FP8 experts keep besides: one
-    fp32 inverse scale per expert for each of their two weight stacks ([E, 1, 1]), which the input
-    gradients quantise the weights with."""
-    return sorted([*saved, ("computed", torch.float32), ("computed", torch.float32)], key=str)
+def saved_elements(saved: list[SavedTensor]) -> int:
+    return sum(math.prod(shape) for _, _, shape in saved)
+
+
+def fp8_experts_saved(x_RD: torch.Tensor, w1_EFD: torch.Tensor, num_experts: int) -> list[SavedTensor]:
+    """What the FP8 experts' graph saves for the backward (as ``tensors_saved_for_backward`` lists it), for
+    inputs ``[x_RD, w1, w2, w3]`` with no padding: the four inputs, the expert groups' int32 ends, the gate
+    and up outputs as one [R, 2F] tensor in the activations' dtype, and one fp32 inverse scale per expert
+    for each weight stack ([E, 1, 1]), which the input gradients quantise the weights with. No e4m3 copy
+    of a weight or an activation."""
+    (rows, dim), hidden = x_RD.shape, w1_EFD.shape[1]
+    weight_shapes = [(num_experts, hidden, dim), (num_experts, dim, hidden), (num_experts, hidden, dim)]
+    saved = [("input 0", x_RD.dtype, (rows, dim))]
+    saved += [(f"input {i}", w1_EFD.dtype, shape) for i, shape in enumerate(weight_shapes, start=1)]
+    saved += [("computed", torch.int32, (num_experts,)), ("computed", x_RD.dtype, (rows, 2 * hidden))]
+    saved += [("computed", torch.float32, (num_experts, 1, 1))] * 2
+    return sorted(saved, key=str)
+
+
+def assert_swiglu_kernels_match_torch(
+    gate_up_RF2: torch.Tensor,
+    grad_a_RF: torch.Tensor,
+    row_scores_R: torch.Tensor | None,
+    group_end_E: torch.Tensor,
+    tolerance: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both FP8 SwiGLU kernels (``kernels.fp8_swiglu``) on these inputs, with every fresh buffer NaN: the
+    forward's e4m3 rows bit-equal to the plain-torch rule applied to ``a`` as the backward writes it; the
+    backward's ``[d gate, d up]`` rows bit-equal to the rule applied to the gradients it writes; ``a`` and
+    the gate, up and score gradients within ``tolerance`` (relative) of torch's autograd in fp64, each in
+    its dtype; the rows after the experts' unwritten (NaN), their score gradient zero. Returns the
+    forward's values and inverse scales and ``a``, on the experts' rows."""
+    rows = int(group_end_E[-1])
+    with fresh_buffers_hold_nan():
+        values, inverse = swiglu_quantize_rows(gate_up_RF2, row_scores_R, group_end_E)
+        grad_gate, grad_up, a, grad_scores, grad_values, grad_inverse = swiglu_backward_quantize_rows(
+            grad_a_RF, gate_up_RF2, row_scores_R, group_end_E
+        )
+    for quantized, rule in (
+        ((values, inverse), quantize_rowwise(a[:rows])),
+        ((grad_values, grad_inverse), quantize_rowwise(torch.cat([grad_gate, grad_up], dim=1)[:rows])),
+    ):
+        assert torch.equal(quantized[0][:rows].view(torch.uint8), rule[0].view(torch.uint8))
+        assert torch.equal(quantized[1][:rows], rule[1])
+        assert quantized[1][rows:].isnan().all()
+        assert (quantized[0][rows:].view(torch.uint8) & 0x7F == 0x7F).all()  # e4m3 NaN: 0x7f or 0xff
+
+    with_scores = row_scores_R is not None
+    leaves = [
+        t.double().requires_grad_() for t in (*gate_up_RF2.chunk(2, dim=1), *([row_scores_R] if with_scores else []))
+    ]
+    expected_a = torch.nn.functional.silu(leaves[0]) * leaves[1] * (leaves[2][:, None] if with_scores else 1)
+    expected = [expected_a, *torch.autograd.grad(expected_a, leaves, grad_a_RF.double())]
+    written = {"a": a, "gate": grad_gate, "up": grad_up}
+    if with_scores:
+        written["scores"] = grad_scores
+    for (name, actual), wanted in zip(written.items(), expected, strict=True):
+        assert relative_error(actual[:rows].double(), wanted[:rows]) <= tolerance, name
+        if name == "scores":
+            assert row_scores_R is not None and actual.dtype == row_scores_R.dtype
+            assert (actual[rows:] == 0).all()
+        else:
+            assert actual.dtype == gate_up_RF2.dtype, name
+            assert actual[rows:].isnan().all(), name
+    assert grad_scores.shape == ((gate_up_RF2.shape[0],) if with_scores else (0,))
+    return values[:rows], inverse[:rows], a[:rows]

@@ -8,11 +8,13 @@ import logging
 import pytest
 import torch
 from helpers import (
+    assert_swiglu_kernels_match_torch,
+    fp8_experts_saved,
     fresh_buffers_hold_nan,
     model_config,
     nested_configs,
+    saved_elements,
     tensors_saved_for_backward,
-    with_fp8_weight_scales,
 )
 from torchtitan.components.quantization.float8 import Float8GroupedExpertsConverter
 from torchtitan.components.quantization.mx import MXFP8GroupedExpertsConverter
@@ -35,10 +37,11 @@ from torchtitan_ext.experiments.moe_backends.fp8_experts import (
     reference_fp8_experts,
 )
 from torchtitan_ext.experiments.moe_backends.layer import moe_layer_config, with_expert_precision
-from torchtitan_ext.kernels import fp8_quantize
+from torchtitan_ext.kernels import fp8_quantize, fp8_swiglu
 from torchtitan_ext.kernels.availability import interpreter_enabled
 from torchtitan_ext.kernels.fp8_grouped_gemm import fp8_grouped_gemm
 from torchtitan_ext.kernels.fp8_quantize import quantize_activation_rows, quantize_rows, quantize_rows_transposed
+from torchtitan_ext.kernels.fp8_swiglu import swiglu_backward_quantize_rows, swiglu_quantize_rows
 from torchtitan_ext.registry import Flavor, get_flavor
 from torchtitan_ext.run_training import FlavorConfigManager
 
@@ -212,6 +215,70 @@ def test_the_activation_quantisation_kernel_refuses_mismatched_parts(parts, mess
         quantize_activation_rows([p.to(KERNEL_DEVICE) for p in parts], torch.tensor([4], dtype=torch.int32))
 
 
+def swiglu_kernel_inputs(hidden: int, dtype: torch.dtype, with_scores: bool, experts_rows: int, after: int):
+    """``(gate_up [R, 2F], the gradient of a [R, F], row scores or None)`` for the SwiGLU kernels, values
+    spread over 2^-12 to 2^3 so that the quantised rows round every way e4m3 rounds."""
+    num_rows = experts_rows + after
+    gate_up = rounding_cases((num_rows, 2 * hidden), 0).to(dtype)
+    grad_a = rounding_cases((num_rows, hidden), 1).to(dtype)
+    scores = row_scores(num_rows).detach() if with_scores else None
+    return gate_up, grad_a, scores
+
+
+SWIGLU_KERNEL_CASES = {
+    "one_block_fp32": (40, None, False, torch.float32),
+    "one_block_scores_fp16": (40, None, True, torch.float16),
+    "in_blocks_scores_fp32": (40, 16, True, torch.float32),
+    "in_blocks_fp16": (40, 16, False, torch.float16),
+}
+
+
+@interpreted_kernels
+@pytest.mark.parametrize(
+    "hidden, block, with_scores, dtype", SWIGLU_KERNEL_CASES.values(), ids=list(SWIGLU_KERNEL_CASES)
+)
+def test_the_swiglu_kernels_compute_the_swiglu_and_quantise_what_they_write(
+    hidden, block, with_scores, dtype, monkeypatch
+):
+    """Forward: e4m3 rows bit-equal to the plain-torch rule applied to ``a = silu(gate) * up * score`` as the
+    backward writes it. Backward: ``a``, the gate, up and score gradients equal plain torch's autograd
+    (fp64) up to rounding to the activations' dtype, and ``[d gate, d up]`` quantised bit-equal to the rule
+    applied to the gradients it writes. Rows longer than the kernels' block (``block``) in blocks; the
+    rows after the experts' are not written (NaN from the fresh buffers) and get a zero score gradient."""
+    if block is not None:
+        monkeypatch.setattr(fp8_swiglu, "SWIGLU_BLOCK", block)
+    experts_rows, after = 37, 4
+    gate_up, grad_a, scores = swiglu_kernel_inputs(hidden, dtype, with_scores, experts_rows, after)
+    group_end = torch.tensor([10, 10, experts_rows], dtype=torch.int32)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-3
+    values, inverse, a = assert_swiglu_kernels_match_torch(gate_up, grad_a, scores, group_end, tolerance)
+    assert_rounds_into_the_next_exponent_and_to_subnormals(values[:experts_rows], inverse[:experts_rows], a.float())
+
+
+@pytest.mark.parametrize(
+    "gate_up_shape, scores_shape, group_end_dtype, grad_shape, message",
+    [
+        ((8, 7), None, torch.int32, (8, 3), r"one \[R, 2F\] tensor with unit column stride"),
+        ((8, 8), (7,), torch.int32, (8, 4), r"row scores must have shape \(8,\)"),
+        ((8, 8), None, torch.int64, (8, 4), "group_end must be a 1-D int32 tensor"),
+        ((8, 8), None, torch.int32, (8, 8), r"the gradient must be \[R, F\] = \[8, 4\]"),
+    ],
+    ids=["odd_columns", "scores_of_other_rows", "int64_group_ends", "gradient_of_other_columns"],
+)
+def test_the_swiglu_kernels_refuse_mismatched_arguments(
+    gate_up_shape, scores_shape, group_end_dtype, grad_shape, message
+):
+    gate_up = torch.zeros(gate_up_shape, device=KERNEL_DEVICE)
+    scores = torch.ones(scores_shape, device=KERNEL_DEVICE) if scores_shape is not None else None
+    group_end = torch.tensor([8], dtype=group_end_dtype, device=KERNEL_DEVICE)
+    grad = torch.zeros(grad_shape, device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match=message):
+        swiglu_backward_quantize_rows(grad, gate_up, scores, group_end)
+    if grad_shape[1] * 2 == gate_up_shape[1]:
+        with pytest.raises(ValueError, match=message):
+            swiglu_quantize_rows(gate_up, scores, group_end)
+
+
 @pytest.mark.parametrize(
     "quantize",
     [quantize_rows, lambda parts: quantize_rows_transposed(parts, torch.ones(2, 1, 1, device=KERNEL_DEVICE))],
@@ -351,15 +418,17 @@ def test_compiled_triton_fp8_experts_equal_eager():
 
 
 @interpreted_kernels
-def test_compiled_triton_fp8_experts_save_what_the_native_experts_save():
-    """No e4m3 weight copy is kept from the forward to the backward (FSDP frees the gathered weights
-    after the forward, not copies of them): the compiled graph saves the tensors the bf16 experts save,
-    and the weights' inverse row scales."""
+def test_compiled_triton_fp8_experts_save_no_more_than_the_native_experts():
+    """No e4m3 copy is kept from the forward to the backward (FSDP frees the gathered weights after the
+    forward, not copies of them): the compiled graph saves ``fp8_experts_saved``, no more elements than
+    the bf16 experts save besides the two per-expert weight scales (the SwiGLU output is written again
+    in the backward)."""
     counts = COUNT_CASES["mixed_with_an_empty_expert"]
     inputs = expert_inputs(counts, 32, 48)
     native = tensors_saved_for_backward(grouped_mm_experts, inputs, torch.tensor(counts))
     fp8 = tensors_saved_for_backward(fp8_grouped_experts, inputs, torch.tensor(counts), emulated=False, gemm="triton")
-    assert fp8 == with_fp8_weight_scales(native)
+    assert fp8 == fp8_experts_saved(inputs[0], inputs[1], len(counts))
+    assert saved_elements(fp8) <= saved_elements(native) + 2 * len(counts)
 
 
 @interpreted_kernels
@@ -378,9 +447,9 @@ def test_compiled_triton_fp8_experts_keep_fp32_weights_as_they_are():
         fp8_grouped_experts, [x, *half_weights], torch.tensor(counts), emulated=False, gemm="triton"
     )
     assert [("input 1", torch.float32), ("input 2", torch.float32), ("input 3", torch.float32)] == [
-        saved for saved in fp32 if saved[0] in ("input 1", "input 2", "input 3")
+        (name, dtype) for name, dtype, _ in fp32 if name in ("input 1", "input 2", "input 3")
     ]
-    assert [name for name, _ in fp32] == [name for name, _ in half]
+    assert [(name, shape) for name, _, shape in fp32] == [(name, shape) for name, _, shape in half]
 
 
 def test_fp8_experts_quantise_fp32_weights_from_their_own_values():

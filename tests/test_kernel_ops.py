@@ -17,6 +17,7 @@ from torchtitan_ext.kernels import moe_permute
 from torchtitan_ext.kernels.availability import interpreter_enabled
 from torchtitan_ext.kernels.fp8_grouped_gemm import fp8_grouped_gemm
 from torchtitan_ext.kernels.fp8_quantize import quantize_activation_rows, quantize_rows, quantize_rows_transposed
+from torchtitan_ext.kernels.fp8_swiglu import swiglu_backward_quantize_rows, swiglu_quantize_rows
 from torchtitan_ext.kernels.fused_moe import fused_moe_grouped, fused_moe_routed
 from torchtitan_ext.kernels.library_ops import NAMESPACE, kernel_op
 from torchtitan_ext.kernels.swiglu_experts import (
@@ -148,7 +149,7 @@ def test_backward_ops():
     not interpreter_enabled() and fp8_gemms_unavailable_reason() is not None, reason="FP8 kernels need SM90+"
 )
 def test_fp8_ops():
-    """The FP8 experts' quantisation and GEMM ops, every row in an expert's group (the rows after the
+    """The FP8 experts' quantisation, SwiGLU and GEMM ops, every row in an expert's group (the rows after the
     groups are left unwritten, which opcheck, comparing outputs, cannot take)."""
     g = generator(8)
     w_parts = [torch.randn(NUM_EXPERTS, HIDDEN, DIM, generator=g, device=DEVICE) for _ in range(2)]
@@ -156,7 +157,13 @@ def test_fp8_ops():
     group_end = torch.tensor([3, 3, 8, NUM_TOKENS], dtype=torch.int32, device=DEVICE)
     a_values, a_inverse = quantize_activation_rows([parts[0]], group_end)
     w_values, w_inverse = quantize_rows(w_parts)
+    gate_up = torch.cat(parts, dim=1)
+    scores = torch.rand(NUM_TOKENS, generator=g, device=DEVICE)
     for op, args in (
+        (swiglu_quantize_rows, (gate_up, scores, group_end)),
+        (swiglu_quantize_rows, (gate_up, None, group_end)),
+        (swiglu_backward_quantize_rows, (parts[0], gate_up, scores, group_end)),
+        (swiglu_backward_quantize_rows, (parts[0], gate_up, None, group_end)),
         (quantize_rows, (w_parts,)),
         (quantize_rows_transposed, (w_parts, w_inverse.amax(1, keepdim=True), parts[0])),
         (quantize_activation_rows, (parts, group_end)),
@@ -190,7 +197,7 @@ OPCHECKED_HERE = {
     "swiglu_experts_forward", "swiglu_experts_backward", "swiglu_experts_preactivations", "routing_metadata",
     "permute_rows", "sum_rows", "weighted_sum_rows", "weighted_sum_rows_backward", "topk_routing",
     "topk_routing_backward", "quantize_rows", "quantize_rows_transposed", "quantize_activation_rows",
-    "fp8_grouped_gemm", "grouped_mm",
+    "fp8_grouped_gemm", "swiglu_quantize_rows", "swiglu_backward_quantize_rows", "grouped_mm",
 }  # fmt: skip
 """The ops the tests above hold to ``opcheck``."""
 SYMM_MEM_OPS = {

@@ -11,7 +11,7 @@ cores' fast FP8 accumulation, Triton's default there, as
 ``torch._scaled_grouped_mm(use_fast_accum=True)``); the scales apply in the epilogue. Rows after
 group_end[E-1] belong to no expert: their output rows are not written (unset). The op reads nothing
 on the host, so ``torch.compile(fullgraph=True)`` traces around it and CUDA graphs capture it; it has
-no autograd formula (the FP8 recipe, ``fp8_experts.Fp8GroupedLinear``, is the differentiable layer).
+no autograd formula (the FP8 recipe, ``fp8_experts.Fp8SwigluExperts``, is the differentiable layer).
 """
 
 import torch

@@ -63,7 +63,14 @@ row): on an H200, 1-4 rows of 2048 columns and 2-8 of 768 ran within 5% of each 
 
 
 @triton.jit
-def _to_e4m3(scaled, E4M3_MAX: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+def power_of_two_scale(amax, E4M3_MAX: tl.constexpr, SMALLEST_AMAX: tl.constexpr):
+    """The rule's scale of rows whose absolute maxima are ``amax`` (fp32): ``2^floor(log2(448 / amax))``,
+    ``amax`` at least ``SMALLEST_AMAX``."""
+    return tl.exp2(tl.floor(tl.log2(tl.math.div_rn(E4M3_MAX, tl.maximum(amax, SMALLEST_AMAX)))))
+
+
+@triton.jit
+def cast_to_e4m3(scaled, E4M3_MAX: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """``scaled`` (fp32) clamped to +-E4M3_MAX and cast to e4m3 (round to nearest, ties to even).
     ``ROUND_IN_FP32`` (Triton's interpreter) rounds in fp32 arithmetic first, so that the cast is exact:
     adding and taking away ``1.5 * 2^23`` times the value's e4m3 step (2^(e-3) at exponent e, 2^-9
@@ -115,7 +122,7 @@ def _quantize_rows_transposed_kernel(
     k_ok = (k < K)[None, :]
     tile = _stack_tile(first_ptr, second_ptr, FIRST_ROWS, SECOND_ROWS, expert, n, k_ok, k, K)
     row_ok = n < total_rows
-    quantized = _to_e4m3(tile * (1.0 / tl.load(inverse_ptr + expert)), E4M3_MAX, ROUND_IN_FP32)
+    quantized = cast_to_e4m3(tile * (1.0 / tl.load(inverse_ptr + expert)), E4M3_MAX, ROUND_IN_FP32)
     out = values_ptr + expert * K * total_rows + k[:, None] * total_rows + n[None, :]
     tl.store(out, tl.trans(quantized), mask=tl.trans(row_ok[:, None] & k_ok))
 
@@ -143,11 +150,10 @@ def _quantize_rows_kernel(
     k = tl.arange(0, BLOCK_K)
     k_ok = (k < K)[None, :]
     tile = _stack_tile(first_ptr, second_ptr, FIRST_ROWS, SECOND_ROWS, expert, n, k_ok, k, K)
-    amax = tl.maximum(tl.max(tl.abs(tile), axis=1), SMALLEST_AMAX)
-    scale = tl.exp2(tl.floor(tl.log2(tl.math.div_rn(E4M3_MAX, amax))))
+    scale = power_of_two_scale(tl.max(tl.abs(tile), axis=1), E4M3_MAX, SMALLEST_AMAX)
     row_ok = n < total_rows
     tl.store(inverse_ptr + expert * total_rows + n, 1.0 / scale, mask=row_ok)
-    quantized = _to_e4m3(tile * scale[:, None], E4M3_MAX, ROUND_IN_FP32)
+    quantized = cast_to_e4m3(tile * scale[:, None], E4M3_MAX, ROUND_IN_FP32)
     out_rows = values_ptr + (expert * total_rows + n) * K
     tl.store(out_rows[:, None] + k[None, :], quantized, mask=row_ok[:, None] & k_ok)
 
@@ -206,11 +212,11 @@ def _quantize_activation_rows_kernel(
                 SECOND_COLS,
             )  # fmt: skip
             amax = tl.maximum(amax, tl.max(tl.abs(block), axis=1))
-    scale = tl.exp2(tl.floor(tl.log2(tl.math.div_rn(E4M3_MAX, tl.maximum(amax, SMALLEST_AMAX)))))
+    scale = power_of_two_scale(amax, E4M3_MAX, SMALLEST_AMAX)
     tl.store(inverse_ptr + rows, 1.0 / scale, mask=row_ok)
     if ONE_BLOCK:
         # pyrefly: ignore[unbound-name]  # Triton: bound under the same constexpr ONE_BLOCK
-        quantized = _to_e4m3(block * scale[:, None], E4M3_MAX, ROUND_IN_FP32)
+        quantized = cast_to_e4m3(block * scale[:, None], E4M3_MAX, ROUND_IN_FP32)
         tl.store(out_rows + cols[None, :], quantized, mask=row_ok[:, None] & (cols < total_cols)[None, :])
     else:
         for start in range(0, total_cols, BLOCK):
@@ -218,7 +224,7 @@ def _quantize_activation_rows_kernel(
                 first_ptr, second_ptr, rows, first_stride, second_stride, start + cols, row_ok, FIRST_COLS,
                 SECOND_COLS,
             )  # fmt: skip
-            quantized = _to_e4m3(block * scale[:, None], E4M3_MAX, ROUND_IN_FP32)
+            quantized = cast_to_e4m3(block * scale[:, None], E4M3_MAX, ROUND_IN_FP32)
             mask = row_ok[:, None] & (start + cols < total_cols)[None, :]
             tl.store(out_rows + (start + cols)[None, :], quantized, mask=mask)
 

@@ -17,7 +17,10 @@ GEMM of twice the width):
   each expert's tokens, whose per-expert scales would need 16-row aligned groups.
 
 Scales are powers of two (``2^floor(log2(448 / amax))``), so dequantising is exact and the
-reference, the emulation and the GPU kernels see the same e4m3 values. ``fp8_rowwise`` computes
+reference, the emulation and the GPU kernels see the same e4m3 values. The down projection's input
+``silu(gate) * up`` and the gate and up outputs' gradients are quantised by the SwiGLU kernels that
+compute them (``kernels.fp8_swiglu``), the tokens and the output gradient by the activation kernel
+(``kernels.fp8_quantize``). ``fp8_rowwise`` computes
 the FP8 GEMMs with the kernels of ``FP8_GEMMS`` the backend names: ``torch._scaled_grouped_mm``
 (``grouped_mm``; CUDA, compute capability 9.0+) or this project's Triton kernel
 (``kernels.fp8_grouped_gemm``; ``triton``); ``fp8_rowwise_emulated`` quantises identically and
@@ -40,8 +43,9 @@ from torchtitan_ext.kernels.fp8_quantize import (
     quantize_rows,
     quantize_rows_transposed,
 )
+from torchtitan_ext.kernels.fp8_swiglu import swiglu_backward_quantize_rows, swiglu_quantize_rows
 
-from .grouped_matmul import grouped_mm, row_major, weight_rows
+from .grouped_matmul import grouped_mm, row_major
 
 ExpertPrecision = Literal["native", "fp8_rowwise", "fp8_rowwise_emulated"]
 """How the expert GEMMs compute: in the activations' dtype, in FP8 rowwise on the GPU, or FP8
@@ -99,8 +103,21 @@ FP8_GEMMS: dict[str, Fp8Gemm] = {"torch": _torch_fp8_gemm, "triton": fp8_grouped
 (``kernels.fp8_grouped_gemm``, which writes ``out_dtype`` directly)."""
 
 
-def scaled_grouped_gemm(
-    a_parts_RP: Sequence[torch.Tensor],
+def quantize_activations(
+    parts_RP: Sequence[torch.Tensor], offsets_E: torch.Tensor, *, emulated: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``parts_RP`` joined along their last dimension, quantised rowwise: e4m3 values [R, K] and
+    fp32 inverse scales [R, 1]. On the GPU ``kernels.fp8_quantize``'s activation kernel, which reads the
+    parts in place and leaves the rows past the groups ending at ``offsets_E`` unset; emulated, the same
+    rule in plain torch on every row."""
+    if emulated:
+        return quantize_rowwise(_stacked(parts_RP))
+    return quantize_activation_rows(list(parts_RP), offsets_E)
+
+
+def fp8_gemm(
+    a_values_RK: torch.Tensor,
+    a_inverse_R1: torch.Tensor,
     w_values_ENK: torch.Tensor,
     w_inverse_EN1: torch.Tensor,
     offsets_E: torch.Tensor,
@@ -109,18 +126,14 @@ def scaled_grouped_gemm(
     emulated: bool,
     gemm: str,
 ) -> torch.Tensor:
-    """``a_RK @ w[e].T`` over the row groups ending at ``offsets_E``, ``a_RK`` the parts ``a_parts_RP``
-    joined along K (``[d gate, d up]``; one part as is): quantised rowwise along K here (on the GPU by
-    ``kernels.fp8_quantize``'s activation kernel, which reads the parts in place and skips the rows past
-    the groups; emulated, the same rule in plain torch), ``w`` comes quantised (row-major e4m3 values
-    [E, N, K] and inverse scales [E, N, 1]) -> [R, N] in ``out_dtype``, computed by ``FP8_GEMMS[gemm]``
-    (``emulated``: in fp32 from the dequantised operands). K and N must be multiples of ``FP8_ALIGN``."""
+    """``a @ w[e].T`` over the row groups ending at ``offsets_E`` from e4m3 operands and their rows' inverse
+    scales along K (``Fp8Gemm``) -> [R, N] in ``out_dtype``, computed by ``FP8_GEMMS[gemm]`` or, emulated,
+    in fp32 from the dequantised operands. K and N must be multiples of ``FP8_ALIGN``."""
     if emulated:
-        a_values, a_inverse = quantize_rowwise(_stacked(a_parts_RP))
         dequantized_w = w_values_ENK.float() * w_inverse_EN1
-        return grouped_mm(a_values.float() * a_inverse, dequantized_w.transpose(-2, -1), offsets_E).to(out_dtype)
-    a_values, a_inverse = quantize_activation_rows(list(a_parts_RP), offsets_E)
-    return FP8_GEMMS[gemm](a_values, a_inverse, w_values_ENK, w_inverse_EN1, offsets_E, out_dtype)
+        a = a_values_RK.float() * a_inverse_R1
+        return grouped_mm(a, dequantized_w.transpose(-2, -1), offsets_E).to(out_dtype)
+    return FP8_GEMMS[gemm](a_values_RK, a_inverse_R1, w_values_ENK, w_inverse_EN1, offsets_E, out_dtype)
 
 
 def quantize_stacked_rows(w_parts_EPK: Sequence[torch.Tensor], *, emulated: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,50 +162,130 @@ def quantize_stacked_rows_transposed(
     return quantize_rows_transposed(w_parts_EPK, inverse_E11, ordered_after)
 
 
-class Fp8GroupedLinear(torch.autograd.Function):
-    """``a_RK @ w_ENK[e].T`` in FP8 rowwise with the gradients of the module docstring's recipe, the
-    weight ``w_ENK`` given as parts ``w_EPK`` stacked along N (``[w1; w3]``: one GEMM for the gate
-    and up projections) -> one output [R, P] per part (column blocks of the one GEMM's output). The
-    parts are saved, not their stack, and each part's weight gradient is its own GEMM, so no stacked
-    copy outlives a pass and no gradient is sliced out of a stacked one.
+def swiglu_quantized(
+    gate_up_RF2: torch.Tensor, row_scores_R: torch.Tensor | None, offsets_E: torch.Tensor, *, emulated: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The down projection's input ``a = silu(gate) * up`` (times each row's score), rounded to
+    ``gate_up_RF2``'s dtype and quantised rowwise: e4m3 values [R, F] and fp32 inverse scales [R, 1]
+    (``kernels.fp8_swiglu``; emulated, the same arithmetic in plain torch)."""
+    if not emulated:
+        return swiglu_quantize_rows(gate_up_RF2, row_scores_R, offsets_E)
+    gate, up = gate_up_RF2.float().chunk(2, dim=1)
+    return quantize_rowwise(_scored(F.silu(gate) * up, row_scores_R).to(gate_up_RF2.dtype))
 
-    The parts may have another dtype than ``a_RK`` (fp32 parameters beside bf16 activations): they are
-    quantised from their own values, with no cast to the activations' dtype before (a pass over the
-    weights in each direction, and a copy the backward would keep), and their gradients come in their
-    own dtype (the GEMM in ``a_RK``'s)."""
+
+def swiglu_backward_quantized(
+    grad_a_RF: torch.Tensor,
+    gate_up_RF2: torch.Tensor,
+    row_scores_R: torch.Tensor | None,
+    offsets_E: torch.Tensor,
+    *,
+    emulated: bool,
+) -> tuple[torch.Tensor, ...]:
+    """From the gradient of ``swiglu_quantized``'s ``a``: ``(d gate, d up, a, d scores, [d gate, d up]
+    quantised rowwise as values [R, 2F] and inverse scales [R, 1])`` (``kernels.fp8_swiglu``, whose
+    docstring gives the arithmetic; emulated, the same in plain torch)."""
+    if not emulated:
+        return swiglu_backward_quantize_rows(grad_a_RF, gate_up_RF2, row_scores_R, offsets_E)
+    dtype = gate_up_RF2.dtype
+    gate, up = gate_up_RF2.float().chunk(2, dim=1)
+    sigmoid = torch.sigmoid(gate)
+    silu = gate * sigmoid
+    grad_a = grad_a_RF.float()
+    grad_swiglu = _scored(grad_a, row_scores_R)
+    grad_up = (grad_swiglu * silu).to(dtype)
+    grad_gate = (grad_swiglu * up * sigmoid * (1 + gate * (1 - sigmoid))).to(dtype)
+    a = _scored(silu * up, row_scores_R).to(dtype)
+    grad_scores = (
+        (grad_a * silu * up).sum(dim=1).to(row_scores_R.dtype)
+        if row_scores_R is not None
+        else gate_up_RF2.new_empty(0, dtype=torch.float32)
+    )
+    return grad_gate, grad_up, a, grad_scores, *quantize_rowwise(torch.cat([grad_gate, grad_up], dim=1))
+
+
+def _scored(rows_RF: torch.Tensor, row_scores_R: torch.Tensor | None) -> torch.Tensor:
+    """fp32 ``rows_RF`` with row ``r`` times ``row_scores_R[r]``; as they are without scores."""
+    return rows_RF if row_scores_R is None else rows_RF * row_scores_R.float()[:, None]
+
+
+class Fp8SwigluExperts(torch.autograd.Function):
+    """The SwiGLU expert block in FP8 rowwise with the gradients of the module docstring's recipe: ``x_RD``
+    through the gate and up projections as one GEMM over ``[w1; w3]``, ``a = silu(gate) * up`` (times
+    each row's score), the down projection -> [R, D].
+
+    The SwiGLU writes the down projection's e4m3 input, and its backward the gate and up projections'
+    e4m3 output gradient, each in one kernel (``kernels.fp8_swiglu``): no pass reads an activation again
+    to quantise it. The forward keeps the tokens, the gate and up outputs, the scores and each weight
+    stack's per-expert inverse scale (fp32 [E, 1, 1]); the backward writes ``a`` again for the down
+    projection's weight gradient. The weights are saved as they come, never a stacked or e4m3 copy,
+    and may have another dtype than ``x_RD`` (fp32 parameters beside bf16 activations): they are
+    quantised from their own values, and their gradients come in their own dtype (the GEMM in
+    ``x_RD``'s)."""
 
     @staticmethod
-    def forward(ctx, a_RK, offsets_E, emulated: bool, gemm: str, *w_parts_EPK):
+    def forward(ctx, x_RD, offsets_E, row_scores_R, emulated: bool, gemm: str, w1_EFD, w2_EDF, w3_EFD):
         ctx.emulated, ctx.gemm = emulated, gemm
-        w_values, w_inverse = quantize_stacked_rows(w_parts_EPK, emulated=emulated)
-        ctx.save_for_backward(a_RK, offsets_E, w_inverse.amax(dim=1, keepdim=True), *w_parts_EPK)
-        y_RN = scaled_grouped_gemm([a_RK], w_values, w_inverse, offsets_E, a_RK.dtype, emulated=emulated, gemm=gemm)
-        return y_RN.split([w.shape[1] for w in w_parts_EPK], dim=1)
+        gate_up_values, gate_up_inverse = quantize_stacked_rows([w1_EFD, w3_EFD], emulated=emulated)
+        x_values, x_inverse = quantize_activations([x_RD], offsets_E, emulated=emulated)
+        gate_up_RF2 = fp8_gemm(
+            x_values, x_inverse, gate_up_values, gate_up_inverse, offsets_E, x_RD.dtype, emulated=emulated, gemm=gemm
+        )
+        del gate_up_values, x_values, x_inverse
+        a_values, a_inverse = swiglu_quantized(gate_up_RF2, row_scores_R, offsets_E, emulated=emulated)
+        down_values, down_inverse = quantize_stacked_rows([w2_EDF], emulated=emulated)
+        out_RD = fp8_gemm(
+            a_values, a_inverse, down_values, down_inverse, offsets_E, x_RD.dtype, emulated=emulated, gemm=gemm
+        )
+        ctx.save_for_backward(
+            x_RD,
+            offsets_E,
+            row_scores_R,
+            gate_up_RF2,
+            gate_up_inverse.amax(dim=1, keepdim=True),
+            down_inverse.amax(dim=1, keepdim=True),
+            w1_EFD,
+            w2_EDF,
+            w3_EFD,
+        )
+        return out_RD
 
     @staticmethod
     # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); torch documents one argument per output
-    def backward(ctx, *grad_parts_RP):
-        a_RK, offsets_E, expert_inverse_E11, *w_parts_EPK = ctx.saved_tensors
-        grad_parts_RP = [row_major(grad) for grad in grad_parts_RP]
-        grad_a = None
-        if ctx.needs_input_grad[0]:
-            w_values_T = quantize_stacked_rows_transposed(
-                w_parts_EPK, expert_inverse_E11, emulated=ctx.emulated, ordered_after=grad_parts_RP[0]
+    def backward(ctx, grad_out_RD):
+        x_RD, offsets_E, row_scores_R, gate_up_RF2, gate_up_inverse_E11, down_inverse_E11, *weights = ctx.saved_tensors
+        w1_EFD, w2_EDF, w3_EFD = weights
+        needs_x, _, needs_scores, _, _, needs_w1, needs_w2, needs_w3 = ctx.needs_input_grad
+        quantized = {"emulated": ctx.emulated}
+        gemm = {"emulated": ctx.emulated, "gemm": ctx.gemm}
+        dim, hidden = x_RD.shape[1], w1_EFD.shape[1]
+        grad_out_RD = row_major(grad_out_RD)
+        down_values_T = quantize_stacked_rows_transposed(
+            [w2_EDF], down_inverse_E11, ordered_after=grad_out_RD, **quantized
+        )
+        grad_values, grad_inverse = quantize_activations([grad_out_RD], offsets_E, **quantized)
+        down_inverse = down_inverse_E11.expand(-1, hidden, -1).contiguous()
+        grad_a_RF = fp8_gemm(grad_values, grad_inverse, down_values_T, down_inverse, offsets_E, x_RD.dtype, **gemm)
+        del down_values_T, grad_values, grad_inverse
+        grad_gate_RF, grad_up_RF, a_RF, grad_scores_R, grad_values, grad_inverse = swiglu_backward_quantized(
+            grad_a_RF, gate_up_RF2, row_scores_R, offsets_E, **quantized
+        )
+        grad_w2 = grouped_mm(grad_out_RD.transpose(0, 1), a_RF, offsets_E).to(w2_EDF.dtype) if needs_w2 else None
+        del a_RF
+        grad_x = None
+        if needs_x:
+            gate_up_values_T = quantize_stacked_rows_transposed(
+                [w1_EFD, w3_EFD], gate_up_inverse_E11, ordered_after=grad_gate_RF, **quantized
             )
-            grad_a = scaled_grouped_gemm(
-                grad_parts_RP,
-                w_values_T,
-                expert_inverse_E11.expand(-1, a_RK.shape[1], -1).contiguous(),
-                offsets_E,
-                a_RK.dtype,
-                emulated=ctx.emulated,
-                gemm=ctx.gemm,
+            gate_up_inverse = gate_up_inverse_E11.expand(-1, dim, -1).contiguous()
+            grad_x = fp8_gemm(
+                grad_values, grad_inverse, gate_up_values_T, gate_up_inverse, offsets_E, x_RD.dtype, **gemm
             )
-        grad_w_parts = [
-            grouped_mm(grad.transpose(0, 1), a_RK, offsets_E).to(w.dtype) if needed else None
-            for grad, w, needed in zip(grad_parts_RP, w_parts_EPK, ctx.needs_input_grad[4:], strict=True)
-        ]
-        return grad_a, None, None, None, *grad_w_parts
+        grad_w1, grad_w3 = (
+            grouped_mm(grad.transpose(0, 1), x_RD, offsets_E).to(w.dtype) if needed else None
+            for grad, w, needed in ((grad_gate_RF, w1_EFD, needs_w1), (grad_up_RF, w3_EFD, needs_w3))
+        )
+        return grad_x, None, grad_scores_R if needs_scores else None, None, None, grad_w1, grad_w2, grad_w3
 
 
 def _stacked(parts) -> torch.Tensor:
@@ -220,20 +313,17 @@ def fp8_grouped_experts(
     gemm: str = "torch",
 ) -> torch.Tensor:
     """The SwiGLU expert block (``experts`` module docstring) with FP8 rowwise GEMMs computed by
-    ``FP8_GEMMS[gemm]``, the gate and up projections as one; rows grouped by expert, no host sync. D
-    and F are zero-padded to multiples of 16 and the output cut back. With ``row_scores_R`` (``(R,)``)
-    each output row is weighted by its score through the down projection's input (``weight_rows``),
-    which is then quantised."""
+    ``FP8_GEMMS[gemm]`` (``Fp8SwigluExperts``); rows grouped by expert, no host sync. D and F are
+    zero-padded to multiples of 16 and the output cut back. With ``row_scores_R`` (``(R,)``) each output
+    row is weighted by its score through the down projection's input (the down projection is linear in
+    its rows), which is then quantised."""
+    if row_scores_R is not None and row_scores_R.shape != (x_RD.shape[0],):
+        raise ValueError(f"row scores must have shape ({x_RD.shape[0]},), got {tuple(row_scores_R.shape)}")
     dim = x_RD.shape[1]
     offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-
-    def linear(a_RK: torch.Tensor, *w_parts_EPK: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        padded = [_pad_last_dims(w, 2) for w in w_parts_EPK]
-        return Fp8GroupedLinear.apply(a_RK, offsets_E, emulated, gemm, *padded)
-
     x_RD = row_major(_pad_last_dims(x_RD, 1))
-    gate_RF, up_RF = linear(x_RD, w1_EFD, w3_EFD)
-    (out_RD,) = linear(weight_rows(F.silu(gate_RF) * up_RF, row_scores_R), w2_EDF)
+    weights = [_pad_last_dims(w, 2) for w in (w1_EFD, w2_EDF, w3_EFD)]
+    out_RD = Fp8SwigluExperts.apply(x_RD, offsets_E, row_scores_R, emulated, gemm, *weights)
     return out_RD[:, :dim]
 
 
