@@ -18,11 +18,13 @@ from torchtitan_ext.experiments.moe_backends.experts import grouped_mm_experts
 from torchtitan_ext.experiments.moe_backends.fp8_experts import (
     FP8_GEMMS,
     fp8_grouped_experts,
+    fp8_routed_experts,
     fp8_unavailable_reason,
     quantize_rowwise,
     quantize_stacked_rows,
     quantize_stacked_rows_transposed,
     reference_fp8_experts,
+    reference_routed_fp8_experts,
 )
 from torchtitan_ext.kernels.fp8_quantize import quantize_activation_rows, quantize_rows, quantize_rows_transposed
 
@@ -100,6 +102,36 @@ def test_compiled_fp8_experts_equal_eager(gemm):
         NAMES, forward_and_gradients(compiled, inputs, emulated=False, gemm=gemm), eager, strict=True
     ):
         assert relative_error(actual, expected) <= 3e-2, name
+
+
+@pytest.mark.parametrize("dim, hidden", [(256, 128), (200, 72)], ids=["aligned", "padded"])
+def test_routed_fp8_experts_agree_with_the_reference_eager_and_compiled(dim, hidden):
+    """The single-device FP8 path (``fp8_routed_experts``: the permute quantises the tokens, and in the
+    backward the output gradient) in bf16: forward and every gradient, the scores' too, with a dropped
+    slot, against the plain-torch reference, eager and compiled."""
+    tokens, top_k = 256, 4
+    x, w1, w2, w3 = expert_inputs(dim, hidden)
+    x = x[:tokens].detach().requires_grad_()
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, len(COUNTS), (tokens, top_k), generator=generator).cuda()
+    ids[0, 0] = len(COUNTS)
+    scores = torch.rand(tokens, top_k, generator=generator).cuda().requires_grad_()
+    leaves = [x, w1, w2, w3, scores]
+    grad = torch.randn(tokens, dim, generator=generator).to("cuda", torch.bfloat16)
+
+    def forward_and_gradients(compute) -> list[torch.Tensor]:
+        out = compute(x, w1, w2, w3, ids, scores)
+        return [out.detach(), *torch.autograd.grad(out, leaves, grad)]
+
+    eager = forward_and_gradients(fp8_routed_experts)
+    reference = forward_and_gradients(reference_routed_fp8_experts)
+    torch._dynamo.reset()
+    compiled = forward_and_gradients(torch.compile(fp8_routed_experts, fullgraph=True))
+    for name, actual, expected, again in zip([*NAMES, "scores"], eager, reference, compiled, strict=True):
+        assert torch.isfinite(actual).all(), name
+        assert relative_error(actual, expected) <= 3e-2, name
+        assert relative_error(again, actual) <= 1e-2, name
+    assert (eager[-1][0, 0] == 0).all()
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,12 @@ from torchtitan_ext.experiments.moe_backends.grouped_matmul import grouped_mm
 from torchtitan_ext.kernels import moe_permute
 from torchtitan_ext.kernels.availability import interpreter_enabled
 from torchtitan_ext.kernels.fp8_grouped_gemm import fp8_grouped_gemm
-from torchtitan_ext.kernels.fp8_quantize import quantize_activation_rows, quantize_rows, quantize_rows_transposed
+from torchtitan_ext.kernels.fp8_quantize import (
+    permute_quantize_rows,
+    quantize_activation_rows,
+    quantize_rows,
+    quantize_rows_transposed,
+)
 from torchtitan_ext.kernels.fp8_swiglu import swiglu_backward_quantize_rows, swiglu_quantize_rows
 from torchtitan_ext.kernels.fused_moe import fused_moe_grouped, fused_moe_routed
 from torchtitan_ext.kernels.library_ops import NAMESPACE, kernel_op
@@ -159,7 +164,9 @@ def test_fp8_ops():
     w_values, w_inverse = quantize_rows(w_parts)
     gate_up = torch.cat(parts, dim=1)
     scores = torch.rand(NUM_TOKENS, generator=g, device=DEVICE)
+    dest_rows = torch.randperm(2 * NUM_TOKENS, generator=g, device=DEVICE).to(torch.int32)
     for op, args in (
+        (permute_quantize_rows, (parts[0], dest_rows, 2, 2 * NUM_TOKENS)),
         (swiglu_quantize_rows, (gate_up, scores, group_end)),
         (swiglu_quantize_rows, (gate_up, None, group_end)),
         (swiglu_backward_quantize_rows, (parts[0], gate_up, scores, group_end)),
@@ -197,7 +204,7 @@ OPCHECKED_HERE = {
     "swiglu_experts_forward", "swiglu_experts_backward", "swiglu_experts_preactivations", "routing_metadata",
     "permute_rows", "sum_rows", "weighted_sum_rows", "weighted_sum_rows_backward", "topk_routing",
     "topk_routing_backward", "quantize_rows", "quantize_rows_transposed", "quantize_activation_rows",
-    "fp8_grouped_gemm", "swiglu_quantize_rows", "swiglu_backward_quantize_rows", "grouped_mm",
+    "fp8_grouped_gemm", "permute_quantize_rows", "swiglu_quantize_rows", "swiglu_backward_quantize_rows", "grouped_mm",
 }  # fmt: skip
 """The ops the tests above hold to ``opcheck``."""
 SYMM_MEM_OPS = {

@@ -35,7 +35,7 @@ from torchtitan_ext.kernels.fused_moe import (
 
 from .dispatcher import RoutingDispatcher
 from .dtensor_parts import local_part
-from .fp8_experts import EXPERT_PRECISIONS, FP8_PRECISIONS, ExpertPrecision, fp8_grouped_experts
+from .fp8_experts import EXPERT_PRECISIONS, FP8_PRECISIONS, ExpertPrecision, fp8_grouped_experts, fp8_routed_experts
 from .grouped_matmul import grouped_mm, row_major, weight_rows
 from .validated_config import ValidatedConfig, choice_errors
 
@@ -161,7 +161,8 @@ class ComputeBackendSpec:
     sum the rows unweighted, and no expert output is kept for the scores' gradient.
     ``unavailable_reason()`` says why the backend cannot run on this machine (None: it can).
     ``fp8_grouped``, when set, is ``grouped`` with FP8 rowwise GEMMs (``fp8_experts``), taking
-    ``emulated=`` as a keyword and the row scores as an optional sixth argument (as ``row_weighted``).
+    ``emulated=`` as a keyword and the row scores as an optional sixth argument (as ``row_weighted``);
+    ``fp8_routed``, when set, is ``routed`` with FP8 rowwise GEMMs on the GPU (not the emulation).
     ``syncs_with_host``: reads the expert counts on the host in every forward. ``pads_rows``: pads every
     expert's rows to the largest expert's count.
     ``recomputes_preactivations``: ``grouped`` and ``row_weighted`` take ``recompute_preactivations=True``
@@ -173,6 +174,7 @@ class ComputeBackendSpec:
     routed: RoutedExpertCompute | None = None
     row_weighted: RowWeightedExpertCompute | None = None
     fp8_grouped: Callable[..., torch.Tensor] | None = None
+    fp8_routed: RoutedExpertCompute | None = None
     unavailable_reason: Callable[[], str | None] = lambda: None
     syncs_with_host: bool = False
     pads_rows: bool = False
@@ -255,6 +257,7 @@ register_backend(
         routed=fused_moe_routed,
         row_weighted=fused_moe_row_weighted,
         fp8_grouped=functools.partial(fp8_grouped_experts, gemm="triton"),
+        fp8_routed=functools.partial(fp8_routed_experts, gemm="triton"),
         unavailable_reason=triton_available_reason,
         recomputes_preactivations=True,
     )
@@ -420,11 +423,14 @@ class BackendGroupedExperts(GroupedExperts):
 
     @property
     def routed(self) -> RoutedExpertCompute | None:
-        """The backend's routed path where it computes in this precision (native only) and keeps its
-        pre-activations, else None (the dispatcher's grouped rows then reach ``forward``)."""
-        if self.expert_precision != "native" or self.recompute_preactivations:
+        """The backend's routed path in this precision (``routed`` in native precision, ``fp8_routed`` in
+        ``fp8_rowwise``) where it keeps its pre-activations, else None (the dispatcher's grouped rows then
+        reach ``forward``; the FP8 emulation always takes them)."""
+        if self.recompute_preactivations:
             return None
-        return self.backend.routed
+        if self.expert_precision == "native":
+            return self.backend.routed
+        return self.backend.fp8_routed if self.expert_precision == "fp8_rowwise" else None
 
     @property
     def row_weighted(self) -> RowWeightedExpertCompute | None:
@@ -462,7 +468,9 @@ class FusedRoutedExperts(RoutedExperts):
     When the backend's spec has a ``routed`` path and the dispatcher is single-device, the
     dispatcher is skipped: the fused kernels read token rows through the routing indices (no
     permuted copy) and weight and sum each token's expert outputs in their epilogue (no
-    separate combine). Slots the
+    separate combine); the FP8 experts' routed path (``fp8_experts.Fp8RoutedExperts``) permutes the
+    tokens itself, writing their e4m3 rows beside them, and weights each row before the down
+    projection. Slots the
     router dropped (expert id ``num_experts``) contribute nothing and get no gradient, as in
     the dispatcher. Under expert parallelism, a backend with a ``row_weighted`` path over a
     transport that gives each row its score (``experts_apply_scores``) weights the rows in its

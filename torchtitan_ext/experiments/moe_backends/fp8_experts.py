@@ -39,11 +39,13 @@ from torchtitan_ext.kernels.fp8_grouped_gemm import fp8_grouped_gemm
 from torchtitan_ext.kernels.fp8_quantize import (
     E4M3_MAX,
     SMALLEST_AMAX,
+    permute_quantize_rows,
     quantize_activation_rows,
     quantize_rows,
     quantize_rows_transposed,
 )
 from torchtitan_ext.kernels.fp8_swiglu import swiglu_backward_quantize_rows, swiglu_quantize_rows
+from torchtitan_ext.kernels.moe_permute import routing_metadata, sum_token_rows
 
 from .grouped_matmul import grouped_mm, row_major
 
@@ -209,6 +211,85 @@ def _scored(rows_RF: torch.Tensor, row_scores_R: torch.Tensor | None) -> torch.T
     return rows_RF if row_scores_R is None else rows_RF * row_scores_R.float()[:, None]
 
 
+Quantized = tuple[torch.Tensor, torch.Tensor]
+"""Rows already quantised rowwise: e4m3 values [R, K] and fp32 inverse scales [R, 1]."""
+
+
+def fp8_experts_forward(
+    x_RD: torch.Tensor,
+    x_quantized: Quantized | None,
+    offsets_E: torch.Tensor,
+    row_scores_R: torch.Tensor | None,
+    weights: Sequence[torch.Tensor],
+    *,
+    emulated: bool,
+    gemm: str,
+) -> tuple[torch.Tensor, tuple]:
+    """The forward of ``Fp8SwigluExperts`` (no autograd): ``x_RD`` (quantised here unless ``x_quantized``
+    gives its rows) through the expert block -> ``(out_RD, saved)``, ``saved`` what
+    ``fp8_experts_backward`` takes."""
+    w1_EFD, w2_EDF, w3_EFD = weights
+    gate_up_values, gate_up_inverse = quantize_stacked_rows([w1_EFD, w3_EFD], emulated=emulated)
+    x_values, x_inverse = x_quantized or quantize_activations([x_RD], offsets_E, emulated=emulated)
+    gate_up_RF2 = fp8_gemm(
+        x_values, x_inverse, gate_up_values, gate_up_inverse, offsets_E, x_RD.dtype, emulated=emulated, gemm=gemm
+    )
+    del gate_up_values, x_values, x_inverse
+    a_values, a_inverse = swiglu_quantized(gate_up_RF2, row_scores_R, offsets_E, emulated=emulated)
+    down_values, down_inverse = quantize_stacked_rows([w2_EDF], emulated=emulated)
+    out_RD = fp8_gemm(
+        a_values, a_inverse, down_values, down_inverse, offsets_E, x_RD.dtype, emulated=emulated, gemm=gemm
+    )
+    expert_inverses = (gate_up_inverse.amax(dim=1, keepdim=True), down_inverse.amax(dim=1, keepdim=True))
+    return out_RD, (x_RD, offsets_E, row_scores_R, gate_up_RF2, *expert_inverses, *weights)
+
+
+def fp8_experts_backward(
+    saved: Sequence[torch.Tensor],
+    grad_out_RD: torch.Tensor,
+    grad_quantized: Quantized | None,
+    needs: Sequence[bool],
+    *,
+    emulated: bool,
+    gemm: str,
+) -> tuple[torch.Tensor | None, ...]:
+    """The backward of ``Fp8SwigluExperts`` (no autograd) from ``fp8_experts_forward``'s ``saved`` and the
+    output gradient (quantised here unless ``grad_quantized`` gives its rows) -> the gradients of ``(x,
+    row scores, w1, w2, w3)``, None where ``needs`` (in that order) says none is wanted."""
+    x_RD, offsets_E, row_scores_R, gate_up_RF2, gate_up_inverse_E11, down_inverse_E11, *weights = saved
+    w1_EFD, w2_EDF, w3_EFD = weights
+    needs_x, needs_scores, needs_w1, needs_w2, needs_w3 = needs
+    quantized = {"emulated": emulated}
+    dim, hidden = x_RD.shape[1], w1_EFD.shape[1]
+    down_values_T = quantize_stacked_rows_transposed([w2_EDF], down_inverse_E11, ordered_after=grad_out_RD, **quantized)
+    grad_values, grad_inverse = grad_quantized or quantize_activations([grad_out_RD], offsets_E, **quantized)
+    down_inverse = down_inverse_E11.expand(-1, hidden, -1).contiguous()
+    grad_a_RF = fp8_gemm(
+        grad_values, grad_inverse, down_values_T, down_inverse, offsets_E, x_RD.dtype, emulated=emulated, gemm=gemm
+    )
+    del down_values_T, grad_values, grad_inverse
+    grad_gate_RF, grad_up_RF, a_RF, grad_scores_R, grad_values, grad_inverse = swiglu_backward_quantized(
+        grad_a_RF, gate_up_RF2, row_scores_R, offsets_E, **quantized
+    )
+    grad_w2 = grouped_mm(grad_out_RD.transpose(0, 1), a_RF, offsets_E).to(w2_EDF.dtype) if needs_w2 else None
+    del a_RF
+    grad_x = None
+    if needs_x:
+        gate_up_values_T = quantize_stacked_rows_transposed(
+            [w1_EFD, w3_EFD], gate_up_inverse_E11, ordered_after=grad_gate_RF, **quantized
+        )
+        gate_up_inverse = gate_up_inverse_E11.expand(-1, dim, -1).contiguous()
+        grad_x = fp8_gemm(
+            grad_values, grad_inverse, gate_up_values_T, gate_up_inverse, offsets_E, x_RD.dtype, emulated=emulated,
+            gemm=gemm,
+        )  # fmt: skip
+    grad_w1, grad_w3 = (
+        grouped_mm(grad.transpose(0, 1), x_RD, offsets_E).to(w.dtype) if needed else None
+        for grad, w, needed in ((grad_gate_RF, w1_EFD, needs_w1), (grad_up_RF, w3_EFD, needs_w3))
+    )
+    return grad_x, grad_scores_R if needs_scores else None, grad_w1, grad_w2, grad_w3
+
+
 class Fp8SwigluExperts(torch.autograd.Function):
     """The SwiGLU expert block in FP8 rowwise with the gradients of the module docstring's recipe: ``x_RD``
     through the gate and up projections as one GEMM over ``[w1; w3]``, ``a = silu(gate) * up`` (times
@@ -224,68 +305,69 @@ class Fp8SwigluExperts(torch.autograd.Function):
     ``x_RD``'s)."""
 
     @staticmethod
-    def forward(ctx, x_RD, offsets_E, row_scores_R, emulated: bool, gemm: str, w1_EFD, w2_EDF, w3_EFD):
+    def forward(ctx, x_RD, offsets_E, row_scores_R, emulated: bool, gemm: str, *weights):
         ctx.emulated, ctx.gemm = emulated, gemm
-        gate_up_values, gate_up_inverse = quantize_stacked_rows([w1_EFD, w3_EFD], emulated=emulated)
-        x_values, x_inverse = quantize_activations([x_RD], offsets_E, emulated=emulated)
-        gate_up_RF2 = fp8_gemm(
-            x_values, x_inverse, gate_up_values, gate_up_inverse, offsets_E, x_RD.dtype, emulated=emulated, gemm=gemm
-        )
-        del gate_up_values, x_values, x_inverse
-        a_values, a_inverse = swiglu_quantized(gate_up_RF2, row_scores_R, offsets_E, emulated=emulated)
-        down_values, down_inverse = quantize_stacked_rows([w2_EDF], emulated=emulated)
-        out_RD = fp8_gemm(
-            a_values, a_inverse, down_values, down_inverse, offsets_E, x_RD.dtype, emulated=emulated, gemm=gemm
-        )
-        ctx.save_for_backward(
-            x_RD,
-            offsets_E,
-            row_scores_R,
-            gate_up_RF2,
-            gate_up_inverse.amax(dim=1, keepdim=True),
-            down_inverse.amax(dim=1, keepdim=True),
-            w1_EFD,
-            w2_EDF,
-            w3_EFD,
-        )
+        out_RD, saved = fp8_experts_forward(x_RD, None, offsets_E, row_scores_R, weights, emulated=emulated, gemm=gemm)
+        ctx.save_for_backward(*saved)
         return out_RD
 
     @staticmethod
     # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); torch documents one argument per output
     def backward(ctx, grad_out_RD):
-        x_RD, offsets_E, row_scores_R, gate_up_RF2, gate_up_inverse_E11, down_inverse_E11, *weights = ctx.saved_tensors
-        w1_EFD, w2_EDF, w3_EFD = weights
-        needs_x, _, needs_scores, _, _, needs_w1, needs_w2, needs_w3 = ctx.needs_input_grad
-        quantized = {"emulated": ctx.emulated}
-        gemm = {"emulated": ctx.emulated, "gemm": ctx.gemm}
-        dim, hidden = x_RD.shape[1], w1_EFD.shape[1]
-        grad_out_RD = row_major(grad_out_RD)
-        down_values_T = quantize_stacked_rows_transposed(
-            [w2_EDF], down_inverse_E11, ordered_after=grad_out_RD, **quantized
+        needs_x, _, needs_scores, _, _, *needs_weights = ctx.needs_input_grad
+        grad_x, grad_scores, *grad_weights = fp8_experts_backward(
+            ctx.saved_tensors,
+            row_major(grad_out_RD),
+            None,
+            (needs_x, needs_scores, *needs_weights),
+            emulated=ctx.emulated,
+            gemm=ctx.gemm,
         )
-        grad_values, grad_inverse = quantize_activations([grad_out_RD], offsets_E, **quantized)
-        down_inverse = down_inverse_E11.expand(-1, hidden, -1).contiguous()
-        grad_a_RF = fp8_gemm(grad_values, grad_inverse, down_values_T, down_inverse, offsets_E, x_RD.dtype, **gemm)
-        del down_values_T, grad_values, grad_inverse
-        grad_gate_RF, grad_up_RF, a_RF, grad_scores_R, grad_values, grad_inverse = swiglu_backward_quantized(
-            grad_a_RF, gate_up_RF2, row_scores_R, offsets_E, **quantized
+        return grad_x, None, grad_scores, None, None, *grad_weights
+
+
+class Fp8RoutedExperts(torch.autograd.Function):
+    """``out[t] = sum_k scores[t, k] * expert_{ids[t, k]}(x[t])`` with ``Fp8SwigluExperts``' block on one
+    device, the tokens permuted here: ``x_TD`` [T, D], ``ids_TK`` [T, K] in [0, E] (E: dropped, nothing)
+    and ``scores_TK`` [T, K] -> [T, D] in ``x_TD``'s dtype; D and F multiples of ``FP8_ALIGN``.
+
+    The permute writes each token's e4m3 rows beside its copies (``kernels.fp8_quantize``'s
+    ``permute_quantize_rows``), and in the backward the output gradient's, so no activation is quantised
+    in a pass of its own. Each row's score multiplies the down projection's input (as under expert
+    parallelism with ``experts_apply_scores``), the K rows of a token are summed unweighted, and the
+    scores' gradient comes from the SwiGLU's backward: no expert output is kept. Rows are grouped by
+    ``kernels.moe_permute.routing_metadata``; no host sync."""
+
+    @staticmethod
+    def forward(ctx, x_TD, ids_TK, scores_TK, gemm: str, *weights):
+        num_experts, top_k = weights[0].shape[0], ids_TK.shape[1]
+        row_slot_S, slot_row_S, group_end_E = routing_metadata(ids_TK, num_experts)
+        dest_row_S = torch.where(ids_TK.reshape(-1) < num_experts, slot_row_S, -1)
+        rows_RD, *x_quantized = permute_quantize_rows(x_TD, dest_row_S, top_k, row_slot_S.shape[0])
+        row_scores_R = scores_TK.reshape(-1)[row_slot_S.long()]
+        out_RD, saved = fp8_experts_forward(
+            rows_RD, tuple(x_quantized), group_end_E, row_scores_R, weights, emulated=False, gemm=gemm
         )
-        grad_w2 = grouped_mm(grad_out_RD.transpose(0, 1), a_RF, offsets_E).to(w2_EDF.dtype) if needs_w2 else None
-        del a_RF
-        grad_x = None
-        if needs_x:
-            gate_up_values_T = quantize_stacked_rows_transposed(
-                [w1_EFD, w3_EFD], gate_up_inverse_E11, ordered_after=grad_gate_RF, **quantized
-            )
-            gate_up_inverse = gate_up_inverse_E11.expand(-1, dim, -1).contiguous()
-            grad_x = fp8_gemm(
-                grad_values, grad_inverse, gate_up_values_T, gate_up_inverse, offsets_E, x_RD.dtype, **gemm
-            )
-        grad_w1, grad_w3 = (
-            grouped_mm(grad.transpose(0, 1), x_RD, offsets_E).to(w.dtype) if needed else None
-            for grad, w, needed in ((grad_gate_RF, w1_EFD, needs_w1), (grad_up_RF, w3_EFD, needs_w3))
-        )
-        return grad_x, None, grad_scores_R if needs_scores else None, None, None, grad_w1, grad_w2, grad_w3
+        ctx.gemm, ctx.num_tokens, ctx.top_k = gemm, x_TD.shape[0], top_k
+        ctx.save_for_backward(row_slot_S, dest_row_S, *saved)
+        return sum_token_rows(out_RD, dest_row_S, top_k)
+
+    @staticmethod
+    # pyrefly: ignore[bad-override]  # torch's stub: (ctx, *grad_outputs); torch documents one argument per output
+    def backward(ctx, grad_out_TD):
+        row_slot_S, dest_row_S, *saved = ctx.saved_tensors
+        needs_x, _, needs_scores, _, *needs_weights = ctx.needs_input_grad
+        grad_rows_RD, *grad_quantized = permute_quantize_rows(grad_out_TD, dest_row_S, ctx.top_k, row_slot_S.shape[0])
+        grad_rows_x, grad_row_scores, *grad_weights = fp8_experts_backward(
+            saved, grad_rows_RD, tuple(grad_quantized), (needs_x, needs_scores, *needs_weights), emulated=False,
+            gemm=ctx.gemm,
+        )  # fmt: skip
+        grad_x = sum_token_rows(grad_rows_x, dest_row_S, ctx.top_k) if grad_rows_x is not None else None
+        grad_scores = None
+        if grad_row_scores is not None:
+            grad_scores = torch.empty_like(grad_row_scores).index_copy_(0, row_slot_S.long(), grad_row_scores)
+            grad_scores = grad_scores.view(ctx.num_tokens, ctx.top_k)
+        return grad_x, None, grad_scores, None, *grad_weights
 
 
 def _stacked(parts) -> torch.Tensor:
@@ -325,6 +407,27 @@ def fp8_grouped_experts(
     weights = [_pad_last_dims(w, 2) for w in (w1_EFD, w2_EDF, w3_EFD)]
     out_RD = Fp8SwigluExperts.apply(x_RD, offsets_E, row_scores_R, emulated, gemm, *weights)
     return out_RD[:, :dim]
+
+
+def fp8_routed_experts(
+    x_TD: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    topk_expert_ids_TK: torch.Tensor,
+    topk_scores_TK: torch.Tensor,
+    *,
+    gemm: str = "triton",
+) -> torch.Tensor:
+    """``out[t] = sum_k scores[t, k] * SwiGLU_{ids[t, k]}(x[t])`` with FP8 rowwise GEMMs computed by
+    ``FP8_GEMMS[gemm]`` on one device (``Fp8RoutedExperts``; the backends' ``routed`` contract): tokens
+    [T, D], top-k ids (in [0, E]; E: dropped) and scores [T, K] -> [T, D] in ``x_TD``'s dtype. D and F
+    are zero-padded to multiples of 16 and the output cut back. GPU kernels only: the emulation takes
+    the dispatcher's rows (``fp8_grouped_experts``)."""
+    dim = x_TD.shape[1]
+    weights = [_pad_last_dims(w, 2) for w in (w1_EFD, w2_EDF, w3_EFD)]
+    x_TD = row_major(_pad_last_dims(x_TD, 1))
+    return Fp8RoutedExperts.apply(x_TD, topk_expert_ids_TK, topk_scores_TK, gemm, *weights)[:, :dim]
 
 
 class _ReferenceFp8Linear(torch.autograd.Function):
@@ -368,6 +471,26 @@ def reference_fp8_experts(
         start += count
         outputs.append(_ReferenceFp8Linear.apply(h_MF, w2_EDF[expert].float()))
     return torch.cat(outputs).to(x_RD.dtype)
+
+
+def reference_routed_fp8_experts(
+    x_TD: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w2_EDF: torch.Tensor,
+    w3_EFD: torch.Tensor,
+    topk_expert_ids_TK: torch.Tensor,
+    topk_scores_TK: torch.Tensor,
+) -> torch.Tensor:
+    """``fp8_routed_experts`` in plain torch: each expert's slots in token order, their rows weighted by
+    their scores before the down projection (``reference_fp8_experts`` with row scores), summed per token;
+    slots of expert E (dropped) contribute nothing."""
+    num_experts, top_k = w1_EFD.shape[0], topk_expert_ids_TK.shape[1]
+    slots = torch.cat([torch.nonzero(topk_expert_ids_TK.reshape(-1) == e).flatten() for e in range(num_experts)])
+    counts = torch.stack([(topk_expert_ids_TK == e).sum() for e in range(num_experts)])
+    rows = reference_fp8_experts(
+        x_TD[slots // top_k], w1_EFD, w2_EDF, w3_EFD, counts, topk_scores_TK.reshape(-1)[slots]
+    )
+    return torch.zeros_like(x_TD).index_add(0, slots // top_k, rows)
 
 
 def fp8_gemms_unavailable_reason() -> str | None:
