@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from torchtitan_ext.kernels.availability import check_runnable, interpreter_enabled
-from torchtitan_ext.kernels.fp8_quantize import E4M3_MAX, SMALLEST_AMAX, cast_to_e4m3, power_of_two_scale
+from torchtitan_ext.kernels.availability import check_runnable
+from torchtitan_ext.kernels.fp8_quantize import cast_to_e4m3, power_of_two_scale, rule_constexprs
 from torchtitan_ext.kernels.library_ops import kernel_op
 
 SWIGLU_BLOCK = 2048
@@ -267,9 +267,7 @@ def swiglu_quantize_rows(
         group_end_E,
         group_end_E.numel(),
         hidden,
-        E4M3_MAX=E4M3_MAX,
-        SMALLEST_AMAX=SMALLEST_AMAX,
-        ROUND_IN_FP32=interpreter_enabled(),
+        **rule_constexprs(),
         HAS_SCORES=row_scores_R is not None,
         ROWS=rows_per_program,
         BLOCK=block,
@@ -328,9 +326,7 @@ def swiglu_backward_quantize_rows(
         group_end_E.numel(),
         num_rows,
         hidden,
-        E4M3_MAX=E4M3_MAX,
-        SMALLEST_AMAX=SMALLEST_AMAX,
-        ROUND_IN_FP32=interpreter_enabled(),
+        **rule_constexprs(),
         HAS_SCORES=row_scores_R is not None,
         ROWS=rows_per_program,
         BLOCK=block,
