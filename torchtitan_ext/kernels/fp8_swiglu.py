@@ -52,6 +52,14 @@ def _gate_up_block(gate_up_ptr, gate_up_stride, rows, row_ok, cols, HIDDEN):
 
 
 @triton.jit
+def _swiglu_block(gate_up_ptr, gate_up_stride, rows, row_ok, cols, score, HIDDEN, out_dtype):
+    """``a = silu(gate) * up * score`` [ROWS, BLOCK] at columns ``cols`` of F, rounded to ``out_dtype`` and
+    back to fp32, and the block's mask."""
+    gate, up, mask = _gate_up_block(gate_up_ptr, gate_up_stride, rows, row_ok, cols, HIDDEN)
+    return (gate * tl.sigmoid(gate) * up * score[:, None]).to(out_dtype).to(tl.float32), mask
+
+
+@triton.jit
 def _row_scores(scores_ptr, rows, row_ok, HAS_SCORES: tl.constexpr, ROWS: tl.constexpr):
     if HAS_SCORES:
         return tl.load(scores_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -88,14 +96,12 @@ def _swiglu_quantize_kernel(
     out_rows = values_ptr + rows.to(tl.int64)[:, None] * HIDDEN
     cols = tl.arange(0, BLOCK)
     if ONE_BLOCK:
-        gate, up, mask = _gate_up_block(gate_up_ptr, gate_up_stride, rows, row_ok, cols, HIDDEN)
-        a = (gate * tl.sigmoid(gate) * up * score[:, None]).to(out_dtype).to(tl.float32)
+        a, mask = _swiglu_block(gate_up_ptr, gate_up_stride, rows, row_ok, cols, score, HIDDEN, out_dtype)
         amax = tl.max(tl.abs(a), axis=1)
     else:
         amax = tl.zeros([ROWS], tl.float32)
         for start in range(0, HIDDEN, BLOCK):
-            gate, up, mask = _gate_up_block(gate_up_ptr, gate_up_stride, rows, row_ok, start + cols, HIDDEN)
-            a = (gate * tl.sigmoid(gate) * up * score[:, None]).to(out_dtype).to(tl.float32)
+            a, mask = _swiglu_block(gate_up_ptr, gate_up_stride, rows, row_ok, start + cols, score, HIDDEN, out_dtype)
             amax = tl.maximum(amax, tl.max(tl.abs(a), axis=1))
     scale = power_of_two_scale(amax, E4M3_MAX, SMALLEST_AMAX)
     tl.store(inverse_ptr + rows, 1.0 / scale, mask=row_ok)
@@ -104,8 +110,7 @@ def _swiglu_quantize_kernel(
         tl.store(out_rows + cols[None, :], cast_to_e4m3(a * scale[:, None], E4M3_MAX, ROUND_IN_FP32), mask=mask)
     else:
         for start in range(0, HIDDEN, BLOCK):
-            gate, up, mask = _gate_up_block(gate_up_ptr, gate_up_stride, rows, row_ok, start + cols, HIDDEN)
-            a = (gate * tl.sigmoid(gate) * up * score[:, None]).to(out_dtype).to(tl.float32)
+            a, mask = _swiglu_block(gate_up_ptr, gate_up_stride, rows, row_ok, start + cols, score, HIDDEN, out_dtype)
             quantized = cast_to_e4m3(a * scale[:, None], E4M3_MAX, ROUND_IN_FP32)
             tl.store(out_rows + (start + cols)[None, :], quantized, mask=mask)
 
@@ -114,8 +119,8 @@ def _swiglu_quantize_kernel(
 def _swiglu_backward_block(
     grad_ptr, grad_stride, gate_up_ptr, gate_up_stride, rows, row_ok, cols, score, HIDDEN, out_dtype
 ):
-    """[ROWS, BLOCK] at columns ``cols`` of F: (d gate, d up, a) rounded to ``out_dtype`` and back to
-    fp32, the per-row partial sums of the scores' gradient, and the block's mask."""
+    """[ROWS, BLOCK] at columns ``cols`` of F: d gate and d up rounded to ``out_dtype`` and back to fp32,
+    ``a`` in ``out_dtype``, the per-row partial sums of the scores' gradient, and the block's mask."""
     gate, up, mask = _gate_up_block(gate_up_ptr, gate_up_stride, rows, row_ok, cols, HIDDEN)
     grad_ptrs = grad_ptr + rows.to(tl.int64)[:, None] * grad_stride + cols[None, :]
     grad_a = tl.load(grad_ptrs, mask=mask, other=0.0).to(tl.float32)

@@ -259,24 +259,25 @@ def fp8_experts_backward(
     x_RD, offsets_E, row_scores_R, gate_up_RF2, gate_up_inverse_E11, down_inverse_E11, *weights = saved
     w1_EFD, w2_EDF, w3_EFD = weights
     needs_x, needs_scores, needs_w1, needs_w2, needs_w3 = needs
-    quantized = {"emulated": emulated}
     dim, hidden = x_RD.shape[1], w1_EFD.shape[1]
-    down_values_T = quantize_stacked_rows_transposed([w2_EDF], down_inverse_E11, ordered_after=grad_out_RD, **quantized)
-    grad_values, grad_inverse = grad_quantized or quantize_activations([grad_out_RD], offsets_E, **quantized)
+    down_values_T = quantize_stacked_rows_transposed(
+        [w2_EDF], down_inverse_E11, emulated=emulated, ordered_after=grad_out_RD
+    )
+    grad_values, grad_inverse = grad_quantized or quantize_activations([grad_out_RD], offsets_E, emulated=emulated)
     down_inverse = down_inverse_E11.expand(-1, hidden, -1).contiguous()
     grad_a_RF = fp8_gemm(
         grad_values, grad_inverse, down_values_T, down_inverse, offsets_E, x_RD.dtype, emulated=emulated, gemm=gemm
     )
     del down_values_T, grad_values, grad_inverse
     grad_gate_RF, grad_up_RF, a_RF, grad_scores_R, grad_values, grad_inverse = swiglu_backward_quantized(
-        grad_a_RF, gate_up_RF2, row_scores_R, offsets_E, **quantized
+        grad_a_RF, gate_up_RF2, row_scores_R, offsets_E, emulated=emulated
     )
     grad_w2 = grouped_mm(grad_out_RD.transpose(0, 1), a_RF, offsets_E).to(w2_EDF.dtype) if needs_w2 else None
     del a_RF
     grad_x = None
     if needs_x:
         gate_up_values_T = quantize_stacked_rows_transposed(
-            [w1_EFD, w3_EFD], gate_up_inverse_E11, ordered_after=grad_gate_RF, **quantized
+            [w1_EFD, w3_EFD], gate_up_inverse_E11, emulated=emulated, ordered_after=grad_gate_RF
         )
         gate_up_inverse = gate_up_inverse_E11.expand(-1, dim, -1).contiguous()
         grad_x = fp8_gemm(
