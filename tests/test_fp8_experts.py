@@ -567,20 +567,22 @@ def test_compiled_fp8_experts_equal_eager():
         assert relative_error(actual, expected) <= 1e-6, name
 
 
+@pytest.mark.parametrize("backend, gemm", [("triton", "triton"), ("grouped_mm", "torch")])
 @pytest.mark.parametrize(
     "precision, routed",
     [pytest.param("fp8_rowwise", True, marks=interpreted_kernels), ("fp8_rowwise_emulated", False)],
     ids=["fp8_rowwise", "emulated"],
 )
-def test_triton_fp8_experts_take_the_routed_path_on_one_device_unless_emulated(precision, routed):
-    """FP8 ``triton`` on one device permutes its tokens itself (``fp8_routed_experts``); the emulation takes
-    the dispatcher's rows."""
+def test_fp8_experts_take_the_routed_path_on_one_device_unless_emulated(backend, gemm, precision, routed):
+    """FP8 ``triton`` and ``grouped_mm`` on one device permute their tokens themselves
+    (``fp8_routed_experts`` with the backend's FP8 GEMM); the emulation takes the dispatcher's rows."""
     shape = {"dim": 32, "hidden_dim": 48, "num_experts": 4, "top_k": 2}
-    layer = seeded_layer(with_expert_precision(moe_layer_config(compute_backend="triton", **shape), precision))
+    layer = seeded_layer(with_expert_precision(moe_layer_config(compute_backend=backend, **shape), precision))
     experts = layer.routed_experts.inner_experts
     assert (experts.routed is not None) == routed
     if routed:
         assert experts.routed.func is fp8_routed_experts
+        assert experts.routed.keywords == {"gemm": gemm}
 
 
 @pytest.mark.parametrize(

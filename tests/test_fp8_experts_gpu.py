@@ -1,7 +1,7 @@
 """FP8 rowwise experts on the GPU (compute capability 9.0+), with each FP8 GEMM of ``FP8_GEMMS``
 (``torch._scaled_grouped_mm``, the Triton kernel): held to the plain-torch reference and to the fp32
 emulation in bf16, forward and every gradient, eager and compiled, and weighting their rows by the
-router scores with rows after the experts' (static received rows)."""
+router scores with rows after the experts' (static received rows); bit-equal replayed from a CUDA graph."""
 
 import pytest
 import torch
@@ -104,8 +104,9 @@ def test_compiled_fp8_experts_equal_eager(gemm):
         assert relative_error(actual, expected) <= 3e-2, name
 
 
+@pytest.mark.parametrize("gemm", FP8_GEMMS)
 @pytest.mark.parametrize("dim, hidden", [(256, 128), (200, 72)], ids=["aligned", "padded"])
-def test_routed_fp8_experts_agree_with_the_reference_eager_and_compiled(dim, hidden):
+def test_routed_fp8_experts_agree_with_the_reference_eager_and_compiled(dim, hidden, gemm):
     """The single-device FP8 path (``fp8_routed_experts``: the permute quantises the tokens, and in the
     backward the output gradient) in bf16: forward and every gradient, the scores' too, with a dropped
     slot, against the plain-torch reference, eager and compiled."""
@@ -119,19 +120,77 @@ def test_routed_fp8_experts_agree_with_the_reference_eager_and_compiled(dim, hid
     leaves = [x, w1, w2, w3, scores]
     grad = torch.randn(tokens, dim, generator=generator).to("cuda", torch.bfloat16)
 
-    def forward_and_gradients(compute) -> list[torch.Tensor]:
-        out = compute(x, w1, w2, w3, ids, scores)
+    def forward_and_gradients(compute, **kwargs) -> list[torch.Tensor]:
+        out = compute(x, w1, w2, w3, ids, scores, **kwargs)
         return [out.detach(), *torch.autograd.grad(out, leaves, grad)]
 
-    eager = forward_and_gradients(fp8_routed_experts)
+    eager = forward_and_gradients(fp8_routed_experts, gemm=gemm)
     reference = forward_and_gradients(reference_routed_fp8_experts)
     torch._dynamo.reset()
-    compiled = forward_and_gradients(torch.compile(fp8_routed_experts, fullgraph=True))
+    compiled = forward_and_gradients(torch.compile(fp8_routed_experts, fullgraph=True), gemm=gemm)
     for name, actual, expected, again in zip([*NAMES, "scores"], eager, reference, compiled, strict=True):
         assert torch.isfinite(actual).all(), name
         assert relative_error(actual, expected) <= 3e-2, name
         assert relative_error(again, actual) <= 1e-2, name
     assert (eager[-1][0, 0] == 0).all()
+
+
+def captured_and_replayed(step):
+    """``step()``'s tensors as a CUDA graph of it computes them: warmed up on a side stream (kernel
+    compilation and config choice stay outside the capture), captured, then replayed once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    return outputs
+
+
+@pytest.mark.parametrize("gemm", FP8_GEMMS)
+@pytest.mark.parametrize("path", ["routed", "grouped"])
+def test_fp8_experts_read_only_what_they_write_and_replay_in_a_cuda_graph(path, gemm):
+    """The same bits eager, with every fresh buffer NaN (no unset element is read), and replayed from a
+    CUDA graph (the graph pool's memory, as under ``--training.disable_cuda_graphs false``): forward and
+    every gradient, with a dropped slot on the routed path."""
+    tokens, top_k = 256, 4
+    x, w1, w2, w3 = expert_inputs(256, 128)
+    generator = torch.Generator().manual_seed(5)
+    if path == "routed":
+        x = x[:tokens].detach().requires_grad_()
+        ids = torch.randint(0, len(COUNTS), (tokens, top_k), generator=generator).cuda()
+        ids[3, 1] = len(COUNTS)
+        scores = torch.rand(tokens, top_k, generator=generator).cuda().requires_grad_()
+        leaves = [x, w1, w2, w3, scores]
+
+        def forward():
+            return fp8_routed_experts(x, w1, w2, w3, ids, scores, gemm=gemm)
+    else:
+        counts = torch.tensor(COUNTS, device="cuda")
+        leaves = [x, w1, w2, w3]
+
+        def forward():
+            return fp8_grouped_experts(x, w1, w2, w3, counts, emulated=False, gemm=gemm)
+
+    grad = torch.randn(x.shape, generator=generator).to("cuda", torch.bfloat16)
+
+    def step() -> list[torch.Tensor]:
+        out = forward()
+        return [out.detach(), *torch.autograd.grad(out, leaves, grad)]
+
+    eager = step()
+    with fresh_buffers_hold_nan():
+        nan_filled = step()
+    replayed = captured_and_replayed(step)
+    names = [*NAMES, "scores"][: len(eager)]
+    for name, actual, again, expected in zip(names, nan_filled, replayed, eager, strict=True):
+        assert torch.isfinite(expected).all(), name
+        assert torch.equal(actual, expected), f"{name}: fresh buffers of NaN"
+        assert torch.equal(again, expected), f"{name}: replayed from a CUDA graph"
 
 
 @pytest.mark.parametrize(

@@ -242,6 +242,7 @@ DEFAULT_BACKEND = register_backend(
         grouped=grouped_mm_experts,
         row_weighted=grouped_mm_experts,
         fp8_grouped=fp8_grouped_experts,
+        fp8_routed=functools.partial(fp8_routed_experts, gemm="torch"),
     )
 ).name
 register_backend(ComputeBackendSpec(name="for_loop", grouped=reference_grouped, syncs_with_host=True))
