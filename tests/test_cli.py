@@ -483,10 +483,48 @@ def test_auto_receive_rows_leave_emulated_fp8_experts_without_cuda_graphs(monkey
     )
 
 
-def test_auto_receive_rows_are_exact_without_ep(monkeypatch, caplog):
+def test_one_gpu_turns_on_the_flavors_cuda_graphs_where_the_compiled_step_replays(monkeypatch, caplog):
+    """Without EP the receive rows are exact (nothing is exchanged) and a compiled step on one GPU replays
+    as a CUDA graph; the start-up lines say so."""
     config = parse_on_a_gpu_host(monkeypatch, caplog, "1")
-    assert {d.ep_receive_rows for d in routing_dispatchers(config)} == {"exact"}
-    assert config.training.disable_cuda_graphs and not auto_rows_line(caplog)
+    assert {d.ep_receive_rows for d in routing_dispatchers(config)} == {"exact"} and not auto_rows_line(caplog)
+    assert not config.training.disable_cuda_graphs
+    assert "training.disable_cuda_graphs -> false (one GPU: the compiled step replays as a CUDA graph" in caplog.text
+    assert "--training.disable_cuda_graphs true keeps them off" in caplog.text
+    assert "expert_parallel_degree=1, compile=on, cuda_graphs=on" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        (["--compile.enable", "false"], "the model runs eager"),
+        (["--moe.compute_backend", "for_loop"], "compute_backend for_loop reads expert counts on the host"),
+        (["--moe.compute_backend", "grouped_mm"], "compute_backend grouped_mm in float32"),
+    ],
+)
+def test_one_gpu_keeps_the_flavors_cuda_graphs_off_with_the_reason(monkeypatch, caplog, args, why):
+    config = parse_on_a_gpu_host(monkeypatch, caplog, "1", *args)
+    assert config.training.disable_cuda_graphs
+    assert f"training.disable_cuda_graphs stays true ({why}" in caplog.text
+
+
+def test_one_gpu_leaves_cuda_graphs_set_by_the_user_and_the_stock_layers_alone(monkeypatch, caplog):
+    config = parse_on_a_gpu_host(monkeypatch, caplog, "1", "--training.disable_cuda_graphs", "true")
+    assert config.training.disable_cuda_graphs and "training.disable_cuda_graphs -> false" not in caplog.text
+    assert "training.disable_cuda_graphs stays true" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        config = FlavorConfigManager().parse_args(["--flavor", "tiny-torchtitan-moe", "--compile.enable", "true"])
+    assert config.training.disable_cuda_graphs and "training.disable_cuda_graphs" not in caplog.text
+
+
+def test_the_one_gpu_rule_names_what_it_was_not_measured_on(monkeypatch, caplog):
+    config = parse_on_a_gpu_host(monkeypatch, caplog, "1")
+    assert cuda_graph_step.one_gpu_graphs_left_off_reason(config, True, 1) is None
+    assert cuda_graph_step.one_gpu_graphs_left_off_reason(config, True, 2) == (
+        "2 ranks without expert parallelism (measured on one GPU only)"
+    )
+    assert cuda_graph_step.one_gpu_graphs_left_off_reason(config, False, 1) == "no NVIDIA CUDA GPU"
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ from .auto_backend import (
     UncachedAutoChoice,
     resolve_auto_compute_backend,
 )
-from .cuda_graph_step import SetBy, auto_receive_rows, experts_apply_scores_errors
+from .cuda_graph_step import SetBy, auto_receive_rows, experts_apply_scores_errors, one_gpu_graphs_left_off_reason
 from .dispatcher import (
     RoutingDispatcher,
     chosen_ep_transport,
@@ -204,6 +204,30 @@ def resolve_auto_ep_receive_rows(config) -> None:
             f"moe.ep_receive_rows = 'auto' -> {choice.rows!r}{''.join(', ' + t for t in turned_on)} "
             f"({choice.why}{opt_out})"
         )
+
+
+@register_config_check
+def turn_on_one_gpu_cuda_graphs(config) -> None:
+    """Before training, without expert parallelism: where the flavor leaves CUDA graphs off (no TOML file
+    or command line set ``training.disable_cuda_graphs``) and the model has this experiment's MoE layers,
+    turn them on where ``one_gpu_graphs_left_off_reason`` finds no reason against; rank 0 logs the
+    choice or the reason (on NVIDIA GPUs)."""
+    if config.parallelism.expert_parallel_degree > 1 or not config.training.disable_cuda_graphs:
+        return
+    if value_source("training.disable_cuda_graphs") or not routing_dispatchers(config):
+        return
+    on_nvidia_gpu = torch.cuda.is_available() and torch.version.hip is None
+    reason = one_gpu_graphs_left_off_reason(config, on_nvidia_gpu, launch_world_size())
+    if reason is None:
+        config.training.disable_cuda_graphs = False
+    if is_rank_zero() and on_nvidia_gpu:
+        choice = (
+            "-> false (one GPU: the compiled step replays as a CUDA graph, measured faster; "
+            "--training.disable_cuda_graphs true keeps them off)"
+            if reason is None
+            else f"stays true ({reason})"
+        )
+        logger.info(f"training.disable_cuda_graphs {choice}")
 
 
 EP_ONLY_OPTIONS = ("ep_transport", "ep_receive_rows", "experts_apply_scores")
