@@ -83,8 +83,10 @@ def test_cuda_graphs_refuse_fp8_experts_where_their_gemms_read_offsets_on_the_ho
 
 
 def test_the_start_up_line_names_static_received_rows(monkeypatch, caplog):
+    """On a host without CUDA (on a GPU host "auto" picks symm_mem and logs its receive rows' choice)."""
     import logging
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with caplog.at_level(logging.INFO):
         parse(monkeypatch, "--flavor", "tiny-moe-triton", "--parallelism.ep", "2", world=2)
     assert "ep_transport=all_to_all, compile" in caplog.text and "ep_receive_rows" not in caplog.text
