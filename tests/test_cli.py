@@ -522,7 +522,7 @@ def test_the_one_gpu_rule_names_what_it_was_not_measured_on(monkeypatch, caplog)
     config = parse_on_a_gpu_host(monkeypatch, caplog, "1")
     assert cuda_graph_step.one_gpu_graphs_left_off_reason(config, True, 1) is None
     assert cuda_graph_step.one_gpu_graphs_left_off_reason(config, True, 2) == (
-        "2 ranks without expert parallelism (measured on one GPU only)"
+        "2 ranks without expert parallelism: measured on one GPU only"
     )
     assert cuda_graph_step.one_gpu_graphs_left_off_reason(config, False, 1) == "no NVIDIA CUDA GPU"
 

@@ -131,7 +131,7 @@ def one_gpu_graphs_left_off_reason(config, on_nvidia_gpu: bool, world_size: int)
     if not on_nvidia_gpu:
         return "no NVIDIA CUDA GPU"
     if world_size > 1:
-        return f"{world_size} ranks without expert parallelism (measured on one GPU only)"
+        return f"{world_size} ranks without expert parallelism: measured on one GPU only"
     if not (config.compile.enable and "model" in config.compile.components):
         return "the model runs eager"
     if config.parallelism.pipeline_parallel_degree > 1:
