@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from torchtitan_ext.validation import compiles_model
+
 from .dispatcher import EPReceiveRows, RoutingDispatcher, chosen_ep_transport, row_scores_unsupported_reason
 from .ep_symm_mem import static_receive_rows
 from .experts import BackendGroupedExperts, experts_row_weighting_error, host_sync_backends
@@ -132,7 +134,7 @@ def one_gpu_graphs_left_off_reason(config, on_nvidia_gpu: bool, world_size: int)
         return "no NVIDIA CUDA GPU"
     if world_size > 1:
         return f"{world_size} ranks without expert parallelism: measured on one GPU only"
-    if not (config.compile.enable and "model" in config.compile.components):
+    if not compiles_model(config):
         return "the model runs eager"
     if config.parallelism.pipeline_parallel_degree > 1:
         return "pipeline parallelism"
@@ -157,7 +159,7 @@ def graphs_left_off_reason(
     ep = config.parallelism.expert_parallel_degree
     if not on_nvidia_gpu:
         return "no NVIDIA CUDA GPU"
-    if not (config.compile.enable and "model" in config.compile.components):
+    if not compiles_model(config):
         return "the model runs eager"
     if any(chosen_ep_transport(d.ep_transport, ep) != "symm_mem" for d in routing_dispatchers(config)):
         return "rows move over all_to_all"

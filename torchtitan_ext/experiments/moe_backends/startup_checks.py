@@ -63,6 +63,11 @@ VALIDATED_CONFIGS = (
 their problems are listed."""
 
 
+def nvidia_gpu_here() -> bool:
+    """Whether this process runs on an NVIDIA CUDA GPU (CUDA available and not a ROCm build)."""
+    return torch.cuda.is_available() and torch.version.hip is None
+
+
 def option_key(field: str) -> str:
     """How the start-up checks name an option of a MoE layer: its ``moe.*`` key and where its value came
     from, or another short key that set it (``keys_setting``: ``moe.recompute_preactivations_layers``
@@ -185,7 +190,7 @@ def resolve_auto_ep_receive_rows(config) -> None:
         for dispatcher in dispatchers:
             dispatcher.ep_receive_rows = "exact"
         return
-    on_nvidia_gpu = torch.cuda.is_available() and torch.version.hip is None
+    on_nvidia_gpu = nvidia_gpu_here()
     set_by = SetBy(value_source("training.disable_cuda_graphs"), value_source("moe.experts_apply_scores"))
     choice = auto_receive_rows(config, on_nvidia_gpu, set_by)
     for dispatcher in dispatchers:
@@ -216,7 +221,7 @@ def turn_on_one_gpu_cuda_graphs(config) -> None:
         return
     if value_source("training.disable_cuda_graphs") or not routing_dispatchers(config):
         return
-    on_nvidia_gpu = torch.cuda.is_available() and torch.version.hip is None
+    on_nvidia_gpu = nvidia_gpu_here()
     reason = one_gpu_graphs_left_off_reason(config, on_nvidia_gpu, launch_world_size())
     if reason is None:
         config.training.disable_cuda_graphs = False
