@@ -14,6 +14,7 @@ from helpers import (
 )
 
 from torchtitan_ext.bench.common import relative_error
+from torchtitan_ext.bench.ep_dispatch import captured
 from torchtitan_ext.experiments.moe_backends.experts import grouped_mm_experts
 from torchtitan_ext.experiments.moe_backends.fp8_experts import (
     FP8_GEMMS,
@@ -135,22 +136,6 @@ def test_routed_fp8_experts_agree_with_the_reference_eager_and_compiled(dim, hid
     assert (eager[-1][0, 0] == 0).all()
 
 
-def captured_and_replayed(step):
-    """``step()``'s tensors as a CUDA graph of it computes them: warmed up on a side stream (kernel
-    compilation and config choice stay outside the capture), captured, then replayed once."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    return outputs
-
-
 @pytest.mark.parametrize("gemm", FP8_GEMMS)
 @pytest.mark.parametrize("path", ["routed", "grouped"])
 def test_fp8_experts_read_only_what_they_write_and_replay_in_a_cuda_graph(path, gemm):
@@ -185,7 +170,11 @@ def test_fp8_experts_read_only_what_they_write_and_replay_in_a_cuda_graph(path, 
     eager = step()
     with fresh_buffers_hold_nan():
         nan_filled = step()
-    replayed = captured_and_replayed(step)
+    outputs: list[list[torch.Tensor]] = []
+    replay = captured(lambda: outputs.append(step()))  # the last call is the captured one
+    replay()
+    torch.cuda.synchronize()
+    replayed = outputs[-1]
     names = [*NAMES, "scores"][: len(eager)]
     for name, actual, again, expected in zip(names, nan_filled, replayed, eager, strict=True):
         assert torch.isfinite(expected).all(), name
