@@ -63,7 +63,6 @@ from torchtitan_ext.metrics.processor import close_interrupted_runs
 from torchtitan_ext.place_in_launch import in_launch, is_rank_zero
 from torchtitan_ext.registry import UnknownFlavorError, all_flavors, get_flavor, startup_notes
 from torchtitan_ext.trainer import with_gradient_owning_trainer
-from torchtitan_ext.validation import compiles_model
 
 
 def resolve_config(flavor_name: str, toml_paths: list[str]):
@@ -243,6 +242,11 @@ def cuda_graphs_state(config) -> str:
     if config.training.disable_cuda_graphs:
         return "off"
     return "off (no CUDA device; training.disable_cuda_graphs = false applies on GPUs)" if cpu_training() else "on"
+
+
+def compiles_model(config) -> bool:
+    """Whether torchtitan compiles the model's blocks (``compile.enable`` with the ``model`` component)."""
+    return config.compile.enable and "model" in config.compile.components
 
 
 def compile_state(config) -> str:

@@ -24,11 +24,6 @@ from torchtitan_ext.place_in_launch import local_world_size, world_size
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model")
 
 
-def compiles_model(config) -> bool:
-    """Whether torchtitan compiles the model's blocks (``compile.enable`` with the ``model`` component)."""
-    return config.compile.enable and "model" in config.compile.components
-
-
 def named(key: str, *aliases: str) -> str:
     """``key``, prefixed with the file/line or "command line" its value came from (how errors name a key).
 

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan_ext.validation import compiles_model
-
 from .dispatcher import EPReceiveRows, RoutingDispatcher, chosen_ep_transport, row_scores_unsupported_reason
 from .ep_symm_mem import static_receive_rows
 from .experts import BackendGroupedExperts, experts_row_weighting_error, host_sync_backends
@@ -24,6 +22,12 @@ from .fp8_experts import FP8_PRECISIONS
 from .grouped_matmul import reads_offsets_on_host
 from .layer import routing_dispatchers
 from .moe import RoutedMoE
+
+
+def _compiles_model(config) -> bool:
+    """Whether torchtitan compiles the model's blocks (``compile.enable`` with the ``model`` component; the
+    start-up line's ``run_training.compiles_model``, which this layer may not import)."""
+    return config.compile.enable and "model" in config.compile.components
 
 
 def experts_graph_blockers(config) -> list[str]:
@@ -134,7 +138,7 @@ def one_gpu_graphs_left_off_reason(config, on_nvidia_gpu: bool, world_size: int)
         return "no NVIDIA CUDA GPU"
     if world_size > 1:
         return f"{world_size} ranks without expert parallelism: measured on one GPU only"
-    if not compiles_model(config):
+    if not _compiles_model(config):
         return "the model runs eager"
     if config.parallelism.pipeline_parallel_degree > 1:
         return "pipeline parallelism"
@@ -159,7 +163,7 @@ def graphs_left_off_reason(
     ep = config.parallelism.expert_parallel_degree
     if not on_nvidia_gpu:
         return "no NVIDIA CUDA GPU"
-    if not compiles_model(config):
+    if not _compiles_model(config):
         return "the model runs eager"
     if any(chosen_ep_transport(d.ep_transport, ep) != "symm_mem" for d in routing_dispatchers(config)):
         return "rows move over all_to_all"
